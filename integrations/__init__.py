@@ -1,0 +1,1 @@
+"""Integrations with training frameworks and loggers, importable as ``opbc_metrics.integrations``."""

@@ -1,0 +1,278 @@
+"""The batch schema, its validation, and the per-token quantities every metric shares.
+
+A batch is a mapping (or a dataclass) of tensors named as in the design's batch schema
+(``trainer_logprobs``, ``rollout_logprobs``, ``response_mask``, ``group_ids``, ...). A :class:`BatchView`
+wraps one batch for one ``update``: it validates each field the first time a metric asks for it (shape,
+dtype, device: host metadata only, never the values) and caches derived per-token tensors, so a
+collection of twenty metrics computes the log ratio, the mask and the weights once.
+
+Non-finite logprobs cannot be rejected in ``update()`` without a host sync, so they are handled by
+value: a response token whose trainer or rollout logprob is NaN or infinite is excluded from every
+mismatch statistic and counted instead (``opbc/input/nonfinite_count``); a sequence holding such a
+token is excluded from the sequence-level statistics. Finite sentinels such as -9999 are real values
+and show up as huge log ratios (clipped and vetoed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+TRAINER_LOGPROBS = "trainer_logprobs"
+ROLLOUT_LOGPROBS = "rollout_logprobs"
+RESPONSE_MASK = "response_mask"
+GROUP_IDS = "group_ids"
+
+DEFAULT_CLAMP = 20.0
+DEFAULT_VETO = 30.0
+
+
+def as_mapping(batch: Any) -> dict[str, Any]:
+    """Turn a mapping, a dataclass or an object with attributes into a plain ``dict`` (shallow)."""
+    if batch is None:
+        return {}
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    if hasattr(batch, "__dict__"):
+        return {k: v for k, v in vars(batch).items() if not k.startswith("_")}
+    raise TypeError(f"a batch must be a mapping or a dataclass of tensors, got {type(batch).__name__}")
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 inputs are computed in float32)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_positive(name: str, value: float) -> float:
+    """Validate a positive, finite threshold given to a constructor."""
+    value = float(value)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"`{name}` must be a positive finite number, got {value}")
+    return value
+
+
+class BatchView:
+    """One batch, validated on access, with per-token quantities computed once and shared.
+
+    Args:
+        batch: a mapping or dataclass of tensors with the batch-schema names.
+        **fields: extra or overriding fields, e.g. ``trainer_logprobs=...``.
+
+    Example:
+        >>> import torch
+        >>> view = BatchView(trainer_logprobs=torch.tensor([[-1.0, -2.0]]),
+        ...                  rollout_logprobs=torch.tensor([[-1.5, -2.0]]),
+        ...                  response_mask=torch.tensor([[1, 0]]))
+        >>> view.log_ratio
+        tensor([[0.5000, 0.0000]])
+        >>> view.num_valid
+        tensor(1.)
+    """
+
+    def __init__(self, batch: Any = None, **fields: Any) -> None:
+        data = as_mapping(batch)
+        data.update(fields)
+        self.data = data
+        self._cache: dict[Any, Any] = {}
+
+    # -- access and validation ---------------------------------------------------------------
+    def has(self, *names: str) -> bool:
+        """Whether every named field is present (and not ``None``)."""
+        return all(self.data.get(n) is not None for n in names)
+
+    def field(self, name: str) -> Any:
+        """A raw field; a clear ``ValueError`` if it is missing."""
+        value = self.data.get(name)
+        if value is None:
+            present = ", ".join(sorted(k for k, v in self.data.items() if v is not None)) or "none"
+            raise ValueError(f"batch field `{name}` is required but missing (present: {present})")
+        return value
+
+    def tensor(self, name: str) -> Tensor:
+        """A field that must be a tensor."""
+        value = self.field(name)
+        if not isinstance(value, Tensor):
+            raise ValueError(f"batch field `{name}` must be a torch.Tensor, got {type(value).__name__}")
+        return value
+
+    def _cached(self, key: Any, fn: Any) -> Any:
+        if key not in self._cache:
+            self._cache[key] = fn()
+        return self._cache[key]
+
+    @property
+    def token_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(trainer, rollout, mask)``: validated, in the compute dtype, mask as bool ``[B, T]``."""
+        return self._cached("token_inputs", self._validate_token_inputs)
+
+    def _validate_token_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        trainer = self.tensor(TRAINER_LOGPROBS)
+        rollout = self.tensor(ROLLOUT_LOGPROBS)
+        for name, t in ((TRAINER_LOGPROBS, trainer), (ROLLOUT_LOGPROBS, rollout)):
+            if not t.is_floating_point():
+                raise ValueError(f"batch field `{name}` must be a floating-point tensor, got {t.dtype}")
+            if t.ndim != 2:
+                raise ValueError(f"batch field `{name}` must have shape [B, T], got {tuple(t.shape)}")
+        if rollout.shape != trainer.shape:
+            raise ValueError(
+                f"batch field `{ROLLOUT_LOGPROBS}` has shape {tuple(rollout.shape)} but "
+                f"`{TRAINER_LOGPROBS}` has shape {tuple(trainer.shape)}"
+            )
+        if rollout.device != trainer.device:
+            raise ValueError(
+                f"batch field `{ROLLOUT_LOGPROBS}` is on {rollout.device} but `{TRAINER_LOGPROBS}` is on "
+                f"{trainer.device}"
+            )
+        mask = self.data.get(RESPONSE_MASK)
+        if mask is None:
+            mask = torch.ones(trainer.shape, dtype=torch.bool, device=trainer.device)
+        else:
+            mask = self.tensor(RESPONSE_MASK)
+            if mask.shape != trainer.shape:
+                raise ValueError(
+                    f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{TRAINER_LOGPROBS}` "
+                    f"has shape {tuple(trainer.shape)}"
+                )
+            if mask.device != trainer.device:
+                raise ValueError(
+                    f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{TRAINER_LOGPROBS}` is on "
+                    f"{trainer.device}"
+                )
+            if mask.is_complex():
+                raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
+            mask = mask != 0
+        dtype = compute_dtype(trainer, rollout)
+        return trainer.to(dtype), rollout.to(dtype), mask
+
+    # -- shared per-token quantities --------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.token_inputs[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_inputs[0].device
+
+    @property
+    def numel(self) -> int:
+        return self.token_inputs[0].numel()
+
+    @property
+    def finite(self) -> Tensor:
+        """Both logprobs finite."""
+        trainer, rollout, _ = self.token_inputs
+        return self._cached("finite", lambda: torch.isfinite(trainer) & torch.isfinite(rollout))
+
+    @property
+    def valid(self) -> Tensor:
+        """``[B, T]`` bool: response tokens with finite logprobs, the tokens every statistic uses."""
+        return self._cached("valid", lambda: self.token_inputs[2] & self.finite)
+
+    @property
+    def valid_f(self) -> Tensor:
+        """:attr:`valid` in the compute dtype, for masked sums."""
+        return self._cached("valid_f", lambda: self.valid.to(self.dtype))
+
+    @property
+    def num_valid(self) -> Tensor:
+        """Number of valid tokens (0-dim tensor)."""
+        return self._cached("num_valid", lambda: self.valid_f.sum())
+
+    @property
+    def nonfinite_count(self) -> Tensor:
+        """Response tokens whose trainer or rollout logprob is NaN or infinite."""
+        return self._cached("nonfinite", lambda: (self.token_inputs[2] & ~self.finite).to(self.dtype).sum())
+
+    @property
+    def log_ratio(self) -> Tensor:
+        """``r = trainer - rollout`` on valid tokens, 0 elsewhere (raw, unclamped)."""
+
+        def make() -> Tensor:
+            trainer, rollout, _ = self.token_inputs
+            return torch.where(self.valid, trainer - rollout, torch.zeros((), dtype=self.dtype, device=self.device))
+
+        return self._cached("log_ratio", make)
+
+    @property
+    def abs_log_ratio(self) -> Tensor:
+        """``|r|`` on valid tokens, 0 elsewhere."""
+        return self._cached("abs_log_ratio", lambda: self.log_ratio.abs())
+
+    def clamped_log_ratio(self, clamp: float) -> Tensor:
+        """``clamp(r, -C, C)``, 0 on invalid tokens."""
+        return self._cached(("clamped", clamp), lambda: self.log_ratio.clamp(-clamp, clamp))
+
+    def weights(self, clamp: float) -> Tensor:
+        """``w = exp(clamp(r, -C, C))`` on valid tokens, 0 elsewhere."""
+        return self._cached(("weights", clamp), lambda: self.clamped_log_ratio(clamp).exp() * self.valid_f)
+
+    def weight_sums(self, clamp: float) -> tuple[Tensor, Tensor]:
+        """``(sum w, sum w^2)`` over valid tokens."""
+
+        def make() -> tuple[Tensor, Tensor]:
+            w = self.weights(clamp)
+            return w.sum(), (w * w).sum()
+
+        return self._cached(("weight_sums", clamp), make)
+
+    def count_above(self, threshold: float) -> Tensor:
+        """Number of valid tokens with ``|r| > threshold``."""
+        return self._cached(("above", threshold), lambda: (self.abs_log_ratio > threshold).to(self.dtype).sum())
+
+    # -- sequences --------------------------------------------------------------------------
+    @property
+    def seq_lengths(self) -> Tensor:
+        """``[B]`` valid tokens per sequence."""
+        return self._cached("seq_lengths", lambda: self.valid_f.sum(dim=1))
+
+    @property
+    def seq_valid(self) -> Tensor:
+        """``[B]`` bool: sequences with at least one valid token and no non-finite response token."""
+
+        def make() -> Tensor:
+            has_bad = (self.token_inputs[2] & ~self.finite).any(dim=1)
+            return (self.seq_lengths > 0) & ~has_bad
+
+        return self._cached("seq_valid", make)
+
+    @property
+    def seq_valid_f(self) -> Tensor:
+        return self._cached("seq_valid_f", lambda: self.seq_valid.to(self.dtype))
+
+    @property
+    def num_seqs(self) -> Tensor:
+        """Number of sequences that enter sequence-level statistics."""
+        return self._cached("num_seqs", lambda: self.seq_valid_f.sum())
+
+    @property
+    def seq_log_ratio(self) -> Tensor:
+        """``[B]`` ``s_i = sum_t r_t``; 0 for sequences outside :attr:`seq_valid`."""
+        return self._cached("seq_log_ratio", lambda: self.log_ratio.sum(dim=1) * self.seq_valid_f)
+
+    @property
+    def seq_mean_log_ratio(self) -> Tensor:
+        """``[B]`` ``s_i / n_i`` (length-normalised); 0 for sequences outside :attr:`seq_valid`."""
+        return self._cached(
+            "seq_mean_log_ratio", lambda: self.seq_log_ratio / self.seq_lengths.clamp_min(1.0)
+        )
+
+    def seq_weights(self, clamp: float) -> Tensor:
+        """``[B]`` ``w_i = exp(clamp(s_i, -C, C))``; 0 for sequences outside :attr:`seq_valid`."""
+        return self._cached(
+            ("seq_weights", clamp), lambda: self.seq_log_ratio.clamp(-clamp, clamp).exp() * self.seq_valid_f
+        )
+
+
+def as_view(batch: Any = None, **fields: Any) -> BatchView:
+    """Reuse a :class:`BatchView` (so a collection shares its cache) or wrap a new batch."""
+    if isinstance(batch, BatchView) and not fields:
+        return batch
+    if isinstance(batch, BatchView):
+        batch = batch.data
+    return BatchView(batch, **fields)

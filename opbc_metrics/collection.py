@@ -1,0 +1,155 @@
+"""OPBCCollection: every metric behind one ``update(batch)``, one flat dict of keys, one packed sync."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from torch import Tensor
+from torchmetrics import MetricCollection
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
+from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
+from opbc_metrics.metric import OPBCMetric
+from opbc_metrics.mismatch import MISMATCH_METRICS, TopGradientMass, VetoFraction
+from opbc_metrics.sync import all_reduce_states, packable
+
+
+def _mismatch_section(clamp: float, veto: float, top_mass_bins: int, **kwargs: Any) -> list[OPBCMetric]:
+    out: list[OPBCMetric] = []
+    for cls in MISMATCH_METRICS:
+        if cls is VetoFraction:
+            out.append(cls(veto=veto, clamp=clamp, **kwargs))
+        elif cls is TopGradientMass:
+            out.append(cls(clamp=clamp, bins=top_mass_bins, **kwargs))
+        else:
+            out.append(cls(clamp=clamp, **kwargs))
+    return out
+
+
+# Section name -> factory(clamp, veto, top_mass_bins, **metric_kwargs) -> metrics.
+SECTIONS: dict[str, Callable[..., list[OPBCMetric]]] = {"mismatch": _mismatch_section}
+DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch",)
+
+
+class OPBCCollection(MetricCollection):
+    """All metrics behind one ``update(batch)``, computed into one flat ``section/group/metric`` dict.
+
+    * ``update(batch)`` wraps the batch in one :class:`~opbc_metrics.batch.BatchView`, so the per-token
+      log ratio, mask and weights are computed once and shared by every member. A member whose
+      required fields are absent from the batch raises a ``ValueError`` naming the field, unless it
+      declares its inputs optional (then it skips that batch).
+    * ``compute()`` syncs the states of all members with one ``all_reduce`` per reduction kind
+      (sum, max, min) instead of torchmetrics' per-state gathers, then returns
+      ``dict[str, Tensor]`` keyed exactly as in the design's tables.
+    * ``forward(batch)`` returns the batch's own values while accumulating, as torchmetrics does.
+
+    Args:
+        metrics: the members; default: every metric of ``sections``.
+        sections: names from :data:`SECTIONS` used when ``metrics`` is not given.
+        clamp: C, the log-ratio clamp in nats, for every default member (20).
+        veto: the veto threshold in nats (30).
+        top_mass_bins: bins of the top-1% gradient-mass sketch (8192).
+        metric_kwargs: torchmetrics ``Metric`` arguments passed to every default member.
+
+    Example:
+        >>> import torch
+        >>> metrics = OPBCCollection()
+        >>> t = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0]])
+        >>> metrics.update({"trainer_logprobs": t, "rollout_logprobs": t - 0.1,
+        ...                 "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])})
+        >>> out = metrics.compute()
+        >>> round(out["opbc/is/ess"].item(), 6), round(out["opbc/logprob/abs_diff_mean"].item(), 3)
+        (1.0, 0.1)
+    """
+
+    def __init__(
+        self,
+        metrics: Sequence[OPBCMetric] | dict[str, OPBCMetric] | None = None,
+        *,
+        sections: Iterable[str] = DEFAULT_SECTIONS,
+        clamp: float = DEFAULT_CLAMP,
+        veto: float = DEFAULT_VETO,
+        top_mass_bins: int = DEFAULT_TOP_MASS_BINS,
+        **metric_kwargs: Any,
+    ) -> None:
+        if metrics is None:
+            unknown = [s for s in sections if s not in SECTIONS]
+            if unknown:
+                raise ValueError(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
+            settings = dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins, **metric_kwargs)
+            metrics = [m for s in sections for m in SECTIONS[s](**settings)]
+        members = list(metrics.values()) if isinstance(metrics, dict) else list(metrics)
+        for m in members:
+            if not isinstance(m, OPBCMetric):
+                raise TypeError(f"OPBCCollection members must be OPBCMetric instances, got {type(m).__name__}")
+        keys = [k for m in members for k in m.keys]
+        duplicated = sorted({k for k in keys if keys.count(k) > 1})
+        if duplicated:
+            raise ValueError(f"two members produce the same keys: {duplicated}")
+        super().__init__(metrics, compute_groups=False)
+
+    def members(self) -> list[OPBCMetric]:
+        """The member metrics, in order."""
+        return list(self.values(copy_state=False))  # type: ignore[arg-type]
+
+    @property
+    def keys_produced(self) -> list[str]:
+        """Every key :meth:`compute` returns."""
+        return [k for m in self.members() for k in m.keys]
+
+    def _active(self, view: BatchView) -> list[OPBCMetric]:
+        return [m for m in self.members() if not getattr(m, "optional_inputs", False) or view.has(*m.required_fields)]
+
+    def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]
+        """Accumulate one batch (a mapping, dataclass, or keyword fields with the batch-schema names)."""
+        view = as_view(batch, **fields)
+        for m in self._active(view):
+            m.update(view)
+
+    def forward(self, batch: Any = None, **fields: Any) -> dict[str, Tensor]:  # type: ignore[override]
+        """Accumulate one batch and return that batch's own values (local, not synced)."""
+        view = as_view(batch, **fields)
+        out: dict[str, Tensor] = {}
+        for m in self._active(view):
+            out.update(m.as_dict(m(view)))
+        return out
+
+    def compute(self) -> dict[str, Tensor]:
+        """Sync all members at once (one all_reduce per reduction kind) and return the flat dict."""
+        members = self.members()
+        synced = self._packed_sync(members)
+        out: dict[str, Tensor] = {}
+        try:
+            with warnings.catch_warnings():
+                # A member whose optional inputs never arrived reports its empty-window value.
+                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+                for m in members:
+                    out.update(m.as_dict(m.compute()))
+        finally:
+            for m in synced:
+                m._to_sync = m.sync_on_compute
+                if m._is_synced:
+                    m.unsync()
+        return out
+
+    def _packed_sync(self, members: list[OPBCMetric]) -> list[OPBCMetric]:
+        to_pack = [
+            m
+            for m in members
+            if m._to_sync and m.dist_sync_fn in (None, gather_all_tensors) and packable(m) and not m._is_synced
+        ]
+        if not to_pack:
+            return []
+        available = to_pack[0].distributed_available_fn
+        if not (callable(available) and available()):
+            return []
+        for m in to_pack:
+            m._cache = m._copy_state_dict()
+        all_reduce_states(to_pack, group=to_pack[0].process_group)
+        for m in to_pack:
+            m._is_synced = True
+            m._to_sync = False  # already synced: the member's own compute must not sync again
+        return to_pack

@@ -1,0 +1,128 @@
+"""The base class of every metric in this library, and the four-field glossary entry it carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_sum
+from torchmetrics.utilities.distributed import gather_all_tensors
+
+from opbc_metrics.batch import BatchView, as_view
+from opbc_metrics.sync import all_reduce_states, packable
+
+
+@dataclass(frozen=True)
+class GlossaryEntry:
+    """The four fields of a glossary entry (verl's train-inference correction format).
+
+    Attributes:
+        name: the name used on dashboards and in the source glossary, e.g. ``"ESS"``.
+        what: what the metric is.
+        unit: the unit it aggregates over (tokens, sequences, (token, layer) pairs, ...).
+        cap: the cap that triggers an OPBC action, or ``"none (diagnostic)"``.
+        action: what happens when the cap fires.
+        aliases: other names that resolve to this entry.
+    """
+
+    name: str
+    what: str
+    unit: str
+    cap: str
+    action: str
+    aliases: tuple[str, ...] = ()
+
+
+_REGISTRY: list[type[OPBCMetric]] = []
+
+
+def registered_metrics() -> list[type[OPBCMetric]]:
+    """Every concrete metric class defined so far, in definition order."""
+    return list(_REGISTRY)
+
+
+class OPBCMetric(Metric):
+    """A ``torchmetrics.Metric`` whose states are fixed-size sufficient statistics.
+
+    Subclasses declare ``keys`` (the ``section/group/metric`` keys they produce), a ``glossary``
+    entry, the ``section`` they belong to, the batch fields they need, and implement
+    ``_update_view(view)`` and ``compute()``. ``update`` accepts a batch mapping, keyword fields, or a
+    shared :class:`~opbc_metrics.batch.BatchView`.
+
+    All states are float64 tensors reduced by sum, max or min, so that DDP sync is exact (global sums
+    and extremes, never a mean of per-rank means) and packs into at most one collective per
+    reduction kind (see :mod:`opbc_metrics.sync`).
+    """
+
+    full_state_update: bool = False
+    is_differentiable: bool = False
+    higher_is_better: bool | None = None
+    keys: ClassVar[tuple[str, ...]] = ()
+    glossary: ClassVar[GlossaryEntry | None] = None
+    section: ClassVar[str] = ""
+    required_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.keys:  # classes without keys are abstract bases
+            _REGISTRY.append(cls)
+
+    # -- states ---------------------------------------------------------------------------
+    def _add(self, name: str, reduce: str, fill: float = 0.0, shape: tuple[int, ...] = ()) -> None:
+        default = torch.full(shape, fill, dtype=torch.float64)
+        self.add_state(name, default=default, dist_reduce_fx=reduce, persistent=True)
+
+    def add_sum(self, name: str, shape: tuple[int, ...] = ()) -> None:
+        """A float64 state reduced by sum across updates and ranks."""
+        self._add(name, "sum", 0.0, shape)
+
+    def add_max(self, name: str, shape: tuple[int, ...] = ()) -> None:
+        """A float64 state reduced by max, starting at -inf."""
+        self._add(name, "max", float("-inf"), shape)
+
+    def add_min(self, name: str, shape: tuple[int, ...] = ()) -> None:
+        """A float64 state reduced by min, starting at +inf."""
+        self._add(name, "min", float("inf"), shape)
+
+    def accumulate(self, **stats: Tensor) -> None:
+        """Fold one batch's statistics into the states, by each state's reduction."""
+        for name, value in stats.items():
+            state = getattr(self, name)
+            value = value.to(state.dtype)
+            fx = self._reductions[name]
+            if fx is dim_zero_sum:
+                state.add_(value)
+            elif fx is dim_zero_max:
+                torch.maximum(state, value, out=state)
+            else:
+                torch.minimum(state, value, out=state)
+
+    # -- update / compute -----------------------------------------------------------------
+    def update(self, batch: Any = None, **fields: Any) -> None:
+        """Accumulate one batch (a mapping, a dataclass, keyword fields or a shared BatchView)."""
+        self._update_view(as_view(batch, **fields))
+
+    def _update_view(self, view: BatchView) -> None:
+        raise NotImplementedError
+
+    def compute_dict(self) -> dict[str, Tensor]:
+        """:meth:`compute` as a dict keyed by the full ``section/group/metric`` keys."""
+        return self.as_dict(self.compute())
+
+    def as_dict(self, value: Any) -> dict[str, Tensor]:
+        """Key a value returned by :meth:`compute` or :meth:`forward`."""
+        if isinstance(value, dict):
+            return value
+        (key,) = self.keys
+        return {key: value}
+
+    # -- distributed ----------------------------------------------------------------------
+    def _sync_dist(self, dist_sync_fn: Any = gather_all_tensors, process_group: Any = None) -> None:
+        # A custom dist_sync_fn (or a non-packable state) takes torchmetrics' per-state path.
+        if dist_sync_fn is gather_all_tensors and packable(self):
+            all_reduce_states([self], group=process_group or self.process_group)
+        else:
+            super()._sync_dist(dist_sync_fn, process_group)

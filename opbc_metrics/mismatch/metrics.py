@@ -1,0 +1,684 @@
+"""Stateful train-vs-rollout mismatch metrics (section ``opbc``), thin classes over
+:mod:`opbc_metrics.functional.mismatch`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics.utilities.data import dim_zero_cat
+
+from opbc_metrics.batch import (
+    DEFAULT_CLAMP,
+    DEFAULT_VETO,
+    ROLLOUT_LOGPROBS,
+    TRAINER_LOGPROBS,
+    BatchView,
+    check_positive,
+)
+from opbc_metrics.functional import mismatch as F
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+
+_TOKEN_FIELDS = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
+_TOKENS = "valid response tokens (response_mask = 1, finite logprobs), summed over the window and all ranks"
+_SEQUENCES = "sequences with at least one valid token, over the window and all ranks"
+_DIAGNOSTIC = "none (diagnostic)"
+_NO_ACTION = "no OPBC action; read alongside ESS and the clipped/veto fractions"
+
+
+class _MismatchMetric(OPBCMetric):
+    """Base of the token-mismatch metrics: reads trainer/rollout logprobs and the response mask."""
+
+    section = "mismatch"
+    required_fields = _TOKEN_FIELDS
+
+    def __init__(self, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.clamp = check_positive("clamp", clamp)
+
+    def update(self, batch: Any = None, **fields: Any) -> None:
+        """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
+        optional ``response_mask`` [B, T] (all ones when absent)."""
+        super().update(batch, **fields)
+
+
+class ImportanceSamplingESS(_MismatchMetric):
+    r"""Effective sample size of the token importance weights, ``opbc/is/ess``.
+
+    .. math:: \mathrm{ESS} = \frac{(\sum_t w_t)^2}{N \sum_t w_t^2}, \quad w_t = e^{\mathrm{clamp}(r_t, -C, C)}
+
+    Args:
+        clamp: C, the log-ratio clamp in nats (20).
+        kwargs: torchmetrics ``Metric`` arguments (``process_group``, ``sync_on_compute``, ...).
+
+    Example:
+        >>> import torch
+        >>> metric = ImportanceSamplingESS()
+        >>> t = torch.tensor([[-1.0, -1.0, -2.0]])
+        >>> metric.update(trainer_logprobs=t, rollout_logprobs=t)
+        >>> metric.update(trainer_logprobs=t, rollout_logprobs=t - torch.tensor([[0.0, 1.0, 0.0]]))
+        >>> metric.compute().round(decimals=4)
+        tensor(0.8014, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/ess",)
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="ESS",
+        what="Effective sample size of the importance weights w = exp(clamp(trainer_logp - rollout_logp)): "
+        "how usable a rollout is for off-policy training. 1 = rollout matches the trainer's policy; "
+        "toward 0 = increasingly off-policy.",
+        unit=_TOKENS,
+        cap="ESS < min_ess (0.30) quarantines the group; ESS < replay_ess (0.60) sends it to replay",
+        action="quarantine: the group is excluded from the step; replay: it is re-scored against the "
+        "current trainer before use",
+    )
+
+    def __init__(self, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(clamp, **kwargs)
+        for name in ("sum_w", "sum_w2", "count"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._ess_update(view, self.clamp))
+
+    def compute(self) -> Tensor:
+        return F._ess_compute(self.sum_w, self.sum_w2, self.count)
+
+
+class SequenceESS(_MismatchMetric):
+    r"""Sequence-level ESS, ``opbc/is/seq_ess``, with ``w_i = exp(clamp(sum_t r_t, -C, C))``.
+
+    .. math:: \mathrm{ESS}_{seq} = \frac{(\sum_i w_i)^2}{M \sum_i w_i^2}
+
+    Example:
+        >>> import torch
+        >>> metric = SequenceESS()
+        >>> metric.update(trainer_logprobs=torch.zeros(2, 2),
+        ...               rollout_logprobs=torch.tensor([[-1.0, 0.0], [0.0, 0.0]]))
+        >>> metric.compute().round(decimals=4)
+        tensor(0.8240, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/seq_ess",)
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="seq_ess",
+        what="ESS over whole-sequence importance weights w_i = exp(clamp(sum_t log_ratio_t)): how usable "
+        "the rollout is when the correction is applied per sequence rather than per token.",
+        unit=_SEQUENCES,
+        cap="none by default; sequence-level correction presets compare it with min_ess",
+        action="low values call for sequence-level truncation or masking of the outlier sequences",
+    )
+
+    def __init__(self, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(clamp, **kwargs)
+        for name in ("sum_w", "sum_w2", "count"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._seq_ess_update(view, self.clamp))
+
+    def compute(self) -> Tensor:
+        return F._ess_compute(self.sum_w, self.sum_w2, self.count)
+
+
+class _WeightMoment(_MismatchMetric):
+    def __init__(self, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(clamp, **kwargs)
+        for name in ("sum_w", "sum_w2", "count"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._weight_moments_update(view, self.clamp))
+
+
+class ImportanceWeightSecondMoment(_WeightMoment):
+    r"""Second moment of the importance weights, ``opbc/is/second_moment`` = :math:`E[w^2]`.
+
+    Example:
+        >>> import torch
+        >>> metric = ImportanceWeightSecondMoment()
+        >>> metric.update(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.tensor([[0.0, -1.0]]))
+        >>> metric.compute().round(decimals=4)
+        tensor(4.1945, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/second_moment",)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    glossary = GlossaryEntry(
+        name="second_moment",
+        what="E[w^2] of the importance weights w = exp(log_ratio); bounds the variance of the "
+        "importance-corrected estimator. Closer to 1 = lower-variance correction.",
+        unit=_TOKENS,
+        cap=_DIAGNOSTIC,
+        action="no direct OPBC action; it is 1 / ESS times E[w]^2, and ESS carries the cap",
+    )
+
+    def compute(self) -> Tensor:
+        return F._second_moment_compute(self.sum_w2, self.count)
+
+
+class ImportanceWeightMean(_WeightMoment):
+    r"""Mean importance weight, ``opbc/is/weight_mean`` = :math:`E[w]`.
+
+    Under exact on-policy sampling :math:`E_{rollout}[w] = 1`; departures show bias.
+
+    Example:
+        >>> import torch
+        >>> metric = ImportanceWeightMean()
+        >>> metric.update(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.tensor([[0.0, -1.0]]))
+        >>> metric.compute().round(decimals=4)
+        tensor(1.8591, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/weight_mean",)
+    glossary = GlossaryEntry(
+        name="weight_mean",
+        what="Mean importance weight E[w]. Its expectation under the rollout policy is 1 when both "
+        "engines share a support; a drift away from 1 shows a biased or truncated rollout distribution.",
+        unit=_TOKENS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def compute(self) -> Tensor:
+        return F._weight_mean_compute(self.sum_w, self.count)
+
+
+class TopGradientMass(_MismatchMetric):
+    r"""Share of the total importance weight carried by the top 1% of tokens, ``opbc/is/top_1pct_gradient_mass``.
+
+    .. math:: \frac{\sum_{j \le k} w_{(j)}}{\sum_t w_t}, \quad k = \max(1, \lfloor 0.01 N \rfloor)
+
+    over a whole accumulation window and all ranks. By default it keeps a fixed-size histogram of the
+    log-weights over ``[-C, C]`` (``bins`` bins of width ``h = 2C / bins``; per bin the token count and
+    the weight sum) and walks it from the top. Whole bins are exact; the last, partial bin is valued at
+    its mean weight, so the sketch never overestimates and its relative error is at most
+    :math:`e^{h} - 1` (0.49% with C = 20 and 8192 bins). ``exact=True`` keeps every weight instead (state
+    grows with the tokens: for small data and tests) and sorts in ``compute``.
+
+    Args:
+        clamp: C in nats (20).
+        bins: histogram bins of the sketch (8192).
+        fraction: the top share of tokens (0.01).
+        exact: keep all weights and sort (unbounded state; not packed into the one-collective sync).
+
+    Example:
+        >>> import torch
+        >>> metric = TopGradientMass()
+        >>> metric.update(trainer_logprobs=torch.zeros(1, 4), rollout_logprobs=torch.tensor([[0.0, 0.0, 0.0, -1.0]]))
+        >>> metric.compute().round(decimals=4)  # exact: e / (3 + e) = 0.47537
+        tensor(0.4754, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/top_1pct_gradient_mass",)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="top_1pct_gradient_mass",
+        what="Fraction of total importance weight carried by the largest 1% of token weights. ~0.01 means "
+        "the drift is uniform; > 0.05 means it is concentrated in a few outlier tokens, which is more "
+        "dangerous.",
+        unit=_TOKENS + " (k = max(1, floor(0.01 N)) largest weights)",
+        cap="none by default (> 0.05 flags concentrated drift on dashboards)",
+        action="concentrated drift calls for token-level truncation (train_with_correction) of the outliers",
+    )
+
+    def __init__(
+        self,
+        clamp: float = DEFAULT_CLAMP,
+        bins: int = F.DEFAULT_TOP_MASS_BINS,
+        fraction: float = F.DEFAULT_TOP_FRACTION,
+        exact: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(clamp, **kwargs)
+        if not isinstance(bins, int) or bins < 2:
+            raise ValueError(f"`bins` must be an integer >= 2, got {bins!r}")
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"`fraction` must be in (0, 1], got {fraction}")
+        self.bins, self.fraction, self.exact = bins, float(fraction), bool(exact)
+        if self.exact:
+            self.add_state("weights", default=[], dist_reduce_fx="cat", persistent=True)
+            self.add_sum("count")
+        else:
+            self.add_sum("bin_count", (bins,))
+            self.add_sum("bin_mass", (bins,))
+
+    @property
+    def error_bound(self) -> float:
+        """Relative error bound of the sketch (0 in exact mode)."""
+        return 0.0 if self.exact else F.sketch_relative_error_bound(self.clamp, self.bins)
+
+    def _update_view(self, view: BatchView) -> None:
+        if self.exact:
+            self.weights.append(view.weights(self.clamp).reshape(-1).to(torch.float64))
+            self.accumulate(count=view.num_valid)
+        else:
+            self.accumulate(**F._top_mass_sketch_update(view, self.clamp, self.bins))
+
+    def compute(self) -> Tensor:
+        if self.exact:
+            weights = dim_zero_cat(self.weights) if len(self.weights) else torch.zeros(0, dtype=torch.float64)
+            return F._top_mass_exact_compute(weights, self.count, self.fraction)
+        return F._top_mass_sketch_compute(self.bin_count, self.bin_mass, self.fraction)
+
+
+class _ThresholdFraction(_MismatchMetric):
+    def __init__(self, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(clamp, **kwargs)
+        self.add_sum("hits")
+        self.add_sum("count")
+
+    @property
+    def threshold(self) -> float:
+        return self.clamp
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._threshold_update(view, self.threshold))
+
+    def compute(self) -> Tensor:
+        return F._fraction_compute(self.hits, self.count)
+
+
+class ClippedFraction(_ThresholdFraction):
+    r"""Share of valid tokens whose :math:`|r_t|` exceeded the clamp C, ``opbc/is/clipped_fraction``.
+
+    Example:
+        >>> import torch
+        >>> metric = ClippedFraction(clamp=20.0)
+        >>> metric.update(trainer_logprobs=torch.zeros(1, 4), rollout_logprobs=torch.tensor([[0.0, -25.0, 3.0, 21.0]]))
+        >>> metric.compute()
+        tensor(0.5000, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/clipped_fraction",)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="clipped_fraction",
+        what="Fraction of tokens whose |log_ratio| exceeded the clamp threshold C (20 nats). Clamping stops "
+        "one bad token from blowing up the gradient.",
+        unit=_TOKENS,
+        cap="clipped_fraction > max_clipped (0.10)",
+        action="the group is marked train_with_correction: trained with truncated/masked importance weights",
+    )
+
+
+class VetoFraction(_ThresholdFraction):
+    r"""Share of valid tokens whose :math:`|r_t|` exceeded the hard veto threshold, ``opbc/is/veto_fraction``.
+
+    Args:
+        veto: the veto threshold in nats (30).
+
+    Example:
+        >>> import torch
+        >>> metric = VetoFraction()
+        >>> metric.update(trainer_logprobs=torch.zeros(1, 4),
+        ...               rollout_logprobs=torch.tensor([[0.0, -25.0, 3.0, -9999.0]]))
+        >>> metric.compute()
+        tensor(0.2500, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/veto_fraction",)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="veto_fraction",
+        what="Fraction of tokens whose |log_ratio| exceeded the hard-veto threshold (30 nats): tokens so "
+        "off-policy that even after clamping they would corrupt the gradient.",
+        unit=_TOKENS,
+        cap="veto_fraction > 0",
+        action="the OPBC quarantines the whole group",
+    )
+
+    def __init__(self, veto: float = DEFAULT_VETO, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(clamp, **kwargs)
+        self.veto = check_positive("veto", veto)
+
+    @property
+    def threshold(self) -> float:
+        return self.veto
+
+
+class LogprobDiff(_MismatchMetric):
+    r"""Per-token logprob disagreement ``opbc/logprob/{abs_diff_mean, abs_diff_max, diff_mean}``.
+
+    Mean and max of :math:`|r_t|` and mean of :math:`r_t`, in nats.
+
+    Example:
+        >>> import torch
+        >>> metric = LogprobDiff()
+        >>> metric.update(trainer_logprobs=torch.tensor([[-1.0, -2.0]]), rollout_logprobs=torch.tensor([[-1.5, -1.0]]))
+        >>> {k: round(v.item(), 3) for k, v in metric.compute().items()}
+        {'opbc/logprob/abs_diff_mean': 0.75, 'opbc/logprob/abs_diff_max': 1.0, 'opbc/logprob/diff_mean': -0.25}
+    """
+
+    keys = F.LOGPROB_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="|Δlogp|",
+        what="Per-token disagreement size between rollout and trainer logprobs in nats: mean over the "
+        "response of |trainer_logp - rollout_logp| (also its max and the signed mean). ~0.01 means the "
+        "engines agree on most tokens; > 0.1 means meaningful single-token drift.",
+        unit=_TOKENS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("abs_logprob_diff", "logprob_diff"),
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("sum_abs")
+        self.add_sum("sum_diff")
+        self.add_max("max_abs")
+        self.add_sum("count")
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._logprob_diff_update(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._logprob_diff_compute(self.sum_abs, self.sum_diff, self.max_abs, self.count)
+
+
+class LogRatioRange(_MismatchMetric):
+    r"""Extremes of the raw log ratio ``opbc/log_ratio/{min, max, max_abs}``.
+
+    :math:`r_t = \log(p_{train} / p_{roll})`, unclamped; :math:`e^{r_t}` is the token's importance weight.
+
+    Example:
+        >>> import torch
+        >>> metric = LogRatioRange()
+        >>> metric.update(trainer_logprobs=torch.tensor([[-1.0, -2.0]]), rollout_logprobs=torch.tensor([[-1.5, -1.0]]))
+        >>> [round(v.item(), 2) for v in metric.compute().values()]
+        [-1.0, 0.5, 1.0]
+    """
+
+    keys = F.LOG_RATIO_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="log_ratio",
+        what="log(trainer_prob / rollout_prob) per token in nats, the exponent of the importance weight; "
+        "max|log_ratio| is the worst single-token disagreement (1 nat: the trainer is e≈2.7x more "
+        "confident than the rollout was).",
+        unit=_TOKENS + " (min/max, not averaged)",
+        cap="|log_ratio| > clamp C (20) counts as clipped; > veto (30) as vetoed",
+        action="see clipped_fraction and veto_fraction",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_min("min")
+        self.add_max("max")
+        self.add_sum("count")
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._log_ratio_range_update(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._log_ratio_range_compute(self.min, self.max, self.count)
+
+
+class SequenceLogRatio(_MismatchMetric):
+    r"""Sequence log ratios ``opbc/sequence/*`` of :math:`s_i = \sum_t r_t`.
+
+    ``log_ratio_mean`` = mean :math:`s_i`, ``log_ratio_abs_mean`` = mean :math:`|s_i|`,
+    ``log_ratio_max_abs`` = max :math:`|s_i|`, ``geo_log_ratio_mean`` = mean :math:`s_i / n_i`.
+
+    Example:
+        >>> import torch
+        >>> metric = SequenceLogRatio()
+        >>> metric.update(trainer_logprobs=torch.zeros(2, 2), rollout_logprobs=torch.tensor([[-1.0, -1.0], [0.5, 0.0]]))
+        >>> [round(v.item(), 3) for v in metric.compute().values()]
+        [0.75, 1.25, 2.0, 0.375]
+    """
+
+    keys = F.SEQUENCE_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="sequence_log_ratio",
+        what="Sum of per-token log ratios across the response in nats, the log of the full-sequence "
+        "importance weight: how far the rollout drifted from the trainer's view over the whole sequence. "
+        "±0.5 nats over 128 tokens is negligible; 5+ nats means the engines systematically disagree.",
+        unit=_SEQUENCES,
+        cap=_DIAGNOSTIC,
+        action="large values call for sequence-level or geometric (length-normalised) correction",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("sum_s")
+        self.add_sum("sum_abs_s")
+        self.add_max("max_abs_s")
+        self.add_sum("sum_geo")
+        self.add_sum("count")
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._sequence_update(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._sequence_compute(self.sum_s, self.sum_abs_s, self.max_abs_s, self.sum_geo, self.count)
+
+
+class KLEstimators(_MismatchMetric):
+    r"""KL(rollout || trainer) estimators ``opbc/kl/{k1, k2, k3}`` on clamped log ratios.
+
+    ``k1 = mean(-r~)``, ``k2 = mean(r~^2 / 2)``, ``k3 = mean(exp(r~) - 1 - r~)``, with
+    :math:`\tilde r = \mathrm{clamp}(r, -C, C)` and tokens sampled from the rollout policy.
+
+    Example:
+        >>> import torch
+        >>> metric = KLEstimators()
+        >>> metric.update(trainer_logprobs=torch.tensor([[0.0, -1.0]]), rollout_logprobs=torch.tensor([[-1.0, 0.0]]))
+        >>> [round(v.item(), 4) + 0.0 for v in metric.compute().values()]
+        [0.0, 0.5, 0.5431]
+    """
+
+    keys = F.KL_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="kl",
+        what="Monte-Carlo estimates of KL(rollout || trainer) from the sampled tokens: k1 (unbiased, "
+        "high variance, can be negative), k2 (low variance, biased), k3 (unbiased and non-negative).",
+        unit=_TOKENS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("k1", "k2", "k3", "kl_divergence_inference"),
+    )
+
+    def __init__(self, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(clamp, **kwargs)
+        for name in ("sum_k1", "sum_k2", "sum_k3", "count"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._kl_update(view, self.clamp))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._kl_compute(self.sum_k1, self.sum_k2, self.sum_k3, self.count)
+
+
+class ChiSquare(_MismatchMetric):
+    r"""Chi-square divergence: ``opbc/kl/chi2_token`` and ``opbc/kl/chi2_seq``.
+
+    ``chi2_token`` = :math:`E_t[w_t^2] - 1`; ``chi2_seq`` = :math:`E_i[w_i^2] - 1` with sequence weights.
+
+    Example:
+        >>> import torch
+        >>> metric = ChiSquare()
+        >>> metric.update(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.tensor([[0.0, -1.0]]))
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [3.1945, 6.3891]
+    """
+
+    keys = F.CHI2_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="chi2",
+        what="Chi-square divergence of trainer from rollout, E[w^2] - 1, per token and per sequence: the "
+        "variance of the importance weights, which scales the variance of the corrected gradient.",
+        unit="valid tokens (chi2_token) and valid sequences (chi2_seq), over the window and all ranks",
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def __init__(self, clamp: float = DEFAULT_CLAMP, **kwargs: Any) -> None:
+        super().__init__(clamp, **kwargs)
+        for name in ("sum_w2", "count", "sum_seq_w2", "seq_count"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._chi2_update(view, self.clamp))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._chi2_compute(self.sum_w2, self.count, self.sum_seq_w2, self.seq_count)
+
+
+class PerplexityGap(_MismatchMetric):
+    r"""Perplexity gap ``opbc/ppl/{log_ppl_diff, log_ppl_abs_diff, ratio}``.
+
+    Per sequence :math:`d_i = \mathrm{mean}_t \log p_{roll} - \mathrm{mean}_t \log p_{train}`: mean
+    :math:`d_i`, mean :math:`|d_i|` and mean :math:`e^{d_i}` (trainer-over-rollout perplexity ratio).
+
+    Example:
+        >>> import torch
+        >>> metric = PerplexityGap()
+        >>> metric.update(trainer_logprobs=torch.tensor([[-1.0, -1.0]]), rollout_logprobs=torch.tensor([[-0.5, -0.5]]))
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [0.5, 0.5, 1.6487]
+    """
+
+    keys = F.PPL_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="ppl",
+        what="Gap between the per-sequence perplexities the two engines assign to the same response: "
+        "log-perplexity difference (signed and absolute) and the perplexity ratio.",
+        unit=_SEQUENCES,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("sum_d", "sum_abs_d", "sum_exp_d", "count"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._ppl_update(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._ppl_compute(self.sum_d, self.sum_abs_d, self.sum_exp_d, self.count)
+
+
+class ProbabilityDiff(_MismatchMetric):
+    r"""Probability-space disagreement ``opbc/prob/{abs_diff_mean, abs_diff_max, pearson}``.
+
+    On :math:`p = e^{\log p}`: mean and max :math:`|p_{train} - p_{roll}|` and Pearson's correlation
+    (1 for identical constant probabilities, 0 for other zero-variance cases).
+
+    Example:
+        >>> import torch
+        >>> metric = ProbabilityDiff()
+        >>> metric.update(trainer_logprobs=torch.tensor([[0.0, -1.0, -2.0]]),
+        ...               rollout_logprobs=torch.tensor([[0.0, -1.1, -2.0]]))
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [0.0117, 0.035, 0.9991]
+    """
+
+    keys = F.PROB_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="prob",
+        what="Disagreement in probability space rather than log space: mean and max |p_trainer - "
+        "p_rollout| over tokens and the Pearson correlation of the two probability vectors "
+        "(the 'training vs rollout probability' scatter of verl's dashboards).",
+        unit=_TOKENS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("training_rollout_probs_diff", "training_rollout_probs_pearson_corr"),
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("sum_p", "sum_q", "sum_pp", "sum_qq", "sum_pq", "sum_abs"):
+            self.add_sum(name)
+        self.add_max("max_abs")
+        self.add_sum("count")
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._prob_update(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._prob_compute(
+            self.sum_p, self.sum_q, self.sum_pp, self.sum_qq, self.sum_pq, self.sum_abs, self.max_abs, self.count
+        )
+
+
+class InputHealth(_MismatchMetric):
+    r"""Input accounting ``opbc/input/{nonfinite_count, num_tokens, num_sequences}``.
+
+    Response tokens with a NaN or infinite logprob (rollout engines return -inf outside top-p) are
+    excluded from every mismatch statistic and counted here instead; ``num_tokens`` and
+    ``num_sequences`` are the valid tokens and sequences the other metrics averaged over.
+
+    Example:
+        >>> import torch
+        >>> metric = InputHealth()
+        >>> metric.update(trainer_logprobs=torch.tensor([[-1.0, -2.0]]),
+        ...               rollout_logprobs=torch.tensor([[float("-inf"), -1.0]]))
+        >>> {k: v.item() for k, v in metric.compute().items()}
+        {'opbc/input/nonfinite_count': 1.0, 'opbc/input/num_tokens': 1.0, 'opbc/input/num_sequences': 0.0}
+    """
+
+    keys = F.INPUT_KEYS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="input",
+        what="Input accounting: response tokens with non-finite logprobs (excluded from every other "
+        "statistic), and the number of valid tokens and sequences the statistics cover.",
+        unit="response tokens and sequences, summed over the window and all ranks",
+        cap="nonfinite_count > 0 inside a group is a contract failure",
+        action="the OPBC rejects the group",
+        aliases=("nonfinite_count",),
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("nonfinite", "tokens", "sequences"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._input_update(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._input_compute(self.nonfinite, self.tokens, self.sequences)
+
+
+MISMATCH_METRICS: tuple[type[_MismatchMetric], ...] = (
+    ImportanceSamplingESS,
+    SequenceESS,
+    ImportanceWeightSecondMoment,
+    ImportanceWeightMean,
+    TopGradientMass,
+    ClippedFraction,
+    VetoFraction,
+    LogprobDiff,
+    LogRatioRange,
+    SequenceLogRatio,
+    KLEstimators,
+    ChiSquare,
+    PerplexityGap,
+    ProbabilityDiff,
+    InputHealth,
+)
