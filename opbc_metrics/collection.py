@@ -13,20 +13,12 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
 from opbc_metrics.metric import OPBCMetric
-from opbc_metrics.mismatch import MISMATCH_METRICS, TopGradientMass, VetoFraction
+from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.sync import all_reduce_states, packable
 
 
 def _mismatch_section(clamp: float, veto: float, top_mass_bins: int, **kwargs: Any) -> list[OPBCMetric]:
-    out: list[OPBCMetric] = []
-    for cls in MISMATCH_METRICS:
-        if cls is VetoFraction:
-            out.append(cls(veto=veto, clamp=clamp, **kwargs))
-        elif cls is TopGradientMass:
-            out.append(cls(clamp=clamp, bins=top_mass_bins, **kwargs))
-        else:
-            out.append(cls(clamp=clamp, **kwargs))
-    return out
+    return [cls(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins, **kwargs) for cls in MISMATCH_METRICS]
 
 
 # Section name -> factory(clamp, veto, top_mass_bins, **metric_kwargs) -> metrics.
@@ -52,6 +44,7 @@ class OPBCCollection(MetricCollection):
         clamp: C, the log-ratio clamp in nats, for every default member (20).
         veto: the veto threshold in nats (30).
         top_mass_bins: bins of the top-1% gradient-mass sketch (8192).
+        compiled: run the mismatch section's fused kernel under ``torch.compile`` (first call compiles).
         metric_kwargs: torchmetrics ``Metric`` arguments passed to every default member.
 
     Example:
@@ -73,6 +66,7 @@ class OPBCCollection(MetricCollection):
         clamp: float = DEFAULT_CLAMP,
         veto: float = DEFAULT_VETO,
         top_mass_bins: int = DEFAULT_TOP_MASS_BINS,
+        compiled: bool = False,
         **metric_kwargs: Any,
     ) -> None:
         if metrics is None:
@@ -90,6 +84,10 @@ class OPBCCollection(MetricCollection):
         if duplicated:
             raise ValueError(f"two members produce the same keys: {duplicated}")
         super().__init__(metrics, compute_groups=False)
+        if compiled:
+            for m in members:
+                if hasattr(m, "compiled"):
+                    m.compiled = True
 
     def members(self) -> list[OPBCMetric]:
         """The member metrics, in order."""

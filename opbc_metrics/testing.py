@@ -34,7 +34,6 @@ HOST_SYNC_OPS = frozenset(
         "aten::unique_dim",
         "aten::unique_consecutive",
         "aten::bincount",
-        "aten::histc",
         "aten::repeat_interleave",
         "aten::_assert_async",
     }
@@ -51,6 +50,12 @@ class _SyncDetector(TorchDispatchMode):
         name = func._schema.name
         if name in HOST_SYNC_OPS:
             raise HostSyncError(f"host-device sync or data-dependent shape: {func}")
+        if name == "aten::histc":
+            # histc sizes its output from `bins`; only min == max makes it read the data's range.
+            lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+            hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+            if lo == hi:
+                raise HostSyncError("histc without an explicit range reads min/max to the host")
         if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             for idx in indices or ():

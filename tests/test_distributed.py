@@ -103,7 +103,8 @@ def test_each_metric_alone_syncs_exactly(scenario):
             single.update(b)
     expected = {k: v.item() for k, v in single.compute().items()}
     for values in results:
-        for key, want in expected.items():
+        assert set(values) <= set(expected)
+        for key, want in ((k, expected[k]) for k in values):
             assert math.isclose(values[key], want, rel_tol=1e-9, abs_tol=1e-12), (key, values[key], want)
 
 

@@ -23,10 +23,10 @@ from tests.reference import DESIGN_KEYS, mismatch_reference
 SKETCH_RTOL = sketch_relative_error_bound()
 
 
-def _assert_matches_reference(out, ref, rtol, atol, sketch=True):
+def _assert_matches_reference(out, ref, rtol, atol, sketch_rtol=SKETCH_RTOL):
     for key, expected in ref.items():
         got = out[key].item()
-        tol_r = SKETCH_RTOL + rtol if (sketch and key == "opbc/is/top_1pct_gradient_mass") else rtol
+        tol_r = sketch_rtol * 1.01 + rtol if key == "opbc/is/top_1pct_gradient_mass" else rtol
         assert math.isclose(got, expected, rel_tol=tol_r, abs_tol=atol), (key, got, expected)
 
 
@@ -93,7 +93,7 @@ def test_functional_equals_class_after_one_update():
 @pytest.mark.parametrize("bins", [512, 8192])
 @pytest.mark.parametrize("seed", range(4))
 def test_top_mass_sketch_within_bound_on_heavy_tails(bins, seed):
-    """Student-t(1.5) log ratios: the sketch is below the exact sort by at most e^h - 1, relative."""
+    """Tail-index-1.5 log ratios: the sketch is within e^(h/2) - 1 of the exact sort, relative."""
     metric, exact = TopGradientMass(bins=bins), TopGradientMass(exact=True)
     parts = [make_batch(batch=32, seq=256, seed=seed * 10 + i, heavy_tail=True, drift=1.5) for i in range(4)]
     for p in parts:
@@ -103,8 +103,9 @@ def test_top_mass_sketch_within_bound_on_heavy_tails(bins, seed):
     ref = mismatch_reference(*_numpy(concat_batches(parts)))["opbc/is/top_1pct_gradient_mass"]
     assert truth == pytest.approx(ref, rel=1e-6)
     bound = metric.error_bound
-    assert bound == pytest.approx(math.expm1(40.0 / bins))
-    assert truth * (1 - bound) - 1e-9 <= sketch <= truth + 1e-9, (sketch, truth, bound)
+    assert bound == pytest.approx(math.expm1(20.0 / bins))  # e^(h/2) - 1 with h = 2C / bins
+    # Bin edges are computed in float32: allow the bound a hair of slack for tokens on an edge.
+    assert abs(sketch - truth) <= truth * bound * 1.01 + 1e-12, (sketch, truth, bound)
 
 
 def test_top_mass_uses_at_least_one_token_and_handles_clamp():
@@ -311,4 +312,4 @@ def test_clamp_and_veto_are_constructor_arguments():
     out = OPBCCollection(clamp=5.0, veto=8.0)(b)
     ref = mismatch_reference(*_numpy(b), clamp=5.0, veto=8.0)
     assert ref["opbc/is/clipped_fraction"] > 0
-    _assert_matches_reference(out, ref, 1e-9, 1e-12, sketch=False)
+    _assert_matches_reference(out, ref, 1e-9, 1e-12, sketch_rtol=sketch_relative_error_bound(5.0))

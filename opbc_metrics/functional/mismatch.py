@@ -5,7 +5,10 @@ Notation (per valid token t, i.e. ``response_mask = 1`` and both logprobs finite
 ``C`` (20 by default), ``N`` the number of valid tokens. Per sequence i: ``s_i = sum_t r_t``,
 ``n_i`` its valid tokens.
 
-Each metric comes as a pair ``_x_update(view, ...) -> dict of sufficient statistics`` and
+One fused kernel, :func:`token_statistics`, computes every token-level sufficient statistic of the
+section in one sweep (``torch.compile`` turns it into a few fused loops); :func:`batch_statistics`
+caches it on the batch's :class:`~opbc_metrics.batch.BatchView`, so a collection pays for it once.
+Each metric then comes as a pair ``_x_update(stats) -> dict of its statistics`` and
 ``_x_compute(**stats) -> value``; the stateful classes in :mod:`opbc_metrics.mismatch` sum (or
 max/min) the statistics over updates and ranks and call the same ``_x_compute``, so the functional
 value of one batch equals the class value after one update.
@@ -25,7 +28,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView
 
-# The top-1% sketch bins log-weights over [-C, C]; 8192 bins keep its relative error under 0.5%.
+# The top-1% sketch bins log-weights over [-C, C]; 8192 bins keep its relative error under 0.25%.
 DEFAULT_TOP_MASS_BINS = 8192
 DEFAULT_TOP_FRACTION = 0.01
 
@@ -43,26 +46,184 @@ def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
     return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
 
 
-def _amax(x: Tensor) -> Tensor:
-    """Max over all elements; -inf for an empty tensor (keeps update free of branches on data)."""
-    return x.amax() if x.numel() else torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+# ---------------------------------------------------------------------------------------------
+# The fused kernel: every token-level sufficient statistic of the section in one sweep
+# ---------------------------------------------------------------------------------------------
+_SCALAR_STATS = (
+    "n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_rc2", "sum_w", "sum_w2", "clipped", "vetoed",
+    "min_r", "max_r", "sum_p", "sum_q", "sum_pp", "sum_qq", "sum_pq", "sum_abs_pq", "max_abs_pq",
+    "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_ws", "sum_ws2", "sum_d", "sum_abs_d", "sum_exp_d",
+)
 
 
-def _amin(x: Tensor) -> Tensor:
-    return x.amin() if x.numel() else torch.full((), float("inf"), dtype=x.dtype, device=x.device)
+def token_statistics(
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int
+) -> Stats:
+    """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
+
+    A token is valid when ``mask`` is set and ``r = trainer - rollout`` is finite (so both logprobs
+    are). Per-token work is a handful of elementwise passes whose sums are taken once; every
+    metric of the section reads its statistics from the result, and ``torch.compile`` fuses the
+    whole function into a few loops (it compiles with ``fullgraph=True``).
+
+    Args:
+        trainer: ``[B, T]`` trainer logprobs (float32 or float64).
+        rollout: ``[B, T]`` rollout logprobs, same dtype.
+        mask: ``[B, T]`` bool response mask.
+        clamp: C, the log-ratio clamp.
+        veto: the veto threshold.
+        bins: bins of the top-1% sketch's log-weight histogram over ``[-C, C]``.
+
+    Returns:
+        float64 0-dim tensors named in ``_SCALAR_STATS`` and ``hist`` (``[bins]`` token counts).
+
+    Example:
+        >>> import torch
+        >>> s = token_statistics(torch.tensor([[0.0, -1.0]]), torch.tensor([[-1.0, -1.0]]),
+        ...                      torch.tensor([[True, True]]), 20.0, 30.0, 16)
+        >>> s["n"].item(), s["sum_r"].item(), s["max_r"].item(), int(s["hist"].sum())
+        (2.0, 1.0, 1.0, 2)
+    """
+    f64 = torch.float64
+    dtype, device = trainer.dtype, trainer.device
+    zero = torch.zeros((), dtype=dtype, device=device)
+    inf = torch.full((), float("inf"), dtype=dtype, device=device)
+    d = trainer - rollout
+    valid = mask & torch.isfinite(d)
+    r = torch.where(valid, d, zero)
+    rc = r.clamp(-clamp, clamp)
+    w = torch.exp(rc).mul_(valid)  # 0 on invalid tokens
+    ar = r.abs()
+    # Row sums give the sequence statistics and, summed again, the token totals.
+    seq_sum = r.sum(-1)
+    seq_n = valid.sum(-1).to(f64)
+    seq_mask_n = mask.sum(-1).to(f64)
+    n = seq_n.sum()
+    sum_r = seq_sum.to(f64).sum()
+    # min/max over valid tokens in one aminmax: invalid tokens take the valid mean, which lies inside
+    # [min, max] (rounding to nearest cannot push it past a representable extreme).
+    fill = (sum_r / n.clamp_min(1.0)).to(dtype)
+    lo, hi = torch.aminmax(torch.where(valid, d, fill))
+    # Probabilities exp(min(logp, 0)) on valid tokens, 0 elsewhere (fmin ignores NaN on invalid ones).
+    cap = torch.where(valid, zero, -inf)
+    p = torch.exp(torch.fmin(trainer, cap))
+    q = torch.exp(torch.fmin(rollout, cap))
+    diff = p - q
+    # Squared sums as squared 2-norms: one read per tensor; sum p*q by polarisation.
+    sum_pp = torch.linalg.vector_norm(p).to(f64) ** 2
+    sum_qq = torch.linalg.vector_norm(q).to(f64) ** 2
+    sum_dd = torch.linalg.vector_norm(diff).to(f64) ** 2
+    apq = diff.abs_()
+    # Histogram of clamped log-weights; invalid tokens are moved out of range, which histc ignores.
+    # (histc with an explicit range sizes its output from `bins` alone: no host sync on any device.)
+    hist = torch.histc(torch.where(valid, rc, 4.0 * clamp), bins=bins, min=-clamp, max=clamp)
+
+    # Sequences: a sequence counts if it has a valid token and no masked token with a non-finite log
+    # ratio. [B]-sized, so float64 throughout.
+    seq_ok = ((seq_n > 0) & (seq_n == seq_mask_n)).to(f64)
+    s = seq_sum.to(f64) * seq_ok
+    geo = s / seq_n.clamp_min(1.0)
+    ws = torch.exp(s.clamp(-clamp, clamp)) * seq_ok
+    dseq = -geo  # d_i = mean rollout logp - mean trainer logp
+    neg_inf64 = torch.full((), float("-inf"), dtype=f64, device=device)
+    return {
+        "n": n,
+        "n_mask": seq_mask_n.sum(),
+        "sum_r": sum_r,
+        "sum_abs_r": ar.sum().to(f64),
+        "sum_rc": rc.sum().to(f64),
+        "sum_rc2": torch.linalg.vector_norm(rc).to(f64) ** 2,
+        "sum_w": w.sum().to(f64),
+        # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
+        "sum_w2": (w * w).sum().to(f64),
+        "clipped": (ar > clamp).sum().to(f64),
+        "vetoed": (ar > veto).sum().to(f64),
+        "min_r": torch.where(n > 0, lo.to(f64), -neg_inf64),
+        "max_r": torch.where(n > 0, hi.to(f64), neg_inf64),
+        "sum_p": p.sum().to(f64),
+        "sum_q": q.sum().to(f64),
+        "sum_pp": sum_pp,
+        "sum_qq": sum_qq,
+        "sum_pq": 0.5 * (sum_pp + sum_qq - sum_dd),
+        "sum_abs_pq": apq.sum().to(f64),
+        "max_abs_pq": apq.amax().to(f64),
+        "num_seqs": seq_ok.sum(),
+        "sum_s": s.sum(),
+        "sum_abs_s": s.abs().sum(),
+        "max_abs_s": torch.where(seq_ok > 0, s.abs(), neg_inf64).amax(),
+        "sum_geo": geo.sum(),
+        "sum_ws": ws.sum(),
+        "sum_ws2": (ws * ws).sum(),
+        "sum_d": dseq.sum(),
+        "sum_abs_d": dseq.abs().sum(),
+        "sum_exp_d": (torch.exp(dseq) * seq_ok).sum(),
+        "hist": hist.to(f64),
+    }
+
+
+def _empty_statistics(bins: int, device: torch.device) -> Stats:
+    out = {k: torch.zeros((), dtype=torch.float64, device=device) for k in _SCALAR_STATS}
+    for k in ("max_r", "max_abs_pq", "max_abs_s"):
+        out[k] = torch.full((), float("-inf"), dtype=torch.float64, device=device)
+    out["min_r"] = torch.full((), float("inf"), dtype=torch.float64, device=device)
+    out["hist"] = torch.zeros(bins, dtype=torch.float64, device=device)
+    return out
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def compiled_token_statistics() -> Any:
+    """:func:`token_statistics` under ``torch.compile(fullgraph=True)``, built on first use."""
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(token_statistics, fullgraph=True, dynamic=None)
+    return _COMPILED["fn"]
+
+
+def batch_statistics(
+    view: BatchView,
+    clamp: float = DEFAULT_CLAMP,
+    veto: float = DEFAULT_VETO,
+    bins: int = DEFAULT_TOP_MASS_BINS,
+    compiled: bool = False,
+) -> Stats:
+    """:func:`token_statistics` of a view, computed once per (clamp, veto, bins) and shared by all metrics."""
+
+    def make() -> Stats:
+        trainer, rollout, mask = view.token_inputs
+        if trainer.numel() == 0:  # shape metadata, not data: no sync
+            return _empty_statistics(bins, trainer.device)
+        fn = compiled_token_statistics() if compiled else token_statistics
+        return fn(trainer, rollout, mask, float(clamp), float(veto), int(bins))
+
+    return view._cached(("mismatch_statistics", float(clamp), float(veto), int(bins)), make)
+
+
+def _pick(stats: Stats, *names: str) -> Stats:
+    return {name: stats[name] for name in names}
 
 
 # ---------------------------------------------------------------------------------------------
 # opbc/is/*: importance weights
 # ---------------------------------------------------------------------------------------------
-def _ess_update(view: BatchView, clamp: float) -> Stats:
-    sum_w, sum_w2 = view.weight_sums(clamp)
-    return {"sum_w": sum_w, "sum_w2": sum_w2, "count": view.num_valid}
+def _ess_update(stats: Stats) -> Stats:
+    return {"sum_w": stats["sum_w"], "sum_w2": stats["sum_w2"], "count": stats["n"]}
 
 
 def _ess_compute(sum_w: Tensor, sum_w2: Tensor, count: Tensor) -> Tensor:
     # Cauchy-Schwarz gives ESS <= 1; the clamp only absorbs rounding.
     return _safe_div(sum_w * sum_w, count * sum_w2, 1.0).clamp(max=1.0)
+
+
+def _stats(
+    trainer_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor | None,
+    clamp: float = DEFAULT_CLAMP,
+    veto: float = DEFAULT_VETO,
+    bins: int = DEFAULT_TOP_MASS_BINS,
+) -> Stats:
+    return batch_statistics(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp, veto, bins)
 
 
 def importance_ess(
@@ -85,12 +246,11 @@ def importance_ess(
         >>> importance_ess(t, t - torch.tensor([[0.0, 1.0, 0.0]])).round(decimals=4)
         tensor(0.7904, dtype=torch.float64)
     """
-    return _ess_compute(**_f64(_ess_update(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp)))
+    return _ess_compute(**_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
-def _seq_ess_update(view: BatchView, clamp: float) -> Stats:
-    w = view.seq_weights(clamp)
-    return {"sum_w": w.sum(), "sum_w2": (w * w).sum(), "count": view.num_seqs}
+def _seq_ess_update(stats: Stats) -> Stats:
+    return {"sum_w": stats["sum_ws"], "sum_w2": stats["sum_ws2"], "count": stats["num_seqs"]}
 
 
 def sequence_ess(
@@ -111,13 +271,11 @@ def sequence_ess(
         >>> sequence_ess(t, t - torch.tensor([[1.0, 0.0], [0.0, 0.0]])).round(decimals=4)
         tensor(0.8240, dtype=torch.float64)
     """
-    stats = _seq_ess_update(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp)
-    return _ess_compute(**_f64(stats))
+    return _ess_compute(**_seq_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
-def _weight_moments_update(view: BatchView, clamp: float) -> Stats:
-    sum_w, sum_w2 = view.weight_sums(clamp)
-    return {"sum_w": sum_w, "sum_w2": sum_w2, "count": view.num_valid}
+def _weight_moments_update(stats: Stats) -> Stats:
+    return _ess_update(stats)
 
 
 def _second_moment_compute(sum_w2: Tensor, count: Tensor, **_: Any) -> Tensor:
@@ -142,8 +300,8 @@ def importance_weight_second_moment(
         >>> importance_weight_second_moment(t, torch.tensor([[0.0, -1.0]])).round(decimals=4)
         tensor(4.1945, dtype=torch.float64)
     """
-    stats = _weight_moments_update(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp)
-    return _second_moment_compute(**_f64(stats))
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    return _second_moment_compute(**_weight_moments_update(stats))
 
 
 def importance_weight_mean(
@@ -160,12 +318,16 @@ def importance_weight_mean(
         >>> importance_weight_mean(t, torch.tensor([[0.0, -1.0]])).round(decimals=4)
         tensor(1.8591, dtype=torch.float64)
     """
-    stats = _weight_moments_update(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp)
-    return _weight_mean_compute(**_f64(stats))
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    return _weight_mean_compute(**_weight_moments_update(stats))
 
 
-def _threshold_update(view: BatchView, threshold: float) -> Stats:
-    return {"hits": view.count_above(threshold), "count": view.num_valid}
+def _clipped_update(stats: Stats) -> Stats:
+    return {"hits": stats["clipped"], "count": stats["n"]}
+
+
+def _vetoed_update(stats: Stats) -> Stats:
+    return {"hits": stats["vetoed"], "count": stats["n"]}
 
 
 def _fraction_compute(hits: Tensor, count: Tensor) -> Tensor:
@@ -186,8 +348,7 @@ def clipped_fraction(
         >>> clipped_fraction(t, torch.tensor([[0.0, -25.0, 3.0, 21.0]]))
         tensor(0.5000, dtype=torch.float64)
     """
-    stats = _threshold_update(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp)
-    return _fraction_compute(**_f64(stats))
+    return _fraction_compute(**_clipped_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
 def veto_fraction(
@@ -204,8 +365,8 @@ def veto_fraction(
         >>> veto_fraction(t, torch.tensor([[0.0, -25.0, 3.0, 9999.0]]))
         tensor(0.2500, dtype=torch.float64)
     """
-    stats = _threshold_update(_view(trainer_logprobs, rollout_logprobs, response_mask), veto)
-    return _fraction_compute(**_f64(stats))
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, veto=veto)
+    return _fraction_compute(**_vetoed_update(stats))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,41 +377,39 @@ def top_k_count(count: Tensor, fraction: float = DEFAULT_TOP_FRACTION) -> Tensor
     return torch.floor(count * fraction + 1e-9).clamp_min(1.0)
 
 
-def _top_mass_sketch_update(view: BatchView, clamp: float, bins: int) -> Stats:
-    width = 2.0 * clamp / bins
-    idx = ((view.clamped_log_ratio(clamp) + clamp) / width).floor().clamp(0, bins - 1).long().reshape(-1)
-    counts = torch.zeros(bins, dtype=view.dtype, device=view.device)
-    mass = torch.zeros(bins, dtype=view.dtype, device=view.device)
-    counts.index_add_(0, idx, view.valid_f.reshape(-1))
-    mass.index_add_(0, idx, view.weights(clamp).reshape(-1))
-    return {"bin_count": counts, "bin_mass": mass}
+def _top_mass_sketch_update(stats: Stats) -> Stats:
+    return {"bin_count": stats["hist"], "sum_w": stats["sum_w"]}
 
 
-def _top_mass_sketch_compute(bin_count: Tensor, bin_mass: Tensor, fraction: float = DEFAULT_TOP_FRACTION) -> Tensor:
+def _top_mass_sketch_compute(
+    bin_count: Tensor, sum_w: Tensor, clamp: float = DEFAULT_CLAMP, fraction: float = DEFAULT_TOP_FRACTION
+) -> Tensor:
     """Walk the histogram from the top bin: whole bins while they fit in k, then part of one bin.
 
-    A bin's tokens all have weights within a factor ``e^h`` of each other (``h = 2C / bins``, the bin
-    width in log-weight), and the part taken from the last bin is valued at that bin's mean weight,
-    which is at most the true mean of its largest tokens. So the sketch never overestimates and its
-    relative error is at most ``e^h - 1``.
+    Every token in a bin of log-weight width ``h = 2C / bins`` has a weight within a factor
+    ``e^{h/2}`` of the weight at the bin's centre. The walk takes exactly the bins (and the share of
+    the last bin) that the true k largest weights occupy and values each token at its bin centre, so
+    the top-k weight sum is within a factor ``e^{±h/2}`` of the truth; it is divided by the exact
+    total ``sum w``. Relative error bound: ``e^{h/2} - 1``.
     """
-    counts, mass = bin_count.flip(0), bin_mass.flip(0)
-    total_count, total_mass = counts.sum(), mass.sum()
-    k = top_k_count(total_count, fraction)
+    bins = bin_count.shape[-1]
+    width = 2.0 * clamp / bins
+    centres = -clamp + width * (torch.arange(bins, dtype=torch.float64, device=bin_count.device) + 0.5)
+    counts, value = bin_count.flip(0), torch.exp(centres).flip(0)
+    k = top_k_count(counts.sum(), fraction)
     before = torch.cumsum(counts, 0) - counts
     take = torch.minimum((k - before).clamp_min(0.0), counts)
-    top = (take * _safe_div(mass, counts, 0.0)).sum()
-    return _safe_div(top, total_mass, 0.0).clamp(0.0, 1.0)
+    return _safe_div((take * value).sum(), sum_w, 0.0).clamp(0.0, 1.0)
 
 
 def sketch_relative_error_bound(clamp: float = DEFAULT_CLAMP, bins: int = DEFAULT_TOP_MASS_BINS) -> float:
-    """The sketch's relative error bound ``e^h - 1`` with bin width ``h = 2C / bins``.
+    """The sketch's relative error bound ``e^{h/2} - 1`` with bin width ``h = 2C / bins``.
 
     Example:
         >>> round(sketch_relative_error_bound(20.0, 8192), 5)
-        0.00489
+        0.00244
     """
-    return math.expm1(2.0 * clamp / bins)
+    return math.expm1(clamp / bins)
 
 
 def _top_mass_exact_compute(weights: Tensor, count: Tensor, fraction: float = DEFAULT_TOP_FRACTION) -> Tensor:
@@ -273,8 +432,8 @@ def top_gradient_mass(
     r"""``opbc/is/top_1pct_gradient_mass``: share of :math:`\sum_t w_t` carried by the ``k`` largest weights.
 
     ``k = max(1, floor(fraction * N))``. With ``bins=None`` the value is exact (a sort); with ``bins``
-    it is the histogram sketch the stateful metric uses, which underestimates by a relative error of
-    at most ``e^{2C/bins} - 1``.
+    it is the histogram sketch the stateful metric uses, within a relative error of
+    ``e^{C/bins} - 1``.
 
     Example:
         >>> import torch
@@ -285,7 +444,8 @@ def top_gradient_mass(
     view = _view(trainer_logprobs, rollout_logprobs, response_mask)
     if bins is None:
         return _top_mass_exact_compute(view.weights(clamp), view.num_valid, fraction)
-    return _top_mass_sketch_compute(**_f64(_top_mass_sketch_update(view, clamp, bins)), fraction=fraction)
+    stats = batch_statistics(view, clamp, DEFAULT_VETO, bins)
+    return _top_mass_sketch_compute(**_top_mass_sketch_update(stats), clamp=clamp, fraction=fraction)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,13 +455,12 @@ LOGPROB_KEYS = ("opbc/logprob/abs_diff_mean", "opbc/logprob/abs_diff_max", "opbc
 LOG_RATIO_KEYS = ("opbc/log_ratio/min", "opbc/log_ratio/max", "opbc/log_ratio/max_abs")
 
 
-def _logprob_diff_update(view: BatchView) -> Stats:
-    neg_inf = torch.full((), float("-inf"), dtype=view.dtype, device=view.device)
+def _logprob_diff_update(stats: Stats) -> Stats:
     return {
-        "sum_abs": view.abs_log_ratio.sum(),
-        "sum_diff": view.log_ratio.sum(),
-        "max_abs": _amax(torch.where(view.valid, view.abs_log_ratio, neg_inf)),
-        "count": view.num_valid,
+        "sum_abs": stats["sum_abs_r"],
+        "sum_diff": stats["sum_r"],
+        "max_abs": torch.maximum(stats["max_r"], -stats["min_r"]),
+        "count": stats["n"],
     }
 
 
@@ -324,19 +483,14 @@ def logprob_diff(
         >>> {k.split('/')[-1]: round(v.item(), 3) for k, v in out.items()}
         {'abs_diff_mean': 0.75, 'abs_diff_max': 1.0, 'diff_mean': -0.25}
     """
-    return _logprob_diff_compute(**_f64(_logprob_diff_update(_view(trainer_logprobs, rollout_logprobs, response_mask))))
+    return _logprob_diff_compute(**_logprob_diff_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
 
 
-def _log_ratio_range_update(view: BatchView) -> Stats:
-    inf = torch.full((), float("inf"), dtype=view.dtype, device=view.device)
-    return {
-        "min": _amin(torch.where(view.valid, view.log_ratio, inf)),
-        "max": _amax(torch.where(view.valid, view.log_ratio, -inf)),
-        "count": view.num_valid,
-    }
+def _log_ratio_range_update(stats: Stats) -> Stats:
+    return {"min": stats["min_r"], "max": stats["max_r"], "count": stats["n"]}
 
 
-def _log_ratio_range_compute(min: Tensor, max: Tensor, count: Tensor) -> dict[str, Tensor]:
+def _log_ratio_range_compute(min: Tensor, max: Tensor, count: Tensor) -> dict[str, Tensor]:  # noqa: A002
     zero = torch.zeros_like(min)
     lo, hi = torch.where(count > 0, min, zero), torch.where(count > 0, max, zero)
     return {LOG_RATIO_KEYS[0]: lo, LOG_RATIO_KEYS[1]: hi, LOG_RATIO_KEYS[2]: torch.maximum(lo.abs(), hi.abs())}
@@ -353,8 +507,8 @@ def log_ratio_range(
         >>> [round(v.item(), 2) for v in out.values()]
         [-1.0, 0.5, 1.0]
     """
-    view = _view(trainer_logprobs, rollout_logprobs, response_mask)
-    return _log_ratio_range_compute(**_f64(_log_ratio_range_update(view)))
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask)
+    return _log_ratio_range_compute(**_log_ratio_range_update(stats))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,15 +522,13 @@ SEQUENCE_KEYS = (
 )
 
 
-def _sequence_update(view: BatchView) -> Stats:
-    s = view.seq_log_ratio
-    neg_inf = torch.full((), float("-inf"), dtype=view.dtype, device=view.device)
+def _sequence_update(stats: Stats) -> Stats:
     return {
-        "sum_s": s.sum(),
-        "sum_abs_s": s.abs().sum(),
-        "max_abs_s": _amax(torch.where(view.seq_valid, s.abs(), neg_inf)),
-        "sum_geo": view.seq_mean_log_ratio.sum(),
-        "count": view.num_seqs,
+        "sum_s": stats["sum_s"],
+        "sum_abs_s": stats["sum_abs_s"],
+        "max_abs_s": stats["max_abs_s"],
+        "sum_geo": stats["sum_geo"],
+        "count": stats["num_seqs"],
     }
 
 
@@ -397,7 +549,7 @@ def sequence_log_ratio(
     r"""``opbc/sequence/*`` over sequences :math:`s_i = \sum_t r_t`.
 
     Mean :math:`s_i`, mean :math:`|s_i|`, max :math:`|s_i|`, and the length-normalised (geometric)
-    mean of :math:`s_i / n_i`, over sequences with at least one valid token.
+    mean of :math:`s_i / n_i`, over sequences with at least one valid token and no non-finite one.
 
     Example:
         >>> import torch
@@ -406,7 +558,7 @@ def sequence_log_ratio(
         >>> [round(v.item(), 3) for v in out.values()]
         [0.75, 1.25, 2.0, 0.375]
     """
-    return _sequence_compute(**_f64(_sequence_update(_view(trainer_logprobs, rollout_logprobs, response_mask))))
+    return _sequence_compute(**_sequence_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,14 +568,13 @@ KL_KEYS = ("opbc/kl/k1", "opbc/kl/k2", "opbc/kl/k3")
 CHI2_KEYS = ("opbc/kl/chi2_token", "opbc/kl/chi2_seq")
 
 
-def _kl_update(view: BatchView, clamp: float) -> Stats:
-    rc = view.clamped_log_ratio(clamp)
+def _kl_update(stats: Stats) -> Stats:
     return {
-        "sum_k1": -rc.sum(),
-        "sum_k2": 0.5 * (rc * rc).sum(),
-        # exp(rc) - 1 - rc is 0 on invalid tokens (rc = 0 there), so no extra mask is needed.
-        "sum_k3": (torch.expm1(rc) - rc).sum(),
-        "count": view.num_valid,
+        "sum_k1": -stats["sum_rc"],
+        "sum_k2": 0.5 * stats["sum_rc2"],
+        # sum over valid tokens of exp(rc) - 1 - rc, from float64 sums (no cancellation of note).
+        "sum_k3": stats["sum_w"] - stats["n"] - stats["sum_rc"],
+        "count": stats["n"],
     }
 
 
@@ -431,7 +582,7 @@ def _kl_compute(sum_k1: Tensor, sum_k2: Tensor, sum_k3: Tensor, count: Tensor) -
     return {
         KL_KEYS[0]: _safe_div(sum_k1, count, 0.0),
         KL_KEYS[1]: _safe_div(sum_k2, count, 0.0),
-        KL_KEYS[2]: _safe_div(sum_k3, count, 0.0),
+        KL_KEYS[2]: _safe_div(sum_k3, count, 0.0).clamp_min(0.0),
     }
 
 
@@ -444,7 +595,7 @@ def kl_estimators(
     r"""``opbc/kl/k1, k2, k3``: Schulman's estimators of KL(rollout || trainer), tokens sampled from the rollout.
 
     With :math:`\tilde r = \mathrm{clamp}(r, -C, C)`: ``k1 = mean(-r~)``, ``k2 = mean(r~^2 / 2)``,
-    ``k3 = mean(exp(r~) - 1 - r~)``.
+    ``k3 = mean(exp(r~) - 1 - r~)`` (non-negative; clamped at 0 against rounding).
 
     Example:
         >>> import torch
@@ -452,18 +603,11 @@ def kl_estimators(
         >>> [round(v.item(), 4) + 0.0 for v in out.values()]
         [0.0, 0.5, 0.5431]
     """
-    view = _view(trainer_logprobs, rollout_logprobs, response_mask)
-    return _kl_compute(**_f64(_kl_update(view, clamp)))
+    return _kl_compute(**_kl_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
-def _chi2_update(view: BatchView, clamp: float) -> Stats:
-    ws = view.seq_weights(clamp)
-    return {
-        "sum_w2": view.weight_sums(clamp)[1],
-        "count": view.num_valid,
-        "sum_seq_w2": (ws * ws).sum(),
-        "seq_count": view.num_seqs,
-    }
+def _chi2_update(stats: Stats) -> Stats:
+    return {"sum_w2": stats["sum_w2"], "count": stats["n"], "sum_seq_w2": stats["sum_ws2"], "seq_count": stats["num_seqs"]}
 
 
 def _chi2_compute(sum_w2: Tensor, count: Tensor, sum_seq_w2: Tensor, seq_count: Tensor) -> dict[str, Tensor]:
@@ -487,7 +631,7 @@ def chi_square(
         >>> [round(v.item(), 4) for v in out.values()]
         [3.1945, 6.3891]
     """
-    return _chi2_compute(**_f64(_chi2_update(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp)))
+    return _chi2_compute(**_chi2_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,15 +640,9 @@ def chi_square(
 PPL_KEYS = ("opbc/ppl/log_ppl_diff", "opbc/ppl/log_ppl_abs_diff", "opbc/ppl/ratio")
 
 
-def _ppl_update(view: BatchView) -> Stats:
-    # d_i = mean_t rollout - mean_t trainer = -s_i / n_i. exp() in float64: d_i can be large.
-    d = -view.seq_mean_log_ratio.to(torch.float64)
-    return {
-        "sum_d": d.sum(),
-        "sum_abs_d": d.abs().sum(),
-        "sum_exp_d": (d.exp() * view.seq_valid.to(torch.float64)).sum(),
-        "count": view.num_seqs,
-    }
+def _ppl_update(stats: Stats) -> Stats:
+    return {"sum_d": stats["sum_d"], "sum_abs_d": stats["sum_abs_d"], "sum_exp_d": stats["sum_exp_d"],
+            "count": stats["num_seqs"]}
 
 
 def _ppl_compute(sum_d: Tensor, sum_abs_d: Tensor, sum_exp_d: Tensor, count: Tensor) -> dict[str, Tensor]:
@@ -521,7 +659,7 @@ def perplexity_gap(
     r"""``opbc/ppl/*``: per sequence :math:`d_i = \overline{\log p_{roll}} - \overline{\log p_{train}}`.
 
     ``log_ppl_diff`` = mean :math:`d_i` (log of trainer-over-rollout perplexity), ``log_ppl_abs_diff`` =
-    mean :math:`|d_i|`, ``ratio`` = mean :math:`e^{d_i}` (perplexity ratio).
+    mean :math:`|d_i|`, ``ratio`` = mean :math:`e^{d_i}` (perplexity ratio; in float64).
 
     Example:
         >>> import torch
@@ -529,34 +667,18 @@ def perplexity_gap(
         >>> [round(v.item(), 4) for v in out.values()]
         [0.5, 0.5, 1.6487]
     """
-    return _ppl_compute(**_f64(_ppl_update(_view(trainer_logprobs, rollout_logprobs, response_mask))))
+    return _ppl_compute(**_ppl_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
 
 
 # ---------------------------------------------------------------------------------------------
 # opbc/prob/*
 # ---------------------------------------------------------------------------------------------
 PROB_KEYS = ("opbc/prob/abs_diff_mean", "opbc/prob/abs_diff_max", "opbc/prob/pearson")
+_PROB_STATS = ("sum_p", "sum_q", "sum_pp", "sum_qq", "sum_pq", "sum_abs_pq", "max_abs_pq", "n")
 
 
-def _prob_update(view: BatchView) -> Stats:
-    trainer, rollout, _ = view.token_inputs
-    m = view.valid_f
-    zero = torch.zeros((), dtype=view.dtype, device=view.device)
-    # Logprobs above 0 are invalid; capping them keeps p in [0, 1] instead of overflowing to inf.
-    # Shift by 0.5 (the middle of [0, 1]) so the raw-moment formula of the covariance cancels less.
-    p = torch.where(view.valid, trainer.clamp(max=0.0).exp() - 0.5, zero)
-    q = torch.where(view.valid, rollout.clamp(max=0.0).exp() - 0.5, zero)
-    diff = (p - q).abs()
-    return {
-        "sum_p": p.sum(),
-        "sum_q": q.sum(),
-        "sum_pp": (p * p).sum(),
-        "sum_qq": (q * q).sum(),
-        "sum_pq": (p * q).sum(),
-        "sum_abs": diff.sum(),
-        "max_abs": _amax(torch.where(m > 0, diff, -torch.ones((), dtype=view.dtype, device=view.device))),
-        "count": view.num_valid,
-    }
+def _prob_update(stats: Stats) -> Stats:
+    return _pick(stats, *_PROB_STATS)
 
 
 def _prob_compute(
@@ -565,22 +687,22 @@ def _prob_compute(
     sum_pp: Tensor,
     sum_qq: Tensor,
     sum_pq: Tensor,
-    sum_abs: Tensor,
-    max_abs: Tensor,
-    count: Tensor,
+    sum_abs_pq: Tensor,
+    max_abs_pq: Tensor,
+    n: Tensor,
 ) -> dict[str, Tensor]:
-    n = count.clamp_min(1.0)
-    cov = sum_pq / n - (sum_p / n) * (sum_q / n)
-    var_p = (sum_pp / n - (sum_p / n) ** 2).clamp_min(0.0)
-    var_q = (sum_qq / n - (sum_q / n) ** 2).clamp_min(0.0)
+    m = n.clamp_min(1.0)
+    cov = sum_pq / m - (sum_p / m) * (sum_q / m)
+    var_p = (sum_pp / m - (sum_p / m) ** 2).clamp_min(0.0)
+    var_q = (sum_qq / m - (sum_q / m) ** 2).clamp_min(0.0)
     den = torch.sqrt(var_p * var_q)
     # Zero variance leaves Pearson undefined: report 1 when the probabilities are identical, else 0.
-    degenerate = torch.where(sum_abs > 0, torch.zeros_like(den), torch.ones_like(den))
+    degenerate = torch.where(sum_abs_pq > 0, torch.zeros_like(den), torch.ones_like(den))
     pearson = torch.where(den > 0, (cov / den.clamp_min(1e-300)).clamp(-1.0, 1.0), degenerate)
     return {
-        PROB_KEYS[0]: _safe_div(sum_abs, count, 0.0),
-        PROB_KEYS[1]: torch.where(count > 0, max_abs.clamp_min(0.0), torch.zeros_like(max_abs)),
-        PROB_KEYS[2]: torch.where(count > 0, pearson, torch.ones_like(pearson)),
+        PROB_KEYS[0]: _safe_div(sum_abs_pq, n, 0.0),
+        PROB_KEYS[1]: torch.where(n > 0, max_abs_pq.clamp_min(0.0), torch.zeros_like(max_abs_pq)),
+        PROB_KEYS[2]: torch.where(n > 0, pearson, torch.ones_like(pearson)),
     }
 
 
@@ -591,9 +713,9 @@ def probability_diff(
 
     Pearson's correlation of the two probability vectors over valid tokens; with zero variance it is
     1 if the probabilities are identical, else 0. Logprobs above 0 (invalid) are read as 0. Pearson
-    is computed from mergeable raw moments (shifted by 0.5) in float64, so its rounding error is about
-    ``1e-16 * mean^2 / variance``: negligible for real token probabilities, ~1e-8 when one side's
-    probabilities are all nearly equal.
+    is computed from mergeable raw moments accumulated in float64, so its rounding error is about
+    ``eps * E[p^2] / Var(p)`` (eps of the input dtype): negligible for real token probabilities,
+    visible only when one side's probabilities are all nearly equal.
 
     Example:
         >>> import torch
@@ -601,7 +723,7 @@ def probability_diff(
         >>> [round(v.item(), 4) for v in out.values()]
         [0.0117, 0.035, 0.9991]
     """
-    return _prob_compute(**_f64(_prob_update(_view(trainer_logprobs, rollout_logprobs, response_mask))))
+    return _prob_compute(**_prob_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,13 +732,9 @@ def probability_diff(
 INPUT_KEYS = ("opbc/input/nonfinite_count", "opbc/input/num_tokens", "opbc/input/num_sequences")
 
 
-def _input_update(view: BatchView) -> Stats:
-    return {"nonfinite": view.nonfinite_count, "tokens": view.num_valid, "sequences": view.num_seqs}
+def _input_update(stats: Stats) -> Stats:
+    return {"nonfinite": stats["n_mask"] - stats["n"], "tokens": stats["n"], "sequences": stats["num_seqs"]}
 
 
 def _input_compute(nonfinite: Tensor, tokens: Tensor, sequences: Tensor) -> dict[str, Tensor]:
     return {INPUT_KEYS[0]: nonfinite, INPUT_KEYS[1]: tokens, INPUT_KEYS[2]: sequences}
-
-
-def _f64(stats: Stats) -> Stats:
-    return {k: v.to(torch.float64) for k, v in stats.items()}

@@ -1,0 +1,213 @@
+"""opbc-metrics benchmarks: ratios against baselines measured in the same run.
+
+Run: ``.venv/bin/python benchmarks/bench.py`` (``--quick`` for a smoke run, ``--only update,sync``
+to pick sections). Every figure is a median over repeats; what matters are the ratios, which
+compare code run on the same machine, in the same process, on the same data.
+
+Sections:
+  update   the full mismatch collection's update() against the floor (one fused pass that reads the
+           two logprob tensors and the mask once and reduces them), eager and compiled, over shapes
+  naive    against the way peers compute: each metric its own pass with .item() per value
+  sync     2-process gloo: the collection's packed sync against torchmetrics' per-state sync
+  memory   state bytes after 1 and 1000 updates; peak memory of one update against its inputs
+  sketch   the top-1% histogram sketch: cost and error against an exact sort
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from opbc_metrics import OPBCCollection  # noqa: E402
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO  # noqa: E402
+
+SHAPES = [(8, 1024), (64, 1024), (64, 4096), (128, 8192), (256, 8192)]
+QUICK_SHAPES = [(8, 256), (32, 1024)]
+
+
+def make_inputs(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(b, t, generator=g) * 3.0
+    rollout = (trainer + 0.05 * torch.randn(b, t, generator=g)).clamp(max=0.0)
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    return {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask}
+
+
+def timeit(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _floor(t: torch.Tensor, r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return ((t - r) * m).sum()
+
+
+_floor_compiled = torch.compile(_floor, fullgraph=True, dynamic=False)
+
+
+def naive_metrics(t: torch.Tensor, r: torch.Tensor, m: torch.Tensor, c: float = DEFAULT_CLAMP) -> dict[str, float]:
+    """How RL frameworks compute these today: each metric its own pass from the raw tensors, .item() each."""
+    out: dict[str, float] = {}
+
+    def lr() -> torch.Tensor:
+        return (t - r)[m.bool()]
+
+    w = lambda: torch.exp(lr().clamp(-c, c))  # noqa: E731
+    out["ess"] = (w().sum() ** 2 / (w().numel() * (w() ** 2).sum())).item()
+    out["second_moment"] = (w() ** 2).mean().item()
+    out["weight_mean"] = w().mean().item()
+    ws = w()
+    k = max(1, int(0.01 * ws.numel()))
+    out["top_1pct"] = (torch.topk(ws, k).values.sum() / ws.sum()).item()
+    out["clipped_fraction"] = (lr().abs() > c).float().mean().item()
+    out["veto_fraction"] = (lr().abs() > DEFAULT_VETO).float().mean().item()
+    out["abs_diff_mean"] = lr().abs().mean().item()
+    out["abs_diff_max"] = lr().abs().max().item()
+    out["diff_mean"] = lr().mean().item()
+    out["min"] = lr().min().item()
+    out["max"] = lr().max().item()
+    s = ((t - r) * m).sum(-1)
+    out["seq_mean"] = s.mean().item()
+    out["seq_abs_mean"] = s.abs().mean().item()
+    out["k1"] = (-lr().clamp(-c, c)).mean().item()
+    out["k2"] = (lr().clamp(-c, c) ** 2 / 2).mean().item()
+    out["k3"] = (torch.exp(lr().clamp(-c, c)) - 1 - lr().clamp(-c, c)).mean().item()
+    p, q = torch.exp(t[m.bool()]), torch.exp(r[m.bool()])
+    out["prob_abs_diff_mean"] = (p - q).abs().mean().item()
+    out["pearson"] = torch.corrcoef(torch.stack([p, q]))[0, 1].item()
+    return out
+
+
+def bench_update(shapes: list[tuple[int, int]], repeats: int, compiled: bool) -> None:
+    print("\n## update(): the full mismatch collection against the floor (median ms; ratio to the compiled floor)")
+    print(f"{'shape':>12} {'tokens':>9} {'floor':>8} {'floor eager':>11} {'eager':>8} {'x floor':>8}"
+          + (f" {'compiled':>9} {'x floor':>8}" if compiled else ""))
+    for b, t in shapes:
+        x = make_inputs(b, t)
+        tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
+        floor = timeit(lambda: _floor_compiled(tr, ro, m), repeats)  # noqa: B023
+        floor_eager = timeit(lambda: _floor(tr, ro, m), repeats)  # noqa: B023
+        metrics = OPBCCollection(sections=["mismatch"])
+        eager = timeit(lambda: metrics.update(x), repeats)  # noqa: B023
+        line = f"{b:>5}x{t:<6} {b * t:>9} {floor * 1e3:>8.3f} {floor_eager * 1e3:>11.3f} {eager * 1e3:>8.2f} {eager / floor:>8.1f}"
+        if compiled:
+            cm = OPBCCollection(sections=["mismatch"], compiled=True)
+            comp = timeit(lambda: cm.update(x), repeats)  # noqa: B023
+            line += f" {comp * 1e3:>9.2f} {comp / floor:>8.1f}"
+        print(line, flush=True)
+
+
+def bench_naive(shapes: list[tuple[int, int]], repeats: int) -> None:
+    print("\n## against the naive per-metric .item() baseline (median ms)")
+    print(f"{'shape':>12} {'naive':>9} {'collection':>11} {'speed-up':>9} {'naive keys':>11} {'our keys':>9}")
+    for b, t in shapes:
+        x = make_inputs(b, t)
+        tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
+        n_naive = len(naive_metrics(tr, ro, m))
+
+        def ours() -> dict[str, float]:
+            metrics = OPBCCollection()
+            metrics.update(x)  # noqa: B023
+            return {k: v.item() for k, v in metrics.compute().items()}
+
+        naive = timeit(lambda: naive_metrics(tr, ro, m), repeats)  # noqa: B023
+        mine = timeit(ours, repeats)
+        print(f"{b:>5}x{t:<6} {naive * 1e3:>9.2f} {mine * 1e3:>11.2f} {naive / mine:>9.1f} {n_naive:>11} {len(ours()):>9}",
+              flush=True)
+
+
+def bench_sync(repeats: int) -> None:
+    print("\n## sync: 2-process gloo, whole collection (median ms per compute() sync)")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sync_worker.py"), str(repeats)],
+                         capture_output=True, text=True, timeout=600)
+    print(out.stdout.strip() or out.stderr[-3000:])
+
+
+def state_bytes(metrics: OPBCCollection) -> int:
+    return sum(v.numel() * v.element_size() for v in metrics.state_dict().values())
+
+
+def bench_memory(quick: bool) -> None:
+    print("\n## memory")
+    metrics = OPBCCollection()
+    x = make_inputs(4, 64)
+    metrics.update(x)
+    one = state_bytes(metrics)
+    for _ in range(999):
+        metrics.update(x)
+    print(f"state bytes after 1 update: {one}; after 1000 updates: {state_bytes(metrics)}")
+    b, t = (32, 1024) if quick else (256, 8192)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peak_memory.py"), str(b), str(t)],
+                         capture_output=True, text=True, timeout=600)
+    print(out.stdout.strip() or out.stderr[-3000:])
+
+
+def bench_sketch(shapes: list[tuple[int, int]], repeats: int) -> None:
+    from opbc_metrics import TopGradientMass
+
+    print("\n## top-1% gradient mass: histogram sketch against an exact sort (heavy-tailed log ratios)")
+    print(f"{'shape':>12} {'sketch ms':>10} {'exact ms':>9} {'rel. error':>11} {'bound':>8}")
+    for b, t in shapes:
+        g = torch.Generator().manual_seed(1)
+        trainer = -torch.rand(b, t, generator=g) * 3.0
+        u = torch.rand(b, t, generator=g).clamp_min(1e-9)
+        rollout = (trainer - torch.randn(b, t, generator=g) / u ** (2 / 3)).clamp(max=0.0)
+        x = {"trainer_logprobs": trainer, "rollout_logprobs": rollout}
+        sk, ex = TopGradientMass(), TopGradientMass(exact=True)
+
+        def run(m: TopGradientMass) -> float:
+            m.reset()
+            m.update(x)  # noqa: B023
+            return m.compute().item()
+
+        s_ms, e_ms = timeit(lambda: run(sk), repeats), timeit(lambda: run(ex), repeats)  # noqa: B023
+        s, e = run(sk), run(ex)
+        print(f"{b:>5}x{t:<6} {s_ms * 1e3:>10.2f} {e_ms * 1e3:>9.2f} {abs(s - e) / e:>11.2e} {sk.error_bound:>8.2e}",
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke run)")
+    parser.add_argument("--only", default="update,naive,sync,memory,sketch")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
+    args = parser.parse_args()
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    repeats = 3 if args.quick else 15
+    only = set(args.only.split(","))
+    print(f"# opbc-metrics benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} cpus, {'quick' if args.quick else 'full'}")
+    if "update" in only:
+        bench_update(shapes, repeats, compiled=not args.no_compile)
+    if "naive" in only:
+        bench_naive(shapes, repeats)
+    if "sync" in only:
+        bench_sync(5 if args.quick else 30)
+    if "memory" in only:
+        bench_memory(args.quick)
+    if "sketch" in only:
+        bench_sketch(shapes, repeats)
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()
