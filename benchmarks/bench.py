@@ -108,7 +108,8 @@ def bench_update(shapes: list[tuple[int, int]], repeats: int, compiled: bool) ->
         floor_eager = timeit(lambda: _floor(tr, ro, m), repeats)  # noqa: B023
         metrics = OPBCCollection(sections=["mismatch"])
         eager = timeit(lambda: metrics.update(x), repeats)  # noqa: B023
-        line = f"{b:>5}x{t:<6} {b * t:>9} {floor * 1e3:>8.3f} {floor_eager * 1e3:>11.3f} {eager * 1e3:>8.2f} {eager / floor:>8.1f}"
+        line = (f"{b:>5}x{t:<6} {b * t:>9} {floor * 1e3:>8.3f} {floor_eager * 1e3:>11.3f} "
+                f"{eager * 1e3:>8.2f} {eager / floor:>8.1f}")
         if compiled:
             cm = OPBCCollection(sections=["mismatch"], compiled=True)
             comp = timeit(lambda: cm.update(x), repeats)  # noqa: B023
@@ -131,8 +132,8 @@ def bench_naive(shapes: list[tuple[int, int]], repeats: int) -> None:
 
         naive = timeit(lambda: naive_metrics(tr, ro, m), repeats)  # noqa: B023
         mine = timeit(ours, repeats)
-        print(f"{b:>5}x{t:<6} {naive * 1e3:>9.2f} {mine * 1e3:>11.2f} {naive / mine:>9.1f} {n_naive:>11} {len(ours()):>9}",
-              flush=True)
+        print(f"{b:>5}x{t:<6} {naive * 1e3:>9.2f} {mine * 1e3:>11.2f} {naive / mine:>9.1f} "
+              f"{n_naive:>11} {len(ours()):>9}", flush=True)
 
 
 def bench_sync(repeats: int) -> None:

@@ -10,11 +10,17 @@ from torch import Tensor
 from torchmetrics import MetricCollection
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from opbc_metrics.agent import agent_section
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
+from opbc_metrics.endpoint import endpoint_section
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
 from opbc_metrics.metric import OPBCMetric
 from opbc_metrics.mismatch import MISMATCH_METRICS
+from opbc_metrics.moe import moe_section
+from opbc_metrics.per_round import per_round_section
+from opbc_metrics.rollout import rollout_section
 from opbc_metrics.sync import all_reduce_states, packable
+from opbc_metrics.training import training_section
 
 
 def _mismatch_section(clamp: float, veto: float, top_mass_bins: int, **kwargs: Any) -> list[OPBCMetric]:
@@ -23,7 +29,23 @@ def _mismatch_section(clamp: float, veto: float, top_mass_bins: int, **kwargs: A
 
 # Section name -> factory(clamp, veto, top_mass_bins, **metric_kwargs) -> metrics.
 SECTIONS: dict[str, Callable[..., list[OPBCMetric]]] = {"mismatch": _mismatch_section}
-DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch",)
+# moe: router members with optional inputs (skip batches without expert ids), per-layer capacity
+# DEFAULT_MOE_LAYERS = 64; per_round: needs only the core logprob fields, capacity 16 rounds.
+SECTIONS["moe"] = moe_section
+SECTIONS["per_round"] = per_round_section
+# agent, endpoint: host-data members with optional inputs (trajectory_pairs; endpoint_responses); opt-in
+# with sections=[..., "agent", "endpoint"] or as members.
+SECTIONS["agent"] = agent_section
+SECTIONS["endpoint"] = endpoint_section
+# rollout: per-sample/per-group statistics with optional inputs (rewards, advantages, lengths, group_ids,
+# stop_reasons, discard_reasons). Opt-in: it validates the values of fields that other sections and
+# adapters also carry (a NaN reward or a negative length raises at compute()).
+SECTIONS["rollout"] = rollout_section
+# training: actor/critic/lengths/DPO/RM/validation/load-balance/timing members, all with optional inputs.
+# Opt-in (its members would report empty-window zeros for fields a mismatch-only user never feeds);
+# settings via section_options={"training": {"max_response_length": ..., "data_sources": [...], ...}}.
+SECTIONS["training"] = training_section
+DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round")
 
 
 class OPBCCollection(MetricCollection):
@@ -45,6 +67,7 @@ class OPBCCollection(MetricCollection):
         veto: the veto threshold in nats (30).
         top_mass_bins: bins of the top-1% gradient-mass sketch (8192).
         compiled: run the mismatch section's fused kernel under ``torch.compile`` (first call compiles).
+        section_options: per-section constructor options, e.g. ``{"moe": {"num_layers": 48, "top_k": 8}}``.
         metric_kwargs: torchmetrics ``Metric`` arguments passed to every default member.
 
     Example:
@@ -67,6 +90,7 @@ class OPBCCollection(MetricCollection):
         veto: float = DEFAULT_VETO,
         top_mass_bins: int = DEFAULT_TOP_MASS_BINS,
         compiled: bool = False,
+        section_options: dict[str, dict[str, Any]] | None = None,
         **metric_kwargs: Any,
     ) -> None:
         if metrics is None:
@@ -74,7 +98,11 @@ class OPBCCollection(MetricCollection):
             if unknown:
                 raise ValueError(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
             settings = dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins, **metric_kwargs)
-            metrics = [m for s in sections for m in SECTIONS[s](**settings)]
+            options = section_options or {}
+            unknown = sorted(set(options) - set(sections))
+            if unknown:
+                raise ValueError(f"section_options for sections not in the collection: {unknown}")
+            metrics = [m for s in sections for m in SECTIONS[s](**settings, **options.get(s, {}))]
         members = list(metrics.values()) if isinstance(metrics, dict) else list(metrics)
         for m in members:
             if not isinstance(m, OPBCMetric):
@@ -99,7 +127,7 @@ class OPBCCollection(MetricCollection):
         return [k for m in self.members() for k in m.keys]
 
     def _active(self, view: BatchView) -> list[OPBCMetric]:
-        return [m for m in self.members() if not getattr(m, "optional_inputs", False) or view.has(*m.required_fields)]
+        return [m for m in self.members() if m.accepts(view)]
 
     def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]
         """Accumulate one batch (a mapping, dataclass, or keyword fields with the batch-schema names)."""
@@ -125,6 +153,10 @@ class OPBCCollection(MetricCollection):
                 # A member whose optional inputs never arrived reports its empty-window value.
                 warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
                 for m in members:
+                    # Optional-input members that never saw data on any rank (states are synced here)
+                    # leave their keys out, so a dense model's run shows no empty MoE charts.
+                    if m.optional_inputs and packable(m) and not m.has_data():
+                        continue
                     out.update(m.as_dict(m.compute()))
         finally:
             for m in synced:
@@ -132,6 +164,25 @@ class OPBCCollection(MetricCollection):
                 if m._is_synced:
                     m.unsync()
         return out
+
+    def merge_state(self, incoming: OPBCCollection | dict[str, Any]) -> None:
+        """Fold another collection's states into this one (the single-controller pattern).
+
+        Workers (Ray actors, verl's worker groups) each accumulate their own collection and ship it,
+        or its ``state_dict()``, to one controller process, which merges them: the result equals one
+        collection updated with all the workers' data. Members must match by name and settings.
+        """
+        for name, m in self.items(keep_base=True, copy_state=False):
+            if isinstance(incoming, OPBCCollection):
+                m.merge_state(incoming[name])
+            else:
+                prefix = f"{name}."
+                state = {k[len(prefix):]: v for k, v in incoming.items() if k.startswith(prefix)}
+                missing = sorted(set(m._defaults) - set(state))
+                if missing:
+                    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                    raise ValueError(f"merge_state: incoming state lacks {name}.{missing[0]}{more}")
+                m.merge_state({k: v.to(m.device) for k, v in state.items()})
 
     def _packed_sync(self, members: list[OPBCMetric]) -> list[OPBCMetric]:
         to_pack = [

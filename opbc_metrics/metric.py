@@ -64,6 +64,7 @@ class OPBCMetric(Metric):
     glossary: ClassVar[GlossaryEntry | None] = None
     section: ClassVar[str] = ""
     required_fields: ClassVar[tuple[str, ...]] = ()
+    optional_inputs: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -107,6 +108,21 @@ class OPBCMetric(Metric):
 
     def _update_view(self, view: BatchView) -> None:
         raise NotImplementedError
+
+    def accepts(self, view: BatchView) -> bool:
+        """Whether a collection should update this metric with ``view``.
+
+        Metrics with ``optional_inputs`` skip batches that lack their fields; the others always update
+        (and raise a ``ValueError`` naming a missing field).
+        """
+        return not self.optional_inputs or view.has(*self.required_fields)
+
+    def has_data(self) -> bool:
+        """Whether any state differs from its default, i.e. some update carried data."""
+        return any(
+            not isinstance(default, torch.Tensor) or not torch.equal(getattr(self, name), default.to(self.device))
+            for name, default in self._defaults.items()
+        )
 
     def compute_dict(self) -> dict[str, Tensor]:
         """:meth:`compute` as a dict keyed by the full ``section/group/metric`` keys."""

@@ -22,6 +22,10 @@ _OPS = {dim_zero_sum: "sum", dim_zero_max: "max", dim_zero_min: "min"}
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+class SyncError(RuntimeError):
+    """A collective of the packed sync failed (a rank died, timed out, or never called compute)."""
+
+
 def reduce_kind(metric: Metric, name: str) -> str | None:
     """``'sum'``, ``'max'`` or ``'min'`` for a packable state, ``None`` for anything else."""
     fx = metric._reductions[name]
@@ -54,7 +58,13 @@ def all_reduce_states(metrics: Iterable[Metric], group: Any = None) -> int:
             buckets.setdefault((kind, value.dtype, value.device), []).append((metric, name, value))
     for (kind, _, _), entries in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))):
         flat = torch.cat([value.reshape(-1) for _, _, value in entries])
-        dist.all_reduce(flat, op=_DIST_OPS[kind], group=group)
+        try:
+            dist.all_reduce(flat, op=_DIST_OPS[kind], group=group)
+        except (RuntimeError, ValueError) as err:  # DistBackendError and gloo timeouts are RuntimeErrors
+            raise SyncError(
+                f"opbc-metrics: the {kind}-reduce of {len(entries)} metric states failed; a rank probably "
+                f"died or never reached compute() (the process group's timeout bounds the wait): {err}"
+            ) from err
         offset = 0
         for metric, name, value in entries:
             n = value.numel()

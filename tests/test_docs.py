@@ -6,10 +6,10 @@ import doctest
 import importlib
 import pkgutil
 
-import opbc_metrics.integrations
 import pytest
 
 import opbc_metrics
+import opbc_metrics.integrations
 from opbc_metrics import glossary
 from opbc_metrics.metric import OPBCMetric
 

@@ -490,7 +490,7 @@ def _log_ratio_range_update(stats: Stats) -> Stats:
     return {"min": stats["min_r"], "max": stats["max_r"], "count": stats["n"]}
 
 
-def _log_ratio_range_compute(min: Tensor, max: Tensor, count: Tensor) -> dict[str, Tensor]:  # noqa: A002
+def _log_ratio_range_compute(min: Tensor, max: Tensor, count: Tensor) -> dict[str, Tensor]:
     zero = torch.zeros_like(min)
     lo, hi = torch.where(count > 0, min, zero), torch.where(count > 0, max, zero)
     return {LOG_RATIO_KEYS[0]: lo, LOG_RATIO_KEYS[1]: hi, LOG_RATIO_KEYS[2]: torch.maximum(lo.abs(), hi.abs())}
@@ -607,7 +607,12 @@ def kl_estimators(
 
 
 def _chi2_update(stats: Stats) -> Stats:
-    return {"sum_w2": stats["sum_w2"], "count": stats["n"], "sum_seq_w2": stats["sum_ws2"], "seq_count": stats["num_seqs"]}
+    return {
+        "sum_w2": stats["sum_w2"],
+        "count": stats["n"],
+        "sum_seq_w2": stats["sum_ws2"],
+        "seq_count": stats["num_seqs"],
+    }
 
 
 def _chi2_compute(sum_w2: Tensor, count: Tensor, sum_seq_w2: Tensor, seq_count: Tensor) -> dict[str, Tensor]:

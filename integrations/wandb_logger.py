@@ -1,0 +1,692 @@
+"""Weights & Biases logging of the flat ``section/group/metric`` keys (the ``wandb`` extra).
+
+* Scalars are logged under their keys unchanged. W&B builds its panel sections from the text before
+  the first ``/``, so each section (``opbc``, ``moe``, ...) becomes a dashboard with no configuration.
+* Every key gets ``run.define_metric(key, summary=...)`` with the *worst case* over the run as its
+  summary: ``"min"`` for a metric where higher is better (ESS), ``"max"`` where lower is better
+  (veto fraction, |Δlogp|), ``"last"`` where the class declares no direction, ``"min,max"`` for signed
+  quantities whose ideal is in the middle (see :data:`KEY_SUMMARIES`).
+* Distributions are logged as ``wandb.Histogram`` with at most 512 bins (W&B's limit,
+  ``wandb.Histogram.MAX_LENGTH``): from :class:`DistributionHistograms` (fixed-bin states summed over a
+  window and over all ranks: exact under DDP), from one batch (:func:`batch_histograms`, numpy,
+  rank-local), from any 1-D tensor a metric returns, and from per-layer scalars
+  ``<prefix>/layer_<i>/<name>`` (e.g. ``moe/router/layer_3/flip_rate``), drawn as one bar per layer
+  under ``<prefix>/<name>_by_layer``.
+* The run config records the glossary (:func:`opbc_metrics.glossary.glossary_dict`), the declared chart
+  ranges of every key (the metric classes' ``plot_lower_bound``/``plot_upper_bound``, a member's
+  ``chart_ranges()`` if it defines one, and ranges you declare, e.g. ``reward_min``/``reward_max``),
+  the summaries chosen and the histogram bins, under ``config["opbc"]``.
+
+Nothing here reaches a server by itself: pass ``mode="offline"`` (or set ``WANDB_MODE=offline``) for
+runs without network. ``wandb`` is imported only when a run is created or a histogram is built.
+
+Example (offline)::
+
+    from opbc_metrics import OPBCCollection
+    from opbc_metrics.integrations.wandb_logger import DistributionHistograms, OPBCWandbLogger
+
+    metrics = OPBCCollection()
+    logger = OPBCWandbLogger(collection=metrics, distributions=DistributionHistograms(),
+                             project="opbc", mode="offline", dir="runs")
+    for step, batch in enumerate(loader):
+        metrics.update(batch)
+        logger.update(batch)                      # feeds the distribution histograms
+        if (step + 1) % 50 == 0:
+            logger.log(metrics.compute(), step=step)   # on every rank: both are collectives
+            metrics.reset()
+    logger.finish()
+
+Sharing a run with Lightning's ``WandbLogger``: pass ``run=trainer.logger.experiment`` and
+``step_metric="trainer/global_step"`` so that both write the same step axis.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view
+from opbc_metrics.metric import OPBCMetric, registered_metrics
+
+__all__ = [
+    "KEY_SUMMARIES",
+    "LAST_VALUE_SUFFIXES",
+    "MAX_HISTOGRAM_BINS",
+    "DistributionHistograms",
+    "OPBCWandbLogger",
+    "batch_histograms",
+    "chart_ranges",
+    "layer_histograms",
+    "metric_directions",
+    "summaries_for",
+    "summary_for",
+    "vector_histogram",
+]
+
+MAX_HISTOGRAM_BINS = 512  # wandb.Histogram.MAX_LENGTH
+
+LOG_RATIO_HIST = "opbc/dist/log_ratio"
+SEQ_LOG_RATIO_HIST = "opbc/dist/seq_log_ratio"
+LAYER_FLIP_HIST = "moe/dist/layer_flip_rate"
+
+# Keys whose worst case is not given by their class's single ``higher_is_better``: signed quantities
+# (ideal 0 or 1, bad in both directions) and counters.
+KEY_SUMMARIES: dict[str, str] = {
+    "opbc/log_ratio/min": "min",
+    "opbc/logprob/diff_mean": "min,max",
+    "opbc/sequence/log_ratio_mean": "min,max",
+    "opbc/sequence/geo_log_ratio_mean": "min,max",
+    "opbc/ppl/log_ppl_diff": "min,max",
+    "opbc/ppl/ratio": "min,max",
+    "opbc/is/weight_mean": "min,max",
+    "opbc/prob/pearson": "min",
+}
+
+# Indices and sample sizes have no worst case: their summary is the last value. Matched on the end of
+# the key (``moe/router/worst_layer``, ``per_round/max_round_diff``, ``per_round/round_3_token_count``...).
+LAST_VALUE_SUFFIXES: tuple[str, ...] = (
+    "/worst_layer",
+    "/max_round_diff",
+    "/total_rounds",
+    "_token_count",
+    "/num_tokens",
+    "/num_sequences",
+)
+
+# ``<prefix>/layer_<i>/<name>`` scalars (e.g. ``moe/router/layer_3/flip_rate``) are also drawn as one
+# per-layer bar chart ``<prefix>/<name>_by_layer``.
+_LAYER_KEY = re.compile(r"^(?P<prefix>.+)/layer_(?P<index>\d+)/(?P<name>[^/]+)$")
+
+
+# ------------------------------------------------------------------------------------------------
+# Summaries and chart ranges
+# ------------------------------------------------------------------------------------------------
+def summary_for(higher_is_better: bool | None) -> str:
+    """The W&B summary that keeps a metric's worst value over the run.
+
+    Example:
+        >>> summary_for(True), summary_for(False), summary_for(None)
+        ('min', 'max', 'last')
+    """
+    if higher_is_better is None:
+        return "last"
+    return "min" if higher_is_better else "max"
+
+
+def _members(source: Any) -> list[Any]:
+    if source is None:
+        return []
+    if hasattr(source, "members"):
+        return list(source.members())
+    if isinstance(source, OPBCMetric):
+        return [source]
+    return list(source)
+
+
+def metric_directions(source: Any = None) -> dict[str, bool | None]:
+    """``{key: higher_is_better}`` for the keys of a collection (or metrics); every registered metric
+    class when ``source`` is ``None``.
+
+    Example:
+        >>> directions = metric_directions()
+        >>> directions["opbc/is/ess"], directions["opbc/is/veto_fraction"]
+        (True, False)
+    """
+    pairs = (
+        [(m.keys, m.higher_is_better) for m in _members(source)]
+        if source is not None
+        else [(cls.keys, cls.higher_is_better) for cls in registered_metrics()]
+    )
+    return {key: direction for keys, direction in pairs for key in keys}
+
+
+def summaries_for(
+    keys: Iterable[str], directions: Mapping[str, bool | None], overrides: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The summary of each key: ``overrides``, then :data:`KEY_SUMMARIES`, then its direction.
+
+    Keys without a known direction are left out (W&B's default summary, the last value, applies). A key
+    with the ``_epoch`` suffix (the Lightning callback's epoch aggregates) follows its base key.
+
+    Example:
+        >>> summaries_for(["opbc/is/ess", "opbc/is/veto_fraction", "opbc/prob/pearson", "loss"],
+        ...               metric_directions())
+        {'opbc/is/ess': 'min', 'opbc/is/veto_fraction': 'max', 'opbc/prob/pearson': 'min'}
+    """
+    out: dict[str, str] = {}
+    for key in keys:
+        summary = _summary_of(key, directions, overrides)
+        if summary is None and key.endswith("_epoch"):
+            summary = _summary_of(key[: -len("_epoch")], directions, overrides)
+        if summary is not None:
+            out[key] = summary
+    return out
+
+
+def _summary_of(key: str, directions: Mapping[str, bool | None], overrides: Mapping[str, str] | None) -> str | None:
+    if overrides and key in overrides:
+        return overrides[key]
+    if key in KEY_SUMMARIES:
+        return KEY_SUMMARIES[key]
+    if key.endswith(LAST_VALUE_SUFFIXES):
+        return "last"
+    if key in directions:
+        return summary_for(directions[key])
+    return None
+
+
+def chart_ranges(
+    source: Any = None, declared: Mapping[str, tuple[float | None, float | None]] | None = None
+) -> dict[str, list[float | None]]:
+    """Declared ``[min, max]`` chart ranges per key.
+
+    From each member's ``plot_lower_bound``/``plot_upper_bound`` (torchmetrics' plotting attributes,
+    applied to every key of the member), then a member's ``chart_ranges()`` mapping if it defines one,
+    then ``declared`` (e.g. ``{"rollout/reward/mean": (reward_min, reward_max)}``), later sources winning.
+    Keys without a declaration are absent: charts use the observed range.
+
+    Example:
+        >>> from opbc_metrics import OPBCCollection
+        >>> ranges = chart_ranges(OPBCCollection(), declared={"rollout/reward/mean": (0.0, 2.0)})
+        >>> ranges["opbc/is/ess"], ranges["rollout/reward/mean"]
+        ([0.0, 1.0], [0.0, 2.0])
+    """
+    out: dict[str, list[float | None]] = {}
+    for m in _members(source):
+        lo, hi = getattr(m, "plot_lower_bound", None), getattr(m, "plot_upper_bound", None)
+        if lo is not None or hi is not None:
+            for key in m.keys:
+                if not key.endswith(LAST_VALUE_SUFFIXES):  # indices and counts keep their own scale
+                    out[key] = [_opt_float(lo), _opt_float(hi)]
+        own = getattr(m, "chart_ranges", None)
+        if callable(own):
+            for key, (lo, hi) in own().items():
+                out[key] = [_opt_float(lo), _opt_float(hi)]
+    for key, (lo, hi) in (declared or {}).items():
+        out[key] = [_opt_float(lo), _opt_float(hi)]
+    return out
+
+
+def _opt_float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Histograms
+# ------------------------------------------------------------------------------------------------
+def _check_bins(bins: int) -> int:
+    if not isinstance(bins, int) or isinstance(bins, bool) or not 1 <= bins <= MAX_HISTOGRAM_BINS:
+        raise ValueError(f"`bins` must be an integer in [1, {MAX_HISTOGRAM_BINS}] (W&B's limit), got {bins!r}")
+    return bins
+
+
+def vector_histogram(values: Any, max_bins: int = MAX_HISTOGRAM_BINS) -> tuple[np.ndarray, np.ndarray]:
+    """A 1-D vector (e.g. per-layer flip rates) as ``(heights, edges)``: one bar per index ``[i, i + 1)``.
+
+    Longer vectors are averaged over runs of ``ceil(n / max_bins)`` consecutive indices.
+
+    Example:
+        >>> heights, edges = vector_histogram([0.1, 0.0, 0.3])
+        >>> heights.tolist(), edges.tolist()
+        ([0.1, 0.0, 0.3], [0.0, 1.0, 2.0, 3.0])
+        >>> heights, edges = vector_histogram(list(range(10)), max_bins=4)
+        >>> heights.tolist(), edges.tolist()
+        ([1.0, 4.0, 7.0, 9.0], [0.0, 3.0, 6.0, 9.0, 10.0])
+    """
+    _check_bins(max_bins)
+    v = _to_numpy(values).astype(np.float64).reshape(-1)
+    n = v.size
+    if n == 0:
+        raise ValueError("cannot build a histogram of an empty vector")
+    group = math.ceil(n / max_bins)
+    starts = np.arange(0, n, group)
+    sums = np.add.reduceat(v, starts)
+    counts = np.diff(np.append(starts, n))
+    edges = np.append(starts, n).astype(np.float64)
+    return sums / counts, edges
+
+
+def layer_histograms(
+    values: Mapping[str, Any], num_layers: int | None = None
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per-layer bar charts from ``<prefix>/layer_<i>/<name>`` scalars: ``<prefix>/<name>_by_layer``.
+
+    Layers ``0..max index`` (the first ``num_layers`` when given; a missing index counts 0).
+
+    Example:
+        >>> vals = {"moe/router/layer_0/flip_rate": 0.1, "moe/router/layer_1/flip_rate": 0.3,
+        ...         "moe/router/layer_2/flip_rate": 0.0, "moe/router/flip_rate": 0.13}
+        >>> heights, edges = layer_histograms(vals, num_layers=2)["moe/router/flip_rate_by_layer"]
+        >>> heights.tolist(), edges.tolist()
+        ([0.1, 0.3], [0.0, 1.0, 2.0])
+    """
+    groups: dict[str, dict[int, float]] = {}
+    for key, value in values.items():
+        match = _LAYER_KEY.match(key)
+        scalar = _scalar(value) if match else None
+        if match and scalar is not None:
+            name = f"{match['prefix']}/{match['name']}_by_layer"
+            groups.setdefault(name, {})[int(match["index"])] = scalar
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, by_index in groups.items():
+        n = max(by_index) + 1 if num_layers is None else num_layers
+        if n >= 1:
+            out[name] = vector_histogram([by_index.get(i, 0.0) for i in range(n)])
+    return out
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, Tensor):
+        return x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x)
+
+
+def batch_histograms(batch: Any, bins: int = 64) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Histograms of one batch (numpy, on the host; rank-local): the valid tokens' log ratio, the valid
+    sequences' log ratio ``s_i = sum_t r_t``, and, when the batch has ``rollout_experts`` and
+    ``trainer_experts`` ``[B, T, L, K]``, the per-layer top-1 flip rate over response tokens.
+
+    Each is ``(counts, edges)`` with ``bins`` bins over the observed range (at most 512, W&B's limit);
+    a distribution with no values is left out.
+
+    Example:
+        >>> import torch
+        >>> b = {"trainer_logprobs": torch.tensor([[-1.0, -1.0, -2.0]]),
+        ...      "rollout_logprobs": torch.tensor([[-1.5, -1.0, -1.0]]), "response_mask": torch.tensor([[1, 1, 0]])}
+        >>> counts, edges = batch_histograms(b, bins=2)["opbc/dist/log_ratio"]
+        >>> counts.tolist(), edges.tolist()
+        ([1, 1], [0.0, 0.25, 0.5])
+    """
+    _check_bins(bins)
+    view = as_view(batch)
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    valid = view.valid.cpu().numpy()
+    r = view.log_ratio.detach().to("cpu", torch.float64).numpy()[valid]
+    if r.size:
+        out[LOG_RATIO_HIST] = np.histogram(r, bins=bins)
+    seq_valid = view.seq_valid.cpu().numpy()
+    s = view.seq_log_ratio.detach().to("cpu", torch.float64).numpy()[seq_valid]
+    if s.size:
+        out[SEQ_LOG_RATIO_HIST] = np.histogram(s, bins=bins)
+    if view.has("rollout_experts", "trainer_experts"):
+        flips, tokens = _layer_flips(view)
+        if float(tokens) > 0:
+            out[LAYER_FLIP_HIST] = vector_histogram((flips / tokens).cpu())
+    return out
+
+
+def _layer_flips(view: BatchView, num_layers: int | None = None) -> tuple[Tensor, Tensor]:
+    """Per-layer top-1 mismatches over response tokens ``[L]`` and the number of response tokens."""
+    _, _, mask = view.token_inputs
+    tops = []
+    for name in ("rollout_experts", "trainer_experts"):
+        e = view.tensor(name)
+        if e.ndim != 4 or tuple(e.shape[:2]) != tuple(mask.shape):
+            raise ValueError(
+                f"batch field `{name}` must have shape [B, T, L, K] with [B, T] = {tuple(mask.shape)}, "
+                f"got {tuple(e.shape)}"
+            )
+        if e.is_floating_point() or e.is_complex():
+            raise ValueError(f"batch field `{name}` must hold integer expert ids, got {e.dtype}")
+        if num_layers is not None and e.shape[2] != num_layers:
+            raise ValueError(f"batch field `{name}` has {e.shape[2]} layers, expected num_layers={num_layers}")
+        tops.append(e[..., 0])
+    if tops[0].shape != tops[1].shape:
+        raise ValueError(
+            f"batch field `rollout_experts` has {tuple(tops[0].shape)} top-1 ids but `trainer_experts` has "
+            f"{tuple(tops[1].shape)}"
+        )
+    flipped = (tops[0] != tops[1]) & mask.unsqueeze(-1)
+    return flipped.to(torch.float64).sum(dim=(0, 1)), mask.to(torch.float64).sum()
+
+
+class DistributionHistograms(OPBCMetric):
+    r"""Fixed-bin histograms of the log ratio, the sequence log ratio and the per-layer router flip rate,
+    accumulated over a window and synced exactly across ranks (sum states).
+
+    * ``opbc/dist/log_ratio``: counts of valid tokens' :math:`r_t` in ``bins`` equal bins over
+      ``[-log_ratio_range, log_ratio_range]`` nats;
+    * ``opbc/dist/seq_log_ratio``: counts of valid sequences' :math:`s_i = \sum_t r_t` over
+      ``[-seq_log_ratio_range, seq_log_ratio_range]``;
+    * ``moe/dist/layer_flip_rate`` (only with ``num_layers``, for batches carrying ``rollout_experts``
+      and ``trainer_experts`` ``[B, T, L, K]``): per layer, top-1 mismatches / response tokens.
+
+    The two end bins are open: they also count the values beyond the range, so nothing is dropped (the
+    exact extremes are ``opbc/log_ratio/{min,max}`` and ``opbc/sequence/log_ratio_max_abs``). An empty
+    window gives all-zero counts and rates. These are chart data, not glossary metrics: the class declares
+    no glossary ``keys`` (so it is not registered); its outputs are :attr:`histogram_keys`.
+
+    Args:
+        bins: bins per distribution, at most 512 (W&B's limit).
+        log_ratio_range: half-width R of the token histogram, nats (1.0).
+        seq_log_ratio_range: half-width of the sequence histogram, nats (10.0).
+        num_layers: MoE layers L for the flip-rate histogram; ``None`` disables it.
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    Example:
+        >>> import torch
+        >>> hist = DistributionHistograms(bins=4, log_ratio_range=1.0, seq_log_ratio_range=2.0)
+        >>> hist.update(trainer_logprobs=torch.tensor([[-1.0, -1.0, -2.0]]),
+        ...             rollout_logprobs=torch.tensor([[-1.6, -1.0, -5.0]]))
+        >>> out = hist.compute()
+        >>> out["opbc/dist/log_ratio"].tolist()  # r = 0.6, 0.0, 3.0 (3.0 lands in the open top bin)
+        [0.0, 0.0, 1.0, 2.0]
+        >>> out["opbc/dist/seq_log_ratio"].tolist()  # s = 3.6, beyond 2.0
+        [0.0, 0.0, 0.0, 1.0]
+        >>> hist.edges("opbc/dist/log_ratio").tolist()
+        [-1.0, -0.5, 0.0, 0.5, 1.0]
+    """
+
+    keys: ClassVar[tuple[str, ...]] = ()
+    section: ClassVar[str] = "dist"
+    required_fields: ClassVar[tuple[str, ...]] = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)
+
+    def __init__(
+        self,
+        bins: int = 128,
+        log_ratio_range: float = 1.0,
+        seq_log_ratio_range: float = 10.0,
+        num_layers: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.bins = _check_bins(bins)
+        for name, value in (("log_ratio_range", log_ratio_range), ("seq_log_ratio_range", seq_log_ratio_range)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"`{name}` must be a positive finite number, got {value!r}")
+        self.log_ratio_range = float(log_ratio_range)
+        self.seq_log_ratio_range = float(seq_log_ratio_range)
+        if num_layers is not None and (not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_HISTOGRAM_BINS):
+            raise ValueError(f"`num_layers` must be an integer in [1, {MAX_HISTOGRAM_BINS}], got {num_layers!r}")
+        self.num_layers = num_layers
+        self.add_sum("token_counts", (self.bins,))
+        self.add_sum("seq_counts", (self.bins,))
+        if num_layers is not None:
+            self.add_sum("layer_flips", (num_layers,))
+            self.add_sum("router_tokens")
+
+    @property
+    def histogram_keys(self) -> tuple[str, ...]:
+        """The keys :meth:`compute` returns."""
+        keys = (LOG_RATIO_HIST, SEQ_LOG_RATIO_HIST)
+        return (*keys, LAYER_FLIP_HIST) if self.num_layers is not None else keys
+
+    def _bin_counts(self, values: Tensor, weights: Tensor, half_width: float) -> Tensor:
+        width = 2.0 * half_width / self.bins
+        idx = ((values.to(torch.float64) + half_width) / width).floor().clamp(0, self.bins - 1).long().reshape(-1)
+        counts = torch.zeros(self.bins, dtype=torch.float64, device=values.device)
+        return counts.index_add_(0, idx, weights.to(torch.float64).reshape(-1))
+
+    def _update_view(self, view: BatchView) -> None:
+        stats = {
+            "token_counts": self._bin_counts(view.log_ratio, view.valid_f, self.log_ratio_range),
+            "seq_counts": self._bin_counts(view.seq_log_ratio, view.seq_valid_f, self.seq_log_ratio_range),
+        }
+        if self.num_layers is not None and view.has("rollout_experts", "trainer_experts"):
+            stats["layer_flips"], stats["router_tokens"] = _layer_flips(view, self.num_layers)
+        self.accumulate(**stats)
+
+    def compute(self) -> dict[str, Tensor]:
+        out = {LOG_RATIO_HIST: self.token_counts.clone(), SEQ_LOG_RATIO_HIST: self.seq_counts.clone()}
+        if self.num_layers is not None:
+            tokens = self.router_tokens
+            self._synced_router_tokens = tokens.clone()  # the window's (synced) count, for histograms()
+            out[LAYER_FLIP_HIST] = torch.where(
+                tokens > 0, self.layer_flips / tokens.clamp_min(1.0), torch.zeros_like(self.layer_flips)
+            )
+        return out
+
+    def edges(self, key: str) -> np.ndarray:
+        """Bin edges of one histogram key."""
+        if key == LOG_RATIO_HIST:
+            return np.linspace(-self.log_ratio_range, self.log_ratio_range, self.bins + 1)
+        if key == SEQ_LOG_RATIO_HIST:
+            return np.linspace(-self.seq_log_ratio_range, self.seq_log_ratio_range, self.bins + 1)
+        if key == LAYER_FLIP_HIST and self.num_layers is not None:
+            return np.arange(self.num_layers + 1, dtype=np.float64)
+        raise KeyError(key)
+
+    def histograms(self, skip_empty: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{key: (values, edges)}`` from :meth:`compute` (synced across ranks: call on every rank).
+
+        With ``skip_empty``, distributions that saw no value in the window (over all ranks) are left out.
+        """
+        with warnings.catch_warnings():  # an empty window is a normal case here, not a user error
+            warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+            values = self.compute()
+        out = {key: (_to_numpy(v), self.edges(key)) for key, v in values.items()}
+        if skip_empty:
+            for key in (LOG_RATIO_HIST, SEQ_LOG_RATIO_HIST):
+                if not np.any(out[key][0]):
+                    del out[key]
+            tokens = getattr(self, "_synced_router_tokens", None)
+            if LAYER_FLIP_HIST in out and (tokens is None or float(tokens) == 0.0):
+                del out[LAYER_FLIP_HIST]
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The logger
+# ------------------------------------------------------------------------------------------------
+def _import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("W&B logging needs the `wandb` package: pip install 'opbc-metrics[wandb]'") from e
+    return wandb
+
+
+def _is_rank_zero() -> bool:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+
+class OPBCWandbLogger:
+    """Writes computed ``section/group/metric`` values, histograms and metadata to a W&B run.
+
+    Only global rank 0 writes (and creates the run); every rank may call :meth:`log`, and must when
+    ``distributions`` is set, since computing the histograms syncs them across ranks.
+
+    Args:
+        run: an existing ``wandb`` run (e.g. ``trainer.logger.experiment``); created on rank 0 at the
+            first write from ``init_kwargs`` when ``None``.
+        collection: the :class:`~opbc_metrics.OPBCCollection` (or metrics) whose keys are defined
+            up front (summaries, chart ranges); keys first seen in :meth:`log` are defined then.
+        distributions: a :class:`DistributionHistograms` fed by :meth:`update` and logged (then reset)
+            by :meth:`log`.
+        ranges: declared chart ranges ``{key: (min, max)}`` added to the config.
+        summaries: per-key summary overrides, e.g. ``{"opbc/is/ess": "min,last"}``.
+        step_metric: log the step under this key and define every metric against it (no ``step=``
+            argument to ``run.log``), for sharing a run with a logger that owns W&B's step.
+        num_layers: the model's MoE layer count: per-layer bar charts built from
+            ``.../layer_<i>/...`` scalars (see :func:`layer_histograms`) show layers ``0..num_layers-1``
+            instead of every layer the metric has capacity for.
+        layer_bars: build those per-layer bar charts.
+        log_glossary: put the glossary in the run config.
+        init_kwargs: ``wandb.init`` arguments (``project``, ``mode="offline"``, ``dir``, ...).
+
+    Example:
+        >>> logger = OPBCWandbLogger(run=None, mode="offline")
+        >>> logger.summaries_for(["opbc/is/ess", "opbc/is/veto_fraction", "opbc/is/weight_mean"])
+        {'opbc/is/ess': 'min', 'opbc/is/veto_fraction': 'max', 'opbc/is/weight_mean': 'min,max'}
+    """
+
+    def __init__(
+        self,
+        run: Any = None,
+        *,
+        collection: Any = None,
+        distributions: DistributionHistograms | None = None,
+        ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
+        summaries: Mapping[str, str] | None = None,
+        step_metric: str | None = None,
+        num_layers: int | None = None,
+        layer_bars: bool = True,
+        log_glossary: bool = True,
+        **init_kwargs: Any,
+    ) -> None:
+        self._run = run
+        self._owns_run = False
+        self._init_kwargs = init_kwargs
+        self.collection = collection
+        self.distributions = distributions
+        self.declared_ranges = dict(ranges or {})
+        self.summary_overrides = dict(summaries or {})
+        self.step_metric = step_metric
+        self.num_layers = num_layers
+        self.layer_bars = layer_bars
+        self.log_glossary = log_glossary
+        self._directions = metric_directions()
+        if collection is not None:
+            self._directions.update(metric_directions(collection))
+        self._defined: set[str] = set()
+        self._configured = False
+
+    # -- run handling ------------------------------------------------------------------------
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes to W&B (global rank 0)."""
+        return _is_rank_zero()
+
+    @property
+    def run(self) -> Any:
+        """The W&B run (created on first access on rank 0); ``None`` on other ranks."""
+        if self._run is None and self.is_writer:
+            self._run = _import_wandb().init(**self._init_kwargs)
+            self._owns_run = True
+        return self._run if self.is_writer else None
+
+    def finish(self) -> None:
+        """Finish the run if this logger created it."""
+        if self._owns_run and self._run is not None:
+            self._run.finish()
+        self._run = None
+        self._owns_run = False
+
+    # -- metadata ----------------------------------------------------------------------------
+    def summaries_for(self, keys: Iterable[str]) -> dict[str, str]:
+        """The summary each key gets (see :func:`summaries_for`)."""
+        return summaries_for(keys, self._directions, self.summary_overrides)
+
+    def _configure(self, run: Any) -> None:
+        if self._configured:
+            return
+        self._configured = True
+        if self.step_metric is not None:
+            run.define_metric(self.step_metric)
+        keys = list(getattr(self.collection, "keys_produced", [])) if self.collection is not None else []
+        if not keys and self.collection is not None:
+            keys = [k for m in _members(self.collection) for k in m.keys]
+        self._define(run, keys)
+        meta: dict[str, Any] = {
+            "chart_ranges": chart_ranges(self.collection, self.declared_ranges),
+            "summaries": self.summaries_for(keys),
+        }
+        if self.distributions is not None:
+            meta["histograms"] = {
+                key: {
+                    "bins": len(self.distributions.edges(key)) - 1,
+                    "edges": [float(self.distributions.edges(key)[0]), float(self.distributions.edges(key)[-1])],
+                }
+                for key in self.distributions.histogram_keys
+            }
+        if self.log_glossary:
+            from opbc_metrics.glossary import glossary_dict
+
+            meta["glossary"] = glossary_dict()
+        run.config.update({"opbc": meta}, allow_val_change=True)
+
+    def _define(self, run: Any, keys: Iterable[str]) -> None:
+        new = [k for k in keys if k not in self._defined]
+        for key, summary in self.summaries_for(new).items():
+            kwargs: dict[str, Any] = {"summary": summary}
+            if self.step_metric is not None:
+                kwargs["step_metric"] = self.step_metric
+            run.define_metric(key, **kwargs)
+        self._defined.update(new)
+
+    # -- data --------------------------------------------------------------------------------
+    def update(self, batch: Any = None, **fields: Any) -> None:
+        """Feed one batch to ``distributions`` (no-op without it). No host sync."""
+        if self.distributions is not None:
+            with torch.no_grad():
+                self.distributions.update(batch, **fields)
+
+    def log(self, values: Mapping[str, Any], step: int | None = None, *, commit: bool | None = None) -> None:
+        """Log computed values (scalars as numbers, 1-D tensors as per-index histograms) and, if set,
+        the window's ``distributions`` (then reset them; an empty window logs no histogram).
+
+        Call on every rank when ``distributions`` is set (their compute is a collective).
+        """
+        hists: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        if self.distributions is not None:
+            # Synced counts: the same on every rank, so every rank skips an empty window alike.
+            hists.update(self.distributions.histograms(skip_empty=True))
+            self.distributions.reset()
+        run = self.run
+        if run is None:
+            return
+        self._configure(run)
+        if self.layer_bars:
+            hists.update(layer_histograms(values, self.num_layers))
+        data: dict[str, Any] = {}
+        for key, value in values.items():
+            scalar = _scalar(value)
+            if scalar is not None:
+                data[key] = scalar
+            elif isinstance(value, (Tensor, np.ndarray, list, tuple)) and np.ndim(_to_numpy(value)) == 1:
+                hists[key] = vector_histogram(value)
+            else:
+                warnings.warn(f"OPBCWandbLogger: skipping `{key}`: not a scalar or a 1-D vector", stacklevel=2)
+        self._define(run, [k for k in data if k not in self._defined])
+        wandb = _import_wandb() if hists else None
+        for key, (heights, edges) in hists.items():
+            data[key] = wandb.Histogram(np_histogram=(np.asarray(heights), np.asarray(edges)))
+        self._write(run, data, step, commit)
+
+    def log_batch_distributions(self, batch: Any, step: int | None = None, bins: int = 64) -> None:
+        """Log :func:`batch_histograms` of one batch (rank-local: this rank's batch only)."""
+        run = self.run
+        if run is None:
+            return
+        self._configure(run)
+        wandb = _import_wandb()
+        data = {
+            key: wandb.Histogram(np_histogram=(np.asarray(c), np.asarray(e)))
+            for key, (c, e) in batch_histograms(batch, bins).items()
+        }
+        self._write(run, data, step, None)
+
+    def _write(self, run: Any, data: dict[str, Any], step: int | None, commit: bool | None) -> None:
+        if not data:
+            return
+        kwargs: dict[str, Any] = {}
+        if commit is not None:
+            kwargs["commit"] = commit
+        if self.step_metric is not None:
+            if step is not None:
+                data[self.step_metric] = step
+            run.log(data, **kwargs)
+        else:
+            run.log(data, step=step, **kwargs)
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return float(value.reshape(()))
+    return None

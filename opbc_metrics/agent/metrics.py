@@ -1,0 +1,231 @@
+"""Stateful agent-trajectory metrics (section ``agent``), thin classes over
+:mod:`opbc_metrics.functional.agent`.
+
+Each class reads the batch field ``trajectory_pairs`` (a list of ``(rollout, reference)`` pairs, each
+side a :class:`~opbc_metrics.agent.trajectory.Trajectory` or an OpenAI-style chat message list). The
+pairs of one batch are compared once per :class:`~opbc_metrics.batch.BatchView`, so a collection of
+the four classes does the host work once. The inputs are optional: inside an
+:class:`~opbc_metrics.collection.OPBCCollection` the classes skip batches without ``trajectory_pairs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView
+from opbc_metrics.functional import agent as F
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+
+_PAIRS = "(rollout, reference) trajectory pairs, summed over the window and all ranks"
+_DIAGNOSTIC = "none (diagnostic)"
+_NO_ACTION = (
+    "no OPBC action; a drop flags behavioural drift between the rollout and reference engines, to be read "
+    "with the token-level mismatch metrics (ESS, |Δlogp|) of the same run"
+)
+
+
+class _AgentMetric(OPBCMetric):
+    """Base of the trajectory metrics: one batch field, per-pair host work shared through the view."""
+
+    section = "agent"
+    required_fields = (F.TRAJECTORY_PAIRS,)
+    optional_inputs = True
+    _sums: ClassVar[tuple[str, ...]] = ()
+    _mins: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in self._sums:
+            self.add_sum(name)
+        for name in self._mins:
+            self.add_min(name)
+
+    def update(self, batch: Any = None, **fields: Any) -> None:
+        """Accumulate a batch with ``trajectory_pairs``: a list of ``(rollout, reference)`` pairs."""
+        super().update(batch, **fields)
+
+    def _update_view(self, view: BatchView) -> None:
+        stats = F._agent_update(view)
+        self.accumulate(**{name: stats[name].to(self.device) for name in (*self._sums, *self._mins)})
+
+
+class ToolCallJaccard(_AgentMetric):
+    r"""Mean per-pair Jaccard similarity of tool invocations, ``agent/trajectory/tool_call_jaccard``.
+
+    Per pair, :math:`J = |A \cap B| / |A \cup B|` over the sets of ``(tool name, sha256 of canonical
+    JSON arguments)`` of each side (1.0 when neither calls a tool); the metric is the mean of
+    :math:`J` over pairs. Empty window: 1.0.
+
+    Example:
+        >>> from opbc_metrics.agent import Step, Trajectory
+        >>> a = Trajectory([Step(tool_calls=[("search", {"q": "x"}), ("calc", "{}")])])
+        >>> b = Trajectory([Step(tool_calls=[("search", '{"q": "x"}')])])
+        >>> metric = ToolCallJaccard()
+        >>> metric.update(trajectory_pairs=[(a, b), (a, a)])
+        >>> metric.compute()
+        tensor(0.7500, dtype=torch.float64)
+    """
+
+    keys = (F.JACCARD_KEY,)
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="tool_call_jaccard",
+        what="Jaccard similarity of the (tool_name, arguments_hash) sets of the rollout and reference "
+        "trajectories (arguments hashed as sha256 of canonical JSON: sorted keys, compact separators), "
+        "averaged over pairs. 1.0 = identical tool invocations across the run; < 1.0 = the rollout "
+        "engine picked at least one tool call the reference engine did not (or vice versa). Lower = "
+        "more behavioural drift.",
+        unit=_PAIRS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+    _sums = ("jaccard_sum", "pairs")
+
+    def compute(self) -> Tensor:
+        return F._jaccard_compute(self.jaccard_sum, self.pairs)
+
+
+class FirstDivergenceStep(_AgentMetric):
+    """Where trajectories first act differently, ``agent/trajectory/{first_divergence_step_mean,
+    first_divergence_step_min, diverged_fraction, divergence_kind/<kind>, num_pairs}``.
+
+    Per pair, the first assistant step (0-based) where the tool choice, then the tool arguments,
+    then the normalised content differ; a trajectory that ends early diverges at its end (kind
+    ``length``). The step mean and min are over the diverged pairs (-1 when none diverged); the
+    fractions are over all pairs, and the four ``divergence_kind`` fractions sum to
+    ``diverged_fraction``. Empty window: step -1, fractions 0, ``num_pairs`` 0.
+
+    Example:
+        >>> from opbc_metrics.agent import Step, Trajectory
+        >>> a = Trajectory([Step("look"), Step(tool_calls=[("search", '{"q": "x"}')])])
+        >>> b = Trajectory([Step("Look"), Step(tool_calls=[("search", '{"q": "y"}')])])
+        >>> c = Trajectory([Step("look")])
+        >>> metric = FirstDivergenceStep()
+        >>> metric.update(trajectory_pairs=[(a, b), (a, a), (c, a)])
+        >>> out = metric.compute()
+        >>> out["agent/trajectory/first_divergence_step_mean"].item(), out["agent/trajectory/diverged_fraction"]
+        (1.0, tensor(0.6667, dtype=torch.float64))
+        >>> out["agent/trajectory/divergence_kind/length"].item() == 1 / 3
+        True
+    """
+
+    keys = F.DIVERGENCE_KEYS
+    higher_is_better = None
+    glossary = GlossaryEntry(
+        name="first_divergence_step",
+        what="First assistant step (0-based) where the rollout and reference trajectories took a different "
+        "action: tool choice compared first, then tool arguments, then normalised content; a trajectory "
+        "that ends early diverges at its end. Reported as the mean and min over diverged pairs (-1 when "
+        "none diverged), the share of diverged pairs, and the share by kind (tool_choice, "
+        "tool_arguments, content, length). The lower the step, the earlier the rollout rolled off-policy.",
+        unit=_PAIRS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("diverged_fraction", "divergence_kind"),
+    )
+    _sums = ("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in F.DIVERGENCE_KINDS))
+    _mins = ("step_min",)
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._divergence_compute(
+            self.pairs,
+            self.diverged,
+            self.step_sum,
+            self.step_min,
+            self.kind_tool_choice,
+            self.kind_tool_arguments,
+            self.kind_content,
+            self.kind_length,
+        )
+
+
+class AnswerMatchRate(_AgentMetric):
+    """Share of pairs whose final answers match, ``agent/answer/match_rate``.
+
+    Answers are compared after folding whitespace runs to one space, stripping and lower-casing; a
+    missing final answer counts as the empty string. Empty window: 1.0.
+
+    Example:
+        >>> roll = [{"role": "assistant", "content": "The answer is  42."}]
+        >>> ref = [{"role": "assistant", "content": "the answer is 42."}]
+        >>> metric = AnswerMatchRate()
+        >>> metric.update(trajectory_pairs=[(roll, ref), (roll, [{"role": "assistant", "content": "41"}])])
+        >>> metric.compute()
+        tensor(0.5000, dtype=torch.float64)
+    """
+
+    keys = (F.ANSWER_KEY,)
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="answer_match",
+        what="Whether the rollout engine and reference engine reached the same final assistant answer "
+        "(normalised whitespace + case), as a rate over all comparisons (answer_match_rate): the "
+        "fraction of tasks where rollout and reference produced the same final answer. The headline "
+        "trajectory metric: small per-token drift can compound into a different answer over multi-step "
+        "tool use.",
+        unit=_PAIRS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("answer_match_rate",),
+    )
+    _sums = ("matches", "pairs")
+
+    def compute(self) -> Tensor:
+        return F._answer_compute(self.matches, self.pairs)
+
+
+class ToolChoiceDisagreementRate(_AgentMetric):
+    """Per-step tool disagreement, ``agent/steps/tool_choice_disagreement_rate``.
+
+    Steps whose ordered tool-name lists differ, over steps where either side calls a tool; steps
+    are aligned by index and a side without step ``i`` has no tool calls there. Sums over all
+    pairs (a pooled rate, not a mean of per-pair rates). Empty window (no tool call at all): 0.
+
+    Example:
+        >>> from opbc_metrics.agent import Step, Trajectory
+        >>> a = Trajectory([Step(tool_calls=[("search", "{}")]), Step("done")])
+        >>> b = Trajectory([Step(tool_calls=[("search", "{}")]), Step(tool_calls=[("calc", "{}")])])
+        >>> metric = ToolChoiceDisagreementRate()
+        >>> metric.update(trajectory_pairs=[(a, b)])
+        >>> metric.compute()
+        tensor(0.5000, dtype=torch.float64)
+    """
+
+    keys = (F.TOOL_CHOICE_KEY,)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="tool_choice_disagreement_rate",
+        what="Fraction of assistant steps where rollout and reference invoked different tools: steps whose "
+        "tool-name lists differ / steps where either side calls a tool. The per-step counterpart to "
+        "tool_call_jaccard; > 0 means the trajectories diverged at the step level.",
+        unit="assistant steps (aligned by index) where either side calls a tool, summed over pairs, the "
+        "window and all ranks",
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+    _sums = ("disagree", "tool_steps")
+
+    def compute(self) -> Tensor:
+        return F._tool_choice_compute(self.disagree, self.tool_steps)
+
+
+AGENT_METRICS: tuple[type[_AgentMetric], ...] = (
+    ToolCallJaccard,
+    FirstDivergenceStep,
+    AnswerMatchRate,
+    ToolChoiceDisagreementRate,
+)
+
+
+def agent_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+    """The ``agent`` section of :class:`~opbc_metrics.collection.OPBCCollection`: the four trajectory
+    metrics (the mismatch settings ``clamp``, ``veto``, ``top_mass_bins`` do not apply)."""
+    return [cls(**kwargs) for cls in AGENT_METRICS]

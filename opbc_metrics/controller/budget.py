@@ -1,0 +1,274 @@
+"""Budget metrics of the controller (section ``opbc``, group ``decision``): how much data each action takes.
+
+They accumulate the decisions of :meth:`OPBCController.step <opbc_metrics.controller.OPBCController.step>`
+as float64 sums, so the values after a DDP sync are those of all ranks' groups together. A group is counted
+on the rank (and batch) where it was decided. ``update`` takes the :class:`BatchDecisions` (or a batch
+mapping holding it under ``opbc_decisions``, which lets these metrics sit in an ``OPBCCollection`` next to
+the mismatch metrics: batches without decisions are skipped) and never synchronises host and device.
+
+Over an empty window (no group decided) every share and count is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView
+from opbc_metrics.functional import controller as FC
+from opbc_metrics.functional.mismatch import _safe_div
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+
+DECISIONS_FIELD = "opbc_decisions"
+_GROUPS = "prompt groups decided by the OPBC, over the window and all ranks"
+_TOKENS = "response tokens (response_mask = 1) of the decided groups, over the window and all ranks"
+_DIAGNOSTIC = "none (diagnostic: the budget the OPBC policy spends)"
+
+
+class _DecisionMetric(OPBCMetric):
+    section = "controller"
+    required_fields = (DECISIONS_FIELD,)
+    optional_inputs = True
+
+    def __init__(self, optional: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # In a shared collection the budget members skip batches without decisions (and leave their keys
+        # out of a window that never had any); the controller's own budget always reports its keys.
+        self.optional_inputs = bool(optional)  # type: ignore[misc]
+
+    def update(self, decisions: Any = None, **fields: Any) -> None:
+        """Accumulate one batch's :class:`BatchDecisions` (or a mapping with it under ``opbc_decisions``)."""
+        if hasattr(decisions, "budget_stats"):
+            fields = {DECISIONS_FIELD: decisions, **fields}
+            decisions = None
+        super().update(decisions, **fields)
+
+    def _budget(self, view: BatchView) -> dict[str, Tensor]:
+        out = view.field(DECISIONS_FIELD)
+        if not hasattr(out, "budget_stats"):
+            raise ValueError(
+                f"batch field `{DECISIONS_FIELD}` must be the BatchDecisions returned by OPBCController.step, "
+                f"got {type(out).__name__}"
+            )
+        return out.budget_stats()
+
+
+class DecisionGroupShare(_DecisionMetric):
+    r"""Share of groups per action, ``opbc/decision/group_share/<action>``, and ``opbc/decision/num_groups``.
+
+    .. math:: \mathrm{share}_a = \frac{\#\{g : \mathrm{action}(g) = a\}}{\#\{g\}}
+
+    Example:
+        >>> import torch
+        >>> from opbc_metrics.controller import OPBCController
+        >>> t = torch.full((3, 2), -1.0)
+        >>> out = OPBCController(track_budget=False).step(
+        ...     trainer_logprobs=t, rollout_logprobs=t - 0.01, group_ids=torch.tensor([0, 1, 2]),
+        ...     policy_lag=torch.tensor([0, 5, 9]))
+        >>> metric = DecisionGroupShare()
+        >>> metric.update(out)
+        >>> {k.split("/")[-1]: round(v.item(), 3) for k, v in metric.compute().items()}
+        {'reject': 0.0, 'quarantine': 0.333, 'train_with_correction': 0.0, 'replay': 0.333, 'train': 0.333,
+         'num_groups': 3.0}
+    """
+
+    keys = (*(f"opbc/decision/group_share/{a}" for a in FC.ACTIONS), "opbc/decision/num_groups")
+    plot_lower_bound = 0.0
+    glossary = GlossaryEntry(
+        name="decision_group_share",
+        what="Share of prompt groups the Off-Policy Budget Controller assigned to each action (train, "
+        "train_with_correction, replay, quarantine, reject), and the number of groups decided.",
+        unit=_GROUPS,
+        cap=_DIAGNOSTIC,
+        action="a growing replay / quarantine / reject share means the rollout engine drifts from the trainer "
+        "(or is stale): read the reason counts to see which rule fires",
+        aliases=("OPBC",),
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("group_count", (len(FC.ACTIONS),))
+        self.add_sum("groups")
+
+    def _update_view(self, view: BatchView) -> None:
+        stats = self._budget(view)
+        self.accumulate(group_count=stats["group_count"], groups=stats["groups"])
+
+    def compute(self) -> dict[str, Tensor]:
+        shares = _safe_div(self.group_count, self.groups.expand_as(self.group_count), 0.0)
+        out = {key: shares[i] for i, key in enumerate(self.keys[:-1])}
+        out[self.keys[-1]] = self.groups.clone()
+        return out
+
+
+class DecisionTokenShare(_DecisionMetric):
+    r"""Share of response tokens per action, ``opbc/decision/token_share/<action>``, and ``opbc/decision/num_tokens``.
+
+    .. math:: \mathrm{share}_a = \frac{\sum_{g : \mathrm{action}(g) = a} n_g}{\sum_g n_g}
+
+    with :math:`n_g` the response tokens (``response_mask = 1``) of group g.
+
+    Example:
+        >>> import torch
+        >>> from opbc_metrics.controller import OPBCController
+        >>> t = torch.full((2, 4), -1.0)
+        >>> out = OPBCController(track_budget=False).step(
+        ...     trainer_logprobs=t, rollout_logprobs=t, group_ids=torch.tensor([0, 1]),
+        ...     response_mask=torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]), policy_lag=torch.tensor([0, 9]))
+        >>> metric = DecisionTokenShare()
+        >>> metric.update(out)
+        >>> {k.split("/")[-1]: v.item() for k, v in metric.compute().items() if v > 0}
+        {'quarantine': 0.25, 'train': 0.75, 'num_tokens': 4.0}
+    """
+
+    keys = (*(f"opbc/decision/token_share/{a}" for a in FC.ACTIONS), "opbc/decision/num_tokens")
+    plot_lower_bound = 0.0
+    glossary = GlossaryEntry(
+        name="decision_token_share",
+        what="Share of response tokens whose group the OPBC assigned to each action: the part of the "
+        "generated data that trains now, trains with importance-weight correction, waits for replay, or is "
+        "dropped. Long responses weigh more than in the group share.",
+        unit=_TOKENS,
+        cap=_DIAGNOSTIC,
+        action="the share of tokens outside train / train_with_correction is generation spent without gradient "
+        "this step",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("token_count", (len(FC.ACTIONS),))
+        self.add_sum("tokens")
+
+    def _update_view(self, view: BatchView) -> None:
+        stats = self._budget(view)
+        self.accumulate(token_count=stats["token_count"], tokens=stats["tokens"])
+
+    def compute(self) -> dict[str, Tensor]:
+        shares = _safe_div(self.token_count, self.tokens.expand_as(self.token_count), 0.0)
+        out = {key: shares[i] for i, key in enumerate(self.keys[:-1])}
+        out[self.keys[-1]] = self.tokens.clone()
+        return out
+
+
+class DecisionReasonCount(_DecisionMetric):
+    r"""Number of groups for which each rule condition held, ``opbc/decision/reason_count/<reason>``.
+
+    A group counts once for every reason that applied to it, not only the one that set its action.
+
+    Example:
+        >>> import torch
+        >>> from opbc_metrics.controller import OPBCController
+        >>> t = torch.full((2, 2), -1.0)
+        >>> out = OPBCController(track_budget=False).step(
+        ...     trainer_logprobs=t, rollout_logprobs=t, group_ids=torch.tensor([0, 1]), policy_lag=torch.tensor([9, 6]))
+        >>> metric = DecisionReasonCount()
+        >>> metric.update(out)
+        >>> {k.split("/")[-1]: v.item() for k, v in metric.compute().items() if v > 0}
+        {'lag_above_max': 1.0, 'lag_above_replay': 2.0}
+    """
+
+    keys = tuple(f"opbc/decision/reason_count/{r}" for r in FC.REASON_NAMES)
+    plot_lower_bound = 0.0
+    glossary = GlossaryEntry(
+        name="decision_reason_count",
+        what="For every OPBC rule condition (contract failures, veto, lag, ESS, router flips, clipped "
+        "fraction), the number of groups for which it held. Every reason that applied is counted, so the "
+        "counts add up to more than the number of groups when several rules fire.",
+        unit=_GROUPS,
+        cap=_DIAGNOSTIC,
+        action="the reason tells what to fix: contract reasons point at the data pipeline, veto / ESS / clipped "
+        "at the rollout engine's numerics, lag at asynchrony, router flips at MoE routing",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("reason_count", (len(FC.REASON_NAMES),))
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(reason_count=self._budget(view)["reason_count"])
+
+    def compute(self) -> dict[str, Tensor]:
+        return {key: self.reason_count[i].clone() for i, key in enumerate(self.keys)}
+
+
+class CorrectionTokenShare(_DecisionMetric):
+    r"""Share of trained tokens whose importance weight the correction changed:
+    ``opbc/decision/truncated_token_share`` and ``opbc/decision/masked_token_share``.
+
+    .. math:: \frac{\#\{t \text{ truncated}\}}{\#\{t \text{ trained}\}}, \quad
+              \frac{\#\{t \text{ masked}\}}{\#\{t \text{ trained}\}}
+
+    over the valid tokens of groups decided ``train`` or ``train_with_correction``. A token is truncated when
+    its ratio (at the policy's correction level) lay outside ``[weight_floor, weight_cap]`` and was clamped,
+    masked when it was dropped from the loss mask for that reason (mask mode).
+
+    Example:
+        >>> import torch
+        >>> from opbc_metrics.controller import OPBCController
+        >>> t = torch.full((1, 4), -1.0)
+        >>> out = OPBCController("truncated_is", track_budget=False).step(   # one ratio e > 2: truncated
+        ...     trainer_logprobs=t, rollout_logprobs=torch.tensor([[-1.0, -2.0, -1.0, -1.0]]),
+        ...     group_ids=torch.tensor([0]))
+        >>> metric = CorrectionTokenShare()
+        >>> metric.update(out)
+        >>> {k.split("/")[-1]: v.item() for k, v in metric.compute().items()}
+        {'truncated_token_share': 0.25, 'masked_token_share': 0.0}
+    """
+
+    keys = ("opbc/decision/truncated_token_share", "opbc/decision/masked_token_share")
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="correction_token_share",
+        what="Share of the trained tokens whose importance weight the rollout correction truncated (clamped to "
+        "the weight cap / floor, TIS) or masked out of the loss (MIS), at the policy's correction level "
+        "(token, sequence or geometric).",
+        unit="valid tokens of groups decided train or train_with_correction, over the window and all ranks",
+        cap=_DIAGNOSTIC,
+        action="a large truncated share means the gradient is biased toward the cap; a large masked share "
+        "means data is silently dropped: tighten the rollout engine or loosen the bounds",
+        aliases=("truncated_token_share", "masked_token_share"),
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("truncated_tokens")
+        self.add_sum("masked_tokens")
+        self.add_sum("trained_tokens")
+
+    def _update_view(self, view: BatchView) -> None:
+        stats = self._budget(view)
+        self.accumulate(
+            truncated_tokens=stats["truncated_tokens"],
+            masked_tokens=stats["masked_tokens"],
+            trained_tokens=stats["trained_tokens"],
+        )
+
+    def compute(self) -> dict[str, Tensor]:
+        return {
+            self.keys[0]: _safe_div(self.truncated_tokens, self.trained_tokens, 0.0),
+            self.keys[1]: _safe_div(self.masked_tokens, self.trained_tokens, 0.0),
+        }
+
+
+BUDGET_METRICS: tuple[type[_DecisionMetric], ...] = (
+    DecisionGroupShare,
+    DecisionTokenShare,
+    DecisionReasonCount,
+    CorrectionTokenShare,
+)
+
+
+def budget_metrics(optional: bool = True, **kwargs: Any) -> list[OPBCMetric]:
+    """One instance of every budget metric (``kwargs``: torchmetrics ``Metric`` arguments).
+
+    ``optional=True`` (for a shared collection): batches without ``opbc_decisions`` are skipped and a
+    window without any leaves the budget keys out; ``False`` always reports them (0 over an empty window).
+
+    Example:
+        >>> [type(m).__name__ for m in budget_metrics()]
+        ['DecisionGroupShare', 'DecisionTokenShare', 'DecisionReasonCount', 'CorrectionTokenShare']
+    """
+    return [cls(optional=optional, **kwargs) for cls in BUDGET_METRICS]

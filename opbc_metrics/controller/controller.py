@@ -1,0 +1,379 @@
+"""The Off-Policy Budget Controller: one call per batch turns logprobs into per-group decisions, a loss mask
+and importance weights for the trainer, and budget metrics.
+
+Device work (statistics, contract checks, rules, correction weights, budget statistics) never synchronises
+host and device. The Python decisions (:attr:`BatchDecisions.decisions`) are built lazily from one transfer
+of a packed ``[groups, columns]`` tensor, so a trainer that only needs the mask and the weights never waits
+for the host, and one that needs the replay ids pays a single copy per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view
+from opbc_metrics.collection import OPBCCollection
+from opbc_metrics.controller.budget import DECISIONS_FIELD, budget_metrics
+from opbc_metrics.controller.decisions import GroupDecision, GroupReport, dump_decisions
+from opbc_metrics.controller.policy import Action, OPBCPolicy, Reason
+from opbc_metrics.functional import controller as FC
+
+POLICY_LAG = "policy_lag"
+ROLLOUT_EXPERTS = "rollout_experts"
+TRAINER_EXPERTS = "trainer_experts"
+ROLLOUT_TOKEN_IDS = "rollout_token_ids"
+TRAINER_TOKEN_IDS = "trainer_token_ids"
+
+
+@dataclass(eq=False)
+class BatchDecisions:
+    """Everything the controller produced for one batch.
+
+    Device tensors (no host sync to produce or read them):
+
+    * ``loss_mask`` ``[B, T]`` bool and ``weights`` ``[B, T]``: what the trainer consumes. Tokens of groups
+      decided ``replay``, ``quarantine`` or ``reject`` have mask 0 and weight 0.
+    * ``row_action`` ``[B]``: each row's action code (index into ``ACTIONS``; :meth:`Action.from_code`).
+    * ``values``: per-group statistics ``{name: [capacity] float64}``; ``action`` ``[capacity]`` (-1 on
+      padding) and ``reasons`` ``[capacity, R]`` bool; ``index`` the dense group index (groups by ascending id).
+
+    Host results (one device-to-host copy on first access, then cached): :attr:`decisions`, the id lists
+    (:attr:`replay_group_ids`, ...), :meth:`rows` and :meth:`select`.
+    """
+
+    policy: OPBCPolicy
+    index: FC.GroupIndex
+    values: dict[str, Tensor]
+    action: Tensor
+    reasons: Tensor
+    row_action: Tensor
+    loss_mask: Tensor
+    weights: Tensor
+    counts: dict[str, Tensor]
+    _decisions: list[GroupDecision] | None = field(default=None, repr=False)
+    _budget: dict[str, Tensor] | None = field(default=None, repr=False)
+
+    # -- device-side budget statistics ------------------------------------------------------------
+    def budget_stats(self) -> dict[str, Tensor]:
+        """Sufficient statistics of the decision budget of this batch (float64 device tensors)."""
+        if self._budget is None:
+            present = self.index.present
+            n_actions = len(FC.ACTIONS)
+            codes = torch.arange(n_actions, device=self.action.device)
+            onehot = ((self.action[:, None] == codes[None, :]) & present[:, None]).to(torch.float64)
+            tokens = self.values["num_response_tokens"]
+            self._budget = {
+                "groups": present.to(torch.float64).sum(),
+                "group_count": onehot.sum(dim=0),
+                "tokens": (tokens * present).sum(),
+                "token_count": (onehot * tokens[:, None]).sum(dim=0),
+                "reason_count": self.reasons.to(torch.float64).sum(dim=0),
+                **{k: v.to(torch.float64) for k, v in self.counts.items()},
+            }
+        return self._budget
+
+    # -- host-side decisions ----------------------------------------------------------------------
+    def _pack(self) -> Tensor:
+        """``[capacity, 2 + R + F]`` int64: group id, action code, reason bits, and the float64 statistics
+        reinterpreted bit for bit as int64 (so ids and values survive the one transfer exactly)."""
+        floats = torch.stack([self.values[name].to(torch.float64) for name in FC.STAT_NAMES], dim=1)
+        return torch.cat(
+            [
+                self.index.group_ids[:, None],
+                self.action[:, None],
+                self.reasons.to(torch.int64),
+                floats.contiguous().view(torch.int64),
+            ],
+            dim=1,
+        )
+
+    @property
+    def decisions(self) -> list[GroupDecision]:
+        """One :class:`GroupDecision` per group, by ascending group id (one device-to-host copy)."""
+        if self._decisions is None:
+            host = self._pack().cpu()  # the single device-to-host transfer of this batch
+            n_reasons = len(FC.REASON_NAMES)
+            ids = host[:, 0].tolist()
+            actions = host[:, 1].tolist()
+            bits = host[:, 2 : 2 + n_reasons].tolist()
+            floats = host[:, 2 + n_reasons :].contiguous().view(torch.float64).tolist()
+            reasons_all = [Reason(name) for name in FC.REASON_NAMES]
+            out = []
+            for gid, code, row_bits, row in zip(ids, actions, bits, floats):
+                if code < 0:  # padding: groups are packed first, so the rest is padding too
+                    break
+                report = GroupReport.from_values(gid, dict(zip(FC.STAT_NAMES, row)))
+                reasons = tuple(r for r, bit in zip(reasons_all, row_bits) if bit)
+                out.append(GroupDecision(gid, Action.from_code(code), reasons, report))
+            self._decisions = out
+        return self._decisions
+
+    def group_ids_for(self, *actions: Action | str) -> list[int]:
+        """Ids of the groups decided any of ``actions``, ascending."""
+        wanted = {Action(a) for a in actions}
+        return [d.group_id for d in self.decisions if d.action in wanted]
+
+    @property
+    def replay_group_ids(self) -> list[int]:
+        """Groups for the replay buffer: excluded from this step, to be re-scored and trained later."""
+        return self.group_ids_for(Action.REPLAY)
+
+    @property
+    def quarantine_group_ids(self) -> list[int]:
+        return self.group_ids_for(Action.QUARANTINE)
+
+    @property
+    def rejected_group_ids(self) -> list[int]:
+        return self.group_ids_for(Action.REJECT)
+
+    @property
+    def trained_group_ids(self) -> list[int]:
+        return self.group_ids_for(Action.TRAIN, Action.TRAIN_WITH_CORRECTION)
+
+    def rows(self, *actions: Action | str) -> Tensor:
+        """Row indices (``[n]`` long) of the sequences whose group was decided any of ``actions`` (host sync)."""
+        codes = torch.tensor([Action(a).code for a in actions], dtype=torch.int64, device=self.row_action.device)
+        return torch.nonzero(torch.isin(self.row_action, codes)).flatten()
+
+    def select(self, batch: Any, *actions: Action | str) -> dict[str, Any]:
+        """The rows of ``batch`` whose group was decided any of ``actions`` (e.g. to push to a replay buffer).
+
+        Tensors and lists whose first dimension is the batch size are sliced; everything else is kept.
+        """
+        data = as_view(batch).data
+        rows = self.rows(*actions)
+        b = self.row_action.shape[0]
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            if isinstance(v, Tensor) and v.ndim >= 1 and v.shape[0] == b:
+                out[k] = v[rows.to(v.device)]
+            elif isinstance(v, list) and len(v) == b:
+                out[k] = [v[i] for i in rows.tolist()]
+            else:
+                out[k] = v
+        return out
+
+    def to_json(self, **extra: Any) -> str:
+        """The decisions (with reports) and the policy as JSON; see :func:`~opbc_metrics.controller.load_decisions`."""
+        return dump_decisions(self.decisions, policy=self.policy.to_dict(), **extra)
+
+
+class OPBCController:
+    """Per-group OPBC decisions, trainer inputs and budget metrics, for all groups of a batch at once.
+
+    The batch holds ``trainer_logprobs``, ``rollout_logprobs`` ``[B, T]``, ``group_ids`` ``[B]`` (any
+    integers), an optional ``response_mask``, and optionally ``policy_lag`` (``[B]`` tensor in trainer steps,
+    a number for the whole batch, or a ``{group_id: lag}`` mapping, which reads the ids to the host),
+    ``rollout_experts`` / ``trainer_experts`` ``[B, T, L, K]`` (router flip rate) and ``rollout_token_ids`` /
+    ``trainer_token_ids`` ``[B, T]``.
+
+    A batch that breaks the contract as a whole (a logprob field absent, shapes that disagree) rejects
+    every group with ``logprobs_missing`` / ``shape_mismatch`` instead of raising; inputs that cannot be
+    data (``group_ids`` missing or not a 1-D integer tensor, a non-float logprob tensor, one of a pair of
+    fields without the other) raise a ``ValueError`` naming the field.
+
+    Args:
+        policy: an :class:`OPBCPolicy` or a preset name (``"default"``).
+        track_budget: keep the budget metrics (:attr:`budget`) updated by :meth:`step`.
+        metric_kwargs: torchmetrics arguments for the budget metrics (``process_group``, ...).
+
+    Example:
+        >>> import torch
+        >>> controller = OPBCController("default")
+        >>> t = torch.full((4, 3), -1.0)
+        >>> r = t.clone(); r[2:] -= 40.0           # group 9 has tokens 40 nats off: vetoed
+        >>> out = controller.step(trainer_logprobs=t, rollout_logprobs=r, group_ids=torch.tensor([5, 5, 9, 9]))
+        >>> [(d.group_id, d.action.value, [x.value for x in d.reasons]) for d in out.decisions]
+        [(5, 'train', []), (9, 'quarantine', ['veto', 'clipped_above_max'])]
+        >>> out.loss_mask.sum(dim=1), out.quarantine_group_ids
+        (tensor([3, 3, 0, 0]), [9])
+        >>> controller.compute_budget()["opbc/decision/group_share/quarantine"]
+        tensor(0.5000, dtype=torch.float64)
+    """
+
+    def __init__(self, policy: OPBCPolicy | str | None = None, *, track_budget: bool = True, **metric_kwargs: Any):
+        if policy is None:
+            policy = OPBCPolicy()
+        elif isinstance(policy, str):
+            policy = OPBCPolicy.preset(policy)
+        elif not isinstance(policy, OPBCPolicy):
+            raise TypeError(f"`policy` must be an OPBCPolicy or a preset name, got {type(policy).__name__}")
+        self.policy: OPBCPolicy = policy
+        self.budget: OPBCCollection | None = None
+        if track_budget:
+            self.budget = OPBCCollection(budget_metrics(optional=False, **metric_kwargs))
+
+    def evaluate(self, batch: Any = None, **fields: Any) -> BatchDecisions:
+        """Decide every group of a batch (no budget update, no host sync unless ``policy_lag`` is a mapping)."""
+        view = as_view(batch, **fields)
+        view, index, batch_reasons, flips, lag_rows, token_ids = _prepare(view)
+        policy = self.policy
+        values = FC._group_compute(
+            FC._group_update(view, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows)
+        )
+        if batch_reasons:
+            declared = view._cache.get("declared_response_tokens")
+            if declared is not None:
+                values["num_response_tokens"] = FC._segment_sum(declared, index)
+            none = torch.zeros(index.capacity, dtype=torch.bool, device=view.device)
+            contract = {name: none for name in FC.CONTRACT_REASONS}
+            contract.update({name: index.present for name in batch_reasons})
+        else:
+            contract = FC._contract_flags(view, index, policy.alignment_gap, token_ids)
+        action, reasons = FC.decide(values, contract, index.present, policy)
+        row_action = action[index.row_group]
+        corr = FC._correction(view, row_action, policy)
+        counts = {k: corr[k] for k in ("trained_tokens", "corrected_tokens", "truncated_tokens", "masked_tokens")}
+        return BatchDecisions(
+            policy=policy,
+            index=index,
+            values=values,
+            action=action,
+            reasons=reasons,
+            row_action=row_action,
+            loss_mask=corr["loss_mask"],
+            weights=corr["weights"],
+            counts=counts,
+        )
+
+    def step(self, batch: Any = None, **fields: Any) -> BatchDecisions:
+        """:meth:`evaluate` and fold the result into the budget metrics."""
+        out = self.evaluate(batch, **fields)
+        if self.budget is not None:
+            self.budget.update({DECISIONS_FIELD: out})
+        return out
+
+    __call__ = step
+
+    def compute_budget(self) -> dict[str, Tensor]:
+        """The budget metrics over everything stepped since the last reset (synced across ranks)."""
+        if self.budget is None:
+            raise RuntimeError("this controller was built with track_budget=False")
+        return self.budget.compute()
+
+    def reset_budget(self) -> None:
+        if self.budget is not None:
+            self.budget.reset()
+
+    def to(self, device: torch.device | str) -> OPBCController:
+        """Move the budget metric states (they must live where the batches are)."""
+        if self.budget is not None:
+            self.budget.to(device)
+        return self
+
+
+# -- batch-level validation ---------------------------------------------------------------------------
+def _require_tensor(name: str, value: Any) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise ValueError(f"batch field `{name}` must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _pair(view: BatchView, first: str, second: str) -> tuple[Tensor, Tensor] | None:
+    a, b = view.data.get(first), view.data.get(second)
+    if a is None and b is None:
+        return None
+    if a is None or b is None:
+        missing, given = (first, second) if a is None else (second, first)
+        raise ValueError(f"batch field `{missing}` is required when `{given}` is given")
+    return _require_tensor(first, a), _require_tensor(second, b)
+
+
+def _lag_rows(value: Any, group_ids: Tensor) -> Tensor | None:
+    b, device = group_ids.shape[0], group_ids.device
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        missing = sorted({g for g in group_ids.tolist() if g not in value})  # host read, documented
+        if missing:
+            raise ValueError(f"batch field `{POLICY_LAG}` has no lag for groups {missing}")
+        lags = [float(value[g]) for g in group_ids.tolist()]
+        return torch.tensor(lags, dtype=torch.float64, device=device)
+    if isinstance(value, Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"batch field `{POLICY_LAG}` must be a real tensor, got {value.dtype}")
+        if value.ndim == 0:
+            return value.to(device=device, dtype=torch.float64).expand(b)
+        if value.shape != (b,):
+            raise ValueError(f"batch field `{POLICY_LAG}` must have shape [B] = ({b},), got {tuple(value.shape)}")
+        return value.to(device=device, dtype=torch.float64)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.full((b,), float(value), dtype=torch.float64, device=device)
+    raise ValueError(
+        f"batch field `{POLICY_LAG}` must be a [B] tensor, a number or a {{group_id: lag}} mapping, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _prepare(
+    view: BatchView,
+) -> tuple[BatchView, FC.GroupIndex, list[str], Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
+    """Validate the batch as a whole; return the view to compute on, the group index, batch-wide contract
+    failures (every group is rejected), router flips, per-row lags and the token-id pair."""
+    group_ids = view.tensor(GROUP_IDS)
+    if group_ids.ndim != 1 or group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
+        raise ValueError(
+            f"batch field `{GROUP_IDS}` must be a 1-D integer tensor [B], got {group_ids.dtype} "
+            f"of shape {tuple(group_ids.shape)}"
+        )
+    b, device = group_ids.shape[0], group_ids.device
+    data = view.data
+    reasons: list[str] = []
+    shape: tuple[int, ...] | None = None
+    for name in (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS):
+        value = data.get(name)
+        if value is None:
+            if "logprobs_missing" not in reasons:
+                reasons.append("logprobs_missing")
+            continue
+        t = _require_tensor(name, value)
+        if not t.is_floating_point():
+            raise ValueError(f"batch field `{name}` must be a floating-point tensor, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"batch field `{name}` is on {t.device} but `{GROUP_IDS}` is on {device}")
+        if t.ndim != 2 or t.shape[0] != b or (shape is not None and tuple(t.shape) != shape):
+            reasons.append("shape_mismatch")
+        shape = shape or (tuple(t.shape) if t.ndim == 2 and t.shape[0] == b else None)
+    mask = data.get(RESPONSE_MASK)
+    if mask is not None:
+        mask = _require_tensor(RESPONSE_MASK, mask)
+        if mask.device != device:
+            raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{GROUP_IDS}` is on {device}")
+        if mask.is_complex():
+            raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
+        if mask.ndim != 2 or mask.shape[0] != b or (shape is not None and tuple(mask.shape) != shape):
+            reasons.append("shape_mismatch")
+        shape = shape or (tuple(mask.shape) if mask.ndim == 2 and mask.shape[0] == b else None)
+    experts = _pair(view, ROLLOUT_EXPERTS, TRAINER_EXPERTS)
+    token_ids = _pair(view, ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)
+    if shape is not None:
+        if experts is not None and (
+            experts[0].ndim != 4 or tuple(experts[0].shape[:2]) != shape or experts[0].shape != experts[1].shape
+        ):
+            reasons.append("shape_mismatch")
+        if token_ids is not None and any(tuple(x.shape) != shape for x in token_ids):
+            reasons.append("shape_mismatch")
+    lag_rows = _lag_rows(data.get(POLICY_LAG), group_ids)
+    index = FC.group_index(group_ids)
+    reasons = list(dict.fromkeys(reasons))
+    if reasons:
+        # Nothing per token can be trusted: compute on an empty mask (the statistics read as empty groups),
+        # but count the response tokens the mask declares, for the token shares of the budget.
+        t = shape[1] if shape is not None else 0
+        zeros = torch.zeros(b, t, device=device)
+        fallback = BatchView(trainer_logprobs=zeros, rollout_logprobs=zeros, response_mask=zeros.bool())
+        if mask is not None and tuple(mask.shape) == (b, t):
+            fallback._cache["declared_response_tokens"] = (mask != 0).to(torch.float32).sum(dim=1)
+        return fallback, index, reasons, None, lag_rows, None
+    view.token_inputs  # noqa: B018  (BatchView's own validation, cached for every later use)
+    flips = None
+    if experts is not None:
+        from opbc_metrics.functional.moe import router_top1_flips
+
+        flips = router_top1_flips(experts[0], experts[1])
+    return view, index, [], flips, lag_rows, token_ids

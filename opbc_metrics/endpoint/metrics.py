@@ -1,0 +1,228 @@
+"""Stateful endpoint-capability coverage (section ``endpoint``), thin classes over
+:mod:`opbc_metrics.functional.endpoint`.
+
+Each class reads the batch field ``endpoint_responses`` (and the optional ``endpoint_requests``); the
+responses of one batch are probed once per :class:`~opbc_metrics.batch.BatchView` and shared by the
+classes of a collection. The inputs are optional: inside an
+:class:`~opbc_metrics.collection.OPBCCollection` the classes skip batches without responses.
+Empty window: every fraction is 0 ("not observed") and ``num_responses`` is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView
+from opbc_metrics.functional import endpoint as F
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+
+_RESPONSES = (
+    "OpenAI-compatible responses probed (one per request, all of its choices), summed over the window and "
+    "all ranks"
+)
+_DIAGNOSTIC = "none (diagnostic)"
+
+
+class _CoverageMetric(OPBCMetric):
+    """Base: the fraction of probed responses with each of ``_flags``."""
+
+    section = "endpoint"
+    required_fields = (F.ENDPOINT_RESPONSES,)
+    optional_inputs = True
+    _flags: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("responses")
+        for flag in self._flags:
+            self.add_sum(flag)
+
+    def update(self, batch: Any = None, **fields: Any) -> None:
+        """Accumulate ``endpoint_responses`` (a list of responses) and the optional ``endpoint_requests``
+        (their request bodies: a parallel list, or one body for all)."""
+        super().update(batch, **fields)
+
+    def _update_view(self, view: BatchView) -> None:
+        stats = F._endpoint_update(view)
+        self.accumulate(**{name: stats[name].to(self.device) for name in ("responses", *self._flags)})
+
+    def compute(self) -> Tensor | dict[str, Tensor]:
+        out = {F.capability_key(f): F._coverage_compute(getattr(self, f), self.responses) for f in self._flags}
+        return out if len(out) > 1 else next(iter(out.values()))
+
+
+class TokenIdsCoverage(_CoverageMetric):
+    """Share of responses exposing token ids, ``endpoint/capabilities/{token_ids_available,
+    prompt_token_ids_available}``.
+
+    Generated-token ids come from vLLM's ``token_ids`` per choice (request ``return_token_ids``) or
+    from logprob tokens written ``token_id:<int>`` (``return_tokens_as_token_ids``); prompt ids from
+    ``prompt_token_ids``.
+
+    Example:
+        >>> vllm = {"object": "chat.completion", "prompt_token_ids": [151644, 872],
+        ...         "choices": [{"message": {"role": "assistant", "content": "Hi"}, "token_ids": [13048, 151645]}]}
+        >>> openai = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": "Hi"}}]}
+        >>> metric = TokenIdsCoverage()
+        >>> metric.update(endpoint_responses=[vllm, openai, openai, openai])
+        >>> metric.compute()["endpoint/capabilities/token_ids_available"]
+        tensor(0.2500, dtype=torch.float64)
+    """
+
+    keys = (F.capability_key("token_ids_available"), F.capability_key("prompt_token_ids_available"))
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="token_ids_available",
+        what="Whether the API exposes the integer token IDs of the response (not just text), as the share "
+        "of probed responses that do (vLLM: token_ids per choice with return_token_ids, or "
+        "'token_id:<int>' logprob tokens with return_tokens_as_token_ids); prompt_token_ids_available "
+        "is the same for the prompt. Without ids the trainer must re-tokenize text, which can split "
+        "tokens differently from the rollout and misalign the logprobs.",
+        unit=_RESPONSES,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action; below 1.0, rollouts are re-tokenized from text and token-level logprob "
+        "comparisons can misalign (a misaligned batch is a contract failure the OPBC rejects)",
+        aliases=("prompt_token_ids_available",),
+    )
+    _flags = ("token_ids_available", "prompt_token_ids_available")
+
+
+class SampledLogprobsCoverage(_CoverageMetric):
+    """Share of responses with the logprob of each sampled token,
+    ``endpoint/capabilities/sampled_logprobs_available``.
+
+    Example:
+        >>> with_lp = {"object": "text_completion", "choices": [{"text": " a", "logprobs": {
+        ...     "tokens": [" a"], "token_logprobs": [-0.5], "top_logprobs": None, "text_offset": [0]}}]}
+        >>> without = {"object": "text_completion", "choices": [{"text": " a", "logprobs": None}]}
+        >>> metric = SampledLogprobsCoverage()
+        >>> metric.update(endpoint_responses=[with_lp, without])
+        >>> metric.compute()
+        tensor(0.5000, dtype=torch.float64)
+    """
+
+    keys = (F.capability_key("sampled_logprobs_available"),)
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="sampled_logprobs_available",
+        what="Whether the API returns the logprob of each sampled token (chat: logprobs.content[].logprob; "
+        "completions: logprobs.token_logprobs), as the share of probed responses that do. These are the "
+        "rollout_logprobs every mismatch metric and the OPBC need.",
+        unit=_RESPONSES,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action by itself; a rollout without sampled logprobs fails the OPBC input contract "
+        "(missing rollout_logprobs), and its group is rejected",
+    )
+    _flags = ("sampled_logprobs_available",)
+
+
+class TopLogprobsCoverage(_CoverageMetric):
+    """Share of responses with the top-k alternatives at each sampled position,
+    ``endpoint/capabilities/top_logprobs_available``.
+
+    Example:
+        >>> item = {"token": "Hi", "logprob": -0.1, "top_logprobs": [{"token": "Hi", "logprob": -0.1}]}
+        >>> resp = {"object": "chat.completion",
+        ...         "choices": [{"message": {"role": "assistant", "content": "Hi"}, "logprobs": {"content": [item]}}]}
+        >>> metric = TopLogprobsCoverage()
+        >>> metric.update(endpoint_responses=[resp])
+        >>> metric.compute()
+        tensor(1., dtype=torch.float64)
+    """
+
+    keys = (F.capability_key("top_logprobs_available"),)
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="top_logprobs_available",
+        what="Whether the API returns the top-k alternatives at each sampled position (chat: non-empty "
+        "logprobs.content[].top_logprobs; completions: logprobs.top_logprobs maps), as the share of "
+        "probed responses that do. Needed for distribution-level comparisons (top-k KL, probability "
+        "scatter) beyond the sampled token.",
+        unit=_RESPONSES,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action; without top-k only sampled-token statistics can be computed",
+    )
+    _flags = ("top_logprobs_available",)
+
+
+class SeedSupportCoverage(_CoverageMetric):
+    """Share of responses that honour a requested seed, ``endpoint/capabilities/{seed_supported,
+    seed_requested}``.
+
+    A response counts as ``seed_supported`` when its request set a ``seed`` and the response returned
+    a ``system_fingerprint``; ``seed_requested`` is the share of requests that set one (without
+    ``endpoint_requests`` none did).
+
+    Example:
+        >>> resp = {"object": "chat.completion", "system_fingerprint": "fp_44709d6fcb",
+        ...         "choices": [{"message": {"role": "assistant", "content": "Hi"}}]}
+        >>> metric = SeedSupportCoverage()
+        >>> metric.update(endpoint_responses=[resp, resp], endpoint_requests=[{"seed": 1}, {"seed": None}])
+        >>> {k: v.item() for k, v in metric.compute().items()}
+        {'endpoint/capabilities/seed_supported': 0.5, 'endpoint/capabilities/seed_requested': 0.5}
+    """
+
+    keys = (F.capability_key("seed_supported"), F.capability_key("seed_requested"))
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="seed_supported",
+        what="Whether the API honours a generation seed and signals it back via system_fingerprint: the "
+        "share of probed responses whose request set a seed and whose response returned a "
+        "system_fingerprint (seed_requested: the share whose request set a seed).",
+        unit=_RESPONSES,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action; below seed_requested, reruns of the same request may not reproduce the "
+        "rollout, so replayed groups cannot be regenerated bit-for-bit",
+        aliases=("seed_requested",),
+    )
+    _flags = ("seed_supported", "seed_requested")
+
+
+class EndpointResponseCount(_CoverageMetric):
+    """Number of responses probed, ``endpoint/capabilities/num_responses``: the denominator of the
+    coverage fractions.
+
+    Example:
+        >>> resp = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": ""}}]}
+        >>> metric = EndpointResponseCount()
+        >>> metric.update(endpoint_responses=[resp, resp, resp])
+        >>> metric.compute()
+        tensor(3., dtype=torch.float64)
+    """
+
+    keys = (F.NUM_RESPONSES_KEY,)
+    glossary = GlossaryEntry(
+        name="endpoint_num_responses",
+        what="Number of OpenAI-compatible responses the endpoint-capability fractions were computed over.",
+        unit=_RESPONSES,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action; 0 means no response was probed and every capability fraction reads 0",
+    )
+
+    def compute(self) -> Tensor:
+        return self.responses.clone()
+
+
+ENDPOINT_METRICS: tuple[type[_CoverageMetric], ...] = (
+    TokenIdsCoverage,
+    SampledLogprobsCoverage,
+    TopLogprobsCoverage,
+    SeedSupportCoverage,
+    EndpointResponseCount,
+)
+
+
+def endpoint_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+    """The ``endpoint`` section of :class:`~opbc_metrics.collection.OPBCCollection`: the coverage of each
+    capability and the response count (the mismatch settings do not apply)."""
+    return [cls(**kwargs) for cls in ENDPOINT_METRICS]

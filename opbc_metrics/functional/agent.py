@@ -1,0 +1,339 @@
+r"""Agent trajectories: rollout vs reference behaviour, pure functions over (rollout, reference) pairs.
+
+A pair is one task run twice: by the rollout engine and by a reference engine (e.g. bf16 vs fp8, or
+vLLM vs the trainer's own sampler). Each side is a :class:`~opbc_metrics.agent.trajectory.Trajectory`
+or an OpenAI-style chat message list (converted with ``Trajectory.from_messages``). Per pair:
+
+* ``tool_call_jaccard`` = :math:`|A \cap B| / |A \cup B|` over the *sets* of
+  ``(tool name, sha256 of canonical JSON arguments)`` of all the tool calls of each side; 1.0 when
+  neither side calls a tool.
+* ``first_divergence``: walking the assistant steps in order, the first step ``i`` (0-based) where
+  the ordered tool-name lists differ (kind ``tool_choice``), else the ordered canonical argument
+  lists differ (``tool_arguments``), else the normalised contents differ (``content``); if one side
+  runs out of steps first, it diverges at its end, step ``min(len_a, len_b)`` (``length``);
+  ``None`` when the steps are identical. The final answer is not part of it (see ``answer_match``).
+* ``answer_match``: the final answers are equal after :func:`normalize_text` (whitespace runs folded
+  to one space, ends stripped, lower-cased); a missing final answer counts as ``""``.
+* ``tool_choice_disagreement``: over step indices ``0 .. max(len_a, len_b) - 1`` (a side without
+  that step has an empty tool list), ``(steps whose tool-name lists differ, steps where either side
+  calls a tool)``.
+
+The window values (keys ``agent/...``) are ratios of sums over all pairs and ranks:
+
+================================================  ==================================================
+key                                               value (empty window)
+================================================  ==================================================
+agent/trajectory/tool_call_jaccard                mean per-pair Jaccard (1.0)
+agent/trajectory/first_divergence_step_mean       mean first-divergence step of diverged pairs (-1)
+agent/trajectory/first_divergence_step_min        earliest first-divergence step (-1)
+agent/trajectory/diverged_fraction                diverged pairs / pairs (0)
+agent/trajectory/divergence_kind/<kind>           pairs diverging by <kind> / pairs (0); the four
+                                                  kinds sum to diverged_fraction
+agent/trajectory/num_pairs                        pairs compared (0)
+agent/answer/match_rate                           pairs whose answers match / pairs (1.0)
+agent/steps/tool_choice_disagreement_rate         sum of disagreeing steps / sum of steps where either
+                                                  side calls a tool (0)
+================================================  ==================================================
+
+The empty-window values are those identical trajectories would give, except the divergence step,
+which is -1 ("no divergence") rather than NaN.
+
+The per-pair work is plain Python over small host structures; the sufficient statistics are float64
+tensors (sums, and a min for the earliest step), so the stateful classes in
+:mod:`opbc_metrics.agent` sync over DDP exactly like the tensor metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView
+from opbc_metrics.functional.mismatch import _safe_div
+
+if TYPE_CHECKING:
+    from opbc_metrics.agent.trajectory import Trajectory
+
+TRAJECTORY_PAIRS = "trajectory_pairs"
+
+DIVERGENCE_KINDS = ("tool_choice", "tool_arguments", "content", "length")
+
+JACCARD_KEY = "agent/trajectory/tool_call_jaccard"
+DIVERGENCE_KEYS = (
+    "agent/trajectory/first_divergence_step_mean",
+    "agent/trajectory/first_divergence_step_min",
+    "agent/trajectory/diverged_fraction",
+    *(f"agent/trajectory/divergence_kind/{kind}" for kind in DIVERGENCE_KINDS),
+    "agent/trajectory/num_pairs",
+)
+ANSWER_KEY = "agent/answer/match_rate"
+TOOL_CHOICE_KEY = "agent/steps/tool_choice_disagreement_rate"
+AGENT_KEYS = (JACCARD_KEY, *DIVERGENCE_KEYS, ANSWER_KEY, TOOL_CHOICE_KEY)
+
+# The divergence step reported when no pair diverged.
+NO_DIVERGENCE = -1.0
+
+Stats = dict[str, Tensor]
+AnyTrajectory = Any  # a Trajectory or a list of chat messages
+
+
+class Divergence(NamedTuple):
+    """Where and how a pair first diverged: the 0-based assistant ``step`` and its ``kind``."""
+
+    step: int
+    kind: str
+
+
+def normalize_text(text: str | None) -> str:
+    """Fold whitespace runs to one space, strip the ends, lower-case; ``None`` gives ``""``.
+
+    Example:
+        >>> normalize_text("  The answer\\n is   42. ")
+        'the answer is 42.'
+    """
+    return " ".join((text or "").split()).lower()
+
+
+def _as_trajectory(value: AnyTrajectory, where: str) -> Trajectory:
+    # Imported here: opbc_metrics.agent imports this module for its classes.
+    from opbc_metrics.agent.trajectory import as_trajectory
+
+    return as_trajectory(value, where)
+
+
+def _pair(rollout: AnyTrajectory, reference: AnyTrajectory) -> tuple[Trajectory, Trajectory]:
+    return _as_trajectory(rollout, "rollout"), _as_trajectory(reference, "reference")
+
+
+# ---------------------------------------------------------------------------------------------
+# per pair
+# ---------------------------------------------------------------------------------------------
+def _jaccard(a: Trajectory, b: Trajectory) -> float:
+    set_a = {call.key for step in a.steps for call in step.tool_calls}
+    set_b = {call.key for step in b.steps for call in step.tool_calls}
+    union = set_a | set_b
+    return len(set_a & set_b) / len(union) if union else 1.0
+
+
+def _divergence(a: Trajectory, b: Trajectory) -> Divergence | None:
+    for i, (sa, sb) in enumerate(zip(a.steps, b.steps)):
+        if sa.tool_names != sb.tool_names:
+            return Divergence(i, "tool_choice")
+        if tuple(c.arguments for c in sa.tool_calls) != tuple(c.arguments for c in sb.tool_calls):
+            return Divergence(i, "tool_arguments")
+        if normalize_text(sa.content) != normalize_text(sb.content):
+            return Divergence(i, "content")
+    if len(a.steps) != len(b.steps):
+        return Divergence(min(len(a.steps), len(b.steps)), "length")
+    return None
+
+
+def _answer_match(a: Trajectory, b: Trajectory) -> bool:
+    return normalize_text(a.final_answer) == normalize_text(b.final_answer)
+
+
+def _tool_choice(a: Trajectory, b: Trajectory) -> tuple[int, int]:
+    disagree = either = 0
+    for i in range(max(len(a.steps), len(b.steps))):
+        names_a = a.steps[i].tool_names if i < len(a.steps) else ()
+        names_b = b.steps[i].tool_names if i < len(b.steps) else ()
+        if names_a or names_b:
+            either += 1
+            disagree += names_a != names_b
+    return disagree, either
+
+
+def tool_call_jaccard(rollout: AnyTrajectory, reference: AnyTrajectory) -> float:
+    r"""Jaccard similarity of the ``(tool name, arguments hash)`` sets of two trajectories.
+
+    .. math:: J = \frac{|A \cap B|}{|A \cup B|}, \quad J = 1 \text{ when } A = B = \emptyset
+
+    Example:
+        >>> from opbc_metrics.agent import Step, ToolCall, Trajectory
+        >>> a = Trajectory([Step(tool_calls=[ToolCall("search", {"q": "x"}), ToolCall("calc", "{}")])])
+        >>> b = Trajectory([Step(tool_calls=[ToolCall("search", '{"q":"x"}')])])
+        >>> tool_call_jaccard(a, b)
+        0.5
+    """
+    return _jaccard(*_pair(rollout, reference))
+
+
+def first_divergence(rollout: AnyTrajectory, reference: AnyTrajectory) -> Divergence | None:
+    """The first assistant step (0-based) where the two trajectories act differently, and how.
+
+    Tool choice is compared first, then tool arguments, then normalised content; a trajectory that
+    ends early diverges at its end (kind ``length``). ``None`` when the steps are identical.
+
+    Example:
+        >>> from opbc_metrics.agent import Step, Trajectory
+        >>> a = Trajectory([Step("Thinking"), Step(tool_calls=[("search", '{"q": "x"}')])])
+        >>> b = Trajectory([Step("thinking "), Step(tool_calls=[("search", '{"q": "y"}')])])
+        >>> first_divergence(a, b)
+        Divergence(step=1, kind='tool_arguments')
+        >>> first_divergence(a, Trajectory([Step("thinking")]))
+        Divergence(step=1, kind='length')
+        >>> first_divergence(a, a) is None
+        True
+    """
+    return _divergence(*_pair(rollout, reference))
+
+
+def answer_match(rollout: AnyTrajectory, reference: AnyTrajectory) -> bool:
+    """Whether the final answers agree after whitespace folding and lower-casing.
+
+    Example:
+        >>> answer_match([{"role": "assistant", "content": "Paris "}],
+        ...              [{"role": "assistant", "content": " paris"}])
+        True
+    """
+    return _answer_match(*_pair(rollout, reference))
+
+
+def tool_choice_disagreement(rollout: AnyTrajectory, reference: AnyTrajectory) -> tuple[int, int]:
+    """``(steps whose tool-name lists differ, steps where either side calls a tool)``.
+
+    Steps are aligned by index; a side without step ``i`` has an empty tool list there.
+
+    Example:
+        >>> from opbc_metrics.agent import Step, Trajectory
+        >>> a = Trajectory([Step(tool_calls=[("search", "{}")]), Step("done")])
+        >>> b = Trajectory([Step(tool_calls=[("search", "{}")]), Step(tool_calls=[("calc", "{}")])])
+        >>> tool_choice_disagreement(a, b)
+        (1, 2)
+    """
+    return _tool_choice(*_pair(rollout, reference))
+
+
+# ---------------------------------------------------------------------------------------------
+# batches of pairs
+# ---------------------------------------------------------------------------------------------
+def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
+    """Validate a ``trajectory_pairs`` batch field: a sequence of (rollout, reference) pairs.
+
+    Raises:
+        ValueError: naming ``trajectory_pairs`` (and the index) for a wrong container, a pair that
+            is not two items, or a side that is neither a Trajectory nor a valid message list.
+    """
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ValueError(
+            f"batch field `{TRAJECTORY_PAIRS}` must be a list of (rollout, reference) pairs, "
+            f"got {type(value).__name__}"
+        )
+    pairs = []
+    for i, pair in enumerate(value):
+        if isinstance(pair, (str, bytes, Mapping)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(
+                f"batch field `{TRAJECTORY_PAIRS}[{i}]` must be a (rollout, reference) pair, got "
+                f"{type(pair).__name__}{f' of length {len(pair)}' if isinstance(pair, Sequence) else ''}"
+            )
+        pairs.append(
+            (
+                _as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
+                _as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]"),
+            )
+        )
+    return pairs
+
+
+def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
+    n = jaccard_sum = diverged = step_sum = matches = disagree = tool_steps = 0.0
+    step_min = float("inf")
+    kinds = dict.fromkeys(DIVERGENCE_KINDS, 0.0)
+    for a, b in pairs:
+        n += 1
+        jaccard_sum += _jaccard(a, b)
+        div = _divergence(a, b)
+        if div is not None:
+            diverged += 1
+            step_sum += div.step
+            step_min = min(step_min, float(div.step))
+            kinds[div.kind] += 1
+        matches += _answer_match(a, b)
+        d, e = _tool_choice(a, b)
+        disagree += d
+        tool_steps += e
+    values = {
+        "pairs": n,
+        "jaccard_sum": jaccard_sum,
+        "diverged": diverged,
+        "step_sum": step_sum,
+        "step_min": step_min,
+        **{f"kind_{k}": v for k, v in kinds.items()},
+        "matches": matches,
+        "disagree": disagree,
+        "tool_steps": tool_steps,
+    }
+    return {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+
+
+def _agent_update(view: BatchView) -> Stats:
+    """The statistics of one batch's ``trajectory_pairs``, computed once per BatchView and shared."""
+    return view._cached("agent/pair_stats", lambda: _pair_stats(trajectory_pairs(view.field(TRAJECTORY_PAIRS))))
+
+
+def _jaccard_compute(jaccard_sum: Tensor, pairs: Tensor) -> Tensor:
+    return _safe_div(jaccard_sum, pairs, 1.0)
+
+
+def _divergence_compute(
+    pairs: Tensor,
+    diverged: Tensor,
+    step_sum: Tensor,
+    step_min: Tensor,
+    kind_tool_choice: Tensor,
+    kind_tool_arguments: Tensor,
+    kind_content: Tensor,
+    kind_length: Tensor,
+) -> dict[str, Tensor]:
+    none = torch.full_like(step_min, NO_DIVERGENCE)
+    kinds = (kind_tool_choice, kind_tool_arguments, kind_content, kind_length)
+    return {
+        DIVERGENCE_KEYS[0]: _safe_div(step_sum, diverged, NO_DIVERGENCE),
+        DIVERGENCE_KEYS[1]: torch.where(diverged > 0, step_min, none),
+        DIVERGENCE_KEYS[2]: _safe_div(diverged, pairs, 0.0),
+        **{key: _safe_div(k, pairs, 0.0) for key, k in zip(DIVERGENCE_KEYS[3:7], kinds)},
+        DIVERGENCE_KEYS[7]: pairs.clone(),
+    }
+
+
+def _answer_compute(matches: Tensor, pairs: Tensor) -> Tensor:
+    return _safe_div(matches, pairs, 1.0)
+
+
+def _tool_choice_compute(disagree: Tensor, tool_steps: Tensor) -> Tensor:
+    return _safe_div(disagree, tool_steps, 0.0)
+
+
+def _all_compute(s: Stats) -> dict[str, Tensor]:
+    return {
+        JACCARD_KEY: _jaccard_compute(s["jaccard_sum"], s["pairs"]),
+        **_divergence_compute(
+            s["pairs"], s["diverged"], s["step_sum"], s["step_min"],
+            *(s[f"kind_{k}"] for k in DIVERGENCE_KINDS),
+        ),
+        ANSWER_KEY: _answer_compute(s["matches"], s["pairs"]),
+        TOOL_CHOICE_KEY: _tool_choice_compute(s["disagree"], s["tool_steps"]),
+    }
+
+
+def agent_metrics(pairs: Sequence[tuple[AnyTrajectory, AnyTrajectory]]) -> dict[str, Tensor]:
+    """Every ``agent/...`` key for one batch of (rollout, reference) pairs (float64 tensors).
+
+    Example:
+        >>> roll = [{"role": "assistant", "content": None, "tool_calls": [
+        ...     {"type": "function", "function": {"name": "search", "arguments": '{"q": "x"}'}}]},
+        ...     {"role": "tool", "content": "..."}, {"role": "assistant", "content": "42"}]
+        >>> ref = [{"role": "assistant", "content": "42"}]
+        >>> out = agent_metrics([(roll, ref), (ref, ref)])
+        >>> {k.removeprefix("agent/"): v.item() for k, v in out.items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'trajectory/tool_call_jaccard': 0.5,
+         'trajectory/first_divergence_step_mean': 0.0, 'trajectory/first_divergence_step_min': 0.0,
+         'trajectory/diverged_fraction': 0.5,
+         'trajectory/divergence_kind/tool_choice': 0.5, 'trajectory/divergence_kind/tool_arguments': 0.0,
+         'trajectory/divergence_kind/content': 0.0, 'trajectory/divergence_kind/length': 0.0,
+         'trajectory/num_pairs': 2.0, 'answer/match_rate': 1.0, 'steps/tool_choice_disagreement_rate': 1.0}
+    """
+    return _all_compute(_pair_stats(trajectory_pairs(pairs)))

@@ -1,0 +1,555 @@
+r"""The Off-Policy Budget Controller as pure tensor functions: per-group statistics, contract checks, rules,
+correction weights.
+
+Everything here works on all groups of a batch at once, with segment (scatter) operations over a dense group
+index, and never synchronises host and device: no Python loop over groups or tokens, no data-dependent
+shape. The group index has a fixed capacity of ``B`` (a batch of ``B`` sequences has at most ``B`` groups);
+positions ``>= num_groups`` are padding, flagged by ``present``.
+
+Notation as in :mod:`opbc_metrics.functional.mismatch` and :class:`~opbc_metrics.batch.BatchView`, whose
+cached tensors are reused: valid token t (``response_mask = 1``, both logprobs finite),
+``r_t = trainer - rollout``, ``w_t = exp(clamp(r_t, -C, C))``, per sequence ``s_i = sum_t r_t`` over ``n_i``
+valid tokens. Per group g, over its valid tokens (``N_g`` of them) and its sequences:
+
+* ``ess`` = :math:`(\sum w)^2 / (N_g \sum w^2)`, ``second_moment`` = :math:`\sum w^2 / N_g`,
+  ``weight_mean`` = :math:`\sum w / N_g`, ``seq_ess`` = the same over sequence weights
+  :math:`e^{\mathrm{clamp}(s_i, -C, C)}`;
+* ``clipped_fraction`` / ``veto_fraction``: share of valid tokens with :math:`|r| > C` / :math:`|r| > V`;
+* ``max_abs_log_ratio`` = :math:`\max |r|`;
+* ``seq_log_ratio_mean``, ``seq_log_ratio_abs_mean``, ``seq_log_ratio_max_abs``, ``geo_log_ratio_mean``: of
+  :math:`s_i` (and :math:`s_i / n_i`) over the group's sequences with a valid token and no non-finite token;
+* ``top_1pct_gradient_mass``: exact share of :math:`\sum w` carried by the :math:`k_g = \max(1, \lfloor 0.01
+  N_g \rfloor)` largest weights of the group (all tokens sorted by the composite key (group, -w), then the
+  first :math:`k_g` of each group's segment);
+* ``router_flip_rate`` = top-1 expert flips / (response tokens x layers), when expert ids are given (as
+  ``moe/router/flip_rate``: routing does not depend on the logprobs being finite);
+* ``policy_lag`` = the largest lag of the group's sequences, in trainer steps, when given.
+
+Each is computed by the same ``_x_compute`` function the stateful metrics use, applied elementwise to the
+per-group sufficient statistics, so a group's value equals the core metric on that group's rows alone. Over
+an empty group (no valid token) the values are the core's empty-window values (ESS 1, fractions 0, ...).
+Statistics that were not given (router flips, lag) are NaN here and ``None`` in a host report.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView
+from opbc_metrics.functional import mismatch as M
+
+# -- actions and reasons ------------------------------------------------------------------------------
+# Actions in the precedence order of the rules: a smaller code is a stricter action and wins.
+ACTIONS: tuple[str, ...] = ("reject", "quarantine", "train_with_correction", "replay", "train")
+REJECT, QUARANTINE, TRAIN_WITH_CORRECTION, REPLAY, TRAIN = range(5)
+
+# Every rule condition, in rule order, with the action it triggers.
+REASONS: tuple[tuple[str, int], ...] = (
+    ("shape_mismatch", REJECT),
+    ("logprobs_missing", REJECT),
+    ("no_response_tokens", REJECT),
+    ("logprobs_misaligned", REJECT),
+    ("non_finite", REJECT),
+    ("token_ids_mismatch", REJECT),
+    ("veto", QUARANTINE),
+    ("lag_above_max", QUARANTINE),
+    ("ess_below_min", QUARANTINE),
+    ("router_flip_above_max", QUARANTINE),
+    ("clipped_above_max", TRAIN_WITH_CORRECTION),
+    ("lag_above_replay", REPLAY),
+    ("ess_below_replay", REPLAY),
+)
+REASON_NAMES: tuple[str, ...] = tuple(name for name, _ in REASONS)
+# (action code, how many consecutive reasons map to it), in REASONS order.
+_REASON_RUNS: tuple[tuple[int, int], ...] = tuple(
+    (a, sum(1 for _, b in REASONS if b == a)) for a in dict.fromkeys(a for _, a in REASONS)
+)
+CONTRACT_REASONS: tuple[str, ...] = tuple(name for name, action in REASONS if action == REJECT)
+
+# The per-group statistics, in the column order of the packed host transfer.
+STAT_NAMES: tuple[str, ...] = (
+    "num_sequences",
+    "num_response_tokens",
+    "num_tokens",
+    "nonfinite_count",
+    "ess",
+    "seq_ess",
+    "second_moment",
+    "weight_mean",
+    "clipped_fraction",
+    "veto_fraction",
+    "max_abs_log_ratio",
+    "seq_log_ratio_mean",
+    "seq_log_ratio_abs_mean",
+    "seq_log_ratio_max_abs",
+    "geo_log_ratio_mean",
+    "num_valid_sequences",
+    "top_1pct_gradient_mass",
+    "router_flip_rate",
+    "policy_lag",
+)
+
+CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+CORRECTION_MODES: tuple[str, ...] = ("truncate", "mask")
+
+Stats = dict[str, Tensor]
+
+
+# -- group index --------------------------------------------------------------------------------------
+class GroupIndex(NamedTuple):
+    """A dense index of the groups of a batch, built on the device.
+
+    Attributes:
+        row_group: ``[B]`` long, the dense group of each row; groups are numbered by ascending id.
+        group_ids: ``[B]`` int64, the id of dense group ``g`` at position ``g`` (0 in padding positions).
+        present: ``[B]`` bool, positions ``< num_groups``.
+        num_groups: 0-dim long, the number of distinct ids.
+    """
+
+    row_group: Tensor
+    group_ids: Tensor
+    present: Tensor
+    num_groups: Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.row_group.shape[0]
+
+
+def group_index(group_ids: Tensor) -> GroupIndex:
+    """Dense group index of arbitrary integer ids, without ``unique`` (no host sync).
+
+    A stable sort of the ids, segment starts where the sorted id changes, and a cumulative sum give each
+    row its group; capacity is ``B``.
+
+    Example:
+        >>> import torch
+        >>> idx = group_index(torch.tensor([7, -2, 7, 40]))
+        >>> idx.row_group, idx.group_ids, idx.num_groups
+        (tensor([1, 0, 1, 2]), tensor([-2,  7, 40,  0]), tensor(3))
+    """
+    ids = group_ids.to(torch.int64)
+    b = ids.shape[0]
+    sorted_ids, order = torch.sort(ids, stable=True)
+    new = torch.ones(b, dtype=torch.bool, device=ids.device)
+    if b > 1:
+        new[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    seg_sorted = torch.cumsum(new.to(torch.int64), 0) - 1
+    row_group = torch.empty_like(seg_sorted).scatter_(0, order, seg_sorted)
+    dense_ids = torch.zeros(b, dtype=torch.int64, device=ids.device).scatter_(0, seg_sorted, sorted_ids)
+    num_groups = new.to(torch.int64).sum()
+    present = torch.arange(b, device=ids.device) < num_groups
+    return GroupIndex(row_group, dense_ids, present, num_groups)
+
+
+def _segment_sum(values: Tensor, index: GroupIndex) -> Tensor:
+    """Sum of per-row ``values`` into their groups, in float64 (``[capacity]``)."""
+    out = torch.zeros(index.capacity, dtype=torch.float64, device=values.device)
+    return out.index_add_(0, index.row_group, values.to(torch.float64))
+
+
+def _segment_max(values: Tensor, index: GroupIndex) -> Tensor:
+    """Max of per-row ``values`` into their groups, in float64; -inf for a group with no row."""
+    out = torch.full((index.capacity,), float("-inf"), dtype=torch.float64, device=values.device)
+    return out.scatter_reduce_(0, index.row_group, values.to(torch.float64), "amax", include_self=True)
+
+
+def _row_amax(x: Tensor, keep: Tensor) -> Tensor:
+    """Per-row max of ``x`` over ``keep`` positions; -inf for a row without any."""
+    neg_inf = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+    masked = torch.where(keep, x, neg_inf)
+    if masked.shape[-1] == 0:
+        return torch.full(masked.shape[:-1], float("-inf"), dtype=x.dtype, device=x.device)
+    return masked.amax(dim=-1)
+
+
+# -- per-group statistics -----------------------------------------------------------------------------
+def _group_top_mass_sum(weights: Tensor, index: GroupIndex, count: Tensor, fraction: float) -> Tensor:
+    """Per group, the exact sum of its ``k_g = max(1, floor(fraction * N_g))`` largest token weights.
+
+    Tokens are sorted by the composite key (group ascending, weight descending): one sort of an exact
+    int64 key for float32 weights, two stable sorts otherwise. A token's rank inside its group is its
+    position minus the group's start (an exclusive cumulative sum of the groups' token counts, invalid
+    tokens included: they carry weight 0 and sort last in their group).
+    """
+    b, t = weights.shape
+    flat_w = weights.reshape(-1)
+    flat_g = index.row_group[:, None].expand(b, t).reshape(-1)
+    if weights.dtype == torch.float32:
+        # One sort of an exact int64 composite key: the bits of a non-negative float32 are monotone in its
+        # value, so (group << 31) | (2^31 - 1 - bits) orders by group, then by weight descending.
+        bits = (flat_w.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)  # weights are >= 0 (+0.0 for -0.0)
+        _, perm = torch.sort(flat_g * (2**31) + (2**31 - 1 - bits))
+    else:
+        _, by_weight = torch.sort(flat_w, descending=True, stable=True)
+        _, by_group = torch.sort(flat_g[by_weight], stable=True)
+        perm = by_weight[by_group]
+    w_sorted, g_sorted = flat_w[perm], flat_g[perm]
+    tokens_per_group = torch.zeros(index.capacity, dtype=torch.int64, device=weights.device)
+    tokens_per_group.index_add_(0, index.row_group, torch.full((b,), t, dtype=torch.int64, device=weights.device))
+    start = torch.cumsum(tokens_per_group, 0) - tokens_per_group
+    rank = torch.arange(b * t, device=weights.device) - start[g_sorted]
+    k = M.top_k_count(count, fraction)  # float64 [capacity]
+    take = rank.to(torch.float64) < k[g_sorted]
+    top = torch.zeros(index.capacity, dtype=torch.float64, device=weights.device)
+    return top.index_add_(0, g_sorted, w_sorted.to(torch.float64) * take)
+
+
+def _group_update(
+    view: BatchView,
+    index: GroupIndex,
+    clamp: float,
+    veto: float,
+    fraction: float = M.DEFAULT_TOP_FRACTION,
+    flips: Tensor | None = None,
+    lag_rows: Tensor | None = None,
+) -> Stats:
+    """Per-group sufficient statistics (``[capacity]`` float64 each) of one batch."""
+    _, _, mask = view.token_inputs
+    valid = view.valid
+    w = view.weights(clamp)
+    abs_r = view.abs_log_ratio  # 0 on invalid tokens, so comparisons with positive thresholds need no mask
+    s = view.seq_log_ratio
+    seq_valid_f = view.seq_valid_f
+    ws = view.seq_weights(clamp)
+    count_rows = view.seq_lengths
+    stats: Stats = {
+        "num_sequences": _segment_sum(torch.ones_like(count_rows), index),
+        "num_response_tokens": _segment_sum(mask.sum(dim=1), index),
+        "count": _segment_sum(count_rows, index),
+        "nonfinite": _segment_sum((mask & ~view.finite).sum(dim=1), index),
+        "sum_w": _segment_sum(w.sum(dim=1), index),
+        "sum_w2": _segment_sum((w * w).sum(dim=1), index),
+        "clipped": _segment_sum((abs_r > clamp).sum(dim=1), index),
+        "vetoed": _segment_sum((abs_r > veto).sum(dim=1), index),
+        "max_abs": _segment_max(_row_amax(abs_r, valid), index),
+        "sum_s": _segment_sum(s, index),
+        "sum_abs_s": _segment_sum(s.abs(), index),
+        "max_abs_s": _segment_max(torch.where(view.seq_valid, s.abs(), torch.full_like(s, float("-inf"))), index),
+        "sum_geo": _segment_sum(view.seq_mean_log_ratio, index),
+        "seq_count": _segment_sum(seq_valid_f, index),
+        "sum_ws": _segment_sum(ws, index),
+        "sum_ws2": _segment_sum(ws * ws, index),
+    }
+    stats["top_sum"] = _group_top_mass_sum(w, index, stats["count"], fraction)
+    nan = torch.full((index.capacity,), float("nan"), dtype=torch.float64, device=view.device)
+    if flips is not None:
+        # As moe/router/flip_rate: over response tokens x layers (routing exists whatever the logprobs).
+        layers = flips.shape[-1]
+        row_flips = (flips & mask[..., None]).sum(dim=(1, 2))
+        stats["flips"] = _segment_sum(row_flips, index)
+        stats["flip_den"] = stats["num_response_tokens"] * float(layers)
+    else:
+        stats["flips"], stats["flip_den"] = nan, nan
+    stats["lag"] = _segment_max(lag_rows, index) if lag_rows is not None else nan
+    return stats
+
+
+def _group_compute(stats: Stats) -> Stats:
+    """Per-group values from :func:`_group_update`'s statistics, by the core ``_x_compute`` functions."""
+    count = stats["count"]
+    seq = M._sequence_compute(
+        stats["sum_s"], stats["sum_abs_s"], stats["max_abs_s"], stats["sum_geo"], stats["seq_count"]
+    )
+    flip_rate = torch.where(
+        torch.isnan(stats["flip_den"]), stats["flip_den"], M._safe_div(stats["flips"], stats["flip_den"], 0.0)
+    )
+    return {
+        "num_sequences": stats["num_sequences"],
+        "num_response_tokens": stats["num_response_tokens"],
+        "num_tokens": count,
+        "nonfinite_count": stats["nonfinite"],
+        "ess": M._ess_compute(stats["sum_w"], stats["sum_w2"], count),
+        "seq_ess": M._ess_compute(stats["sum_ws"], stats["sum_ws2"], stats["seq_count"]),
+        "second_moment": M._second_moment_compute(stats["sum_w2"], count),
+        "weight_mean": M._weight_mean_compute(stats["sum_w"], count),
+        "clipped_fraction": M._fraction_compute(stats["clipped"], count),
+        "veto_fraction": M._fraction_compute(stats["vetoed"], count),
+        "max_abs_log_ratio": torch.where(count > 0, stats["max_abs"], torch.zeros_like(count)),
+        "seq_log_ratio_mean": seq[M.SEQUENCE_KEYS[0]],
+        "seq_log_ratio_abs_mean": seq[M.SEQUENCE_KEYS[1]],
+        "seq_log_ratio_max_abs": seq[M.SEQUENCE_KEYS[2]],
+        "geo_log_ratio_mean": seq[M.SEQUENCE_KEYS[3]],
+        "num_valid_sequences": stats["seq_count"],
+        "top_1pct_gradient_mass": M._safe_div(stats["top_sum"], stats["sum_w"], 0.0).clamp(0.0, 1.0),
+        "router_flip_rate": flip_rate,
+        "policy_lag": stats["lag"],
+    }
+
+
+def group_statistics(
+    trainer_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    group_ids: Tensor,
+    response_mask: Tensor | None = None,
+    clamp: float = M.DEFAULT_CLAMP,
+    veto: float = M.DEFAULT_VETO,
+    policy_lag: Tensor | None = None,
+) -> tuple[Tensor, Stats]:
+    """Per-group statistics of one batch: ``(sorted distinct group ids, {name: [G] float64 tensor})``.
+
+    The functional form of the controller's per-group report (see the module docstring for the
+    definitions). This convenience reads the number of groups to the host to trim the padding; the
+    controller itself keeps the fixed-capacity tensors.
+
+    Example:
+        >>> import torch
+        >>> t = torch.zeros(3, 2)
+        >>> ids, stats = group_statistics(t, t - torch.tensor([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0]]),
+        ...                               torch.tensor([5, 5, 9]))
+        >>> ids
+        tensor([5, 9])
+        >>> stats["ess"].round(decimals=4), stats["max_abs_log_ratio"]
+        (tensor([0.7869, 1.0000], dtype=torch.float64), tensor([1., 0.], dtype=torch.float64))
+    """
+    view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    index = group_index(group_ids)
+    lag = None if policy_lag is None else policy_lag.to(torch.float64)
+    values = _group_compute(_group_update(view, index, clamp, veto, lag_rows=lag))
+    g = int(index.num_groups.item())
+    return index.group_ids[:g], {k: v[:g] for k, v in values.items()}
+
+
+# -- contract -----------------------------------------------------------------------------------------
+def _contract_flags(
+    view: BatchView,
+    index: GroupIndex,
+    alignment_gap: float,
+    token_ids: tuple[Tensor, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """Per-group contract failures (``[capacity]`` bool each), on the group's response tokens (mask = 1).
+
+    * ``logprobs_missing``: one side's logprobs are exactly 0.0 on every response token of the group while
+      the other side's are not (an engine that returned no logprobs fills zeros). Both sides all-zero agree
+      and are not flagged.
+    * ``no_response_tokens``: the group has no response token at all.
+    * ``logprobs_misaligned``: (a) a response token where one side is exactly 0.0 (probability 1, the usual
+      fill value) while the other side gives the token a probability below ``exp(-alignment_gap)``
+      (default gap ln 2: less than even odds), or (b) a sequence whose logprobs on one side are exactly 0.0
+      on all its response tokens but finite and non-zero on some masked-out position, while the other side is
+      not all zero there (the logprobs are laid out on other positions than the mask: an offset or a wrong
+      mask). Both sides exactly 0 on the response agree (a response of near-certain tokens) and pass.
+    * ``non_finite``: a NaN or infinite logprob on a response token.
+    * ``token_ids_mismatch``: rollout and trainer token ids differ on a response token (only when both
+      are given).
+    """
+    trainer_raw = view.tensor("trainer_logprobs")
+    rollout_raw = view.tensor("rollout_logprobs")
+    _, _, mask = view.token_inputs
+    dt = view.dtype
+    resp = mask.sum(dim=1).to(dt)
+    resp_g = _segment_sum(resp, index)
+    # A batch-wide shape mismatch is found before any per-token work (the controller's batch validation).
+    out: dict[str, Tensor] = {"shape_mismatch": torch.zeros_like(resp_g, dtype=torch.bool)}
+
+    trainer_zero, rollout_zero = trainer_raw == 0, rollout_raw == 0
+    t_zero_rows = (mask & trainer_zero).sum(dim=1).to(dt)
+    r_zero_rows = (mask & rollout_zero).sum(dim=1).to(dt)
+    t_zero_g = _segment_sum(t_zero_rows, index)
+    r_zero_g = _segment_sum(r_zero_rows, index)
+    out["logprobs_missing"] = (resp_g > 0) & ((t_zero_g == resp_g) != (r_zero_g == resp_g))
+    out["no_response_tokens"] = resp_g == 0
+
+    threshold = -float(alignment_gap)
+    unfilled = mask & ((trainer_zero & (rollout_raw < threshold)) | (rollout_zero & (trainer_raw < threshold)))
+    outside = ~mask
+    row_has_resp = resp > 0
+    all_zero_inside = [t_zero_rows == resp, r_zero_rows == resp]
+    shifted = torch.zeros_like(row_has_resp)
+    for side, (raw, zero) in enumerate(((trainer_raw, trainer_zero), (rollout_raw, rollout_zero))):
+        present_outside = (outside & ~zero & torch.isfinite(raw)).any(dim=1)
+        other_present = ~all_zero_inside[1 - side]
+        shifted = shifted | (row_has_resp & all_zero_inside[side] & present_outside & other_present)
+    misaligned_rows = unfilled.sum(dim=1).to(dt) + shifted.to(dt)
+    out["logprobs_misaligned"] = _segment_sum(misaligned_rows, index) > 0
+    out["non_finite"] = _segment_sum((mask & ~view.finite).sum(dim=1), index) > 0
+    if token_ids is not None:
+        rollout_ids, trainer_ids = token_ids
+        differ = (mask & (rollout_ids != trainer_ids)).sum(dim=1)
+        out["token_ids_mismatch"] = _segment_sum(differ, index) > 0
+    else:
+        out["token_ids_mismatch"] = torch.zeros_like(out["non_finite"])
+    return out
+
+
+# -- rules --------------------------------------------------------------------------------------------
+def _rule_conditions(values: Stats, contract: dict[str, Tensor], policy: Any) -> Tensor:
+    """``[capacity, R]`` bool: which rule conditions hold for each group, in the order of :data:`REASONS`.
+
+    Missing statistics (NaN lag or flip rate) compare false, so their rules never fire.
+    """
+    ess, lag, flip = values["ess"], values["policy_lag"], values["router_flip_rate"]
+    conditions = {
+        **contract,
+        "veto": values["veto_fraction"] > policy.max_veto_fraction,
+        "lag_above_max": lag > policy.max_lag,
+        "ess_below_min": ess < policy.min_ess,
+        "router_flip_above_max": flip > policy.max_flip,
+        "clipped_above_max": values["clipped_fraction"] > policy.max_clipped,
+        "lag_above_replay": lag > policy.replay_lag,
+        "ess_below_replay": ess < policy.replay_ess,
+    }
+    return torch.stack([conditions[name] for name in REASON_NAMES], dim=-1)
+
+
+def _first_match(reasons: Tensor, present: Tensor) -> Tensor:
+    """The action of each group: the strictest action among its rules that hold (rules are ordered by
+    action precedence, so this is the first match), ``train`` when none holds; -1 on padding positions."""
+    # The reason -> action codes, built on the device from runs of equal codes (a host list would cost a
+    # host-to-device copy, which synchronises on CUDA).
+    codes = torch.cat([torch.full((n,), a, dtype=torch.int64, device=reasons.device) for a, n in _REASON_RUNS])
+    action = torch.where(reasons, codes, torch.full_like(codes, TRAIN)).amin(dim=-1)
+    return torch.where(present, action, torch.full_like(action, -1))
+
+
+def decide(values: Stats, contract: dict[str, Tensor], present: Tensor, policy: Any) -> tuple[Tensor, Tensor]:
+    """``(action [capacity] long, reasons [capacity, R] bool)`` of every group under ``policy``.
+
+    ``action`` holds codes into :data:`ACTIONS` (-1 on padding); ``reasons`` every condition that held,
+    whatever the action.
+
+    Example:
+        >>> import torch
+        >>> from opbc_metrics.controller import OPBCPolicy
+        >>> idx = group_index(torch.tensor([0, 1]))
+        >>> values = {"ess": torch.tensor([0.2, 0.9], dtype=torch.float64),
+        ...           "veto_fraction": torch.zeros(2, dtype=torch.float64),
+        ...           "clipped_fraction": torch.tensor([0.0, 0.5], dtype=torch.float64),
+        ...           "policy_lag": torch.full((2,), float("nan"), dtype=torch.float64),
+        ...           "router_flip_rate": torch.full((2,), float("nan"), dtype=torch.float64)}
+        >>> contract = {name: torch.zeros(2, dtype=torch.bool) for name in CONTRACT_REASONS}
+        >>> action, reasons = decide(values, contract, idx.present, OPBCPolicy())
+        >>> [ACTIONS[a] for a in action.tolist()]
+        ['quarantine', 'train_with_correction']
+        >>> [REASON_NAMES[r] for r in reasons[0].nonzero().flatten().tolist()]
+        ['ess_below_min', 'ess_below_replay']
+    """
+    reasons = _rule_conditions(values, contract, policy) & present[:, None]
+    return _first_match(reasons, present), reasons
+
+
+# -- correction weights -------------------------------------------------------------------------------
+def _log_bounds(policy: Any) -> tuple[float, float]:
+    """``(log floor, log cap)`` of the correction weights; ``None`` bounds mean ``e^{-C}`` and ``e^{C}``."""
+    clamp = float(policy.clamp)
+    if policy.weight_cap is None:
+        log_cap = clamp
+    else:
+        log_cap = math.log(policy.weight_cap) if policy.weight_cap < math.inf else math.inf
+    if policy.weight_floor is None:
+        log_floor = -clamp
+    else:
+        log_floor = math.log(policy.weight_floor) if policy.weight_floor > 0 else -math.inf
+    return log_floor, log_cap
+
+
+def _uses_core_clamp(policy: Any, level: str) -> bool:
+    """Token level with both bounds at their default ``e^{+-C}``: the weights are the core's ``w``."""
+    return level == "token" and policy.weight_cap is None and policy.weight_floor is None
+
+
+def _log_ratio_at_level(view: BatchView, level: str) -> Tensor:
+    """``[B, T]`` log importance ratio at a level: token ``r_t``, sequence ``s_i``, geometric ``s_i / n_i``."""
+    if level == "token":
+        return view.log_ratio
+    seq = view.seq_log_ratio if level == "sequence" else view.seq_mean_log_ratio
+    return seq[:, None].expand_as(view.log_ratio)
+
+
+def _correction(view: BatchView, row_action: Tensor, policy: Any) -> dict[str, Tensor]:
+    """Token-level loss mask and importance weights for the trainer, and the budget counts.
+
+    Rows of groups decided ``train_with_correction`` (and ``train`` when ``policy.correct_train``) get the
+    correction: with ``rho`` the ratio at ``policy.correction_level`` and bounds ``[floor, cap]``,
+    ``truncate`` uses ``clamp(rho, floor, cap)`` (computed in log space) on every token, ``mask`` keeps the
+    tokens (token level) or whole sequences (sequence, geometric) with ``floor <= rho <= cap`` at their true
+    ratio and drops the others from the loss mask. Other trained rows get weight 1. Rows of groups sent to
+    ``replay``, ``quarantine`` or ``reject`` get mask 0. Weights are 0 wherever the mask is 0 (so
+    ``weights * loss`` never multiplies an infinite ratio by 0) and are detached from the graph.
+    """
+    valid = view.valid
+    trained_row = (row_action == TRAIN) | (row_action == TRAIN_WITH_CORRECTION)
+    corrected_row = row_action == TRAIN_WITH_CORRECTION
+    if policy.correct_train:
+        corrected_row = trained_row
+    log_floor, log_cap = _log_bounds(policy)
+    level = str(getattr(policy.correction_level, "value", policy.correction_level))
+    mode = str(getattr(policy.correction_mode, "value", policy.correction_mode))
+    core = _uses_core_clamp(policy, level)
+    log_rho = _log_ratio_at_level(view, level).detach()
+    outside = (log_rho > log_cap) | (log_rho < log_floor)
+    if mode == "truncate":
+        if core:  # the core's own clamp: the weights are exactly BatchView.weights(C)
+            rho = view.weights(policy.clamp).detach()
+        else:
+            rho = log_rho.clamp(min=log_floor, max=log_cap).exp()
+        keep = torch.ones_like(valid)
+        truncated = outside
+        masked = torch.zeros_like(valid)
+    else:
+        keep = ~outside
+        rho = torch.where(keep, log_rho, torch.zeros_like(log_rho)).exp()
+        truncated = torch.zeros_like(valid)
+        masked = outside
+    corrected = valid & corrected_row[:, None]
+    loss_mask = valid & trained_row[:, None] & (keep | ~corrected_row[:, None])
+    one = torch.ones((), dtype=view.dtype, device=view.device)
+    weights = torch.where(corrected, rho.to(view.dtype), one)
+    weights = torch.where(loss_mask, weights, torch.zeros_like(weights))
+    dt = view.dtype
+    return {
+        "loss_mask": loss_mask,
+        "weights": weights,
+        "trained_tokens": (valid & trained_row[:, None]).sum().to(dt),
+        "corrected_tokens": corrected.sum().to(dt),
+        "truncated_tokens": (corrected & truncated).sum().to(dt),
+        "masked_tokens": (corrected & masked).sum().to(dt),
+    }
+
+
+def correction_weights(
+    trainer_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor | None = None,
+    level: str = "token",
+    mode: str = "truncate",
+    cap: float = 2.0,
+    floor: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    r"""Rollout-correction importance weights of one batch: ``(loss_mask [B, T] bool, weights [B, T])``.
+
+    The correction the controller applies to trained groups, here for every sequence: with :math:`\rho` the
+    importance ratio at ``level`` (token :math:`e^{r_t}`, sequence :math:`e^{s_i}`, geometric
+    :math:`e^{s_i / n_i}`), ``truncate`` gives :math:`\mathrm{clamp}(\rho, floor, cap)` (TIS: ``cap=2``,
+    ``floor=0``), ``mask`` keeps tokens (or sequences) with :math:`floor \le \rho \le cap` at their true
+    ratio and drops the rest from the mask (MIS). Weights are 0 wherever the mask is 0.
+
+    Example:
+        >>> import torch
+        >>> t = torch.tensor([[-1.0, -1.0, -1.0]])
+        >>> r = torch.tensor([[-2.0, -1.0, -0.5]])   # ratios e, 1, e^-0.5
+        >>> mask, w = correction_weights(t, r)
+        >>> w.round(decimals=4)
+        tensor([[2.0000, 1.0000, 0.6065]])
+        >>> mask, w = correction_weights(t, r, mode="mask", floor=0.5)
+        >>> mask, w.round(decimals=4)
+        (tensor([[False,  True,  True]]), tensor([[0.0000, 1.0000, 0.6065]]))
+    """
+    from types import SimpleNamespace
+
+    if level not in CORRECTION_LEVELS:
+        raise ValueError(f"`level` must be one of {CORRECTION_LEVELS}, got {level!r}")
+    if mode not in CORRECTION_MODES:
+        raise ValueError(f"`mode` must be one of {CORRECTION_MODES}, got {mode!r}")
+    view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    policy = SimpleNamespace(
+        clamp=M.DEFAULT_CLAMP, weight_cap=cap, weight_floor=floor, correction_level=level, correction_mode=mode,
+        correct_train=True,
+    )
+    rows = torch.full((view.token_inputs[0].shape[0],), TRAIN, dtype=torch.int64, device=view.device)
+    out = _correction(view, rows, policy)
+    return out["loss_mask"], out["weights"]

@@ -1,0 +1,399 @@
+r"""MoE router drift between the rollout engine and the trainer: pure functions over one batch.
+
+Inputs, per side (rollout and trainer), either
+
+* routed expert ids ``rollout_experts`` / ``trainer_experts`` ``[B, T, L, K]`` (any integer dtype),
+  ordered by routing weight, highest first; or
+* router logits (the scores the router selects on) ``rollout_router_logits`` /
+  ``trainer_router_logits`` ``[B, T, L, E]`` (floating point), from which the top-K experts are taken
+  with ``torch.topk`` (``top_k`` must then be given; exact ties resolve as ``torch.topk`` does).
+
+The two sides may use different forms (e.g. replayed expert ids from the rollout engine, router
+logits from the trainer). When a side carries both, its expert ids are used. With ``top_k`` given,
+expert ids with more than ``top_k`` columns are cut to their first (highest-weight) ``top_k``; with
+``top_k=None`` both sides must be expert ids of the same K.
+
+A *valid token* is a response token (``response_mask != 0``; every token when the mask is absent).
+Logprobs play no part: a token whose logprob is non-finite still has routed experts. Index ``l`` is
+the position along the ``L`` axis of the given tensors (the MoE layers, in model order; dense layers
+are not in the tensor).
+
+* ``moe/router/flip_rate``: top-1 expert differs, over valid (token, layer) pairs.
+* ``moe/router/topk_disagreement_rate``: share of valid tokens whose top-K expert *set* differs in at
+  least one layer. Sets are compared by sorting the K ids of each (token, layer) and comparing
+  elementwise (fixed shapes). Routed experts of one token and layer are distinct in real routers; if
+  an input repeats an id, the comparison is of multisets.
+* ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
+  capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
+  ``moe/router/layer_overflow/flip_rate``.
+* ``moe/router/worst_layer`` / ``worst_layer_flip_rate``: the layer with the highest flip rate among
+  the layers that saw a valid token (the first one on ties), and its rate. The pooled overflow bucket
+  competes as index ``num_layers``, read "a layer >= num_layers": raise ``num_layers`` to resolve it.
+
+Over an empty window (no valid token) the rates are 0 (what identical routing gives) and
+``worst_layer`` is -1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import RESPONSE_MASK, BatchView
+
+ROLLOUT_EXPERTS = "rollout_experts"
+TRAINER_EXPERTS = "trainer_experts"
+ROLLOUT_ROUTER_LOGITS = "rollout_router_logits"
+TRAINER_ROUTER_LOGITS = "trainer_router_logits"
+EXPERT_FIELDS = (ROLLOUT_EXPERTS, TRAINER_EXPERTS)
+LOGIT_FIELDS = (ROLLOUT_ROUTER_LOGITS, TRAINER_ROUTER_LOGITS)
+
+# Per-layer capacity of the stateful flip-rate metric: covers the MoE depth of Mixtral (32),
+# Qwen3-30B-A3B (48), DeepSeek-V3 / Kimi K2 (58 MoE layers); deeper models pool into the overflow.
+DEFAULT_MOE_LAYERS = 64
+
+FLIP_RATE_KEY = "moe/router/flip_rate"
+TOPK_DISAGREEMENT_KEY = "moe/router/topk_disagreement_rate"
+WORST_LAYER_KEY = "moe/router/worst_layer"
+WORST_LAYER_RATE_KEY = "moe/router/worst_layer_flip_rate"
+LAYER_OVERFLOW_KEY = "moe/router/layer_overflow/flip_rate"
+
+Stats = dict[str, Tensor]
+
+
+def layer_key(layer: int) -> str:
+    """The key of one layer's flip rate.
+
+    Example:
+        >>> layer_key(3)
+        'moe/router/layer_3/flip_rate'
+    """
+    return f"moe/router/layer_{layer}/flip_rate"
+
+
+def flip_rate_keys(num_layers: int) -> tuple[str, ...]:
+    """Keys produced by the flip-rate metric with capacity ``num_layers``, in order.
+
+    Example:
+        >>> flip_rate_keys(2)
+        ('moe/router/flip_rate', 'moe/router/worst_layer', 'moe/router/worst_layer_flip_rate', \
+'moe/router/layer_0/flip_rate', 'moe/router/layer_1/flip_rate', 'moe/router/layer_overflow/flip_rate')
+    """
+    return (
+        FLIP_RATE_KEY,
+        WORST_LAYER_KEY,
+        WORST_LAYER_RATE_KEY,
+        *(layer_key(i) for i in range(num_layers)),
+        LAYER_OVERFLOW_KEY,
+    )
+
+
+def check_top_k(top_k: int | None) -> int | None:
+    """Validate a ``top_k`` constructor argument (``None`` or an integer >= 1)."""
+    if top_k is None:
+        return None
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"`top_k` must be None or an integer >= 1, got {top_k!r}")
+    return top_k
+
+
+def check_num_layers(num_layers: int) -> int:
+    """Validate a ``num_layers`` capacity (an integer >= 1)."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"`num_layers` must be an integer >= 1, got {num_layers!r}")
+    return num_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# input validation
+# ---------------------------------------------------------------------------------------------
+def _check_ids(ids: Tensor, name: str) -> None:
+    if not isinstance(ids, Tensor):
+        raise ValueError(f"batch field `{name}` must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.ndim != 4:
+        raise ValueError(f"batch field `{name}` must have shape [B, T, L, K], got {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"batch field `{name}` must hold integer expert ids, got {ids.dtype}")
+    if ids.shape[2] == 0 or ids.shape[3] == 0:
+        raise ValueError(f"batch field `{name}` needs at least one layer and one expert, got {tuple(ids.shape)}")
+
+
+def _check_logits(logits: Tensor, name: str, top_k: int | None) -> int:
+    if not isinstance(logits, Tensor):
+        raise ValueError(f"batch field `{name}` must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.ndim != 4:
+        raise ValueError(f"batch field `{name}` must have shape [B, T, L, E], got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"batch field `{name}` must be floating-point router logits, got {logits.dtype}")
+    if top_k is None:
+        raise ValueError(
+            f"batch field `{name}` holds router logits, which need `top_k` (the number of routed experts) "
+            "to be set on the metric"
+        )
+    if logits.shape[2] == 0 or logits.shape[3] < top_k:
+        raise ValueError(
+            f"batch field `{name}` must have at least one layer and E >= top_k = {top_k} experts, "
+            f"got {tuple(logits.shape)}"
+        )
+    return top_k
+
+
+def router_topk(router_logits: Tensor, k: int) -> Tensor:
+    """The ``k`` experts with the highest router logits, ``[B, T, L, k]`` int64, highest first.
+
+    Example:
+        >>> import torch
+        >>> router_topk(torch.tensor([[[[0.1, 2.0, -1.0, 0.7]]]]), 2)
+        tensor([[[[1, 3]]]])
+    """
+    _check_logits(router_logits, "router_logits", check_top_k(k))
+    return torch.topk(router_logits, k, dim=-1, largest=True, sorted=True).indices
+
+
+def _side(view: BatchView, ids_name: str, logits_name: str, top_k: int | None) -> tuple[Tensor, str]:
+    """One side's expert ids (from ids or from logits) and the field they came from."""
+    if view.has(ids_name):
+        ids = view.field(ids_name)
+        _check_ids(ids, ids_name)
+        if top_k is not None:
+            if ids.shape[3] < top_k:
+                raise ValueError(
+                    f"batch field `{ids_name}` has K = {ids.shape[3]} experts per layer, fewer than top_k = {top_k}"
+                )
+            ids = ids[..., :top_k]
+        return ids, ids_name
+    if view.has(logits_name):
+        logits = view.field(logits_name)
+        k = _check_logits(logits, logits_name, top_k)
+        return torch.topk(logits, k, dim=-1, largest=True, sorted=True).indices, logits_name
+    present = ", ".join(sorted(k for k, v in view.data.items() if v is not None)) or "none"
+    raise ValueError(f"batch field `{ids_name}` (or `{logits_name}`) is required but missing (present: {present})")
+
+
+def router_inputs(view: BatchView, top_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rollout_ids, trainer_ids, mask)``: validated ``[B, T, L, K]`` ids and the ``[B, T]`` bool mask.
+
+    Cached on the view, so every router metric of a collection resolves (and top-Ks) the inputs once.
+    """
+    return view._cached(("moe_router_inputs", top_k), lambda: _resolve(view, top_k))
+
+
+def _resolve(view: BatchView, top_k: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    rollout, r_name = _side(view, ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS, top_k)
+    trainer, t_name = _side(view, TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS, top_k)
+    if trainer.shape[:3] != rollout.shape[:3]:
+        raise ValueError(
+            f"batch field `{t_name}` has [B, T, L] = {tuple(trainer.shape[:3])} but `{r_name}` has "
+            f"{tuple(rollout.shape[:3])}"
+        )
+    if trainer.shape[3] != rollout.shape[3]:
+        raise ValueError(
+            f"batch field `{t_name}` has K = {trainer.shape[3]} experts per layer but `{r_name}` has "
+            f"K = {rollout.shape[3]}; set `top_k` to compare the first top_k of each"
+        )
+    if trainer.device != rollout.device:
+        raise ValueError(f"batch field `{t_name}` is on {trainer.device} but `{r_name}` is on {rollout.device}")
+    b, t = rollout.shape[:2]
+    if view.has(RESPONSE_MASK):
+        mask = view.tensor(RESPONSE_MASK)
+        if tuple(mask.shape) != (b, t):
+            raise ValueError(
+                f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{r_name}` has [B, T] = {(b, t)}"
+            )
+        if mask.device != rollout.device:
+            raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{r_name}` is on {rollout.device}")
+        if mask.is_complex():
+            raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
+        mask = mask != 0
+    else:
+        mask = torch.ones((b, t), dtype=torch.bool, device=rollout.device)
+    return rollout, trainer, mask
+
+
+def _check_pair(rollout_experts: Tensor, trainer_experts: Tensor) -> None:
+    _check_ids(rollout_experts, ROLLOUT_EXPERTS)
+    _check_ids(trainer_experts, TRAINER_EXPERTS)
+    if trainer_experts.shape != rollout_experts.shape:
+        raise ValueError(
+            f"batch field `{TRAINER_EXPERTS}` has shape {tuple(trainer_experts.shape)} but `{ROLLOUT_EXPERTS}` "
+            f"has shape {tuple(rollout_experts.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# per-token comparisons (used by the controller too)
+# ---------------------------------------------------------------------------------------------
+def _top1_flips(rollout: Tensor, trainer: Tensor) -> Tensor:
+    return rollout[..., 0] != trainer[..., 0]
+
+
+def _set_differs(rollout: Tensor, trainer: Tensor) -> Tensor:
+    """``[B, T, L]``: the top-K sets differ (sort along K, compare elementwise; fixed shapes)."""
+    return (torch.sort(rollout, dim=-1).values != torch.sort(trainer, dim=-1).values).any(dim=-1)
+
+
+def router_top1_flips(rollout_experts: Tensor, trainer_experts: Tensor) -> Tensor:
+    """``[B, T, L]`` bool: the top-1 (highest-weight) expert differs between rollout and trainer.
+
+    No mask is applied: combine with ``response_mask`` yourself.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[[[1, 2], [3, 4]]]])  # B=1, T=1, L=2, K=2
+        >>> t = torch.tensor([[[[2, 1], [3, 5]]]])
+        >>> router_top1_flips(r, t)
+        tensor([[[ True, False]]])
+    """
+    _check_pair(rollout_experts, trainer_experts)
+    return _top1_flips(rollout_experts, trainer_experts)
+
+
+def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) -> Tensor:
+    """``[B, T]`` bool: the top-K expert set differs in at least one layer.
+
+    The order within the top-K does not matter (a swap of the top two experts is a top-1 flip but not
+    a set disagreement). No mask is applied.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[[[1, 2], [3, 4]]]])
+        >>> router_set_disagreement(r, torch.tensor([[[[2, 1], [3, 4]]]]))
+        tensor([[False]])
+        >>> router_set_disagreement(r, torch.tensor([[[[2, 1], [3, 5]]]]))
+        tensor([[True]])
+    """
+    _check_pair(rollout_experts, trainer_experts)
+    return _set_differs(rollout_experts, trainer_experts).any(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# moe/router/flip_rate, per layer and worst layer
+# ---------------------------------------------------------------------------------------------
+def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
+
+
+def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None) -> Stats:
+    rollout, trainer, mask = router_inputs(view, top_k)
+    n_layers = rollout.shape[2]
+    flips = _top1_flips(rollout, trainer) & mask.unsqueeze(-1)
+    per_layer = flips.sum(dim=(0, 1)).to(torch.float64)  # [L], exact integer counts
+    tokens = mask.sum().to(torch.float64)
+    # Layers 0..num_layers-1 each get a bucket; the rest share bucket num_layers (fixed state size).
+    bucket = torch.arange(n_layers, device=rollout.device).clamp(max=num_layers)
+    layer_flips = torch.zeros(num_layers + 1, dtype=torch.float64, device=rollout.device)
+    layer_pairs = torch.zeros_like(layer_flips)
+    layer_flips.index_add_(0, bucket, per_layer)
+    layer_pairs.index_add_(0, bucket, tokens.expand(n_layers))
+    return {"layer_flips": layer_flips, "layer_pairs": layer_pairs}
+
+
+def _flip_rate_compute(layer_flips: Tensor, layer_pairs: Tensor) -> dict[str, Tensor]:
+    num_layers = layer_flips.shape[0] - 1
+    rates = _safe_div(layer_flips, layer_pairs, 0.0)
+    observed = layer_pairs > 0
+    worst = torch.argmax(torch.where(observed, rates, torch.full_like(rates, -1.0)))  # first max on ties
+    any_observed = observed.any()
+    out = {
+        FLIP_RATE_KEY: _safe_div(layer_flips.sum(), layer_pairs.sum(), 0.0),
+        WORST_LAYER_KEY: torch.where(any_observed, worst.to(rates.dtype), torch.full_like(rates[0], -1.0)),
+        WORST_LAYER_RATE_KEY: torch.where(any_observed, rates[worst], torch.zeros_like(rates[0])),
+    }
+    for i in range(num_layers):
+        out[layer_key(i)] = rates[i]
+    out[LAYER_OVERFLOW_KEY] = rates[num_layers]
+    return out
+
+
+def _view_of(rollout: Tensor, trainer: Tensor, response_mask: Tensor | None) -> BatchView:
+    """Put integer inputs in the expert-id fields and floating ones in the router-logit fields."""
+    fields: dict[str, Tensor | None] = {RESPONSE_MASK: response_mask}
+    for tensor, (ids_name, logits_name) in (
+        (rollout, (ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS)),
+        (trainer, (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS)),
+    ):
+        is_logits = isinstance(tensor, Tensor) and tensor.is_floating_point()
+        fields[logits_name if is_logits else ids_name] = tensor
+    return BatchView(fields)
+
+
+def router_flip_rate(
+    rollout: Tensor,
+    trainer: Tensor,
+    response_mask: Tensor | None = None,
+    *,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+) -> dict[str, Tensor]:
+    r"""``moe/router/flip_rate``, the per-layer flip rates and the worst layer, for one batch.
+
+    .. math:: \mathrm{flip\_rate} = \frac{\sum_{t, l} m_t\,[e^{roll}_{t,l,1} \ne e^{train}_{t,l,1}]}{L \sum_t m_t}
+
+    Args:
+        rollout: rollout expert ids ``[B, T, L, K]`` (integer) or router logits ``[B, T, L, E]`` (float).
+        trainer: the trainer's, in either form.
+        response_mask: ``[B, T]``; all ones when absent.
+        num_layers: per-layer keys for layers ``0 .. num_layers - 1``; deeper layers pool into
+            ``layer_overflow`` (default: ``L``, every layer).
+        top_k: K for router logits (required with logits).
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[[[1, 2], [3, 4]], [[5, 6], [7, 0]]]])  # B=1, T=2, L=2, K=2
+        >>> t = torch.tensor([[[[2, 1], [3, 4]], [[5, 6], [0, 7]]]])
+        >>> out = router_flip_rate(r, t)
+        >>> [out[k].item() for k in ("moe/router/flip_rate", "moe/router/layer_0/flip_rate",
+        ...                          "moe/router/layer_1/flip_rate", "moe/router/worst_layer")]
+        [0.5, 0.5, 0.5, 0.0]
+        >>> router_flip_rate(r, t, torch.tensor([[0, 1]]))["moe/router/worst_layer"].item()
+        1.0
+    """
+    view = _view_of(rollout, trainer, response_mask)
+    top_k = check_top_k(top_k)
+    if num_layers is None:
+        num_layers = router_inputs(view, top_k)[0].shape[2]
+    return _flip_rate_compute(**_flip_rate_update(view, check_num_layers(num_layers), top_k))
+
+
+# ---------------------------------------------------------------------------------------------
+# moe/router/topk_disagreement_rate
+# ---------------------------------------------------------------------------------------------
+def _set_disagreement_update(view: BatchView, top_k: int | None = None) -> Stats:
+    rollout, trainer, mask = router_inputs(view, top_k)
+    differs = _set_differs(rollout, trainer).any(dim=-1) & mask
+    return {"disagreements": differs.sum().to(torch.float64), "tokens": mask.sum().to(torch.float64)}
+
+
+def _set_disagreement_compute(disagreements: Tensor, tokens: Tensor) -> Tensor:
+    return _safe_div(disagreements, tokens, 0.0)
+
+
+def router_topk_disagreement_rate(
+    rollout: Tensor,
+    trainer: Tensor,
+    response_mask: Tensor | None = None,
+    *,
+    top_k: int | None = None,
+) -> Tensor:
+    r"""``moe/router/topk_disagreement_rate``: share of valid tokens whose top-K set differs in some layer.
+
+    .. math:: \frac{\sum_t m_t\,[\exists l: S^{roll}_{t,l} \ne S^{train}_{t,l}]}{\sum_t m_t}
+
+    Args:
+        rollout: rollout expert ids ``[B, T, L, K]`` (integer) or router logits ``[B, T, L, E]`` (float).
+        trainer: the trainer's, in either form.
+        response_mask: ``[B, T]``; all ones when absent.
+        top_k: K for router logits (required with logits); cuts expert ids to their first ``top_k``.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[[[1, 2], [3, 4]], [[5, 6], [7, 0]]]])
+        >>> t = torch.tensor([[[[2, 1], [3, 4]], [[5, 6], [7, 1]]]])  # token 0: a swap; token 1: a new expert
+        >>> router_topk_disagreement_rate(r, t)
+        tensor(0.5000, dtype=torch.float64)
+        >>> logits = torch.tensor([[[[0.0, 3.0, 2.0]]]])  # top-2 {1, 2}
+        >>> router_topk_disagreement_rate(torch.tensor([[[[2, 1]]]]), logits, top_k=2)
+        tensor(0., dtype=torch.float64)
+    """
+    view = _view_of(rollout, trainer, response_mask)
+    return _set_disagreement_compute(**_set_disagreement_update(view, check_top_k(top_k)))

@@ -1,0 +1,186 @@
+r"""Per-round (multi-turn) logprob mismatch: pure functions over one batch.
+
+The keys and their meaning follow verl's per-round debug metrics (verl PR #5229,
+``per_round/*`` of ``calculate_debug_metrics``), made exact over a window and all ranks:
+
+* a *round* is a contiguous run of 1s in ``response_mask`` (one turn of model generation; the 0s
+  between rounds are environment/tool tokens, the 0s after the last round padding). Round ``i`` is
+  the ``i``-th run of a sequence, counted from 0.
+* ``per_round/round_{i}_abs_diff_mean``: mean of :math:`|r_t| = |\log p_{train} - \log p_{roll}|`
+  over the tokens of round ``i`` of every sequence, pooled (a token-weighted mean, as verl
+  concatenates the round's tokens over the batch before averaging).
+* ``per_round/round_{i}_token_count``: response tokens in round ``i`` over all sequences. Summed over
+  the rounds (and the overflow) it is the number of response tokens, ``response_mask.sum()``.
+* ``per_round/total_rounds``: the largest number of rounds of any one sequence (verl: "max number of
+  rounds across batch"), over the window and all ranks; 0 when no sequence has a round. It is the
+  value a verl user reads as "how many turns the longest trajectory had", and the number of
+  ``round_{i}`` entries that carry data.
+* ``per_round/max_round_diff``: the round ``i`` with the largest ``round_{i}_abs_diff_mean`` among the
+  rounds with at least one valid token, the first one on ties (as verl's strict ``>`` scan); -1 when
+  no round has one. ``per_round/max_diff_value``: that mean; 0 when there is none (verl leaves the key
+  out then; a fixed key set needs a value).
+
+Rounds are found with tensor operations: a round starts where the mask is 1 and the previous token's
+is 0; the cumulative sum of the starts along the sequence gives each token its round index. Statistics
+go into a fixed ``capacity + 1`` buffer with ``index_add_``: rounds ``0 .. capacity - 1`` each get a
+bucket, rounds ``>= capacity`` share the last one (``per_round/overflow_abs_diff_mean``,
+``per_round/overflow_token_count``). The overflow bucket competes in ``max_round_diff`` as index
+``capacity``, read "a round >= capacity": raise ``capacity`` to resolve it. No Python loop over tokens,
+no host sync, a fixed state size.
+
+Round boundaries come from ``response_mask`` alone. A response token whose trainer or rollout logprob
+is non-finite stays in its round (it neither splits nor ends it) and in ``token_count``, but is left
+out of the mean, as everywhere in this library (see :mod:`opbc_metrics.batch`); a round whose tokens
+are all non-finite has mean 0 and does not compete for ``max_round_diff``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView
+
+# 16 rounds cover the 8-turn GUI-agent trajectories verl's PR was tested on with room to spare; longer
+# agents pool into the overflow bucket (or raise ``capacity``).
+DEFAULT_ROUND_CAPACITY = 16
+
+TOTAL_ROUNDS_KEY = "per_round/total_rounds"
+MAX_ROUND_KEY = "per_round/max_round_diff"
+MAX_VALUE_KEY = "per_round/max_diff_value"
+OVERFLOW_MEAN_KEY = "per_round/overflow_abs_diff_mean"
+OVERFLOW_COUNT_KEY = "per_round/overflow_token_count"
+
+Stats = dict[str, Tensor]
+
+
+def round_mean_key(i: int) -> str:
+    """``per_round/round_{i}_abs_diff_mean``."""
+    return f"per_round/round_{i}_abs_diff_mean"
+
+
+def round_count_key(i: int) -> str:
+    """``per_round/round_{i}_token_count``."""
+    return f"per_round/round_{i}_token_count"
+
+
+def per_round_keys(capacity: int) -> tuple[str, ...]:
+    """Keys of the per-round metric with ``capacity`` tracked rounds, in order.
+
+    Example:
+        >>> per_round_keys(1)
+        ('per_round/total_rounds', 'per_round/round_0_abs_diff_mean', 'per_round/round_0_token_count', \
+'per_round/overflow_abs_diff_mean', 'per_round/overflow_token_count', 'per_round/max_round_diff', \
+'per_round/max_diff_value')
+    """
+    rounds = [k for i in range(capacity) for k in (round_mean_key(i), round_count_key(i))]
+    return (TOTAL_ROUNDS_KEY, *rounds, OVERFLOW_MEAN_KEY, OVERFLOW_COUNT_KEY, MAX_ROUND_KEY, MAX_VALUE_KEY)
+
+
+def check_capacity(capacity: int) -> int:
+    """Validate a ``capacity`` (an integer >= 1)."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"`capacity` must be an integer >= 1, got {capacity!r}")
+    return capacity
+
+
+def round_index(response_mask: Tensor) -> Tensor:
+    """``[B, T]`` int64: the 0-based round of each response token, -1 outside rounds.
+
+    A round is a contiguous run of nonzero mask values. Vectorised: starts where the mask is on and
+    the previous token's is off, then a cumulative sum.
+
+    Example:
+        >>> import torch
+        >>> round_index(torch.tensor([[1, 1, 0, 0, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 0, 0]]))
+        tensor([[ 0,  0, -1, -1,  1, -1,  2,  2],
+                [-1,  0,  0,  0,  0,  0, -1, -1]])
+    """
+    if not isinstance(response_mask, Tensor) or response_mask.ndim != 2:
+        shape = tuple(response_mask.shape) if isinstance(response_mask, Tensor) else type(response_mask).__name__
+        raise ValueError(f"batch field `response_mask` must be a [B, T] tensor, got {shape}")
+    on = response_mask != 0
+    b, t = on.shape
+    before = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=on.device), on], dim=1)[:, :t]
+    starts = on & ~before
+    idx = torch.cumsum(starts, dim=1) - 1
+    return torch.where(on, idx, torch.full_like(idx, -1))
+
+
+def _per_round_update(view: BatchView, capacity: int) -> Stats:
+    _, _, mask = view.token_inputs
+    rounds = view._cached("round_index", lambda: round_index(mask))
+    b, t = mask.shape
+    bucket = rounds.clamp(0, capacity).reshape(-1)  # tokens outside rounds add 0 to bucket 0
+    device = mask.device
+
+    def binned(values: Tensor) -> Tensor:
+        out = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
+        return out.index_add_(0, bucket, values.reshape(-1).to(torch.float64))
+
+    per_seq = rounds.amax(dim=1) + 1 if t else torch.zeros(b, dtype=torch.int64, device=device)
+    most = per_seq.amax() if b else torch.full((), float("-inf"), dtype=torch.float64, device=device)
+    return {
+        "sum_abs": binned(view.abs_log_ratio),  # 0 on masked and non-finite tokens
+        "valid_count": binned(view.valid_f),
+        "token_count": binned(mask),
+        "max_rounds": most.to(torch.float64),
+    }
+
+
+def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
+
+
+def _per_round_compute(
+    sum_abs: Tensor, valid_count: Tensor, token_count: Tensor, max_rounds: Tensor
+) -> dict[str, Tensor]:
+    capacity = sum_abs.shape[0] - 1
+    means = _safe_div(sum_abs, valid_count, 0.0)
+    observed = valid_count > 0
+    worst = torch.argmax(torch.where(observed, means, torch.full_like(means, -1.0)))  # first max on ties
+    any_observed = observed.any()
+    out = {TOTAL_ROUNDS_KEY: max_rounds.clamp_min(0.0)}
+    for i in range(capacity):
+        out[round_mean_key(i)] = means[i]
+        out[round_count_key(i)] = token_count[i]
+    out[OVERFLOW_MEAN_KEY] = means[capacity]
+    out[OVERFLOW_COUNT_KEY] = token_count[capacity]
+    out[MAX_ROUND_KEY] = torch.where(any_observed, worst.to(means.dtype), torch.full_like(means[0], -1.0))
+    out[MAX_VALUE_KEY] = torch.where(any_observed, means[worst], torch.zeros_like(means[0]))
+    return out
+
+
+def per_round_mismatch(
+    trainer_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor | None = None,
+    capacity: int = DEFAULT_ROUND_CAPACITY,
+) -> dict[str, Tensor]:
+    r"""``per_round/*`` for one batch: per-round mean :math:`|r_t|`, token counts, rounds, worst round.
+
+    .. math:: \mathrm{round}_i\_\mathrm{abs\_diff\_mean} = \frac{\sum_{b} \sum_{t \in R_{b,i}} |r_{b,t}|}
+              {\sum_{b} |R_{b,i}|}
+
+    where :math:`R_{b,i}` is the ``i``-th run of 1s of sequence ``b``'s response mask (finite tokens).
+
+    Args:
+        trainer_logprobs: ``[B, T]``.
+        rollout_logprobs: ``[B, T]``.
+        response_mask: ``[B, T]``; all ones (one round per sequence) when absent.
+        capacity: rounds with their own keys; rounds ``>= capacity`` pool into ``overflow``.
+
+    Example:
+        >>> import torch
+        >>> mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]])
+        >>> trainer = torch.tensor([[-1.0, -1.0, -5.0, -2.0], [-1.0, 0.0, 0.0, 0.0]])
+        >>> rollout = torch.tensor([[-1.5, -1.0, -1.0, -1.0], [-1.1, 0.0, 0.0, 0.0]])
+        >>> out = per_round_mismatch(trainer, rollout, mask, capacity=2)
+        >>> {k.removeprefix("per_round/"): round(v.item(), 4) for k, v in out.items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'total_rounds': 2.0, 'round_0_abs_diff_mean': 0.2, 'round_0_token_count': 3.0,
+         'round_1_abs_diff_mean': 1.0, 'round_1_token_count': 1.0, 'overflow_abs_diff_mean': 0.0,
+         'overflow_token_count': 0.0, 'max_round_diff': 1.0, 'max_diff_value': 1.0}
+    """
+    view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    stats = _per_round_update(view, check_capacity(capacity))
+    return _per_round_compute(**stats)

@@ -1,0 +1,886 @@
+r"""Rollout-group metrics: pure functions over one batch of rollouts (source: the rollout-metrics UI).
+
+The keys, and how they map to the source's flat names, are tabled in :mod:`opbc_metrics.rollout`.
+As in :mod:`opbc_metrics.functional.mismatch`, each metric is a pair ``_x_update(view, ...) -> dict of
+sufficient statistics`` and ``_x_compute(**stats) -> value``; the stateful classes sum (or max/min)
+the statistics over updates and ranks and call the same ``_x_compute``, so a public function's value
+on one batch equals the class value after one update.
+
+**Per-sample values.** ``rewards`` and ``advantages`` are ``[B]`` or ``[B, T]``. A ``[B, T]`` field is
+reduced per sample over its response tokens (``response_mask`` = 1; every token when the mask is
+absent): rewards are **summed** (verl's sequence score: token-level rewards are 0 except on the last
+token), advantages are **averaged** (GRPO broadcasts one advantage over the sequence, so the mean is
+that value; for GAE it is the sequence's mean advantage). A sample without response tokens has reward
+0 and no advantage (it is left out of the advantage statistics). ``prompt_lengths`` and
+``response_lengths`` are ``[B]`` token counts; total tokens are their sum.
+
+**Statistics per step.** "Per step" is the window since the last ``reset()``: all updates, all ranks.
+Mean, **population** standard deviation (divide by n, not n - 1), min and max come from the mergeable
+float64 sums ``(n, sum x, sum x^2)`` and the extremes, so the synced value equals the value on the
+concatenated data (never a mean of per-rank stds). The variance ``E[x^2] - E[x]^2`` is exact for
+integer counts (sums below 2^53) and otherwise carries a rounding error of a few ulps of ``E[x^2]``;
+a variance below ``1e-13 E[x^2]`` (a std below ~3.2e-7 of the root mean square, under that rounding
+resolution) is reported as 0, so a constant quantity has std exactly 0.
+
+**Gini per prompt group.** For the n values of one group (``group_ids``, arbitrary integers or, as a
+list, any hashable ids such as verl's ``uid`` strings), the population Gini coefficient
+
+.. math:: G = \frac{\sum_i \sum_j |x_i - x_j|}{2 n^2 \bar x}
+          = \frac{\sum_{i=1}^{n} (2i - n - 1)\, x_{(i)}}{n \sum_i x_i}
+
+(``x_(i)`` sorted ascending), 0 for a group of one or a non-positive sum. The step value is the mean
+over groups. Groups are found without data-dependent shapes: a stable sort by group id (then by
+value, for the rank formula), segment starts from neighbouring ids, segment sums by ``scatter_add``
+into fixed ``[B]`` buffers. Time O(B log B), memory O(B) per quantity.
+The mean over groups is merged as ``(sum of per-group Gini, number of groups)``, which is exact only
+if **a prompt group lives in one update on one rank** (true in GRPO, where a group is generated and
+scored together): a group split across updates or ranks counts as two groups, each with its own
+Gini. Per-group max/median length ratios are merged the same way.
+
+**Bad values.** Shapes, dtypes and devices are checked in ``update()`` (host metadata only). Values
+cannot be inspected there without a host sync, so negative or non-finite token counts, non-finite
+rewards/advantages, infinite sample metrics and unknown int codes are counted by the update and
+raise a ``ValueError`` naming the field at ``compute()`` (after sync, so on every rank alike); the
+public functions below raise at once.
+
+Empty windows: mean/std/min/max, Gini means, the stop-reason percentage and the discard counts are
+0; the max/median ratio mean is 1 (equal lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, BatchView
+
+Stats = dict[str, Tensor]
+F64 = torch.float64
+
+REWARDS = "rewards"
+ADVANTAGES = "advantages"
+PROMPT_LENGTHS = "prompt_lengths"
+RESPONSE_LENGTHS = "response_lengths"
+STOP_REASONS = "stop_reasons"
+DISCARD_REASONS = "discard_reasons"
+SAMPLE_METRICS = "sample_metrics"
+
+#: Int codes of ``stop_reasons`` (vLLM / SGLang / OpenAI finish reasons). Only ``length`` matters here;
+#: the metric takes another code for it as ``length_code``. Any other code is "not truncated".
+STOP_REASON_CODES: dict[str, int] = {"stop": 0, "length": 1, "abort": 2}
+LENGTH_CODE = STOP_REASON_CODES["length"]
+#: Int codes of ``discard_reasons``: 0 kept (trained on), 1 max_async, 2 zero_advantage.
+DISCARD_REASON_CODES: dict[str, int] = {"kept": 0, "max_async": 1, "zero_advantage": 2}
+
+STATS = ("mean", "std", "min", "max")
+SAMPLE_STATS = (*STATS, "group_gini_mean")
+#: Variances below this fraction of E[x^2] are under the rounding resolution of the raw moments.
+STD_RESOLUTION = 1e-13
+
+
+def stat_keys(prefix: str) -> tuple[str, ...]:
+    """``prefix/{mean,std,min,max}``.
+
+    Example:
+        >>> stat_keys("rollout/reward")
+        ('rollout/reward/mean', 'rollout/reward/std', 'rollout/reward/min', 'rollout/reward/max')
+    """
+    return tuple(f"{prefix}/{s}" for s in STATS)
+
+
+REWARD_PREFIX = "rollout/reward"
+ADVANTAGE_PREFIX = "rollout/advantage"
+PROMPT_TOKENS_PREFIX = "rollout/tokens_prompt"
+COMPLETION_TOKENS_PREFIX = "rollout/tokens_completion"
+TOTAL_TOKENS_PREFIX = "rollout/tokens_total"
+REWARD_KEYS = stat_keys(REWARD_PREFIX)
+ADVANTAGE_KEYS = stat_keys(ADVANTAGE_PREFIX)
+PROMPT_TOKEN_KEYS = stat_keys(PROMPT_TOKENS_PREFIX)
+COMPLETION_TOKEN_KEYS = stat_keys(COMPLETION_TOKENS_PREFIX)
+TOTAL_TOKEN_KEYS = stat_keys(TOTAL_TOKENS_PREFIX)
+TOKEN_KEYS = PROMPT_TOKEN_KEYS + COMPLETION_TOKEN_KEYS + TOTAL_TOKEN_KEYS
+REWARD_GINI_KEY = "rollout/reward/group_gini_mean"
+LENGTH_GINI_KEY = "rollout/tokens_completion/group_gini_mean"
+LENGTH_RATIO_KEY = "rollout/tokens_completion/group_max_median_ratio_mean"
+STOP_LENGTH_PCT_KEY = "rollout/stop_reason/length_pct"
+DISCARD_KEYS = (
+    "rollout/discarded/max_async",
+    "rollout/discarded/zero_advantage",
+    "rollout/discarded/total",
+    "rollout/discarded/pct",
+)
+SAMPLE_METRICS_SECTION = "sample_metrics"
+
+
+def sample_metric_keys(name: str) -> tuple[str, ...]:
+    """The keys of one per-sample metric: ``sample_metrics/<name>/{mean,std,min,max,group_gini_mean}``.
+
+    Example:
+        >>> sample_metric_keys("format")[0], sample_metric_keys("format")[-1]
+        ('sample_metrics/format/mean', 'sample_metrics/format/group_gini_mean')
+    """
+    return tuple(f"{SAMPLE_METRICS_SECTION}/{name}/{s}" for s in SAMPLE_STATS)
+
+
+# ---------------------------------------------------------------------------------------------
+# input access and validation (host metadata only)
+# ---------------------------------------------------------------------------------------------
+def _real_tensor(view: BatchView, name: str) -> Tensor:
+    t = view.tensor(name)
+    if t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"batch field `{name}` must be an integer or floating-point tensor, got {t.dtype}")
+    return t
+
+
+def _check_same_batch(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    if t.shape[0] != ref.shape[0]:
+        raise ValueError(f"batch field `{name}` has {t.shape[0]} samples but `{ref_name}` has {ref.shape[0]}")
+    if t.device != ref.device:
+        raise ValueError(f"batch field `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
+
+
+def _token_mask(view: BatchView, name: str, t: Tensor) -> Tensor:
+    if not view.has(RESPONSE_MASK):
+        return torch.ones(t.shape, dtype=torch.bool, device=t.device)
+    mask = view.tensor(RESPONSE_MASK)
+    if mask.shape != t.shape:
+        raise ValueError(
+            f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{name}` has shape {tuple(t.shape)}"
+        )
+    if mask.device != t.device:
+        raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{name}` is on {t.device}")
+    return mask != 0
+
+
+def _per_sample(view: BatchView, name: str, reduce: str) -> tuple[Tensor, Tensor]:
+    """``(x, w)``: float64 ``[B]`` per-sample values and 0/1 weights (0: the sample has no value).
+
+    ``[B, T]`` fields are reduced over the response tokens: ``reduce="sum"`` or ``"mean"``.
+    """
+
+    def make() -> tuple[Tensor, Tensor]:
+        t = _real_tensor(view, name)
+        if t.ndim == 1:
+            x = t.to(F64)
+            return x, torch.ones_like(x)
+        if t.ndim == 2:
+            mask = _token_mask(view, name, t)
+            x = torch.where(mask, t.to(F64), 0.0).sum(dim=1)
+            if reduce == "sum":
+                return x, torch.ones_like(x)
+            n = mask.sum(dim=1).to(F64)
+            return x / n.clamp_min(1.0), (n > 0).to(F64)
+        raise ValueError(f"batch field `{name}` must have shape [B] or [B, T], got {tuple(t.shape)}")
+
+    return view._cached(("rollout/per_sample", name, reduce), make)
+
+
+def _finite(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Drop non-finite values: ``(x, w)`` zeroed there, and how many weighted values were non-finite."""
+    ok = torch.isfinite(x)
+    bad = ((w > 0) & ~ok).to(F64).sum(dim=0)
+    return torch.where(ok, x, 0.0), torch.where(ok, w, 0.0), bad
+
+
+def _lengths(view: BatchView, name: str) -> tuple[Tensor, Tensor]:
+    """``(x, invalid)``: a ``[B]`` token-count field in float64 and its count of negative/non-finite values."""
+
+    def make() -> tuple[Tensor, Tensor]:
+        t = _real_tensor(view, name)
+        if t.ndim != 1:
+            raise ValueError(f"batch field `{name}` must have shape [B] (token counts), got {tuple(t.shape)}")
+        x = t.to(F64)
+        bad = ~torch.isfinite(x) | (x < 0)
+        return torch.where(bad, 0.0, x), bad.to(F64).sum()
+
+    return view._cached(("rollout/lengths", name), make)
+
+
+def _ids_from_host(values: Any) -> Tensor:
+    """Number hashable ids (e.g. verl's ``uid`` strings) in order of first appearance, on the host."""
+    index: dict[Any, int] = {}
+    try:
+        ids = [index.setdefault(v, len(index)) for v in values]
+    except TypeError as err:
+        raise ValueError(f"batch field `{GROUP_IDS}` must hold hashable ids: {err}") from None
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _group_ids(view: BatchView, ref_name: str, ref: Tensor) -> Tensor:
+    """``[B]`` integer group ids on ``ref``'s device, checked against the ``[B]`` field ``ref_name``.
+
+    A tensor must be an integer ``[B]`` tensor (arbitrary values, not necessarily 0..G-1); a list, tuple
+    or NumPy array of hashable ids is numbered on the host (no device sync: it is host data).
+    """
+
+    def make() -> tuple[Tensor, bool]:
+        g = view.field(GROUP_IDS)
+        if isinstance(g, Tensor):
+            if g.is_floating_point() or g.is_complex() or g.dtype == torch.bool:
+                raise ValueError(f"batch field `{GROUP_IDS}` must be an integer tensor, got {g.dtype}")
+            if g.ndim != 1:
+                raise ValueError(f"batch field `{GROUP_IDS}` must have shape [B], got {tuple(g.shape)}")
+            return g, False
+        if isinstance(g, np.ndarray):
+            if g.ndim != 1:
+                raise ValueError(f"batch field `{GROUP_IDS}` must have shape [B], got {g.shape}")
+            if g.dtype.kind in "iu":
+                return torch.from_numpy(g.astype(np.int64)), True
+            return _ids_from_host(g.tolist()), True
+        if isinstance(g, (list, tuple)):
+            return _ids_from_host(g), True
+        raise ValueError(
+            f"batch field `{GROUP_IDS}` must be an integer tensor [B] or a list of hashable ids, got {type(g).__name__}"
+        )
+
+    ids, from_host = view._cached("rollout/group_ids", make)
+    if from_host:
+        ids = ids.to(ref.device)
+    if ids.shape[0] != ref.shape[0]:
+        raise ValueError(f"batch field `{GROUP_IDS}` has {ids.shape[0]} samples but `{ref_name}` has {ref.shape[0]}")
+    if ids.device != ref.device:
+        raise ValueError(f"batch field `{GROUP_IDS}` is on {ids.device} but `{ref_name}` is on {ref.device}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------
+# groups as segments of a sort (fixed shapes: no unique, nonzero or bincount)
+# ---------------------------------------------------------------------------------------------
+class GroupSegments(NamedTuple):
+    """The prompt groups of a batch as contiguous segments of the samples sorted by group id.
+
+    Attributes:
+        order: ``[B]`` sorted position -> sample index (a stable sort by group id).
+        seg: ``[B]`` group index 0..G-1 of each sorted position.
+        start: ``[B]`` first sorted position of that group.
+        is_start: ``[B]`` bool, the first position of each group (``is_start.sum()`` = G).
+        group_index: ``[B]`` group index of each sample, in the original order.
+    """
+
+    order: Tensor
+    seg: Tensor
+    start: Tensor
+    is_start: Tensor
+    group_index: Tensor
+
+
+def group_segments(group_ids: Tensor) -> GroupSegments:
+    """Segments of the samples sorted by group id, with fixed ``[B]`` shapes and no host sync.
+
+    Example:
+        >>> import torch
+        >>> s = group_segments(torch.tensor([7, 3, 7, 3, 9]))
+        >>> s.order, s.seg, s.start
+        (tensor([1, 3, 0, 2, 4]), tensor([0, 0, 1, 1, 2]), tensor([0, 0, 2, 2, 4]))
+        >>> s.group_index
+        tensor([1, 0, 1, 0, 2])
+    """
+    ids, order = torch.sort(group_ids, stable=True)
+    is_start = torch.ones_like(ids, dtype=torch.bool)
+    is_start[1:] = ids[1:] != ids[:-1]
+    seg = torch.cumsum(is_start.to(torch.long), 0) - 1
+    pos = torch.arange(ids.shape[0], device=ids.device)
+    start = torch.cummax(torch.where(is_start, pos, 0), 0).values
+    group_index = torch.empty_like(seg).scatter_(0, order, seg)
+    return GroupSegments(order, seg, start, is_start, group_index)
+
+
+def _segments(view: BatchView, ref_name: str, ref: Tensor) -> GroupSegments:
+    ids = _group_ids(view, ref_name, ref)
+    return view._cached(("rollout/segments", ids.device), lambda: group_segments(ids))
+
+
+def _sort_within_groups(segs: GroupSegments, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sort ``[B, F]`` columns by (group, value), valid values first in each group.
+
+    Returns ``(x sorted, valid sorted, perm)`` with ``perm[p, f]`` the sample at sorted position ``p``.
+    Group segments keep the positions of :func:`group_segments` (both sorts are stable).
+    """
+    key = torch.where(valid, x, float("inf"))
+    by_value = torch.argsort(key, dim=0, stable=True)
+    perm = torch.gather(by_value, 0, torch.argsort(segs.group_index[by_value], dim=0, stable=True))
+    return torch.gather(x, 0, perm), torch.gather(valid, 0, perm), perm
+
+
+def _segment_sum(segs: GroupSegments, values: Tensor) -> Tensor:
+    """Per sorted position, the sum of ``values`` (``[B, F]``, sorted positions) over its group."""
+    seg = segs.seg[:, None].expand_as(values)
+    return torch.gather(torch.zeros_like(values).scatter_add_(0, seg, values), 0, seg)
+
+
+def _gini_update(segs: GroupSegments, x: Tensor, valid: Tensor) -> Stats:
+    """Per column of ``[B, F]``: the sum over groups of the group's Gini and the number of groups.
+
+    A group counts if it has at least one valid value; its Gini is over its valid values.
+    """
+    xs, vs, _ = _sort_within_groups(segs, x, valid)
+    xv = torch.where(vs, xs, 0.0)
+    n = _segment_sum(segs, vs.to(F64))
+    total = _segment_sum(segs, xv)
+    pos = torch.arange(x.shape[0], device=x.device)
+    rank = (pos - segs.start + 1).to(F64)[:, None]  # 1-based rank among the group's valid values
+    term = (2.0 * rank - n - 1.0) * xv
+    tiny = torch.finfo(F64).tiny
+    contrib = torch.where(total > 0, term / (n * total).clamp_min(tiny), 0.0)
+    groups = (segs.is_start[:, None] & (n > 0)).to(F64).sum(dim=0)
+    return {"gini_sum": contrib.sum(dim=0), "groups": groups}
+
+
+def _mean_over_groups(total: Tensor, groups: Tensor, empty: float) -> Tensor:
+    return torch.where(groups > 0, total / groups.clamp_min(1.0), torch.full_like(total, empty))
+
+
+def _max_median_update(segs: GroupSegments, lengths: Tensor) -> Stats:
+    """Sum over groups of max/median completion length, lengths floored at 1 token."""
+    x = lengths.clamp_min(1.0)[:, None]
+    xs = _sort_within_groups(segs, x, torch.ones_like(x, dtype=torch.bool))[0][:, 0]
+    seg = segs.seg
+    n = torch.zeros_like(seg).scatter_add_(0, seg, torch.ones_like(seg))[seg]
+    start = segs.start
+    lo = torch.gather(xs, 0, start + torch.div(n - 1, 2, rounding_mode="floor"))
+    hi = torch.gather(xs, 0, start + torch.div(n, 2, rounding_mode="floor"))
+    top = torch.gather(xs, 0, start + n - 1)
+    ratio = top / ((lo + hi) / 2.0)
+    return {"value_sum": torch.where(segs.is_start, ratio, 0.0).sum(), "groups": segs.is_start.to(F64).sum()}
+
+
+# ---------------------------------------------------------------------------------------------
+# moments: mean / population std / min / max
+# ---------------------------------------------------------------------------------------------
+def _moments_update(x: Tensor, w: Tensor, invalid: Tensor) -> Stats:
+    """Sufficient statistics of ``x`` (``[B]`` or ``[B, F]``) over the samples with weight ``w = 1``."""
+    has = w > 0
+    inf = torch.full(x.shape[1:], float("inf"), dtype=F64, device=x.device)
+    if x.shape[0] == 0:
+        lo, hi = inf, -inf
+    else:
+        lo = torch.where(has, x, float("inf")).amin(dim=0)
+        hi = torch.where(has, x, float("-inf")).amax(dim=0)
+    xw = x * w
+    return {"count": w.sum(dim=0), "total": xw.sum(dim=0), "total_sq": (xw * x).sum(dim=0), "min": lo, "max": hi,
+            "invalid": invalid}
+
+
+def _moments_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor) -> tuple[Tensor, ...]:
+    """``(mean, population std, min, max)``; 0 each over an empty window."""
+    n = count.clamp_min(1.0)
+    mean = total / n
+    mean_sq = total_sq / n
+    var = mean_sq - mean * mean
+    var = torch.where(var > STD_RESOLUTION * mean_sq, var, 0.0)
+    nonempty = count > 0
+    zero = torch.zeros_like(mean)
+    return (
+        torch.where(nonempty, mean, zero),
+        torch.where(nonempty, var.sqrt(), zero),
+        torch.where(nonempty, min, zero),
+        torch.where(nonempty, max, zero),
+    )
+
+
+def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
+    return dict(zip(keys, _moments_compute(**stats), strict=True))
+
+
+def raise_if_invalid(invalid: Tensor, field: str, what: str) -> None:
+    """Raise the deferred ``ValueError`` for values ``update()`` counted as invalid (reads one scalar).
+
+    Example:
+        >>> import torch
+        >>> raise_if_invalid(torch.tensor(0.0), "response_lengths", "negative or non-finite token counts")
+        >>> raise_if_invalid(torch.tensor(2.0), "response_lengths", "negative or non-finite token counts")
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `response_lengths` held 2 invalid value(s) (negative or non-finite token counts)
+    """
+    bad = float(invalid.sum())
+    if bad > 0:
+        raise ValueError(f"batch field `{field}` held {bad:.0f} invalid value(s) ({what})")
+
+
+NONFINITE = "non-finite values"
+BAD_COUNTS = "negative or non-finite token counts"
+
+
+def _value_stats_update(view: BatchView, name: str, reduce: str) -> Stats:
+    x, w, invalid = _finite(*_per_sample(view, name, reduce))
+    return _moments_update(x, w, invalid)
+
+
+def _reward_stats_update(view: BatchView) -> Stats:
+    return _value_stats_update(view, REWARDS, "sum")
+
+
+def _advantage_stats_update(view: BatchView) -> Stats:
+    return _value_stats_update(view, ADVANTAGES, "mean")
+
+
+def _length_stats_update(view: BatchView, name: str) -> Stats:
+    x, invalid = _lengths(view, name)
+    return _moments_update(x, torch.ones_like(x), invalid)
+
+
+def _total_tokens(view: BatchView) -> tuple[Tensor, Tensor]:
+    prompt, bad_p = _lengths(view, PROMPT_LENGTHS)
+    response, bad_r = _lengths(view, RESPONSE_LENGTHS)
+    _check_same_batch(RESPONSE_LENGTHS, response, PROMPT_LENGTHS, prompt)
+    return prompt + response, bad_p + bad_r
+
+
+def _total_token_stats_update(view: BatchView) -> Stats:
+    x, invalid = _total_tokens(view)
+    return _moments_update(x, torch.ones_like(x), invalid)
+
+
+def _checked(stats: Stats, field: str, what: str) -> Stats:
+    raise_if_invalid(stats.pop("invalid"), field, what)
+    return stats
+
+
+def reward_stats(rewards: Tensor, response_mask: Tensor | None = None) -> dict[str, Tensor]:
+    r"""``rollout/reward/{mean,std,min,max}`` of one batch; ``[B, T]`` rewards are summed per sample.
+
+    Std is the population std (divide by n).
+
+    Example:
+        >>> import torch
+        >>> out = reward_stats(torch.tensor([1.0, 0.0, 0.0, 1.0]))
+        >>> {k.split('/')[-1]: v.item() for k, v in out.items()}
+        {'mean': 0.5, 'std': 0.5, 'min': 0.0, 'max': 1.0}
+        >>> reward_stats(torch.tensor([[0.0, 2.0], [0.0, 5.0]]), torch.tensor([[1, 1], [1, 0]]))['rollout/reward/max']
+        tensor(2., dtype=torch.float64)
+    """
+    view = BatchView(rewards=rewards, response_mask=response_mask)
+    return _moments_dict(REWARD_KEYS, **_checked(_reward_stats_update(view), REWARDS, NONFINITE))
+
+
+def advantage_stats(advantages: Tensor, response_mask: Tensor | None = None) -> dict[str, Tensor]:
+    r"""``rollout/advantage/{mean,std,min,max}``; ``[B, T]`` advantages are averaged per sample.
+
+    Example:
+        >>> import torch
+        >>> adv = torch.tensor([[1.0, 1.0, 9.0], [-1.0, -1.0, -1.0]])
+        >>> out = advantage_stats(adv, torch.tensor([[1, 1, 0], [1, 1, 1]]))
+        >>> [v.item() for v in out.values()]
+        [0.0, 1.0, -1.0, 1.0]
+    """
+    view = BatchView(advantages=advantages, response_mask=response_mask)
+    return _moments_dict(ADVANTAGE_KEYS, **_checked(_advantage_stats_update(view), ADVANTAGES, NONFINITE))
+
+
+def token_stats(prompt_lengths: Tensor, response_lengths: Tensor) -> dict[str, Tensor]:
+    r"""``rollout/tokens_{prompt,completion,total}/{mean,std,min,max}`` of one batch.
+
+    Example:
+        >>> import torch
+        >>> out = token_stats(torch.tensor([10, 20]), torch.tensor([5, 15]))
+        >>> [out[f"rollout/tokens_{k}/{s}"].item() for k in ("prompt", "total") for s in ("mean", "std")]
+        [15.0, 5.0, 25.0, 10.0]
+    """
+    view = BatchView(prompt_lengths=prompt_lengths, response_lengths=response_lengths)
+    out = _moments_dict(PROMPT_TOKEN_KEYS, **_checked(_length_stats_update(view, PROMPT_LENGTHS), PROMPT_LENGTHS,
+                                                       BAD_COUNTS))
+    out.update(_moments_dict(COMPLETION_TOKEN_KEYS, **_checked(_length_stats_update(view, RESPONSE_LENGTHS),
+                                                               RESPONSE_LENGTHS, BAD_COUNTS)))
+    out.update(_moments_dict(TOTAL_TOKEN_KEYS, **_checked(_total_token_stats_update(view), PROMPT_LENGTHS,
+                                                          BAD_COUNTS)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Gini and max/median per prompt group
+# ---------------------------------------------------------------------------------------------
+def _reward_gini_update(view: BatchView) -> Stats:
+    x, w, invalid = _finite(*_per_sample(view, REWARDS, "sum"))
+    segs = _segments(view, REWARDS, x)
+    stats = _gini_update(segs, x[:, None], (w > 0)[:, None])
+    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
+
+
+def _length_gini_update(view: BatchView) -> Stats:
+    x, invalid = _lengths(view, RESPONSE_LENGTHS)
+    segs = _segments(view, RESPONSE_LENGTHS, x)
+    stats = _gini_update(segs, x[:, None], torch.ones_like(x, dtype=torch.bool)[:, None])
+    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
+
+
+def _gini_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
+    return _mean_over_groups(value_sum, groups, 0.0)
+
+
+def _length_ratio_update(view: BatchView) -> Stats:
+    x, invalid = _lengths(view, RESPONSE_LENGTHS)
+    return {**_max_median_update(_segments(view, RESPONSE_LENGTHS, x), x), "invalid": invalid}
+
+
+def _ratio_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
+    return _mean_over_groups(value_sum, groups, 1.0)
+
+
+def gini(values: Tensor) -> Tensor:
+    r"""Population Gini coefficient of a 1-D tensor: :math:`\sum_i\sum_j |x_i - x_j| / (2 n^2 \bar x)`.
+
+    0 for fewer than two values or a non-positive sum. For non-negative values it lies in
+    ``[0, (n - 1) / n]``.
+
+    Example:
+        >>> import torch
+        >>> gini(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        tensor(0.2500, dtype=torch.float64)
+        >>> gini(torch.tensor([0.0, 0.0, 0.0, 1.0]))  # all in one sample: (n - 1) / n
+        tensor(0.7500, dtype=torch.float64)
+    """
+    if values.ndim != 1:
+        raise ValueError(f"`values` must have shape [n], got {tuple(values.shape)}")
+    return group_gini(values, torch.zeros(values.shape, dtype=torch.long, device=values.device))
+
+
+def group_gini(values: Tensor, group_ids: Any) -> Tensor:
+    r"""Mean over prompt groups of each group's population Gini (0 for a group of one or a non-positive sum).
+
+    Args:
+        values: ``[B]`` per-sample values (rewards, completion lengths, a per-sample metric).
+        group_ids: ``[B]`` integer tensor (arbitrary ids) or a list of hashable ids.
+
+    Example:
+        >>> import torch
+        >>> group_gini(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), torch.tensor([7, 7, 7, 7, 3, 3]))
+        tensor(0.3750, dtype=torch.float64)
+    """
+    if not isinstance(values, Tensor) or values.ndim != 1:
+        raise ValueError(f"`values` must be a tensor of shape [B], got {getattr(values, 'shape', type(values))}")
+    view = BatchView(values=values, group_ids=group_ids)
+    x, w = _per_sample(view, "values", "sum")
+    x, w, invalid = _finite(x, w)
+    raise_if_invalid(invalid, "values", NONFINITE)
+    stats = _gini_update(_segments(view, "values", x), x[:, None], (w > 0)[:, None])
+    return _gini_compute(stats["gini_sum"][0], stats["groups"][0])
+
+
+def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
+    r"""Mean over prompt groups of max / median completion length (``group_length_max_median_ratio_mean``).
+
+    Lengths are floored at 1 token (a median of 0 tokens counts as 1); the median of an even-sized
+    group is the mean of its two middle values. 1 means equal lengths; large values flag stragglers.
+
+    Example:
+        >>> import torch
+        >>> group_max_median_ratio(torch.tensor([10, 20, 30, 5, 5]), torch.tensor([0, 0, 0, 1, 1]))
+        tensor(1.2500, dtype=torch.float64)
+    """
+    view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
+    return _ratio_compute(**_checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS))
+
+
+def zero_advantage_mask(
+    rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0
+) -> Tensor:
+    r"""``[B]`` bool: samples whose whole prompt group got the same reward (max - min <= ``atol``).
+
+    GRPO's group-normalised advantage is then 0 for every sample of the group, so it carries no
+    gradient (``discard_group_zero_advantage``). A group of one is zero-advantage. ``[B, T]`` rewards are
+    summed per sample first. Vectorised (a sort by group and reward; no host sync). A NaN reward makes
+    its group non-zero-advantage.
+
+    Example:
+        >>> import torch
+        >>> zero_advantage_mask(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5]), torch.tensor([4, 4, 2, 2, 9]))
+        tensor([ True,  True, False, False,  True])
+    """
+    view = BatchView(rewards=rewards, group_ids=group_ids, response_mask=response_mask)
+    x, _ = _per_sample(view, REWARDS, "sum")
+    segs = _segments(view, REWARDS, x)
+    xs, _, perm = _sort_within_groups(segs, x[:, None], torch.ones_like(x, dtype=torch.bool)[:, None])
+    xs = xs[:, 0]
+    n = torch.zeros_like(segs.seg).scatter_add_(0, segs.seg, torch.ones_like(segs.seg))[segs.seg]
+    spread = torch.gather(xs, 0, segs.start + n - 1) - torch.gather(xs, 0, segs.start)
+    flat = spread <= atol
+    return torch.empty_like(flat).scatter_(0, perm[:, 0], flat)
+
+
+def discard_reasons(
+    rewards: Tensor,
+    group_ids: Any,
+    *,
+    policy_lag: Tensor | None = None,
+    max_off_policy_steps: int | None = None,
+    discard_group_zero_advantage: bool = True,
+    response_mask: Tensor | None = None,
+    atol: float = 0.0,
+) -> Tensor:
+    r"""``[B]`` int codes of :data:`DISCARD_REASON_CODES`: 0 kept, 1 ``max_async``, 2 ``zero_advantage``.
+
+    ``max_async``: ``policy_lag > max_off_policy_steps`` (the rollout's weights are too many steps
+    behind); it takes precedence. ``zero_advantage``: the sample's group got one reward for all its
+    samples (:func:`zero_advantage_mask`), when ``discard_group_zero_advantage``. Feed the codes to
+    :class:`~opbc_metrics.rollout.DiscardedRollouts` as ``discard_reasons``.
+
+    Example:
+        >>> import torch
+        >>> discard_reasons(torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]),
+        ...                 policy_lag=torch.tensor([0, 9, 0, 0]), max_off_policy_steps=4)
+        tensor([2, 1, 0, 0])
+    """
+    codes = torch.zeros(len(rewards), dtype=torch.long, device=rewards.device)
+    if discard_group_zero_advantage:
+        flat = zero_advantage_mask(rewards, group_ids, response_mask, atol)
+        codes = torch.where(flat, DISCARD_REASON_CODES["zero_advantage"], codes)
+    if policy_lag is not None:
+        if max_off_policy_steps is None:
+            raise ValueError("`max_off_policy_steps` is required with `policy_lag`")
+        if not isinstance(policy_lag, Tensor) or policy_lag.shape != codes.shape:
+            raise ValueError(f"`policy_lag` must be a tensor of shape {tuple(codes.shape)}")
+        codes = torch.where(policy_lag.to(codes.device) > max_off_policy_steps, DISCARD_REASON_CODES["max_async"],
+                            codes)
+    return codes
+
+
+# ---------------------------------------------------------------------------------------------
+# stop reasons and discarded rollouts
+# ---------------------------------------------------------------------------------------------
+def _host_codes(
+    name: str, values: Sequence[Any], table: dict[str, int], none_code: int, unknown_code: int | None,
+    device: torch.device | str,
+) -> Tensor:
+    """Codes of a host list of strings / ints / None; unknown strings map to ``unknown_code`` or raise."""
+    codes = []
+    for v in values:
+        if v is None:
+            codes.append(none_code)
+        elif isinstance(v, str):
+            if v in table:
+                codes.append(table[v])
+            elif unknown_code is not None:
+                codes.append(unknown_code)
+            else:
+                raise ValueError(f"batch field `{name}` holds unknown reason {v!r}; known: {sorted(table)} and None")
+        elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+            codes.append(int(v))
+        else:
+            raise ValueError(f"batch field `{name}` must hold strings, int codes or None, got {type(v).__name__}")
+    return torch.tensor(codes, dtype=torch.long, device=device)
+
+
+def _code_tensor(
+    view: BatchView, name: str, table: dict[str, int], none_code: int, unknown_code: int | None,
+    device: torch.device | str, allow_bool: bool,
+) -> Tensor:
+    """A ``[B]`` int (or bool) tensor of codes from a tensor, a NumPy array, or a list of strings / ints / None."""
+
+    def make() -> Tensor:
+        v = view.field(name)
+        if isinstance(v, np.ndarray):
+            v = v.tolist()
+        if isinstance(v, Tensor):
+            if v.ndim != 1:
+                raise ValueError(f"batch field `{name}` must have shape [B], got {tuple(v.shape)}")
+            if v.is_floating_point() or v.is_complex() or (v.dtype == torch.bool and not allow_bool):
+                raise ValueError(f"batch field `{name}` must hold int codes, got {v.dtype}")
+            return v
+        if isinstance(v, (list, tuple)):
+            return _host_codes(name, v, table, none_code, unknown_code, device)
+        raise ValueError(f"batch field `{name}` must be an int tensor [B] or a list of strings, got {type(v).__name__}")
+
+    return view._cached(("rollout/codes", name), make)
+
+
+def _stop_update(view: BatchView, length_code: int, device: torch.device | str = "cpu") -> Stats:
+    # Strings: "length" is truncation; None and every other string (stop, abort, tool_calls, ...) are not.
+    not_length = length_code - 1  # any code other than length_code
+    codes = _code_tensor(view, STOP_REASONS, {"length": length_code}, not_length, not_length, device,
+                         allow_bool=True)
+    hit = codes if codes.dtype == torch.bool else codes == length_code
+    return {"length": hit.to(F64).sum(), "count": torch.full((), float(hit.shape[0]), dtype=F64, device=hit.device)}
+
+
+def _stop_compute(length: Tensor, count: Tensor) -> Tensor:
+    return torch.where(count > 0, 100.0 * length / count.clamp_min(1.0), torch.zeros_like(length))
+
+
+def stop_reason_length_pct(stop_reasons: Any, length_code: int = LENGTH_CODE) -> Tensor:
+    r"""``stop_reason_length_pct``: percentage (0-100) of samples that stopped on the token-length limit.
+
+    ``stop_reasons`` is a ``[B]`` int tensor of :data:`STOP_REASON_CODES` (``length_code``, 1 by
+    default, marks truncation), a ``[B]`` bool tensor (True = truncated), or a list of finish-reason
+    strings in which ``"length"`` marks truncation (None and any other string: not truncated).
+
+    Example:
+        >>> import torch
+        >>> stop_reason_length_pct(["stop", "length", "stop", "length"])
+        tensor(50., dtype=torch.float64)
+        >>> stop_reason_length_pct(torch.tensor([0, 1, 2, 0]))
+        tensor(25., dtype=torch.float64)
+    """
+    return _stop_compute(**_stop_update(BatchView(stop_reasons=stop_reasons), length_code))
+
+
+def _discard_update(view: BatchView, device: torch.device | str = "cpu") -> Stats:
+    codes = _code_tensor(view, DISCARD_REASONS, {**DISCARD_REASON_CODES, "": 0}, 0, None, device, allow_bool=False)
+    return {
+        "max_async": (codes == DISCARD_REASON_CODES["max_async"]).to(F64).sum(),
+        "zero_advantage": (codes == DISCARD_REASON_CODES["zero_advantage"]).to(F64).sum(),
+        "seen": torch.full((), float(codes.shape[0]), dtype=F64, device=codes.device),
+        "invalid": ((codes < 0) | (codes > 2)).to(F64).sum(),
+    }
+
+
+def _discard_compute(max_async: Tensor, zero_advantage: Tensor, seen: Tensor) -> dict[str, Tensor]:
+    total = max_async + zero_advantage
+    pct = torch.where(seen > 0, 100.0 * total / seen.clamp_min(1.0), torch.zeros_like(total))
+    return dict(zip(DISCARD_KEYS, (max_async, zero_advantage, total, pct), strict=True))
+
+
+def discarded_counts(discard_reasons: Any) -> dict[str, Tensor]:
+    r"""``rollout/discarded/{max_async, zero_advantage, total, pct}`` from per-rollout reason codes.
+
+    ``discard_reasons``: a ``[B]`` int tensor of :data:`DISCARD_REASON_CODES` (0 kept, 1 max_async,
+    2 zero_advantage) or a list of ``"max_async"`` / ``"zero_advantage"`` / ``None`` (kept), one entry per
+    generated rollout, kept ones included, so that ``pct`` (discarded share of all rollouts, 0-100) is
+    meaningful. Counts are rollouts (samples), not groups.
+
+    Example:
+        >>> out = discarded_counts(["max_async", None, "zero_advantage", "zero_advantage"])
+        >>> [v.item() for v in out.values()]
+        [1.0, 2.0, 3.0, 75.0]
+    """
+    stats = _discard_update(BatchView(discard_reasons=discard_reasons))
+    raise_if_invalid(stats.pop("invalid"), DISCARD_REASONS, "codes outside {0, 1, 2}")
+    return _discard_compute(**stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-sample metrics
+# ---------------------------------------------------------------------------------------------
+def check_sample_metric_names(names: Sequence[str]) -> tuple[str, ...]:
+    """Validate the per-sample metric names fixed at construction (non-empty, unique, no ``/``)."""
+    if isinstance(names, str):
+        raise ValueError(f"`names` must be a sequence of metric names, got the string {names!r}")
+    out = tuple(names)
+    for n in out:
+        if not isinstance(n, str) or not n or "/" in n or n != n.strip():
+            raise ValueError(f"sample metric names must be non-empty strings without '/', got {n!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"sample metric names must be unique, got {list(out)}")
+    return out
+
+
+def _refuse_unknown(unknown: set[str], names: tuple[str, ...]) -> None:
+    if unknown:
+        raise ValueError(
+            f"batch field `{SAMPLE_METRICS}` has unknown metrics {sorted(unknown)}; the metric was built with "
+            f"{list(names)} (names are fixed at construction so that the state has a fixed size)"
+        )
+
+
+def _sample_matrix(view: BatchView, names: tuple[str, ...], device: torch.device | str) -> Tensor:
+    """``[B, K]`` float64 values of the K declared per-sample metrics, NaN where a sample did not report one.
+
+    ``sample_metrics`` is a mapping ``name -> [B]`` (tensor or list of numbers) or a list of per-sample
+    mappings ``name -> number`` (what ``RewardResult.sample_metrics`` gives per sample).
+    """
+
+    def make() -> Tensor:
+        raw = view.field(SAMPLE_METRICS)
+        known = set(names)
+        if isinstance(raw, Mapping):
+            _refuse_unknown({str(k) for k in raw if k not in known}, names)
+            cols: dict[str, Tensor] = {}
+            for n in names:
+                if raw.get(n) is None:
+                    continue
+                v = raw[n]
+                t = v if isinstance(v, Tensor) else torch.as_tensor(np.asarray(v, dtype=np.float64), device=device)
+                if t.ndim != 1 or t.dtype == torch.bool or t.is_complex():
+                    raise ValueError(
+                        f"batch field `{SAMPLE_METRICS}`[{n!r}] must be a real [B] tensor, got {t.dtype} "
+                        f"of shape {tuple(t.shape)}"
+                    )
+                cols[n] = t
+            if not cols:  # no declared metric in this batch: B all-missing rows (B from group_ids if given)
+                size = len(view.data[GROUP_IDS]) if view.has(GROUP_IDS) else 0
+                return torch.full((size, len(names)), float("nan"), dtype=F64, device=device)
+            first_name, first = next(iter(cols.items()))
+            for n, t in cols.items():
+                if t.shape[0] != first.shape[0]:
+                    raise ValueError(
+                        f"batch field `{SAMPLE_METRICS}`[{n!r}] has {t.shape[0]} samples but [{first_name!r}] has "
+                        f"{first.shape[0]}"
+                    )
+                if t.device != first.device:
+                    raise ValueError(
+                        f"batch field `{SAMPLE_METRICS}`[{n!r}] is on {t.device} but [{first_name!r}] is on "
+                        f"{first.device}"
+                    )
+            nan = torch.full(first.shape, float("nan"), dtype=F64, device=first.device)
+            return torch.stack([cols[n].to(F64) if n in cols else nan for n in names], dim=1)
+        if isinstance(raw, (list, tuple)) and all(isinstance(d, Mapping) for d in raw):
+            _refuse_unknown({str(k) for d in raw for k in d if k not in known}, names)
+            rows = [[float(d[n]) if d.get(n) is not None else float("nan") for n in names] for d in raw]
+            return torch.tensor(rows, dtype=F64, device=device).reshape(len(raw), len(names))
+        raise ValueError(
+            f"batch field `{SAMPLE_METRICS}` must be a mapping name -> [B] values or a list of per-sample "
+            f"mappings, got {type(raw).__name__}"
+        )
+
+    return view._cached(("rollout/sample_metrics", names), make)
+
+
+def _sample_update(view: BatchView, names: tuple[str, ...], group_gini: bool, device: torch.device | str = "cpu"
+                   ) -> Stats:
+    x = _sample_matrix(view, names, device)
+    present = ~torch.isnan(x)
+    valid = torch.isfinite(x)
+    invalid = (present & ~valid).to(F64).sum(dim=0)  # +-inf: a bug, not a missing value
+    x = torch.where(valid, x, 0.0)
+    stats = _moments_update(x, valid.to(F64), invalid)
+    if group_gini:
+        stats.update(_gini_update(_segments(view, SAMPLE_METRICS, x), x, valid))
+    return stats
+
+
+def _sample_compute(names: tuple[str, ...], count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor,
+                    max: Tensor, gini_sum: Tensor | None = None, groups: Tensor | None = None) -> dict[str, Tensor]:
+    mean, std, lo, hi = _moments_compute(count, total, total_sq, min, max)
+    gini_mean = None if gini_sum is None or groups is None else _mean_over_groups(gini_sum, groups, 0.0)
+    out: dict[str, Tensor] = {}
+    for k, n in enumerate(names):
+        keys = sample_metric_keys(n)
+        values = [mean[k], std[k], lo[k], hi[k]] + ([gini_mean[k]] if gini_mean is not None else [])
+        out.update(zip(keys, values, strict=False))
+    return out
+
+
+def sample_metric_stats(sample_metrics: Any, group_ids: Any = None) -> dict[str, Tensor]:
+    r"""``sample_metrics/<name>/{mean,std,min,max,group_gini_mean}`` of one batch.
+
+    Args:
+        sample_metrics: a mapping ``name -> [B]`` values, or a list of per-sample mappings. NaN (or a
+            name missing from a sample's mapping) means "not reported by that sample"; such samples are
+            left out of that metric's statistics and Gini.
+        group_ids: ``[B]`` prompt groups; without them the Gini keys are left out.
+
+    Example:
+        >>> import torch
+        >>> out = sample_metric_stats({"tool_calls": torch.tensor([0.0, 2.0, 1.0, 1.0])},
+        ...                           group_ids=torch.tensor([0, 0, 1, 1]))
+        >>> {k.split('/')[-1]: round(v.item(), 4) for k, v in out.items()}
+        {'mean': 1.0, 'std': 0.7071, 'min': 0.0, 'max': 2.0, 'group_gini_mean': 0.25}
+    """
+    raw = sample_metrics
+    if isinstance(raw, Mapping):
+        names = tuple(raw)
+    elif isinstance(raw, (list, tuple)):
+        names = tuple(dict.fromkeys(k for d in raw for k in d))
+    else:
+        names = ()
+    names = check_sample_metric_names(names)
+    view = BatchView(sample_metrics=sample_metrics, group_ids=group_ids)
+    stats = _sample_update(view, names, group_gini=group_ids is not None)
+    invalid = stats.pop("invalid")
+    for k, n in enumerate(names):
+        raise_if_invalid(invalid[k], SAMPLE_METRICS, f"infinite values of {n!r}")
+    return _sample_compute(names, **stats)

@@ -1,0 +1,615 @@
+"""Readers of rollout dumps for offline analysis: JSONL (one sample per line) and ``.pt`` tensor files.
+
+Both readers turn a file into batches in the design's batch schema (``trainer_logprobs`` [B, T],
+``rollout_logprobs`` [B, T], ``response_mask`` [B, T], ``group_ids`` [B], ...), ready for
+:class:`~opbc_metrics.collection.OPBCCollection`. Bad input never raises out of a reader: every
+problem becomes an :class:`InputIssue` with the line (JSONL) or record/row range (``.pt``) it came
+from, and the caller decides whether to skip it or stop.
+
+JSONL schema (one JSON object per line; blank lines are ignored; unknown keys are ignored):
+
+==================  ==============================  =====================================================
+key                 type                            meaning
+==================  ==============================  =====================================================
+trainer_logprobs    list[float], length T           log pi_trainer of each token (required)
+rollout_logprobs    list[float], length T           log pi_rollout of each token (required)
+response_mask       list[0/1 or bool], length T     1 on policy tokens, 0 on prompt/tool/env tokens;
+                                                    default all 1. Runs of 1s are rounds (multi-turn).
+group_id            int or str                      prompt group (GRPO group); ``3`` and ``"3"`` are the
+                                                    same group. Default: each sample is its own group.
+rollout_experts     list[T][L][K] of int >= 0       routed expert ids per token and layer, highest
+trainer_experts     list[T][L][K] of int >= 0       routing weight first (both or neither)
+policy_lag          number >= 0                     trainer steps between rollout and training
+reward              number                          scalar reward of the sample (batch field ``rewards``)
+advantage           number                          scalar advantage (batch field ``advantages``)
+prompt_length       int >= 0                        prompt tokens (batch field ``prompt_lengths``)
+response_length     int >= 0                        response tokens (batch field ``response_lengths``)
+stop_reason         str                             e.g. ``"stop"``, ``"length"`` (``stop_reasons``)
+discard_reason      ``"kept"``, ``"max_async"`` or  why the rollout was not trained on
+                    ``"zero_advantage"``            (``discard_reasons``)
+==================  ==============================  =====================================================
+
+Logprobs may be ``NaN``, ``Infinity`` or ``-Infinity`` (Python's JSON extension, which rollout engines
+emit for tokens outside top-p) and ``null`` (a missing logprob, read as NaN): such tokens are counted
+in ``opbc/input/nonfinite_count`` and excluded from the other statistics, as everywhere in this
+library. A sample whose logprob lists differ in length, whose fields have the wrong type, or whose line
+is not a JSON object is an issue reported with its line number. A last line cut mid-record (a file
+still being written) is reported as truncated.
+
+``.pt`` files are read with ``torch.load(path, weights_only=True)`` only: a file that needs pickle to
+load (arbitrary Python objects, hence arbitrary code) is refused. The file holds one dict of tensors in
+the batch schema (``trainer_logprobs`` [B, T] float, ``rollout_logprobs`` [B, T], optional
+``response_mask`` [B, T], ``group_ids`` [B] int (or a list of int/str), ``rollout_experts`` and
+``trainer_experts`` [B, T, L, K] int, ``policy_lag``, ``rewards``, ``advantages``, ``prompt_lengths``,
+``response_lengths`` [B], ``stop_reasons``, ``discard_reasons`` [B] int or list[str]), or a list of such dicts (one per
+step). Rows are streamed in slices of the batch size, extended to keep a run of one group's rows
+together (as for JSONL).
+
+Example:
+    >>> import json, os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "dump.jsonl")
+    >>> with open(path, "w") as f:
+    ...     _ = f.write(json.dumps({"trainer_logprobs": [-1.0, -0.5], "rollout_logprobs": [-1.1, -0.5],
+    ...                             "group_id": "q1"}) + "\\n")
+    ...     _ = f.write('{"trainer_logprobs": [-1.0], "rollout_logprobs": "oops"}\\n')
+    >>> items = list(read_batches(path, batch_size=8))
+    >>> [type(item).__name__ for item in items]
+    ['InputIssue', 'Batch']
+    >>> print(items[0])
+    dump.jsonl line 2: `rollout_logprobs` must be a list of numbers, got str
+    >>> items[1].tensors["trainer_logprobs"].shape, items[1].group_labels
+    (torch.Size([1, 2]), ['q1'])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
+PT_SUFFIXES = (".pt", ".pth")
+
+# Per-sample JSONL key -> (batch field, kind). Kinds: "float" (any number), "count" (int >= 0),
+# "lag" (number >= 0), "str".
+SCALAR_FIELDS: dict[str, tuple[str, str]] = {
+    "policy_lag": ("policy_lag", "lag"),
+    "reward": ("rewards", "float"),
+    "advantage": ("advantages", "float"),
+    "prompt_length": ("prompt_lengths", "count"),
+    "response_length": ("response_lengths", "count"),
+    "stop_reason": ("stop_reasons", "str"),
+    "discard_reason": ("discard_reasons", "discard"),
+}
+DISCARD_REASONS = ("kept", "max_async", "zero_advantage")
+PER_ROW_PT_FIELDS = (
+    "group_ids",
+    "policy_lag",
+    "rewards",
+    "advantages",
+    "prompt_lengths",
+    "response_lengths",
+    "stop_reasons",
+    "discard_reasons",
+)
+TOKEN_PT_FIELDS = ("trainer_logprobs", "rollout_logprobs", "response_mask")
+EXPERT_FIELDS = ("rollout_experts", "trainer_experts")
+
+# A batch grows up to this many times the batch size to keep a run of one group's samples together.
+GROUP_SLACK = 4
+
+# Messages quoted from a torch.load failure are cut to this many characters.
+_MAX_QUOTE = 200
+
+
+class InputFormatError(Exception):
+    """A file the readers cannot handle at all (unknown extension, unreadable, refused)."""
+
+
+@dataclass(frozen=True)
+class InputIssue:
+    """One problem in the input: where it is and what is wrong.
+
+    Attributes:
+        source: the file name as given.
+        where: ``"line 7"``, ``"record 2"``, ``"rows 64-127"``...
+        message: what is wrong, naming the field.
+        line: the 1-based line number for JSONL issues, else ``None``.
+    """
+
+    source: str
+    where: str
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return f"{os.path.basename(self.source)} {self.where}: {self.message}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"where": self.where, "line": self.line, "message": self.message}
+
+
+@dataclass
+class Batch:
+    """One batch in the batch schema plus what the analysis needs to report about it.
+
+    Attributes:
+        tensors: batch fields (tensors, or a list of str for ``stop_reasons``).
+        group_labels: the group label of each row (``group_ids`` indexes :attr:`GroupIndex.labels`).
+        where: the lines or rows it came from, for messages.
+        num_bytes: bytes of the file consumed so far (JSONL) or rows done (``.pt``), for progress.
+    """
+
+    tensors: dict[str, Any]
+    group_labels: list[str]
+    where: str
+    num_bytes: int = 0
+
+
+@dataclass
+class GroupIndex:
+    """Maps group labels (int or str, compared as str) to contiguous int ids, in order of appearance."""
+
+    ids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.ids)
+
+    def id_of(self, label: str) -> int:
+        if label not in self.ids:
+            self.ids[label] = len(self.ids)
+        return self.ids[label]
+
+
+def detect_format(path: str) -> str:
+    """``"jsonl"`` or ``"pt"`` from the file name; :class:`InputFormatError` otherwise.
+
+    Example:
+        >>> detect_format("runs/step_10.jsonl"), detect_format("dump.PT")
+        ('jsonl', 'pt')
+    """
+    lower = path.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if lower.endswith(PT_SUFFIXES):
+        return "pt"
+    ext = os.path.splitext(path)[1] or "(none)"
+    raise InputFormatError(
+        f"{path}: unknown file extension {ext}; expected one of {', '.join(JSONL_SUFFIXES + PT_SUFFIXES)}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL
+# ---------------------------------------------------------------------------------------------
+class SampleError(ValueError):
+    """A per-sample validation failure (the message names the key)."""
+
+
+@dataclass
+class Sample:
+    """One validated JSONL sample."""
+
+    trainer: list[float]
+    rollout: list[float]
+    mask: list[int] | None
+    group: str | None
+    experts: tuple[Tensor, Tensor] | None
+    scalars: dict[str, Any]
+
+    @property
+    def signature(self) -> tuple[Any, ...]:
+        """Samples batched together must carry the same optional fields (and expert shapes)."""
+        shape = tuple(self.experts[0].shape[1:]) if self.experts is not None else None
+        return (shape, tuple(sorted(self.scalars)))
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _logprob_list(obj: Mapping[str, Any], key: str) -> list[float]:
+    if key not in obj:
+        raise SampleError(f"`{key}` is required but missing (present: {', '.join(sorted(obj)) or 'none'})")
+    values = obj[key]
+    if not isinstance(values, list):
+        raise SampleError(f"`{key}` must be a list of numbers, got {_type_name(values)}")
+    out: list[float] = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+        elif type(v) is float:
+            out.append(v)
+        elif type(v) is int:
+            try:
+                out.append(float(v))
+            except OverflowError:
+                raise SampleError(f"`{key}` holds an integer too large for a float at index {i}") from None
+        else:
+            raise SampleError(f"`{key}` must be a list of numbers, got {_type_name(v)} at index {i}")
+    return out
+
+
+def _mask_list(obj: Mapping[str, Any], length: int) -> list[int] | None:
+    values = obj.get("response_mask")
+    if values is None:
+        return None
+    if not isinstance(values, list):
+        raise SampleError(f"`response_mask` must be a list of 0/1, got {_type_name(values)}")
+    if len(values) != length:
+        raise SampleError(f"`response_mask` has length {len(values)} but `trainer_logprobs` has length {length}")
+    out: list[int] = []
+    for i, v in enumerate(values):
+        if v is True or v is False or (type(v) is int and v in (0, 1)):
+            out.append(int(v))
+        else:
+            raise SampleError(f"`response_mask` must contain only 0/1 or true/false, got {v!r} at index {i}")
+    return out
+
+
+def _group_label(obj: Mapping[str, Any]) -> str | None:
+    if "group_id" not in obj or obj["group_id"] is None:
+        return None
+    value = obj["group_id"]
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise SampleError(f"`group_id` must be an int or a str, got {_type_name(value)}")
+    return str(value)
+
+
+def _experts(obj: Mapping[str, Any], length: int) -> tuple[Tensor, Tensor] | None:
+    present = [k for k in EXPERT_FIELDS if obj.get(k) is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        missing = next(k for k in EXPERT_FIELDS if k not in present)
+        raise SampleError(f"`{present[0]}` is given but `{missing}` is missing (give both or neither)")
+    out = []
+    for key in EXPERT_FIELDS:
+        raw = obj[key]
+        if not isinstance(raw, list):
+            raise SampleError(f"`{key}` must be a nested list [T][L][K] of ints, got {_type_name(raw)}")
+        try:
+            t = torch.tensor(raw) if raw else torch.zeros((0, 1, 1), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise SampleError(f"`{key}` must be a nested list [T][L][K] of ints (ragged or non-numeric)") from None
+        if t.dtype != torch.int64:
+            raise SampleError(f"`{key}` must hold integer expert ids, got {str(t.dtype).replace('torch.', '')}")
+        if t.ndim != 3:
+            raise SampleError(f"`{key}` must be nested [T][L][K], got {t.ndim} levels of nesting")
+        if t.shape[0] != length:
+            raise SampleError(f"`{key}` has {t.shape[0]} tokens but `trainer_logprobs` has {length}")
+        if t.numel() and int(t.min()) < 0:
+            raise SampleError(f"`{key}` holds a negative expert id")
+        out.append(t)
+    if out[0].shape != out[1].shape:
+        raise SampleError(
+            f"`rollout_experts` has shape {list(out[0].shape)} but `trainer_experts` has {list(out[1].shape)}"
+        )
+    return out[0], out[1]
+
+
+def _scalars(obj: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, (_, kind) in SCALAR_FIELDS.items():
+        value = obj.get(key)
+        if value is None:
+            continue
+        if kind == "str":
+            if not isinstance(value, str):
+                raise SampleError(f"`{key}` must be a str, got {_type_name(value)}")
+        elif kind == "discard":
+            if value not in DISCARD_REASONS:
+                raise SampleError(f"`{key}` must be one of {', '.join(map(repr, DISCARD_REASONS))}, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SampleError(f"`{key}` must be a number, got {_type_name(value)}")
+        elif kind == "count" and (not isinstance(value, int) or value < 0):
+            raise SampleError(f"`{key}` must be a non-negative int, got {value!r}")
+        elif kind == "lag" and not (value >= 0 and math.isfinite(value)):
+            raise SampleError(f"`{key}` must be a finite number >= 0, got {value!r}")
+        out[key] = value
+    return out
+
+
+def parse_sample(obj: Any) -> Sample:
+    """Validate one decoded JSONL record; :class:`SampleError` names the offending key.
+
+    Example:
+        >>> s = parse_sample({"trainer_logprobs": [-1, None], "rollout_logprobs": [-1.5, -2.0], "group_id": 7})
+        >>> s.trainer, s.group
+        ([-1.0, nan], '7')
+        >>> parse_sample({"trainer_logprobs": [-1.0], "rollout_logprobs": [-1.0, -2.0]})
+        Traceback (most recent call last):
+        ...
+        opbc_metrics.io.SampleError: `rollout_logprobs` has length 2 but `trainer_logprobs` has length 1
+    """
+    if not isinstance(obj, dict):
+        raise SampleError(f"expected a JSON object, got {'array' if isinstance(obj, list) else _type_name(obj)}")
+    trainer = _logprob_list(obj, "trainer_logprobs")
+    rollout = _logprob_list(obj, "rollout_logprobs")
+    if len(rollout) != len(trainer):
+        raise SampleError(
+            f"`rollout_logprobs` has length {len(rollout)} but `trainer_logprobs` has length {len(trainer)}"
+        )
+    return Sample(
+        trainer=trainer,
+        rollout=rollout,
+        mask=_mask_list(obj, len(trainer)),
+        group=_group_label(obj),
+        experts=_experts(obj, len(trainer)),
+        scalars=_scalars(obj),
+    )
+
+
+def collate(samples: list[Sample], groups: GroupIndex, first_index: int) -> tuple[dict[str, Any], list[str]]:
+    """Pad samples to the batch's longest (at least 1 token) with mask 0; returns (fields, group labels).
+
+    ``first_index`` numbers samples without a ``group_id`` (each is its own group, ``"#<index>"``).
+    """
+    length = max(1, max(len(s.trainer) for s in samples))
+    b = len(samples)
+    trainer = torch.zeros(b, length, dtype=torch.float64)
+    rollout = torch.zeros(b, length, dtype=torch.float64)
+    mask = torch.zeros(b, length, dtype=torch.int64)
+    labels: list[str] = []
+    for i, s in enumerate(samples):
+        n = len(s.trainer)
+        if n:
+            trainer[i, :n] = torch.tensor(s.trainer, dtype=torch.float64)
+            rollout[i, :n] = torch.tensor(s.rollout, dtype=torch.float64)
+            mask[i, :n] = torch.tensor(s.mask, dtype=torch.int64) if s.mask is not None else 1
+        labels.append(s.group if s.group is not None else f"#{first_index + i}")
+    fields: dict[str, Any] = {
+        "trainer_logprobs": trainer,
+        "rollout_logprobs": rollout,
+        "response_mask": mask,
+        "group_ids": torch.tensor([groups.id_of(g) for g in labels], dtype=torch.int64),
+    }
+    if samples[0].experts is not None:
+        layers, k = samples[0].experts[0].shape[1:]
+        for j, name in enumerate(EXPERT_FIELDS):
+            out = torch.zeros(b, length, layers, k, dtype=torch.int64)
+            for i, s in enumerate(samples):
+                assert s.experts is not None  # same signature as samples[0]
+                out[i, : s.experts[j].shape[0]] = s.experts[j]
+            fields[name] = out
+    for key in samples[0].scalars:
+        name, kind = SCALAR_FIELDS[key]
+        values = [s.scalars[key] for s in samples]
+        if kind in ("str", "discard"):
+            fields[name] = values
+        else:
+            fields[name] = torch.tensor(values, dtype=torch.int64 if kind == "count" else torch.float64)
+    return fields, labels
+
+
+def _decode(raw: bytes) -> Any:
+    text = raw.decode("utf-8")
+    return json.loads(text)
+
+
+def read_jsonl(
+    path: str, batch_size: int, groups: GroupIndex | None = None, limit: int | None = None
+) -> Iterator[Batch | InputIssue]:
+    """Stream a JSONL dump as :class:`Batch` es of about ``batch_size`` samples, and :class:`InputIssue` s.
+
+    A batch is extended past ``batch_size`` (up to ``GROUP_SLACK`` times it) rather than split a run of
+    consecutive samples of one group, so that the controller sees whole groups. Consecutive samples
+    carrying different optional fields (or expert shapes) go to different batches, so a field is never
+    padded with made-up values. ``limit`` stops after that many samples.
+    """
+    groups = groups if groups is not None else GroupIndex()
+    max_rows = GROUP_SLACK * batch_size
+    pending: list[Sample] = []
+    first_line = 0
+    last_line = 0
+    taken = 0
+    consumed = 0
+
+    def flush() -> Batch:
+        nonlocal pending
+        fields, labels = collate(pending, groups, taken - len(pending))
+        where = f"line {first_line}" if first_line == last_line else f"lines {first_line}-{last_line}"
+        pending = []
+        return Batch(fields, labels, where, consumed)
+
+    with open(path, "rb") as f:
+        if f.read(2) == b"\x1f\x8b":
+            raise InputFormatError(f"{path}: the file is gzip-compressed; decompress it first (gunzip)")
+        f.seek(0)
+        for lineno, raw in enumerate(f, 1):
+            consumed += len(raw)
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            complete = raw.endswith(b"\n")
+            stripped = raw.strip()
+            if not stripped:
+                continue
+            try:
+                obj = _decode(stripped)
+            except UnicodeDecodeError as e:
+                yield InputIssue(path, f"line {lineno}", f"not valid UTF-8 (byte {e.start})", lineno)
+                continue
+            except json.JSONDecodeError as e:
+                detail = f"{e.msg} at column {e.colno}"
+                if not complete:
+                    msg = f"truncated record at end of file (the last line is cut: {detail})"
+                else:
+                    msg = f"invalid JSON ({detail})"
+                yield InputIssue(path, f"line {lineno}", msg, lineno)
+                continue
+            except RecursionError:
+                yield InputIssue(path, f"line {lineno}", "invalid JSON (nested too deeply)", lineno)
+                continue
+            try:
+                sample = parse_sample(obj)
+            except SampleError as e:
+                yield InputIssue(path, f"line {lineno}", str(e), lineno)
+                continue
+            if pending and (
+                sample.signature != pending[0].signature
+                or len(pending) >= max_rows
+                or (len(pending) >= batch_size and (sample.group is None or sample.group != pending[-1].group))
+            ):
+                yield flush()
+            if not pending:
+                first_line = lineno
+            pending.append(sample)
+            last_line = lineno
+            taken += 1
+            if limit is not None and taken >= limit:
+                break
+    if pending:
+        yield flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# .pt
+# ---------------------------------------------------------------------------------------------
+def load_pt(path: str) -> Any:
+    """``torch.load(path, map_location="cpu", weights_only=True)`` with clear errors.
+
+    A file that needs pickle (an object outside torch's weights-only allowlist) is refused with
+    :class:`InputFormatError`, and so is a file that is not a readable torch archive.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        what = f" (it references `{found.group(1)}`)" if found else ""
+        if "Weights only load failed" in text or found:
+            raise InputFormatError(
+                f"{path}: refused: this .pt file needs pickle to load{what}, which can run arbitrary code. "
+                "Only tensors, lists and dicts are read (torch.load with weights_only=True); re-save the "
+                "batch as a dict of tensors."
+            ) from None
+        raise InputFormatError(f"{path}: not a readable torch file ({_short(e)})") from None
+    except Exception as e:  # torch raises RuntimeError, KeyError, EOFError... for corrupt archives
+        raise InputFormatError(f"{path}: not a readable torch file ({_short(e)})") from None
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text if len(text) <= _MAX_QUOTE else text[:_MAX_QUOTE] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _rows(value: Any) -> int | None:
+    if isinstance(value, Tensor):
+        return int(value.shape[0]) if value.ndim >= 1 else None
+    if isinstance(value, (list, tuple)):
+        return len(value)
+    return None
+
+
+def _check_pt_record(record: Any) -> tuple[dict[str, Any], int]:
+    """Validate the structure of one ``.pt`` record (values are validated by the batch view)."""
+    if not isinstance(record, Mapping):
+        raise SampleError(f"expected a dict of tensors in the batch schema, got {type(record).__name__}")
+    out = {k: v for k, v in record.items() if isinstance(k, str) and v is not None}
+    for key in ("trainer_logprobs", "rollout_logprobs"):
+        if key not in out:
+            raise SampleError(f"`{key}` is required but missing (present: {', '.join(sorted(out)) or 'none'})")
+    for key in (*TOKEN_PT_FIELDS, *EXPERT_FIELDS):
+        if key in out and not isinstance(out[key], Tensor):
+            raise SampleError(f"`{key}` must be a tensor, got {type(out[key]).__name__}")
+    trainer = out["trainer_logprobs"]
+    if trainer.ndim != 2:
+        raise SampleError(f"`trainer_logprobs` must have shape [B, T], got {list(trainer.shape)}")
+    rows = int(trainer.shape[0])
+    for key in (*TOKEN_PT_FIELDS, *EXPERT_FIELDS, *PER_ROW_PT_FIELDS):
+        if key not in out:
+            continue
+        value = out[key]
+        if not isinstance(value, (Tensor, list, tuple)):
+            raise SampleError(f"`{key}` must be a tensor or a list, got {type(value).__name__}")
+        n = _rows(value)
+        if n != rows:
+            got = "a 0-dim tensor" if n is None else f"{n} rows"
+            raise SampleError(f"`{key}` has {got} but `trainer_logprobs` has {rows} rows")
+    if "group_ids" in out and not isinstance(out["group_ids"], Tensor):
+        bad = [g for g in out["group_ids"] if isinstance(g, bool) or not isinstance(g, (int, str))]
+        if bad:
+            raise SampleError(f"`group_ids` must hold ints or strs, got {type(bad[0]).__name__}")
+    elif "group_ids" in out and (out["group_ids"].ndim != 1 or out["group_ids"].is_floating_point()):
+        raise SampleError(f"`group_ids` must be an int tensor [B], got {out['group_ids'].dtype} "
+                          f"with shape {list(out['group_ids'].shape)}")
+    for key in ("stop_reasons", "discard_reasons"):
+        if key in out and not isinstance(out[key], Tensor):
+            if any(not isinstance(s, str) and s is not None for s in out[key]):
+                raise SampleError(f"`{key}` must be an int tensor [B] or a list of str")
+    return out, rows
+
+
+def read_pt(
+    path: str, batch_size: int, groups: GroupIndex | None = None, limit: int | None = None
+) -> Iterator[Batch | InputIssue]:
+    """Stream a ``.pt`` dump (a dict of tensors, or a list of them) as row slices of ``batch_size``.
+
+    Raises :class:`InputFormatError` when the file cannot be loaded safely (see :func:`load_pt`).
+    """
+    groups = groups if groups is not None else GroupIndex()
+    data = load_pt(path)
+    records = data if isinstance(data, (list, tuple)) else [data]
+    multi = isinstance(data, (list, tuple))
+    taken = 0
+    for r, record in enumerate(records):
+        name = f"record {r}" if multi else "file"
+        try:
+            fields, rows = _check_pt_record(record)
+        except SampleError as e:
+            yield InputIssue(path, name, str(e))
+            continue
+        gids = fields.get("group_ids")
+        if gids is None:
+            all_labels = [f"#{taken + i}" for i in range(rows)]
+        else:
+            all_labels = [str(g) for g in (gids.tolist() if isinstance(gids, Tensor) else gids)]
+        start = 0
+        while start < rows:
+            stop = min(rows, start + batch_size)
+            while stop < rows and stop - start < GROUP_SLACK * batch_size and all_labels[stop] == all_labels[stop - 1]:
+                stop += 1  # keep a run of one group's rows in one batch
+            if limit is not None:
+                stop = min(stop, start + (limit - taken))
+            sliced = {k: v[start:stop] if _rows(v) is not None else v for k, v in fields.items()}
+            labels = all_labels[start:stop]
+            sliced["group_ids"] = torch.tensor([groups.id_of(g) for g in labels], dtype=torch.int64)
+            for key in ("stop_reasons", "discard_reasons"):
+                if isinstance(sliced.get(key), tuple):
+                    sliced[key] = list(sliced[key])
+            where = f"{name} rows {start}-{stop - 1}" if multi else f"rows {start}-{stop - 1}"
+            taken += stop - start
+            start = stop
+            yield Batch(sliced, labels, where, taken)
+            if limit is not None and taken >= limit:
+                return
+
+
+def read_batches(
+    path: str, batch_size: int = 64, groups: GroupIndex | None = None, limit: int | None = None
+) -> Iterator[Batch | InputIssue]:
+    """Batches and issues from a JSONL or ``.pt`` dump, chosen by extension.
+
+    Raises :class:`InputFormatError` for an unknown extension or a missing file at once, and while
+    iterating for a ``.pt`` file that is unreadable or needs pickle (``OSError`` for an unreadable
+    JSONL file).
+    """
+    fmt = detect_format(path)
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if not os.path.exists(path):
+        raise InputFormatError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise InputFormatError(f"{path}: is a directory, expected a file")
+    reader: Callable[..., Iterator[Batch | InputIssue]] = read_jsonl if fmt == "jsonl" else read_pt
+    return reader(path, batch_size, groups, limit)

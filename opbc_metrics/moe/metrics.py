@@ -1,0 +1,192 @@
+"""Stateful MoE router-drift metrics (section ``moe``, group ``router``), thin classes over
+:mod:`opbc_metrics.functional.moe`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView
+from opbc_metrics.functional import moe as F
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+
+_PAIRS = (
+    "valid (token, layer) pairs: response tokens (response_mask = 1) times MoE layers, over the window and all ranks"
+)
+_TOKENS = "valid response tokens (response_mask = 1), over the window and all ranks"
+
+
+class _RouterMetric(OPBCMetric):
+    """Base of the router metrics: reads expert ids (or router logits) of both engines and the mask.
+
+    ``optional_inputs``: inside an :class:`~opbc_metrics.collection.OPBCCollection` the member skips
+    batches that lack its ``required_fields`` (dense models, logprob-only batches) instead of raising.
+    ``required_fields`` are the expert-id fields, or the router-logit fields when ``top_k`` is given.
+    Called directly, the metric reads each side from its expert ids if present, else from its router
+    logits, so mixed batches (replayed rollout ids, trainer logits) work; :meth:`accepts` says whether
+    a batch can be read.
+    """
+
+    section = "moe"
+    optional_inputs = True
+    required_fields = F.EXPERT_FIELDS
+
+    def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.top_k = F.check_top_k(top_k)
+        if self.top_k is not None:
+            self.required_fields = F.LOGIT_FIELDS
+
+    def accepts(self, view: BatchView) -> bool:
+        """Whether each side of the batch carries expert ids, or router logits with ``top_k`` set."""
+        sides = ((F.ROLLOUT_EXPERTS, F.ROLLOUT_ROUTER_LOGITS), (F.TRAINER_EXPERTS, F.TRAINER_ROUTER_LOGITS))
+        return all(view.has(ids) or (self.top_k is not None and view.has(logits)) for ids, logits in sides)
+
+    def update(self, batch: Any = None, **fields: Any) -> None:
+        """Accumulate a batch with ``rollout_experts`` / ``trainer_experts`` ``[B, T, L, K]`` (or
+        ``rollout_router_logits`` / ``trainer_router_logits`` ``[B, T, L, E]`` with ``top_k`` set) and an
+        optional ``response_mask`` ``[B, T]``."""
+        super().update(batch, **fields)
+
+
+class RouterFlipRate(_RouterMetric):
+    r"""Top-1 router flip rate ``moe/router/flip_rate``, per layer, and the worst layer.
+
+    .. math:: \mathrm{flip\_rate} = \frac{\#\{(t, l): m_t = 1,\ e^{roll}_{t,l,1} \ne e^{train}_{t,l,1}\}}
+              {\#\{(t, l): m_t = 1\}}
+
+    over valid tokens ``t`` and MoE layers ``l``. The state is two fixed vectors of ``num_layers + 1``
+    counts (flips and (token, layer) pairs per layer, the last entry pooling layers ``>= num_layers``),
+    so DDP sync is exact and the size does not depend on the model. Keys:
+
+    * ``moe/router/flip_rate``: over all layers (the overflow included).
+    * ``moe/router/layer_{l}/flip_rate`` for ``l < num_layers``, ``moe/router/layer_overflow/flip_rate``
+      for the pooled deeper layers (0 when the model has at most ``num_layers`` MoE layers).
+    * ``moe/router/worst_layer``: the layer with the highest rate among the layers that saw a valid
+      token, the first one on ties; ``num_layers`` stands for the pooled overflow bucket ("some layer
+      >= num_layers"); -1 over an empty window. ``moe/router/worst_layer_flip_rate``: its rate.
+
+    Over an empty window every rate is 0. Layers a model does not have report 0.
+
+    Args:
+        num_layers: per-layer capacity (64: the default :class:`~opbc_metrics.collection.OPBCCollection`
+            uses this; set it to the model's number of MoE layers for exactly one key per layer).
+        top_k: the number of routed experts, needed to read router logits (top-1 uses the first).
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    Example:
+        >>> import torch
+        >>> metric = RouterFlipRate(num_layers=2)
+        >>> r = torch.tensor([[[[1, 2], [3, 4]], [[5, 6], [7, 0]]]])  # B=1, T=2, L=2, K=2
+        >>> t = torch.tensor([[[[2, 1], [3, 4]], [[5, 6], [0, 7]]]])  # flips: (0, 0) and (1, 1)
+        >>> metric.update(rollout_experts=r, trainer_experts=t, response_mask=torch.tensor([[1, 1]]))
+        >>> metric.update(rollout_experts=r, trainer_experts=t, response_mask=torch.tensor([[0, 1]]))
+        >>> for key, value in metric.compute().items():  # layer 0: 1 flip in 3 tokens; layer 1: 2 in 3
+        ...     print(key, round(value.item(), 4))
+        moe/router/flip_rate 0.5
+        moe/router/worst_layer 1.0
+        moe/router/worst_layer_flip_rate 0.6667
+        moe/router/layer_0/flip_rate 0.3333
+        moe/router/layer_1/flip_rate 0.6667
+        moe/router/layer_overflow/flip_rate 0.0
+    """
+
+    keys = F.flip_rate_keys(F.DEFAULT_MOE_LAYERS)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="router_flip_rate",
+        what="Fraction of (token, layer) pairs where the MoE top-1 routed expert differs between rollout and "
+        "trainer: top-1 stability under quantization or precision changes. Low values (< 5%) suggest the "
+        "dominant expert is robust. Also per MoE layer (layer_{l}/flip_rate, layers beyond the capacity "
+        "pooled in layer_overflow) and the worst layer with its rate.",
+        unit=_PAIRS,
+        cap="flip_rate > max_flip (0.15)",
+        action="the OPBC quarantines the group: its routing no longer matches the trainer's, so the trainer's "
+        "gradient is not the gradient of the policy that sampled it",
+        aliases=("top-1 flip rate", "top1_flip_rate"),
+    )
+
+    def __init__(self, num_layers: int = F.DEFAULT_MOE_LAYERS, top_k: int | None = None, **kwargs: Any) -> None:
+        super().__init__(top_k, **kwargs)
+        self.num_layers = F.check_num_layers(num_layers)
+        self.keys = F.flip_rate_keys(self.num_layers)
+        self.add_sum("layer_flips", (self.num_layers + 1,))
+        self.add_sum("layer_pairs", (self.num_layers + 1,))
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._flip_rate_update(view, self.num_layers, self.top_k))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._flip_rate_compute(self.layer_flips, self.layer_pairs)
+
+
+class RouterSetDisagreement(_RouterMetric):
+    r"""Top-K set disagreement ``moe/router/topk_disagreement_rate``.
+
+    .. math:: \frac{\#\{t: m_t = 1,\ \exists l: S^{roll}_{t,l} \ne S^{train}_{t,l}\}}{\#\{t: m_t = 1\}}
+
+    where :math:`S_{t,l}` is the set of the top-K experts of token ``t`` in layer ``l``: the order within
+    the top-K does not matter. Over an empty window it is 0.
+
+    Args:
+        top_k: the number of routed experts, needed to read router logits; with expert ids it compares
+            the first ``top_k`` of each side.
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    Example:
+        >>> import torch
+        >>> metric = RouterSetDisagreement()
+        >>> r = torch.tensor([[[[1, 2], [3, 4]], [[5, 6], [7, 0]]]])
+        >>> t = torch.tensor([[[[2, 1], [3, 4]], [[5, 6], [7, 1]]]])  # token 0: a swap; token 1: a new expert
+        >>> metric.update(rollout_experts=r, trainer_experts=t)
+        >>> metric.compute()
+        tensor(0.5000, dtype=torch.float64)
+    """
+
+    keys = (F.TOPK_DISAGREEMENT_KEY,)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="token_expert_disagreement_rate",
+        what="Fraction of tokens with at least one MoE layer where the top-k *set* of routed experts differs "
+        "between rollout and trainer. More sensitive than the top-1 flip: quantization noise often shuffles "
+        "the lower-ranked experts even when the dominant one is stable; the gap between the two shows it.",
+        unit=_TOKENS,
+        cap="none (diagnostic)",
+        action="no OPBC action; read it against router_flip_rate, which carries the cap (max_flip)",
+        aliases=("top-k set disagreement", "topk_disagreement_rate"),
+    )
+
+    def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:
+        super().__init__(top_k, **kwargs)
+        self.add_sum("disagreements")
+        self.add_sum("tokens")
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._set_disagreement_update(view, self.top_k))
+
+    def compute(self) -> Tensor:
+        return F._set_disagreement_compute(self.disagreements, self.tokens)
+
+
+MOE_METRICS: tuple[type[_RouterMetric], ...] = (RouterFlipRate, RouterSetDisagreement)
+
+
+def moe_section(
+    clamp: float = 0.0,
+    veto: float = 0.0,
+    top_mass_bins: int = 0,
+    num_layers: int = F.DEFAULT_MOE_LAYERS,
+    top_k: int | None = None,
+    **kwargs: Any,
+) -> list[OPBCMetric]:
+    """The ``moe`` section of :class:`~opbc_metrics.collection.OPBCCollection`: both router metrics.
+
+    The mismatch settings (``clamp``, ``veto``, ``top_mass_bins``) do not apply. ``num_layers`` and
+    ``top_k`` come from ``OPBCCollection(section_options={"moe": {...}})``.
+    """
+    return [RouterFlipRate(num_layers=num_layers, top_k=top_k, **kwargs), RouterSetDisagreement(top_k=top_k, **kwargs)]

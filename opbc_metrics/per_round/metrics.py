@@ -1,0 +1,98 @@
+"""Stateful per-round (multi-turn) logprob mismatch (section ``per_round``), a thin class over
+:mod:`opbc_metrics.functional.per_round`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView
+from opbc_metrics.functional import per_round as F
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+
+
+class PerRoundMismatch(OPBCMetric):
+    r"""Per-round logprob mismatch for multi-turn trajectories, ``per_round/*`` (verl PR #5229's keys).
+
+    A round is a contiguous run of 1s in ``response_mask`` (one turn of generation between
+    environment/tool tokens). Per round ``i``, pooled over sequences, the window and all ranks:
+
+    .. math:: \mathrm{round}_i\_\mathrm{abs\_diff\_mean} = \frac{\sum_{t \in \mathrm{round}\ i} |r_t|}
+              {\#\{t \in \mathrm{round}\ i\}}, \quad r_t = \log p_{train} - \log p_{roll}
+
+    Keys: ``per_round/total_rounds`` (the most rounds of any one sequence), ``per_round/round_{i}_abs_diff_mean``
+    and ``per_round/round_{i}_token_count`` for ``i < capacity``, ``per_round/overflow_abs_diff_mean`` and
+    ``per_round/overflow_token_count`` pooling rounds ``>= capacity``, ``per_round/max_round_diff`` (the
+    round with the largest mean, first on ties; ``capacity`` stands for the overflow bucket; -1 when no
+    round has a valid token) and ``per_round/max_diff_value`` (its mean; 0 then). Rounds that never
+    occurred report mean 0 and count 0.
+
+    States: per-bucket sums of ``|r|``, valid-token counts and response-token counts
+    (``capacity + 1`` each) and the running max of rounds per sequence; the max round is found in
+    ``compute`` from the synced sums, so the values are exact over DDP. Non-finite tokens stay in their
+    round's ``token_count`` but not in its mean (see :mod:`opbc_metrics.functional.per_round`).
+
+    Args:
+        capacity: rounds with their own keys (16).
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    Example:
+        >>> import torch
+        >>> metric = PerRoundMismatch(capacity=2)
+        >>> mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]])  # rounds: [0, 1], [3] and [0]
+        >>> trainer = torch.tensor([[-1.0, -1.0, -5.0, -2.0], [-1.0, 0.0, 0.0, 0.0]])
+        >>> rollout = torch.tensor([[-1.5, -1.0, -1.0, -1.0], [-1.1, 0.0, 0.0, 0.0]])
+        >>> metric.update(trainer_logprobs=trainer, rollout_logprobs=rollout, response_mask=mask)
+        >>> out = metric.compute()
+        >>> [round(out["per_round/" + k].item(), 4) for k in ("total_rounds", "round_0_abs_diff_mean",
+        ...                                                     "round_1_token_count", "max_round_diff")]
+        [2.0, 0.2, 1.0, 1.0]
+    """
+
+    keys = F.per_round_keys(F.DEFAULT_ROUND_CAPACITY)
+    section = "per_round"
+    required_fields = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="per_round_abs_diff",
+        what="Per-round logprob mismatch for multi-turn training: rounds are the contiguous runs of 1s in "
+        "response_mask (one generation turn each, separated by environment/tool tokens); per round i the "
+        "mean |trainer_logp - rollout_logp| and the token count, the most rounds of any sequence, and the "
+        "round that diverges most with its mean. Shows which turn the engines disagree on (e.g. rounds "
+        "after an image, where attention differs between engines).",
+        unit="valid response tokens of round i, pooled over sequences, the window and all ranks "
+        "(total_rounds: max over sequences)",
+        cap="none (diagnostic)",
+        action="no OPBC action; a round far above the others points at a per-turn cause (context length, "
+        "multimodal attention, tool-token formatting) to fix in the rollout engine",
+        aliases=("per-round mismatch", "per_round", "round_abs_diff_mean"),
+    )
+
+    def __init__(self, capacity: int = F.DEFAULT_ROUND_CAPACITY, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.capacity = F.check_capacity(capacity)
+        self.keys = F.per_round_keys(self.capacity)
+        for name in ("sum_abs", "valid_count", "token_count"):
+            self.add_sum(name, (self.capacity + 1,))
+        self.add_max("max_rounds")
+
+    def update(self, batch: Any = None, **fields: Any) -> None:
+        """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
+        optional ``response_mask`` [B, T] (all ones when absent)."""
+        super().update(batch, **fields)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._per_round_update(view, self.capacity))
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._per_round_compute(self.sum_abs, self.valid_count, self.token_count, self.max_rounds)
+
+
+PER_ROUND_METRICS: tuple[type[PerRoundMismatch], ...] = (PerRoundMismatch,)
+
+
+def per_round_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+    """The ``per_round`` section of :class:`~opbc_metrics.collection.OPBCCollection`: one
+    :class:`PerRoundMismatch` with the default capacity (the mismatch settings do not apply)."""
+    return [PerRoundMismatch(**kwargs)]

@@ -1,0 +1,706 @@
+"""Stateful rollout-group metrics (sections ``rollout`` and ``sample_metrics``), thin classes over
+:mod:`opbc_metrics.functional.rollout`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from opbc_metrics.batch import GROUP_IDS, BatchView
+from opbc_metrics.functional import rollout as F
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+
+Range = tuple[float | None, float | None]
+
+_SAMPLES = "rollout samples (one per completion), over the batches since the last reset and all ranks"
+_GROUPS = (
+    "prompt groups (group_ids) seen since the last reset on all ranks; each group must arrive whole in one "
+    "update on one rank"
+)
+_DIAGNOSTIC = "none (diagnostic)"
+_NO_ACTION = "no OPBC action; a dashboard signal"
+
+
+def _check_range(name: str, value: Any) -> Range:
+    """A declared ``(lo, hi)`` chart range; either bound may be None (then the observed one is used)."""
+    try:
+        lo, hi = value
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a pair (lo, hi), got {value!r}") from None
+    out = []
+    for bound in (lo, hi):
+        if bound is not None:
+            bound = float(bound)
+            if not math.isfinite(bound):
+                raise ValueError(f"`{name}` bounds must be finite numbers or None, got {value!r}")
+        out.append(bound)
+    if out[0] is not None and out[1] is not None and out[0] > out[1]:
+        raise ValueError(f"`{name}` must have lo <= hi, got {value!r}")
+    return out[0], out[1]
+
+
+def _resolve(declared: Range, seen_lo: float, seen_hi: float) -> tuple[float, float] | None:
+    """Declared bounds where given, the observed ones otherwise; None while a bound is still unknown."""
+    lo = declared[0] if declared[0] is not None else (seen_lo if math.isfinite(seen_lo) else None)
+    hi = declared[1] if declared[1] is not None else (seen_hi if math.isfinite(seen_hi) else None)
+    if lo is None or hi is None:
+        return None
+    return lo, max(lo, hi)
+
+
+def _stat_ranges(prefix: str, rng: tuple[float, float], gini: bool = False) -> dict[str, tuple[float, float]]:
+    lo, hi = rng
+    out = {f"{prefix}/{s}": (lo, hi) for s in ("mean", "min", "max")}
+    out[f"{prefix}/std"] = (0.0, (hi - lo) / 2.0)  # the largest population std of values in [lo, hi]
+    if gini and lo >= 0.0:
+        out[f"{prefix}/group_gini_mean"] = (0.0, 1.0)
+    return out
+
+
+class _RolloutMetric(OPBCMetric):
+    """Base of the rollout metrics: optional inputs (a collection skips them on batches without their fields)."""
+
+    section = "rollout"
+    optional_inputs = True
+
+
+class _ObservedRange(OPBCMetric):
+    """Keeps the run's observed min/max of the ``min``/``max`` states, across resets, for chart ranges.
+
+    The observed range is updated in ``compute()`` (after the DDP sync, so it is global on every rank);
+    it lives in non-persistent buffers, so it moves with ``.to(device)`` but is not in the state dict.
+    """
+
+    def _init_observed(self, shape: tuple[int, ...] = ()) -> None:
+        self.register_buffer("observed_min", torch.full(shape, math.inf, dtype=torch.float64), persistent=False)
+        self.register_buffer("observed_max", torch.full(shape, -math.inf, dtype=torch.float64), persistent=False)
+
+    def _observe(self, lo: Tensor, hi: Tensor) -> None:
+        torch.minimum(self.observed_min, lo, out=self.observed_min)
+        torch.maximum(self.observed_max, hi, out=self.observed_max)
+
+
+class _MomentStats(_RolloutMetric, _ObservedRange):
+    """Mean, population std, min and max of one per-sample quantity (keys ``<prefix>/{mean,std,min,max}``)."""
+
+    prefix: ClassVar[str] = ""
+    invalid_field: ClassVar[str] = ""
+    invalid_what: ClassVar[str] = F.NONFINITE
+
+    def __init__(self, value_range: Range = (None, None), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("count", "total", "total_sq", "invalid"):
+            self.add_sum(name)
+        self.add_min("min")
+        self.add_max("max")
+        self.declared_range = _check_range("value_range", value_range)
+        self._init_observed()
+
+    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**self._stats(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        F.raise_if_invalid(self.invalid, self.invalid_field, self.invalid_what)
+        self._observe(self.min, self.max)
+        return F._moments_dict(
+            self.keys, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max
+        )
+
+    def chart_ranges(self) -> dict[str, tuple[float, float]]:
+        """``{key: (lo, hi)}`` for the charts: the declared range, else the run's observed min/max.
+
+        ``std`` gets ``(0, (hi - lo) / 2)``. Empty until a bound is known (declared or observed by a
+        ``compute()``). Reads two scalars to the host: call it when logging, not in the training step.
+        """
+        rng = _resolve(self.declared_range, float(self.observed_min), float(self.observed_max))
+        return {} if rng is None else _stat_ranges(self.prefix, rng)
+
+
+class RolloutRewardStats(_MomentStats):
+    r"""Per-step reward statistics ``rollout/reward/{mean,std,min,max}`` (the UI's Reward tab).
+
+    Over the samples of the window: mean, population std (divide by n), min and max of the total
+    reward per sample. ``rewards`` is ``[B]``, or ``[B, T]`` token-level rewards summed per sample over
+    the response tokens. ``reward_min`` / ``reward_max`` are the environment's declared reward range:
+    metadata for the charts (:meth:`chart_ranges`), never used in the values; an undeclared bound is
+    the run's observed one. Non-finite rewards raise a ``ValueError`` naming ``rewards`` at ``compute()``.
+    An empty window gives 0 for every key.
+
+    Args:
+        reward_min: the declared lower bound of the reward (None: observed).
+        reward_max: the declared upper bound (None: observed).
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    Example:
+        >>> import torch
+        >>> metric = RolloutRewardStats(reward_min=0.0, reward_max=1.0)
+        >>> metric.update(rewards=torch.tensor([1.0, 0.0]))
+        >>> metric.update(rewards=torch.tensor([0.0, 1.0]))
+        >>> {k.split('/')[-1]: v.item() for k, v in metric.compute().items()}
+        {'mean': 0.5, 'std': 0.5, 'min': 0.0, 'max': 1.0}
+        >>> metric.chart_ranges()["rollout/reward/mean"], metric.chart_ranges()["rollout/reward/std"]
+        ((0.0, 1.0), (0.0, 0.5))
+    """
+
+    keys = F.REWARD_KEYS
+    prefix = F.REWARD_PREFIX
+    required_fields = (F.REWARDS,)
+    invalid_field = F.REWARDS
+    higher_is_better = True
+    glossary = GlossaryEntry(
+        name="Reward (rollout)",
+        what="Per-step statistics (mean, population std, min, max) of the total reward each sample received "
+        "from the environment (RewardResult.total_reward). Declared reward_min/reward_max only normalise "
+        "the charts.",
+        unit=_SAMPLES,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("reward", "reward_mean", "reward_std"),
+    )
+
+    def __init__(self, reward_min: float | None = None, reward_max: float | None = None, **kwargs: Any) -> None:
+        super().__init__(value_range=(reward_min, reward_max), **kwargs)
+        self.reward_min, self.reward_max = self.declared_range
+
+    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._reward_stats_update(view)
+
+
+class RolloutAdvantageStats(_MomentStats):
+    r"""Per-step advantage statistics ``rollout/advantage/{mean,std,min,max}`` (the UI's Advantage tab).
+
+    ``advantages`` is ``[B]``, or ``[B, T]`` averaged per sample over the response tokens (a sample
+    without response tokens is left out). How advantages are normalised depends on the algorithm; with
+    GRPO's group normalisation the mean is ~0. An empty window gives 0 for every key.
+
+    Example:
+        >>> import torch
+        >>> metric = RolloutAdvantageStats()
+        >>> metric.update(advantages=torch.tensor([[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5]]),
+        ...               response_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+        >>> [v.item() for v in metric.compute().values()]
+        [0.0, 0.5, -0.5, 0.5]
+    """
+
+    keys = F.ADVANTAGE_KEYS
+    prefix = F.ADVANTAGE_PREFIX
+    required_fields = (F.ADVANTAGES,)
+    invalid_field = F.ADVANTAGES
+    glossary = GlossaryEntry(
+        name="Advantage (rollout)",
+        what="Per-step statistics (mean, population std, min, max) of the per-sample advantage. A std near 0 "
+        "means most groups carry no learning signal.",
+        unit=_SAMPLES + " (a [B, T] field is averaged over each sample's response tokens)",
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("advantage",),
+    )
+
+    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._advantage_stats_update(view)
+
+
+class PromptTokenStats(_MomentStats):
+    r"""Prompt token counts per step, ``rollout/tokens_prompt/{mean,std,min,max}`` (Tokens (Prompt)).
+
+    ``prompt_lengths`` is a ``[B]`` tensor of token counts; negative or non-finite counts raise a
+    ``ValueError`` naming the field at ``compute()``.
+
+    Example:
+        >>> import torch
+        >>> metric = PromptTokenStats()
+        >>> metric.update(prompt_lengths=torch.tensor([100, 300]))
+        >>> [v.item() for v in metric.compute().values()]
+        [200.0, 100.0, 100.0, 300.0]
+    """
+
+    keys = F.PROMPT_TOKEN_KEYS
+    prefix = F.PROMPT_TOKENS_PREFIX
+    required_fields = (F.PROMPT_LENGTHS,)
+    invalid_field = F.PROMPT_LENGTHS
+    invalid_what = F.BAD_COUNTS
+    glossary = GlossaryEntry(
+        name="Tokens (Prompt)",
+        what="Distribution of prompt token counts in the step: mean, population std, min, max.",
+        unit=_SAMPLES,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._length_stats_update(view, F.PROMPT_LENGTHS)
+
+
+class CompletionTokenStats(_MomentStats):
+    r"""Completion token counts per step, ``rollout/tokens_completion/{mean,std,min,max}`` (Tokens (Completion)).
+
+    ``response_lengths`` is ``[B]``: the completion tokens of each sample, summed across turns for
+    multi-turn rollouts.
+
+    Example:
+        >>> import torch
+        >>> metric = CompletionTokenStats()
+        >>> metric.update(response_lengths=torch.tensor([10, 20, 30, 40]))
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [25.0, 11.1803, 10.0, 40.0]
+    """
+
+    keys = F.COMPLETION_TOKEN_KEYS
+    prefix = F.COMPLETION_TOKENS_PREFIX
+    required_fields = (F.RESPONSE_LENGTHS,)
+    invalid_field = F.RESPONSE_LENGTHS
+    invalid_what = F.BAD_COUNTS
+    glossary = GlossaryEntry(
+        name="Tokens (Completion)",
+        what="Distribution of completion token counts in the step (summed across turns for multi-turn): "
+        "mean, population std, min, max.",
+        unit=_SAMPLES,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._length_stats_update(view, F.RESPONSE_LENGTHS)
+
+
+class TotalTokenStats(_MomentStats):
+    r"""Total tokens per sample (prompt + completion), ``rollout/tokens_total/{mean,std,min,max}``.
+
+    Example:
+        >>> import torch
+        >>> metric = TotalTokenStats()
+        >>> metric.update(prompt_lengths=torch.tensor([100, 300]), response_lengths=torch.tensor([10, 30]))
+        >>> [v.item() for v in metric.compute().values()]
+        [220.0, 110.0, 110.0, 330.0]
+    """
+
+    keys = F.TOTAL_TOKEN_KEYS
+    prefix = F.TOTAL_TOKENS_PREFIX
+    required_fields = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
+    invalid_field = f"{F.PROMPT_LENGTHS}` or `{F.RESPONSE_LENGTHS}"
+    invalid_what = F.BAD_COUNTS
+    glossary = GlossaryEntry(
+        name="Tokens (Total)",
+        what="Distribution of total tokens per sample (prompt + completion) in the step: mean, population "
+        "std, min, max.",
+        unit=_SAMPLES,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._total_token_stats_update(view)
+
+
+class _GroupMean(_RolloutMetric):
+    """A per-group value averaged over the groups of the window: states ``(value_sum, groups)``."""
+
+    invalid_field: ClassVar[str] = ""
+    invalid_what: ClassVar[str] = ""
+    empty_value: ClassVar[float] = 0.0
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("value_sum", "groups", "invalid"):
+            self.add_sum(name)
+
+    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**self._group_stats(view))
+
+    def compute(self) -> Tensor:
+        F.raise_if_invalid(self.invalid, self.invalid_field, self.invalid_what)
+        return F._mean_over_groups(self.value_sum, self.groups, self.empty_value)
+
+
+class RolloutRewardGini(_GroupMean):
+    r"""Reward Gini per prompt group, averaged over groups: ``rollout/reward/group_gini_mean``.
+
+    Per group of n samples, :math:`G = \sum_i\sum_j |x_i - x_j| / (2 n^2 \bar x)` (population Gini;
+    0 for a group of one or a non-positive reward sum), then the mean over the window's groups. It
+    measures reward sparsity: 0 = every sample of a group got the same reward, toward 1 = the reward
+    is concentrated in few samples. Needs ``rewards`` and ``group_ids``; a group must arrive whole in
+    one update on one rank (GRPO generates and scores a group together). Empty window: 0.
+
+    Example:
+        >>> import torch
+        >>> metric = RolloutRewardGini()
+        >>> metric.update(rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]), group_ids=torch.tensor([7, 7, 7, 7]))
+        >>> metric.update(rewards=torch.tensor([1.0, 1.0]), group_ids=torch.tensor([3, 3]))
+        >>> metric.compute()  # (0.75 + 0) / 2
+        tensor(0.3750, dtype=torch.float64)
+    """
+
+    keys = (F.REWARD_GINI_KEY,)
+    required_fields = (F.REWARDS, GROUP_IDS)
+    invalid_field = F.REWARDS
+    invalid_what = F.NONFINITE
+    glossary = GlossaryEntry(
+        name="Reward Gini (group mean)",
+        what="Population Gini coefficient of the rewards within each prompt group, averaged across groups: "
+        "reward sparsity. 0 = all samples of a group got the same reward; toward 1 = extreme concentration.",
+        unit=_GROUPS,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action; groups with Gini 0 carry no GRPO advantage (see rollout/discarded/zero_advantage)",
+        aliases=("reward_gini", "group_reward_gini_mean"),
+    )
+
+    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._reward_gini_update(view)
+
+
+class CompletionLengthGini(_GroupMean):
+    r"""``group_length_gini_mean``: Gini of completion lengths within prompt groups, averaged across groups.
+
+    Key ``rollout/tokens_completion/group_gini_mean``. Measures within-group length inequality
+    (population Gini, 0 for a group of one or all-empty completions). Empty window: 0.
+
+    Example:
+        >>> import torch
+        >>> metric = CompletionLengthGini()
+        >>> metric.update(response_lengths=torch.tensor([10, 30, 20, 20]), group_ids=torch.tensor([0, 0, 1, 1]))
+        >>> metric.compute()  # group 0: 20 / (2 * 4 * 20) = 0.25; group 1: 0
+        tensor(0.1250, dtype=torch.float64)
+    """
+
+    keys = (F.LENGTH_GINI_KEY,)
+    required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
+    invalid_field = F.RESPONSE_LENGTHS
+    invalid_what = F.BAD_COUNTS
+    glossary = GlossaryEntry(
+        name="group_length_gini_mean",
+        what="Gini coefficient of completion lengths within prompt groups, averaged across groups: "
+        "within-group length inequality.",
+        unit=_GROUPS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._length_gini_update(view)
+
+
+class CompletionLengthMaxMedianRatio(_GroupMean):
+    r"""``group_length_max_median_ratio_mean``: max/median completion length per group, averaged.
+
+    Key ``rollout/tokens_completion/group_max_median_ratio_mean``. Lengths are floored at 1 token (an
+    empty completion counts as one token, so the ratio is finite); an even-sized group's median is the
+    mean of its two middle lengths. A straggler indicator: values close to 1 mean the completions of a
+    group are roughly equal in length. Empty window: 1.
+
+    Example:
+        >>> import torch
+        >>> metric = CompletionLengthMaxMedianRatio()
+        >>> metric.update(response_lengths=torch.tensor([10, 20, 30, 5, 5]), group_ids=torch.tensor([0, 0, 0, 1, 1]))
+        >>> metric.compute()  # (30 / 20 + 5 / 5) / 2
+        tensor(1.2500, dtype=torch.float64)
+    """
+
+    keys = (F.LENGTH_RATIO_KEY,)
+    required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
+    invalid_field = F.RESPONSE_LENGTHS
+    invalid_what = F.BAD_COUNTS
+    empty_value = 1.0
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="group_length_max_median_ratio_mean",
+        what="Max/median ratio of completion lengths within prompt groups, averaged across groups: a "
+        "straggler indicator; close to 1 = completions of a group are roughly equal length.",
+        unit=_GROUPS,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action; high values mean a few long generations hold up each group's step",
+    )
+
+    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._length_ratio_update(view)
+
+
+class StopReasonLengthPct(_RolloutMetric):
+    r"""``stop_reason_length_pct``: percentage (0-100) of samples that hit the token length limit.
+
+    Key ``rollout/stop_reason/length_pct``. ``stop_reasons`` is a ``[B]`` int tensor of codes (see
+    :data:`~opbc_metrics.functional.rollout.STOP_REASON_CODES`: 0 stop, 1 length, 2 abort; the code of
+    truncation is ``length_code``), a ``[B]`` bool tensor (True = truncated), or a list of finish-reason
+    strings where ``"length"`` marks truncation (vLLM / SGLang / OpenAI ``finish_reason``). Empty window: 0.
+
+    Args:
+        length_code: the int code that marks truncation (1).
+
+    Example:
+        >>> import torch
+        >>> metric = StopReasonLengthPct()
+        >>> metric.update(stop_reasons=["stop", "length", "stop", "stop"])
+        >>> metric.update(stop_reasons=torch.tensor([1, 1, 0, 2]))
+        >>> metric.compute()  # 3 of 8
+        tensor(37.5000, dtype=torch.float64)
+    """
+
+    keys = (F.STOP_LENGTH_PCT_KEY,)
+    required_fields = (F.STOP_REASONS,)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 100.0
+    glossary = GlossaryEntry(
+        name="stop_reason_length_pct",
+        what="Percentage of samples that hit the token length limit (finish reason 'length').",
+        unit=_SAMPLES,
+        cap=_DIAGNOSTIC,
+        action="no OPBC action; a high value may indicate that max_token_len is too low",
+        aliases=("truncation_pct",),
+    )
+
+    def __init__(self, length_code: int = F.LENGTH_CODE, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(length_code, int) or isinstance(length_code, bool):
+            raise ValueError(f"`length_code` must be an int, got {length_code!r}")
+        self.length_code = length_code
+        self.add_sum("length")
+        self.add_sum("count")
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._stop_update(view, self.length_code, self.device))
+
+    def compute(self) -> Tensor:
+        return F._stop_compute(self.length, self.count)
+
+
+class DiscardedRollouts(_RolloutMetric):
+    r"""Discarded rollouts by reason: ``rollout/discarded/{max_async, zero_advantage, total, pct}``.
+
+    Rollouts discarded and not trained on: ``max_async``, generated with weights too many steps
+    behind (``max_off_policy_steps``); ``zero_advantage``, all samples of the group got the same reward,
+    so the advantage is 0 (``discard_group_zero_advantage``). ``discard_reasons`` holds one code per
+    generated rollout, kept ones included: a ``[B]`` int tensor (0 kept, 1 max_async, 2 zero_advantage;
+    :func:`~opbc_metrics.functional.rollout.discard_reasons` computes it from rewards, group ids and the
+    policy lag) or a list of ``"max_async"`` / ``"zero_advantage"`` / ``None``. Counts are rollouts
+    summed over the window; ``pct`` is the discarded share of all rollouts seen, in percent. Other int
+    codes raise a ``ValueError`` naming ``discard_reasons`` at ``compute()``. Empty window: 0 everywhere.
+
+    Example:
+        >>> metric = DiscardedRollouts()
+        >>> metric.update(discard_reasons=["max_async", None, "zero_advantage", "zero_advantage"])
+        >>> {k.split('/')[-1]: v.item() for k, v in metric.compute().items()}
+        {'max_async': 1.0, 'zero_advantage': 2.0, 'total': 3.0, 'pct': 75.0}
+    """
+
+    keys = F.DISCARD_KEYS
+    required_fields = (F.DISCARD_REASONS,)
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="Discarded rollouts",
+        what="Rollouts discarded and not used for training, counted by reason: max_async (generated with "
+        "weights too many steps behind) and zero_advantage (every sample of the group got the same reward).",
+        unit="generated rollouts (samples, not groups), summed over the window and all ranks",
+        cap="policy lag > max_off_policy_steps (max_async); a group with all-equal rewards when "
+        "discard_group_zero_advantage is set (zero_advantage)",
+        action="the rollout (max_async) or its whole group (zero_advantage) is dropped before the training step",
+        aliases=("max_async", "zero_advantage", "discarded"),
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("max_async", "zero_advantage", "seen", "invalid"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._discard_update(view, self.device))
+
+    def compute(self) -> dict[str, Tensor]:
+        F.raise_if_invalid(self.invalid, F.DISCARD_REASONS, "codes outside {0, 1, 2}")
+        return F._discard_compute(self.max_async, self.zero_advantage, self.seen)
+
+
+class SampleMetricStats(_RolloutMetric, _ObservedRange):
+    r"""Per-sample environment metrics: ``sample_metrics/<name>/{mean,std,min,max,group_gini_mean}``.
+
+    The environment returns any per-sample numbers (reward components, tool-call counts, reasoning
+    steps, ...) in ``sample_metrics``; per step they are aggregated into mean, population std, min and
+    max, plus the population Gini within each prompt group averaged over groups (how concentrated the
+    metric is within groups). **The names are fixed at construction** so that the state has a fixed
+    size (five sums and two extremes per name); a batch holding an undeclared name raises a
+    ``ValueError``. A declared name may be absent from a batch, and NaN means "not reported by this
+    sample" (multi-environment batches): such samples are left out of that metric. Infinite values
+    raise a ``ValueError`` naming ``sample_metrics`` and the metric at ``compute()``.
+
+    ``sample_metrics`` is a mapping ``name -> [B]`` (tensors or lists of numbers) or a list of B
+    per-sample mappings ``name -> number`` (what ``RewardResult.sample_metrics`` gives).
+    ``metrics_ranges`` declares ``{name: (lo, hi)}`` chart ranges (metadata only); undeclared ones are
+    the run's observed ranges (:meth:`chart_ranges`). Empty window: 0 for every key.
+
+    Args:
+        names: the per-sample metric names (non-empty, unique, no ``/``).
+        metrics_ranges: declared chart ranges per name; either bound may be None.
+        group_gini: also compute the per-group Gini (needs ``group_ids``); default True.
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    Example:
+        >>> import torch
+        >>> metric = SampleMetricStats(["tool_calls", "format"], metrics_ranges={"format": (0, 1)})
+        >>> metric.update(sample_metrics={"tool_calls": torch.tensor([0.0, 2.0, 1.0, 1.0]),
+        ...                               "format": torch.tensor([1.0, 1.0, 0.0, 1.0])},
+        ...               group_ids=torch.tensor([0, 0, 1, 1]))
+        >>> out = metric.compute()
+        >>> [round(out[f"sample_metrics/tool_calls/{s}"].item(), 4) for s in ("mean", "std", "group_gini_mean")]
+        [1.0, 0.7071, 0.25]
+        >>> [round(out[f"sample_metrics/format/{s}"].item(), 4) for s in ("mean", "std", "group_gini_mean")]
+        [0.75, 0.433, 0.25]
+        >>> metric.chart_ranges()["sample_metrics/format/mean"], metric.chart_ranges()["sample_metrics/tool_calls/max"]
+        ((0.0, 1.0), (0.0, 2.0))
+    """
+
+    keys = tuple(F.sample_metric_keys("<name>"))  # per instance: one block of keys per declared name
+    required_fields = (F.SAMPLE_METRICS, GROUP_IDS)
+    glossary = GlossaryEntry(
+        name="Sample metrics",
+        what="Any per-sample metric the environment returns (reward components, response length, reasoning "
+        "steps, tool-call counts, ...), aggregated per step into mean, population std, min and max, plus a "
+        "Gini coefficient per prompt group averaged over groups (how concentrated the metric is within groups).",
+        unit=_SAMPLES + " that reported the metric; the Gini over " + _GROUPS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("sample_metrics",),
+    )
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        metrics_ranges: Mapping[str, Range] | None = None,
+        group_gini: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.names = F.check_sample_metric_names(names)
+        self.group_gini = bool(group_gini)
+        stats = F.SAMPLE_STATS if self.group_gini else F.STATS
+        self.keys = tuple(f"{F.SAMPLE_METRICS_SECTION}/{n}/{s}" for n in self.names for s in stats)
+        self.required_fields = (F.SAMPLE_METRICS, GROUP_IDS) if self.group_gini else (F.SAMPLE_METRICS,)
+        ranges = dict(metrics_ranges or {})
+        unknown = sorted(set(ranges) - set(self.names))
+        if unknown:
+            raise ValueError(f"`metrics_ranges` names {unknown} are not among the metric names {list(self.names)}")
+        self.metrics_ranges = {n: _check_range(f"metrics_ranges[{n!r}]", r) for n, r in ranges.items()}
+        k = (len(self.names),)
+        for name in ("count", "total", "total_sq", "invalid"):
+            self.add_sum(name, k)
+        self.add_min("min", k)
+        self.add_max("max", k)
+        if self.group_gini:
+            self.add_sum("gini_sum", k)
+            self.add_sum("groups", k)
+        self._init_observed(k)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._sample_update(view, self.names, self.group_gini, self.device))
+
+    def compute(self) -> dict[str, Tensor]:
+        invalid = self.invalid
+        if bool((invalid > 0).any()):
+            bad = [n for n, c in zip(self.names, invalid.tolist(), strict=True) if c > 0]
+            raise ValueError(f"batch field `{F.SAMPLE_METRICS}` held infinite values for {bad}")
+        self._observe(self.min, self.max)
+        gini = dict(gini_sum=self.gini_sum, groups=self.groups) if self.group_gini else {}
+        return F._sample_compute(
+            self.names, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max, **gini
+        )
+
+    def chart_ranges(self) -> dict[str, tuple[float, float]]:
+        """``{key: (lo, hi)}`` per metric: ``metrics_ranges`` where declared, else the run's observed range.
+
+        ``std`` gets ``(0, (hi - lo) / 2)`` and ``group_gini_mean`` ``(0, 1)`` when the range is non-negative.
+        Reads the observed extremes to the host: call it when logging.
+        """
+        out: dict[str, tuple[float, float]] = {}
+        seen_lo, seen_hi = self.observed_min.tolist(), self.observed_max.tolist()
+        for k, n in enumerate(self.names):
+            rng = _resolve(self.metrics_ranges.get(n, (None, None)), seen_lo[k], seen_hi[k])
+            if rng is not None:
+                out.update(_stat_ranges(f"{F.SAMPLE_METRICS_SECTION}/{n}", rng, gini=self.group_gini))
+        return out
+
+
+ROLLOUT_METRICS: tuple[type[OPBCMetric], ...] = (
+    RolloutRewardStats,
+    RolloutRewardGini,
+    RolloutAdvantageStats,
+    PromptTokenStats,
+    CompletionTokenStats,
+    TotalTokenStats,
+    CompletionLengthGini,
+    CompletionLengthMaxMedianRatio,
+    StopReasonLengthPct,
+    DiscardedRollouts,
+)
+
+
+def rollout_metrics(
+    sample_metric_names: Sequence[str] = (),
+    *,
+    reward_min: float | None = None,
+    reward_max: float | None = None,
+    metrics_ranges: Mapping[str, Range] | None = None,
+    length_code: int = F.LENGTH_CODE,
+    **kwargs: Any,
+) -> list[OPBCMetric]:
+    """Every rollout metric, ready for an :class:`~opbc_metrics.collection.OPBCCollection`.
+
+    :class:`SampleMetricStats` is included when ``sample_metric_names`` is given (its state size depends
+    on the names). ``kwargs`` are torchmetrics ``Metric`` arguments passed to every member.
+
+    Example:
+        >>> from opbc_metrics import OPBCCollection
+        >>> metrics = OPBCCollection(rollout_metrics(["tool_calls"], reward_min=0.0, reward_max=1.0))
+        >>> len(metrics.keys_produced)
+        33
+    """
+    out: list[OPBCMetric] = []
+    for cls in ROLLOUT_METRICS:
+        if cls is RolloutRewardStats:
+            out.append(RolloutRewardStats(reward_min=reward_min, reward_max=reward_max, **kwargs))
+        elif cls is StopReasonLengthPct:
+            out.append(StopReasonLengthPct(length_code=length_code, **kwargs))
+        else:
+            out.append(cls(**kwargs))
+    if sample_metric_names:
+        out.append(SampleMetricStats(sample_metric_names, metrics_ranges=metrics_ranges, **kwargs))
+    elif metrics_ranges:
+        raise ValueError("`metrics_ranges` needs `sample_metric_names`")
+    return out
+
+
+def rollout_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+    """The ``"rollout"`` factory of :data:`opbc_metrics.collection.SECTIONS` (mismatch settings are ignored)."""
+    return rollout_metrics(**kwargs)
+
+
+def chart_ranges(metrics: Any) -> dict[str, tuple[float, float]]:
+    """The chart ranges of every member that declares some (a collection, a metric, or an iterable).
+
+    Example:
+        >>> import torch
+        >>> reward = RolloutRewardStats(reward_max=2.0)
+        >>> reward.update(rewards=torch.tensor([0.5, 1.5]))
+        >>> _ = reward.compute()
+        >>> chart_ranges([reward, StopReasonLengthPct()])["rollout/reward/min"]  # observed lo, declared hi
+        (0.5, 2.0)
+    """
+    if hasattr(metrics, "members"):
+        members: Iterable[Any] = metrics.members()
+    elif isinstance(metrics, OPBCMetric):
+        members = [metrics]
+    else:
+        members = metrics
+    out: dict[str, tuple[float, float]] = {}
+    for m in members:
+        own = getattr(m, "chart_ranges", None)
+        if callable(own):
+            out.update(own())
+    return out

@@ -1,0 +1,391 @@
+"""Actor metrics (``actor/*``): trainer scalars, policy entropy, PPO KL and clip fractions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView, check_positive
+from opbc_metrics.functional import training as F
+from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
+
+_STEPS = "trainer observations (optimizer steps or micro-batches) over the window and all ranks"
+_LOSS_UNIT = (
+    "trainer observations over the window and all ranks, weighted by `loss_tokens` when given (the token mean "
+    "of a token-mean loss), else equally"
+)
+_TOKENS = "response tokens (response_mask = 1) over the window and all ranks"
+
+
+class ActorLoss(_TrainerScalar):
+    """Total actor loss ``actor/loss`` as the trainer computed it, from batch field ``actor_loss``.
+
+    Token-weighted by ``loss_tokens`` when given; see :class:`~opbc_metrics.training._base._TrainerScalar`.
+
+    Example:
+        >>> metric = ActorLoss()
+        >>> metric.update(actor_loss=0.5, loss_tokens=300)
+        >>> metric.update(actor_loss=[1.0, 2.0], loss_tokens=[100, 100])
+        >>> metric.compute()
+        tensor(0.9000, dtype=torch.float64)
+    """
+
+    keys = ("actor/loss",)
+    field = "actor_loss"
+    weight_field = F.LOSS_TOKENS
+    required_fields = ("actor_loss",)
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="actor/loss",
+        what="Total actor loss (often pg_loss + regularizers). Should trend down overall; sudden jumps point to "
+        "too-large learning rates, abrupt distribution shifts or oscillating updates.",
+        unit=_LOSS_UNIT,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )
+
+
+class PolicyGradientLoss(_TrainerScalar):
+    """Core policy-gradient loss ``actor/pg_loss`` (batch field ``pg_loss``; token-weighted by ``loss_tokens``).
+
+    Example:
+        >>> metric = PolicyGradientLoss()
+        >>> metric.update(pg_loss=[-0.1, 0.3])
+        >>> metric.compute()
+        tensor(0.1000, dtype=torch.float64)
+    """
+
+    keys = ("actor/pg_loss",)
+    field = "pg_loss"
+    weight_field = F.LOSS_TOKENS
+    required_fields = ("pg_loss",)
+    glossary = GlossaryEntry(
+        name="actor/pg_loss",
+        what="Core policy-gradient loss. Noisy by nature; a sustained blow-up is a red flag.",
+        unit=_LOSS_UNIT,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )
+
+
+class EntropyLoss(_TrainerScalar):
+    """Entropy-regularisation loss ``actor/entropy_loss`` (batch field ``entropy_loss``; token-weighted).
+
+    Example:
+        >>> metric = EntropyLoss()
+        >>> metric.update(entropy_loss=0.25)
+        >>> metric.compute()
+        tensor(0.2500, dtype=torch.float64)
+    """
+
+    keys = ("actor/entropy_loss",)
+    field = "entropy_loss"
+    weight_field = F.LOSS_TOKENS
+    required_fields = ("entropy_loss",)
+    glossary = GlossaryEntry(
+        name="actor/entropy_loss",
+        what="Entropy regularization loss term (keeps the policy from over-confident collapse).",
+        unit=_LOSS_UNIT,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )
+
+
+class KLLoss(_TrainerScalar):
+    """KL penalty loss ``actor/kl_loss`` (batch field ``kl_loss``; only when a KL loss is enabled; token-weighted).
+
+    Example:
+        >>> metric = KLLoss()
+        >>> metric.update(kl_loss=0.002, loss_tokens=10)
+        >>> metric.update(kl_loss=0.004, loss_tokens=30)
+        >>> metric.compute()
+        tensor(0.0035, dtype=torch.float64)
+    """
+
+    keys = ("actor/kl_loss",)
+    field = "kl_loss"
+    weight_field = F.LOSS_TOKENS
+    required_fields = ("kl_loss",)
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="actor/kl_loss",
+        what="KL penalty loss term between the policy and the reference (when an explicit KL loss is enabled).",
+        unit=_LOSS_UNIT,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )
+
+
+class KLCoef(_TrainerScalar):
+    """KL penalty coefficient ``actor/kl_coef`` (batch field ``kl_coef``; mean over observations).
+
+    Example:
+        >>> metric = KLCoef()
+        >>> metric.update(kl_coef=0.001)
+        >>> metric.compute()
+        tensor(0.0010, dtype=torch.float64)
+    """
+
+    keys = ("actor/kl_coef",)
+    field = "kl_coef"
+    required_fields = ("kl_coef",)
+    glossary = GlossaryEntry(
+        name="actor/kl_coef",
+        what="Weight of the KL penalty (fixed or adaptive). Explains moves of kl_loss and ppo_kl.",
+        unit=_STEPS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )
+
+
+class ActorGradNorm(_TrainerScalar):
+    """Actor gradient L2 norm ``actor/grad_norm`` (batch field ``actor_grad_norm``; mean over optimizer steps).
+
+    The norm is of the all-reduced gradient, the same on every rank, so the mean over steps and ranks
+    is the mean over steps.
+
+    Example:
+        >>> metric = ActorGradNorm()
+        >>> metric.update(actor_grad_norm=1.0)
+        >>> metric.update(actor_grad_norm=3.0)
+        >>> metric.compute()
+        tensor(2., dtype=torch.float64)
+    """
+
+    keys = ("actor/grad_norm",)
+    field = "actor_grad_norm"
+    required_fields = ("actor_grad_norm",)
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="actor/grad_norm",
+        what="L2 norm of the actor gradients: how hard the parameters want to move. A spike to 10x its usual "
+        "value suggests gradient explosion, bad batches or numerical issues.",
+        unit=_STEPS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("grad_norm",),
+    )
+
+
+class ActorLR(_TrainerScalar):
+    """Actor learning rate ``actor/lr`` (batch field ``actor_lr``; mean over observations).
+
+    Example:
+        >>> metric = ActorLR()
+        >>> metric.update(actor_lr=1e-6)
+        >>> metric.compute()
+        tensor(1.0000e-06, dtype=torch.float64)
+    """
+
+    keys = ("actor/lr",)
+    field = "actor_lr"
+    required_fields = ("actor_lr",)
+    glossary = GlossaryEntry(
+        name="actor/lr",
+        what="Actor learning rate. Not a performance metric, but it explains many others: when loss, KL and "
+        "grad_norm spike together, check the schedule first.",
+        unit=_STEPS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )
+
+
+class PolicyEntropy(_TrainingMetric):
+    r"""Mean policy entropy ``actor/entropy`` over response tokens (nats), token mean over the window and ranks.
+
+    From per-token ``entropies`` [B, T] (default), or from ``logits`` [B, T, V] with ``from_logits=True``
+    (``log_softmax`` based, ``0 log 0 = 0``, logits divided by ``temperature`` first as in the rollout).
+    Non-finite entropies on response tokens are excluded and make ``compute()`` raise.
+
+    Args:
+        from_logits: read ``logits`` instead of ``entropies``.
+        temperature: sampling temperature applied to the logits.
+
+    Example:
+        >>> import torch
+        >>> metric = PolicyEntropy()
+        >>> metric.update(entropies=torch.tensor([[1.0, 2.0, 9.0]]), response_mask=torch.tensor([[1, 1, 0]]))
+        >>> metric.update(entropies=torch.tensor([[3.0]]))
+        >>> metric.compute()
+        tensor(2., dtype=torch.float64)
+    """
+
+    keys = ("actor/entropy",)
+    required_fields = (F.ENTROPIES,)
+    _deferred = (("nonfinite", F.ENTROPIES, "non-finite entropies on response tokens"),)
+    glossary = GlossaryEntry(
+        name="actor/entropy",
+        what="Mean entropy of the policy over response tokens. High early (exploration), lower later "
+        "(commitment); an early collapse often means premature convergence. A sudden drop is the first thing "
+        "to check when reward crashes.",
+        unit=_TOKENS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("entropy", "policy entropy"),
+    )
+
+    def __init__(self, from_logits: bool = False, temperature: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.from_logits = bool(from_logits)
+        self.temperature = check_positive("temperature", temperature)
+        self.required_fields = (F.LOGITS,) if self.from_logits else (F.ENTROPIES,)
+        if self.from_logits:
+            self._deferred = (("nonfinite", F.LOGITS, "non-finite entropies on response tokens"),)
+        for name in ("sum", "count", "nonfinite"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._entropy_update(view, self.from_logits, self.temperature))
+
+    def compute(self) -> Tensor:
+        self.check_deferred()
+        return F._entropy_compute(self.sum, self.count)
+
+
+class _PolicyKL(_TrainingMetric):
+    required_fields = (F.POLICY_LOGPROBS, F.OLD_LOGPROBS)
+    higher_is_better = False
+    default_estimator = "k1"
+    _deferred = (("nonfinite", F.POLICY_LOGPROBS, "non-finite logprobs on response tokens"),)
+
+    def __init__(self, estimator: str | None = None, clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        estimator = self.default_estimator if estimator is None else estimator
+        if estimator not in F.KL_ESTIMATORS:
+            raise ValueError(f"`estimator` must be one of {F.KL_ESTIMATORS}, got {estimator!r}")
+        self.estimator = estimator
+        self.clamp = check_positive("clamp", clamp)
+        for name in ("sum", "count", "nonfinite"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._policy_kl_update(view, self.estimator, self.clamp))
+
+    def compute(self) -> Tensor:
+        self.check_deferred()
+        return F._policy_kl_compute(self.sum, self.count)
+
+
+class PPOKL(_PolicyKL):
+    r"""``actor/ppo_kl``: token-mean KL(pi_old || pi) during the PPO update, verl's k1 estimator by default.
+
+    Reads ``policy_logprobs`` (the policy being updated) and ``old_logprobs`` (the policy the PPO ratio is
+    taken against; verl's ``old_log_prob``), [B, T], under ``response_mask``. With
+    :math:`r = \mathrm{clamp}(\log\pi - \log\pi_{old}, -20, 20)`: ``k1 = -r``, ``k2 = r^2/2``,
+    ``k3 = e^r - 1 - r`` (see :func:`~opbc_metrics.functional.training.policy_kl`).
+
+    Args:
+        estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
+        clamp: the log-ratio clamp (20, as verl).
+
+    Example:
+        >>> import torch
+        >>> metric = PPOKL()
+        >>> metric.update(policy_logprobs=torch.tensor([[-1.0, -2.0]]), old_logprobs=torch.tensor([[-1.5, -1.0]]))
+        >>> metric.compute()
+        tensor(0.2500, dtype=torch.float64)
+    """
+
+    keys = ("actor/ppo_kl",)
+    glossary = GlossaryEntry(
+        name="actor/ppo_kl",
+        what="Approximate KL divergence between the old policy and the policy being updated (k1 = mean of "
+        "log pi_old - log pi by default). Spikes often precede reward collapse; near zero for long means the "
+        "model may not be learning.",
+        unit=_TOKENS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("objective/kl",),
+    )
+
+
+class ApproxKL(_PolicyKL):
+    r"""``actor/approx_kl``: the same token-mean KL(pi_old || pi) as :class:`PPOKL`, k3 by default.
+
+    k3 = :math:`e^r - 1 - r` is the low-variance non-negative estimator CleanRL/Stable-Baselines log as
+    ``approx_kl``; choose ``"k2"`` for TRL's ``approx_kl``.
+
+    Example:
+        >>> import torch
+        >>> metric = ApproxKL()
+        >>> metric.update(policy_logprobs=torch.tensor([[-1.0, -2.0]]), old_logprobs=torch.tensor([[-1.5, -1.0]]))
+        >>> metric.compute().round(decimals=4)
+        tensor(0.2583, dtype=torch.float64)
+    """
+
+    keys = ("actor/approx_kl",)
+    default_estimator = "k3"
+    glossary = GlossaryEntry(
+        name="actor/approx_kl",
+        what="Approximate KL divergence between the old and the new policy (k3 estimator by default): how far "
+        "an update moved the policy.",
+        unit=_TOKENS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("approx_kl", "policy/approx_kl"),
+    )
+
+
+class PolicyClipFraction(_TrainingMetric):
+    r"""``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower``: share of response tokens where PPO's clip,
+    and the dual-clip lower bound, are active.
+
+    PPO (Schulman et al. 2017) with dual clip (Ye et al. 2020) as in verl's ``compute_policy_loss``: with
+    :math:`\rho = e^{\mathrm{clamp}(\log\pi - \log\pi_{old}, -20, 20)}`, a token is clipped when
+    :math:`-A\,\mathrm{clip}(\rho, 1-\epsilon_{low}, 1+\epsilon_{high}) > -A\rho`, and lower-clipped when
+    :math:`A < 0` and :math:`\max(-A\rho, -A\,\mathrm{clip}(\rho)) > -A c`. Fractions of the valid response
+    tokens of the window and all ranks. ``advantages`` may be [B] or [B, T].
+
+    Args:
+        clip_ratio: epsilon (0.2), for both sides unless ``clip_ratio_low`` / ``clip_ratio_high`` are given.
+        clip_ratio_c: the dual-clip bound c (> 1; 3).
+
+    Example:
+        >>> import torch
+        >>> metric = PolicyClipFraction()
+        >>> metric.update(policy_logprobs=torch.log(torch.tensor([[1.5, 0.5, 1.0, 4.0]])),
+        ...               old_logprobs=torch.zeros(1, 4), advantages=torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
+        >>> {k: v.item() for k, v in metric.compute().items()}
+        {'actor/pg_clipfrac': 0.5, 'actor/pg_clipfrac_lower': 0.25}
+    """
+
+    keys = F.CLIPFRAC_KEYS
+    required_fields = (F.POLICY_LOGPROBS, F.OLD_LOGPROBS, F.ADVANTAGES)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    _deferred = (("nonfinite", F.POLICY_LOGPROBS, "non-finite logprobs or advantages on response tokens"),)
+    glossary = GlossaryEntry(
+        name="actor/pg_clipfrac",
+        what="Clip fraction: how often PPO's ratio clipping is active (the update was speed-limited), and how "
+        "often the dual-clip lower bound binds for negative advantages. Sustained high values suggest a "
+        "learning rate too high or batches too small/noisy.",
+        unit=_TOKENS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("pg_clipfrac", "clip fraction", "actor/pg_clipfrac_lower"),
+    )
+
+    def __init__(
+        self,
+        clip_ratio: float = F.DEFAULT_CLIP_RATIO,
+        clip_ratio_low: float | None = None,
+        clip_ratio_high: float | None = None,
+        clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
+        clamp: float = F.DEFAULT_RATIO_CLAMP,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.low, self.high, self.c = F.check_clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+        self.clamp = check_positive("clamp", clamp)
+        for name in ("clipped", "clipped_lower", "count", "nonfinite"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._clipfrac_update(view, self.low, self.high, self.c, self.clamp))
+
+    def compute(self) -> dict[str, Tensor]:
+        self.check_deferred()
+        return F._clipfrac_compute(self.clipped, self.clipped_lower, self.count)

@@ -1,0 +1,139 @@
+"""Preference optimisation (DPO: ``loss/dpo``, ``rewards/*``) and reward-model training (``rm/*``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import Tensor
+
+from opbc_metrics.batch import BatchView, check_positive
+from opbc_metrics.functional import training as F
+from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
+
+_PAIRS = "preference pairs (chosen, rejected) over the window and all ranks"
+
+
+class DPOMetrics(_TrainingMetric):
+    r"""DPO's ``loss/dpo`` and implicit rewards ``rewards/{chosen,rejected,margins,accuracy}``.
+
+    From sequence log-probabilities of the policy and the frozen reference on each pair:
+    ``policy_chosen_logps``, ``policy_rejected_logps``, ``reference_chosen_logps``,
+    ``reference_rejected_logps`` ([B] or [B, 1]). :math:`r_c = \beta(\log\pi(y_c) - \log\pi_{ref}(y_c))`,
+    :math:`r_r` likewise; loss = :math:`-(1-\varepsilon)\log\sigma(r_c - r_r) - \varepsilon\log\sigma(r_r - r_c)`;
+    accuracy = share of pairs with :math:`r_c > r_r`. All are means over pairs (see
+    :func:`~opbc_metrics.functional.training.dpo_metrics`).
+
+    Args:
+        beta: DPO's temperature (0.1).
+        label_smoothing: :math:`\varepsilon` in [0, 0.5) (conservative DPO); 0 = the standard sigmoid loss.
+
+    Example:
+        >>> import torch
+        >>> metric = DPOMetrics(beta=0.5)
+        >>> metric.update(policy_chosen_logps=torch.tensor([-10.0, -12.0]),
+        ...               policy_rejected_logps=torch.tensor([-14.0, -11.0]),
+        ...               reference_chosen_logps=torch.tensor([-11.0, -12.0]),
+        ...               reference_rejected_logps=torch.tensor([-12.0, -12.0]))
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [0.5877, 0.25, -0.25, 0.5, 0.5]
+    """
+
+    keys = F.DPO_KEYS
+    required_fields = F.DPO_FIELDS
+    _deferred = (("nonfinite", F.DPO_FIELDS[0], "pairs with non-finite logps"),)
+    glossary = GlossaryEntry(
+        name="dpo",
+        what="DPO loss and implicit rewards: rewards/chosen and rewards/rejected are beta times the policy-vs-"
+        "reference log-ratio of each response; margins = chosen - rejected (discrimination strength); accuracy "
+        "= share of pairs where the chosen response gets the larger reward. Margins up without validation "
+        "gains, or accuracy at 99%+, suggest overfitting the training pairs.",
+        unit=_PAIRS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("loss/dpo", "rewards/margins", "rewards/accuracy"),
+    )
+
+    def __init__(self, beta: float = F.DEFAULT_DPO_BETA, label_smoothing: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.beta = check_positive("beta", beta)
+        label_smoothing = float(label_smoothing)
+        if not 0.0 <= label_smoothing < 0.5 or math.isnan(label_smoothing):
+            raise ValueError(f"`label_smoothing` must be in [0, 0.5), got {label_smoothing}")
+        self.label_smoothing = label_smoothing
+        for name in ("sum_loss", "sum_chosen", "sum_rejected", "correct", "count", "nonfinite"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._dpo_update(view, self.beta, self.label_smoothing))
+
+    def compute(self) -> dict[str, Tensor]:
+        self.check_deferred()
+        return F._dpo_compute(self.sum_loss, self.sum_chosen, self.sum_rejected, self.correct, self.count)
+
+
+class RewardModelMetrics(_TrainingMetric):
+    r"""Pairwise reward-model training: ``rm/loss``, ``rm/accuracy``, ``rm/reward_margin``.
+
+    From the model's scores of each pair, ``chosen_scores`` and ``rejected_scores`` ([B] or [B, 1]):
+    loss = mean :math:`-\log\sigma(s_c - s_r)` (Bradley-Terry), accuracy = share with :math:`s_c > s_r`,
+    margin = mean :math:`s_c - s_r`.
+
+    Example:
+        >>> import torch
+        >>> metric = RewardModelMetrics()
+        >>> metric.update(chosen_scores=torch.tensor([2.0, 0.0]), rejected_scores=torch.tensor([1.0, 0.5]))
+        >>> {k: round(v.item(), 4) for k, v in metric.compute().items()}
+        {'rm/loss': 0.6437, 'rm/accuracy': 0.5, 'rm/reward_margin': 0.25}
+    """
+
+    keys = F.RM_KEYS
+    required_fields = F.RM_FIELDS
+    _deferred = (("nonfinite", F.RM_FIELDS[0], "pairs with non-finite scores"),)
+    glossary = GlossaryEntry(
+        name="rm",
+        what="Reward-model training: preference loss (cross-entropy of the Bradley-Terry model), accuracy (how "
+        "often the RM ranks the better response first) and reward margin (how decisive it is). A margin near "
+        "zero means a non-discriminative RM; high accuracy without downstream PPO gains points to an "
+        "overfit or misaligned RM.",
+        unit=_PAIRS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("rm/loss", "rm/accuracy", "rm/reward_margin"),
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("sum_loss", "correct", "sum_margin", "count", "nonfinite"):
+            self.add_sum(name)
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._rm_update(view))
+
+    def compute(self) -> dict[str, Tensor]:
+        self.check_deferred()
+        return F._rm_compute(self.sum_loss, self.correct, self.sum_margin, self.count)
+
+
+class RMGradNorm(_TrainerScalar):
+    """Reward-model gradient norm ``rm/grad_norm`` (batch field ``rm_grad_norm``; mean over optimizer steps).
+
+    Example:
+        >>> metric = RMGradNorm()
+        >>> metric.update(rm_grad_norm=[2.0, 4.0])
+        >>> metric.compute()
+        tensor(3., dtype=torch.float64)
+    """
+
+    keys = ("rm/grad_norm",)
+    field = "rm_grad_norm"
+    required_fields = ("rm_grad_norm",)
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="rm/grad_norm",
+        what="L2 norm of the reward model's gradients.",
+        unit="trainer observations (optimizer steps) over the window and all ranks",
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )

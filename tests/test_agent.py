@@ -1,0 +1,597 @@
+"""Agent-trajectory metrics against an independent plain-Python reference, plus properties and contracts.
+
+The reference below works on the raw OpenAI-style message lists (dicts), never on the library's data
+model: it re-derives steps, canonical arguments, divergence and the window values from the definitions
+in DESIGN.md / the source glossary.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import itertools
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opbc_metrics import OPBCCollection, glossary
+from opbc_metrics.agent import (
+    AGENT_METRICS,
+    AnswerMatchRate,
+    FirstDivergenceStep,
+    Step,
+    ToolCall,
+    ToolCallJaccard,
+    Trajectory,
+)
+from opbc_metrics.functional import agent as FA
+from opbc_metrics.testing import assert_no_host_sync
+from tests.data import make_batch
+from tests.ddp import run_distributed
+
+KINDS = ("tool_choice", "tool_arguments", "content", "length")
+KEYS = [
+    "agent/trajectory/tool_call_jaccard",
+    "agent/trajectory/first_divergence_step_mean",
+    "agent/trajectory/first_divergence_step_min",
+    "agent/trajectory/diverged_fraction",
+    *(f"agent/trajectory/divergence_kind/{k}" for k in KINDS),
+    "agent/trajectory/num_pairs",
+    "agent/answer/match_rate",
+    "agent/steps/tool_choice_disagreement_rate",
+]
+
+
+# --- the independent reference ---------------------------------------------------------------------
+def ref_canon(arguments):
+    """('json', canonical text) or ('raw', stripped text) for malformed JSON; None/blank mean {}."""
+    if arguments is None or (isinstance(arguments, str) and arguments.strip() == ""):
+        return ("json", "{}")
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            return ("raw", arguments.strip())
+    else:
+        value = arguments
+    return ("json", json.dumps(value, sort_keys=True, separators=(",", ":")))
+
+
+def ref_norm(text):
+    return re.sub(r"\s+", " ", text or "").strip().lower()
+
+
+def ref_parse(messages):
+    steps = []
+    for m in messages:
+        if m["role"] != "assistant":
+            continue
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        calls = [(tc["function"]["name"], ref_canon(tc["function"].get("arguments")))
+                 for tc in m.get("tool_calls") or []]
+        steps.append((content, calls))
+    answer = steps[-1][0] if not steps[-1][1] else None
+    return steps, answer
+
+
+def ref_pair(rollout, reference):
+    (sa, ans_a), (sb, ans_b) = ref_parse(rollout), ref_parse(reference)
+    set_a = {c for _, calls in sa for c in calls}
+    set_b = {c for _, calls in sb for c in calls}
+    jac = 1.0 if not (set_a | set_b) else len(set_a & set_b) / len(set_a | set_b)
+    div = None
+    for i in range(min(len(sa), len(sb))):
+        names_a, names_b = [c[0] for c in sa[i][1]], [c[0] for c in sb[i][1]]
+        if names_a != names_b:
+            div = (i, "tool_choice")
+        elif [c[1] for c in sa[i][1]] != [c[1] for c in sb[i][1]]:
+            div = (i, "tool_arguments")
+        elif ref_norm(sa[i][0]) != ref_norm(sb[i][0]):
+            div = (i, "content")
+        if div:
+            break
+    if div is None and len(sa) != len(sb):
+        div = (min(len(sa), len(sb)), "length")
+    match = ref_norm(ans_a) == ref_norm(ans_b)
+    disagree = either = 0
+    for i in range(max(len(sa), len(sb))):
+        names_a = [c[0] for c in sa[i][1]] if i < len(sa) else []
+        names_b = [c[0] for c in sb[i][1]] if i < len(sb) else []
+        if names_a or names_b:
+            either += 1
+            if names_a != names_b:
+                disagree += 1
+    return jac, div, match, disagree, either
+
+
+def ref_window(pairs):
+    rows = [ref_pair(a, b) for a, b in pairs]
+    n = len(rows)
+    diverged = [r[1] for r in rows if r[1] is not None]
+    either = sum(r[4] for r in rows)
+    out = {
+        "agent/trajectory/tool_call_jaccard": sum(r[0] for r in rows) / n if n else 1.0,
+        "agent/trajectory/first_divergence_step_mean": (
+            sum(d[0] for d in diverged) / len(diverged) if diverged else -1.0
+        ),
+        "agent/trajectory/first_divergence_step_min": min(d[0] for d in diverged) if diverged else -1.0,
+        "agent/trajectory/diverged_fraction": len(diverged) / n if n else 0.0,
+        "agent/trajectory/num_pairs": float(n),
+        "agent/answer/match_rate": sum(r[2] for r in rows) / n if n else 1.0,
+        "agent/steps/tool_choice_disagreement_rate": sum(r[3] for r in rows) / either if either else 0.0,
+    }
+    for kind in KINDS:
+        out[f"agent/trajectory/divergence_kind/{kind}"] = sum(d[1] == kind for d in diverged) / n if n else 0.0
+    return out
+
+
+def assert_window(out, expected, rel=1e-12, keys=KEYS):
+    assert set(out) == set(keys)
+    for key in keys:
+        assert out[key].dtype == torch.float64
+        assert math.isclose(out[key].item(), expected[key], rel_tol=rel, abs_tol=1e-15), (key, out[key], expected[key])
+
+
+# --- data ------------------------------------------------------------------------------------------
+TOOLS = ["search", "calc", "open_url"]
+CONTENTS = ["Paris", " paris ", "The answer\nis 42", "the answer is   42", "ok", "", None, "Ok."]
+# Argument texts as models write them: key order and spacing vary; some are malformed or blank.
+ARGUMENTS = ['{"q": "x"}', '{ "q":"x" }', '{"q": "y"}', '{"k": 1, "q": "x"}', '{"q": "x", "k": 1}', '{"q": ',
+             '{"q": ', "not json", "", None, "[1, 2]", '{"q": "é"}', '{"q": "\\u00e9"}']
+
+
+def random_messages(rng: random.Random, max_steps: int = 4):
+    msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "task"}]
+    n = rng.randint(1, max_steps)
+    for i in range(n):
+        msg = {"role": "assistant", "content": rng.choice(CONTENTS)}
+        k = rng.choice([0, 0, 1, 1, 2])
+        if k:
+            msg["tool_calls"] = [
+                {"id": f"call_{i}_{j}", "type": "function",
+                 "function": {"name": rng.choice(TOOLS), "arguments": rng.choice(ARGUMENTS)}}
+                for j in range(k)
+            ]
+        msgs.append(msg)
+        if k:
+            msgs.append({"role": "tool", "tool_call_id": f"call_{i}_0", "content": "result"})
+    return msgs
+
+
+def mutate(rng: random.Random, msgs):
+    out = copy.deepcopy(msgs)
+    assistant = [m for m in out if m["role"] == "assistant"]
+    what = rng.randrange(5)
+    target = rng.choice(assistant)
+    if what == 0:
+        target["content"] = rng.choice(CONTENTS)
+    elif what == 1 and target.get("tool_calls"):
+        target["tool_calls"][0]["function"]["arguments"] = rng.choice(ARGUMENTS)
+    elif what == 2 and target.get("tool_calls"):
+        target["tool_calls"][0]["function"]["name"] = rng.choice(TOOLS)
+    elif what == 3 and len(assistant) > 1:
+        out = out[: next(i for i, m in enumerate(out) if m is assistant[-1])]  # ends early
+    elif what == 4:
+        out.append({"role": "assistant", "content": rng.choice(CONTENTS)})
+    return out
+
+
+def random_pairs(seed: int, n: int):
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        a = random_messages(rng)
+        r = rng.random()
+        b = copy.deepcopy(a) if r < 0.3 else mutate(rng, a) if r < 0.8 else random_messages(rng)
+        pairs.append((a, b))
+    return pairs
+
+
+@st.composite
+def message_lists(draw):
+    return random_messages(random.Random(draw(st.integers(0, 2**32 - 1))))
+
+
+@st.composite
+def pair_lists(draw, max_size=8):
+    n = draw(st.integers(0, max_size))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return random_pairs(seed, n)
+
+
+# --- against the reference -------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(6))
+def test_collection_matches_reference(seed):
+    pairs = random_pairs(seed, 40)
+    metrics = OPBCCollection(sections=["agent"])
+    metrics.update(trajectory_pairs=pairs[:25])
+    metrics.update({"trajectory_pairs": pairs[25:]})
+    assert_window(metrics.compute(), ref_window(pairs))
+
+
+@given(pair_lists())
+def test_functional_matches_reference(pairs):
+    assert_window(FA.agent_metrics(pairs), ref_window(pairs))
+    for a, b in pairs:
+        jac, div, match, disagree, either = ref_pair(a, b)
+        assert FA.tool_call_jaccard(a, b) == pytest.approx(jac, rel=1e-15)
+        assert FA.first_divergence(a, b) == (None if div is None else FA.Divergence(*div))
+        assert FA.answer_match(a, b) is match
+        assert FA.tool_choice_disagreement(a, b) == (disagree, either)
+
+
+def test_hand_computed_window():
+    search_x = {"type": "function", "function": {"name": "search", "arguments": '{"q": "x", "k": 2}'}}
+    search_x_reordered = {"type": "function", "function": {"name": "search", "arguments": '{"k":2,"q":"x"}'}}
+    calc = {"type": "function", "function": {"name": "calc", "arguments": '{"e": "1+1"}'}}
+    a = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [search_x]},
+         {"role": "tool", "content": "r"}, {"role": "assistant", "content": "Two"}]
+    b = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [search_x_reordered]},
+         {"role": "tool", "content": "r"}, {"role": "assistant", "content": None, "tool_calls": [calc]},
+         {"role": "tool", "content": "2"}, {"role": "assistant", "content": "two "}]
+    # (a, b): same first step (argument order is canonicalised); step 1: [] vs [calc] -> tool_choice at 1;
+    # sets {search} vs {search, calc}: J = 1/2; answers "two" == "two"; tool steps: 0 agree, 1 differs, 2 none.
+    # (a, a): identical. (b, a): as (a, b), mirrored.
+    m = OPBCCollection(sections=["agent"])
+    m.update(trajectory_pairs=[(a, b), (a, a), (b, a)])
+    out = {k: v.item() for k, v in m.compute().items()}
+    assert out["agent/trajectory/tool_call_jaccard"] == pytest.approx((0.5 + 1 + 0.5) / 3)
+    assert out["agent/trajectory/first_divergence_step_mean"] == 1.0
+    assert out["agent/trajectory/first_divergence_step_min"] == 1.0
+    assert out["agent/trajectory/diverged_fraction"] == pytest.approx(2 / 3)
+    assert out["agent/trajectory/divergence_kind/tool_choice"] == pytest.approx(2 / 3)
+    assert out["agent/trajectory/divergence_kind/length"] == 0.0
+    assert out["agent/answer/match_rate"] == 1.0
+    assert out["agent/steps/tool_choice_disagreement_rate"] == pytest.approx(2 / 5)  # 1+0+1 of 2+1+2
+    assert out["agent/trajectory/num_pairs"] == 3.0
+
+
+def test_divergence_kinds_in_order_of_precedence():
+    def traj(*steps):
+        return Trajectory([Step(c, calls) for c, calls in steps])
+
+    base = traj(("a", [("f", '{"x": 1}')]), ("done", []))
+    assert FA.first_divergence(base, traj(("a", [("g", '{"x": 1}')]), ("done", []))) == (0, "tool_choice")
+    # Different tool AND different content: tool choice wins.
+    assert FA.first_divergence(base, traj(("zzz", [("g", "{}")]), ("done", []))).kind == "tool_choice"
+    assert FA.first_divergence(base, traj(("zzz", [("f", '{"x": 2}')]), ("done", []))).kind == "tool_arguments"
+    assert FA.first_divergence(base, traj(("A ", [("f", '{"x":1}')]), ("other", []))) == (1, "content")
+    assert FA.first_divergence(base, traj(("a", [("f", '{"x": 1}')]))) == (1, "length")
+    assert FA.first_divergence(base, traj(("a", [("f", '{"x": 1}')]), ("DONE", []), ("more", []))) == (2, "length")
+    # Tool lists are ordered: swapped parallel calls are a different choice.
+    two = traj(("", [("f", "{}"), ("g", "{}")]))
+    assert FA.first_divergence(two, traj(("", [("g", "{}"), ("f", "{}")]))) == (0, "tool_choice")
+    assert FA.tool_call_jaccard(two, traj(("", [("g", "{}"), ("f", "{}")]))) == 1.0
+
+
+# --- the data model --------------------------------------------------------------------------------
+def test_canonical_arguments_and_stable_hash():
+    a = ToolCall("search", '{"q": "cats", "k": 3}')
+    b = ToolCall("search", {"k": 3, "q": "cats"})
+    assert a == b and a.key == b.key
+    canonical = '{"k":3,"q":"cats"}'
+    assert a.arguments == canonical
+    assert a.arguments_hash == hashlib.sha256(canonical.encode()).hexdigest()
+    # Stable across processes: a fixed, known digest (sha256 of the two bytes "{}").
+    assert ToolCall("f").arguments_hash == "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+    assert ToolCall("f", "") == ToolCall("f", None) == ToolCall("f", "{}") == ToolCall("f", {})
+    assert ToolCall("f", '{"q": "é"}') == ToolCall("f", '{"q": "\\u00e9"}')
+    assert ToolCall("f", "1") != ToolCall("f", "1.0")  # documented: numbers as parsed
+
+
+def test_malformed_arguments_are_deterministic():
+    a, b = ToolCall("f", '{"q": "x"'), ToolCall("f", '  {"q": "x"\n')
+    assert a.malformed and b.malformed and a == b
+    assert a.arguments == '{"q": "x"'
+    assert a.arguments_hash == hashlib.sha256(b'{"q": "x"').hexdigest()
+    assert a != ToolCall("f", '{"q": "x"}') and not ToolCall("f", '{"q": "x"}').malformed
+    assert ToolCall("f", '{"q":"x"').key != a.key  # raw texts are compared as written (stripped)
+    assert FA.tool_call_jaccard(Trajectory([Step(tool_calls=[a])]), Trajectory([Step(tool_calls=[b])])) == 1.0
+
+
+def test_from_messages_reads_content_parts_function_call_and_skips_environment():
+    traj = Trajectory.from_messages(
+        [
+            {"role": "developer", "content": "rules"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Let me "}, {"type": "text", "text": "check"}],
+             "function_call": {"name": "lookup", "arguments": '{"id": 1}'}},
+            {"role": "function", "name": "lookup", "content": "{}"},
+            {"role": "assistant", "content": "Done", "reasoning_content": "ignored"},
+        ],
+        terminal_reason="stop",
+    )
+    assert [s.content for s in traj.steps] == ["Let me check", "Done"]
+    assert traj.steps[0].tool_calls == (ToolCall("lookup", {"id": 1}),)
+    assert traj.final_answer == "Done" and traj.terminal_reason == "stop"
+    # Ending on a tool call: no final answer (compared as "").
+    open_ended = Trajectory.from_messages([{"role": "assistant", "content": "x", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
+    assert open_ended.final_answer is None
+    assert FA.answer_match(open_ended, Trajectory([Step("")], final_answer="  "))
+    # An explicit final answer wins.
+    assert Trajectory.from_messages([{"role": "assistant", "content": "x"}], final_answer="y").final_answer == "y"
+
+
+class _ClientMessage:
+    """Stands in for an OpenAI client object (pydantic): exposes model_dump()."""
+
+    def __init__(self, data):
+        self._data = data
+
+    def model_dump(self):
+        return dict(self._data)
+
+
+def test_client_objects_with_model_dump_are_accepted():
+    msgs = [_ClientMessage({"role": "assistant", "content": "hi", "tool_calls": None})]
+    assert Trajectory.from_messages(msgs).final_answer == "hi"
+
+
+# --- properties ------------------------------------------------------------------------------------
+@given(message_lists(), message_lists())
+def test_jaccard_bounded_and_symmetric(a, b):
+    j = FA.tool_call_jaccard(a, b)
+    assert 0.0 <= j <= 1.0
+    assert j == FA.tool_call_jaccard(b, a)
+    assert FA.first_divergence(a, b) == FA.first_divergence(b, a)
+    assert FA.answer_match(a, b) == FA.answer_match(b, a)
+    assert FA.tool_choice_disagreement(a, b) == FA.tool_choice_disagreement(b, a)
+
+
+@given(st.lists(message_lists(), min_size=1, max_size=5))
+def test_identical_trajectories_agree_completely(trajs):
+    out = FA.agent_metrics([(t, copy.deepcopy(t)) for t in trajs])
+    assert out["agent/trajectory/tool_call_jaccard"] == 1.0
+    assert out["agent/trajectory/diverged_fraction"] == 0.0
+    assert out["agent/trajectory/first_divergence_step_mean"] == -1.0
+    assert out["agent/answer/match_rate"] == 1.0
+    assert out["agent/steps/tool_choice_disagreement_rate"] == 0.0
+    for t in trajs:
+        assert FA.first_divergence(t, t) is None
+
+
+@given(pair_lists(max_size=10), st.lists(st.integers(0, 10), max_size=4))
+def test_chunked_updates_equal_one_update(pairs, cuts):
+    whole, chunked = OPBCCollection(sections=["agent"]), OPBCCollection(sections=["agent"])
+    whole.update(trajectory_pairs=pairs)
+    bounds = [0, *sorted(min(c, len(pairs)) for c in cuts), len(pairs)]
+    for lo, hi in itertools.pairwise(bounds):
+        chunked.update(trajectory_pairs=pairs[lo:hi])  # empty chunks included
+    expected = {k: v.item() for k, v in whole.compute().items()}
+    # A collection leaves out optional-input members that saw no data: no pair, no agent keys.
+    assert_window(chunked.compute(), expected, keys=KEYS if pairs else [])
+
+
+@given(pair_lists(), st.randoms(use_true_random=False))
+def test_permuting_pairs_changes_nothing(pairs, rnd):
+    shuffled = list(pairs)
+    rnd.shuffle(shuffled)
+    a = {k: v.item() for k, v in FA.agent_metrics(pairs).items()}
+    assert_window(FA.agent_metrics(shuffled), a)
+
+
+@given(pair_lists())
+def test_bounds_and_consistency(pairs):
+    out = {k: v.item() for k, v in FA.agent_metrics(pairs).items()}
+    for key in ("agent/trajectory/tool_call_jaccard", "agent/trajectory/diverged_fraction", "agent/answer/match_rate",
+                "agent/steps/tool_choice_disagreement_rate"):
+        assert 0.0 <= out[key] <= 1.0, key
+    kinds = sum(out[f"agent/trajectory/divergence_kind/{k}"] for k in KINDS)
+    assert kinds == pytest.approx(out["agent/trajectory/diverged_fraction"], abs=1e-12)
+    if out["agent/trajectory/diverged_fraction"] > 0:
+        lo, mean = out["agent/trajectory/first_divergence_step_min"], out["agent/trajectory/first_divergence_step_mean"]
+        assert 0 <= lo <= mean
+
+
+# --- contracts -------------------------------------------------------------------------------------
+def test_update_never_syncs_host_and_device():
+    pairs = random_pairs(1, 10)
+    for metric in (OPBCCollection(sections=["agent"]), *[cls() for cls in AGENT_METRICS]):
+        with assert_no_host_sync():
+            metric.update(trajectory_pairs=pairs)
+
+
+def test_state_size_is_fixed_and_states_are_float64():
+    m = OPBCCollection(sections=["agent"])
+    m.update(trajectory_pairs=random_pairs(0, 3))
+    size = sum(v.numel() for v in m.state_dict().values())
+    for s in range(1, 4):
+        m.update(trajectory_pairs=random_pairs(s, 20 * s))
+    state = m.state_dict()
+    assert sum(v.numel() for v in state.values()) == size
+    assert all(v.dtype == torch.float64 for v in state.values())
+
+
+def test_state_dict_round_trip_mid_accumulation():
+    parts = [random_pairs(s, 7) for s in range(4)]
+    straight = OPBCCollection(sections=["agent"])
+    for p in parts:
+        straight.update(trajectory_pairs=p)
+    first = OPBCCollection(sections=["agent"])
+    for p in parts[:2]:
+        first.update(trajectory_pairs=p)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = OPBCCollection(sections=["agent"])
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    for p in parts[2:]:
+        resumed.update(trajectory_pairs=p)
+    assert_window(resumed.compute(), {k: v.item() for k, v in straight.compute().items()})
+
+
+def test_forward_returns_batch_values_and_accumulates():
+    a, b = random_pairs(3, 6), random_pairs(4, 5)
+    m = OPBCCollection(sections=["agent"])
+    m(trajectory_pairs=a)
+    out_b = m(trajectory_pairs=b)
+    assert_window(out_b, ref_window(b))
+    assert_window(m.compute(), ref_window(a + b))
+
+
+def test_empty_window_values():
+    out = {}
+    for cls in AGENT_METRICS:
+        metric = cls()
+        metric.update(trajectory_pairs=[])
+        out.update({k: v.item() for k, v in metric.compute_dict().items()})
+    assert out == ref_window([])
+    assert out == {k: v.item() for k, v in FA.agent_metrics([]).items()}
+    # A collection leaves out members whose optional inputs never carried data.
+    m = OPBCCollection(sections=["agent"])
+    assert m.compute() == {}
+    m.update(trajectory_pairs=[])
+    assert m.compute() == {}
+
+
+def test_joins_collection_by_choice_and_skips_batches_without_pairs():
+    batch = make_batch(seed=0, dtype=torch.float64)
+    pairs = random_pairs(2, 5)
+    both = OPBCCollection(sections=["mismatch", "agent"])
+    both.update(batch)  # no trajectory_pairs: agent members skip it
+    both.update(dict(batch, trajectory_pairs=pairs))
+    out = both.compute()
+    assert "opbc/is/ess" in out
+    assert_window({k: v for k, v in out.items() if k.startswith("agent/")}, ref_window(pairs))
+    # As explicit members.
+    members = OPBCCollection([ToolCallJaccard(), AnswerMatchRate()])
+    members.update(trajectory_pairs=pairs)
+    assert set(members.compute()) == {"agent/trajectory/tool_call_jaccard", "agent/answer/match_rate"}
+    # Not a default section.
+    assert not any(k.startswith("agent/") for k in OPBCCollection().keys_produced)
+
+
+def test_metric_alone_requires_the_field():
+    with pytest.raises(ValueError, match="trajectory_pairs"):
+        ToolCallJaccard().update(trainer_logprobs=torch.zeros(1, 1))
+
+
+@pytest.mark.parametrize(
+    "pairs, field",
+    [
+        ("not a list", "trajectory_pairs"),
+        ({"rollout": []}, "trajectory_pairs"),
+        ([([{"role": "assistant", "content": "a"}],)], r"trajectory_pairs\[0\]"),
+        ([(1, 2, 3)], r"trajectory_pairs\[0\]"),
+        ([([{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "a"}])],
+         r"trajectory_pairs\[0\]\[0\]"),
+        ([([], [{"role": "assistant", "content": "a"}])], r"trajectory_pairs\[0\]\[0\]"),
+        ([([{"role": "assistant", "content": "a"}], "text")], r"trajectory_pairs\[0\]\[1\]"),
+        ([([{"role": "assistant", "content": "a"}], [{"role": "robot", "content": "a"}])], r"messages\[0\]\.role"),
+        ([([{"role": "assistant", "tool_calls": [{"type": "function"}]}], [{"role": "assistant"}])],
+         r"tool_calls\[0\]\.function"),
+        ([([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}], [{"role": "assistant"}])],
+         r"function\.name"),
+        ([([{"role": "assistant", "content": 5}], [{"role": "assistant"}])], r"messages\[0\]\.content"),
+        ([([{"role": "assistant", "tool_calls": "f()"}], [{"role": "assistant"}])], r"messages\[0\]\.tool_calls"),
+        ([(["not a message"], [{"role": "assistant"}])], r"messages\[0\]"),
+    ],
+)
+def test_bad_input_names_the_field(pairs, field):
+    for metric in (FirstDivergenceStep(), OPBCCollection(sections=["agent"])):
+        with pytest.raises(ValueError, match=field):
+            metric.update(trajectory_pairs=pairs)
+
+
+def test_trajectory_without_steps_and_wrong_types_raise():
+    with pytest.raises(ValueError, match="steps"):
+        Trajectory(())
+    with pytest.raises(ValueError, match="no assistant message"):
+        Trajectory.from_messages([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match=r"steps\[0\]"):
+        Trajectory(["not a step"])
+    with pytest.raises(ValueError, match="final_answer"):
+        Trajectory([Step("a")], final_answer=3)
+    with pytest.raises(ValueError, match="content"):
+        Step(content=3)
+    with pytest.raises(ValueError, match="name"):
+        ToolCall(3, "{}")
+    with pytest.raises(ValueError, match="arguments"):
+        ToolCall("f", {"not": object()})
+    with pytest.raises(ValueError, match="rollout"):
+        FA.tool_call_jaccard("text", [{"role": "assistant"}])
+
+
+def test_glossary_entries_and_aliases():
+    for name in ("tool_call_jaccard", "first_divergence_step", "answer_match", "tool_choice_disagreement_rate"):
+        entry = glossary.lookup(name)
+        assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
+    assert glossary.lookup("answer_match_rate").name == "answer_match"
+    assert glossary.lookup("agent/trajectory/diverged_fraction").name == "first_divergence_step"
+    md = glossary.glossary_markdown()
+    for key in KEYS:
+        assert f"`{key}`" in md
+
+
+# --- DDP -------------------------------------------------------------------------------------------
+# Uneven shards: rank 0 two updates of different sizes, rank 1 one; then rank 1 with no update at all.
+SHARDS = {"uneven": [[(10, 7), (11, 2)], [(12, 5)]], "rank_without_data": [[(13, 6)], []]}
+
+
+def _compute_counting_collectives(metrics):
+    """``metrics.compute()`` as floats, and the number of collectives it issued."""
+    import torch.distributed as dist
+
+    calls = {"n": 0}
+    names = ("all_reduce", "all_gather", "broadcast", "all_gather_object")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(fn))
+    try:
+        return {k: v.item() for k, v in metrics.compute().items()}, calls["n"]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _agent_worker(rank, world_size):
+    out = {}
+    for scenario, shards in SHARDS.items():
+        metrics = OPBCCollection(sections=["agent"])
+        alone = [cls() for cls in AGENT_METRICS]
+        for seed, n in shards[rank]:
+            pairs = random_pairs(seed, n)
+            metrics.update(trajectory_pairs=pairs)
+            for m in alone:
+                m.update(trajectory_pairs=pairs)
+        values, n_collectives = _compute_counting_collectives(metrics)
+        single = {}
+        for m in alone:
+            single.update({k: v.item() for k, v in m.compute_dict().items()})
+        local_pairs = metrics["FirstDivergenceStep"].pairs.item()  # compute() restored the local state
+        out[scenario] = (values, single, n_collectives, local_pairs)
+    return out
+
+
+def test_ddp_sync_equals_single_process_on_concatenated_pairs():
+    results = run_distributed(_agent_worker, world_size=2)
+    for scenario, shards in SHARDS.items():
+        all_pairs = [p for rank_shards in shards for seed, n in rank_shards for p in random_pairs(seed, n)]
+        expected = ref_window(all_pairs)
+        for rank, result in enumerate(results):
+            values, single, n_collectives, local_pairs = result[scenario]
+            assert 1 <= n_collectives <= 3
+            assert local_pairs == sum(n for _, n in shards[rank])
+            for got in (values, single):
+                assert set(got) == set(KEYS)
+                for key in KEYS:
+                    assert math.isclose(got[key], expected[key], rel_tol=1e-12, abs_tol=1e-15), (scenario, key)

@@ -1,0 +1,660 @@
+"""The ``opbc-metrics`` CLI: subprocess runs on fixture files, the JSON result against an OPBCCollection
+fed independently, the HTML report parsed for its charts, and hostile inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import importlib
+import importlib.util
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from opbc_metrics import OPBCCollection
+from opbc_metrics.cli import import_all_metrics, main, summary_lines
+from opbc_metrics.collection import DEFAULT_SECTIONS
+from opbc_metrics.glossary import glossary_dict
+from opbc_metrics.report import render_html, symlog_edges
+
+FIXTURES = Path(__file__).parent / "fixtures" / "cli"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("cli_make_fixtures", FIXTURES / "make_fixtures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = _load_generator()
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    return subprocess.run(
+        [sys.executable, "-m", "opbc_metrics.cli", *args],
+        capture_output=True, text=True, timeout=120, cwd=cwd or ROOT, env=env,
+    )
+
+
+def run_main(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(args))
+    return status, out.getvalue(), err.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# An independent reading of the JSONL fixture, fed to a collection one sample at a time
+# ---------------------------------------------------------------------------------------------
+def _reference_samples(path: Path) -> list[dict]:
+    samples = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            samples.append(json.loads(line))
+    return samples
+
+
+def _sample_batch(s: dict, group_id: int) -> dict:
+    def f64(values):
+        return torch.tensor([[math.nan if v is None else v for v in values]], dtype=torch.float64)
+
+    batch = {
+        "trainer_logprobs": f64(s["trainer_logprobs"]),
+        "rollout_logprobs": f64(s["rollout_logprobs"]),
+        "response_mask": torch.tensor([s.get("response_mask", [1] * len(s["trainer_logprobs"]))]),
+        "group_ids": torch.tensor([group_id]),
+    }
+    if "rollout_experts" in s:
+        batch["rollout_experts"] = torch.tensor([s["rollout_experts"]])
+        batch["trainer_experts"] = torch.tensor([s["trainer_experts"]])
+    if "policy_lag" in s:
+        batch["policy_lag"] = torch.tensor([float(s["policy_lag"])], dtype=torch.float64)
+    if "reward" in s:
+        batch["rewards"] = torch.tensor([s["reward"]], dtype=torch.float64)
+    if "stop_reason" in s:
+        batch["stop_reasons"] = [s["stop_reason"]]
+    if "advantage" in s:
+        batch["advantages"] = torch.tensor([s["advantage"]], dtype=torch.float64)
+    for key in ("prompt_length", "response_length"):
+        if key in s:
+            batch[key + "s"] = torch.tensor([s[key]])
+    if "discard_reason" in s:
+        batch["discard_reasons"] = [s["discard_reason"]]
+    return batch
+
+
+def _collate(parts: list[dict]) -> dict:
+    """Concatenate single-sample batches, right-padding the time dim (masked)."""
+    fields = set.intersection(*(set(p) for p in parts))
+    t = max(p["trainer_logprobs"].shape[1] for p in parts)
+    batch = {}
+    for k in fields:
+        vs = [p[k] for p in parts]
+        if isinstance(vs[0], list):
+            batch[k] = [x for v in vs for x in v]
+            continue
+        if vs[0].ndim >= 2:
+            vs = [torch.nn.functional.pad(v, [0, 0] * (v.ndim - 2) + [0, t - v.shape[1]]) for v in vs]
+        batch[k] = torch.cat(vs)
+    return batch
+
+
+def reference_metrics(samples: list[dict], sections=DEFAULT_SECTIONS) -> dict[str, float]:
+    """Feed the collection one prompt group per update (as a training step holds whole groups)."""
+    metrics = OPBCCollection(sections=sections)
+    labels: dict[str, int] = {}
+    runs: list[list[dict]] = []
+    for i, s in enumerate(samples):
+        label = str(s["group_id"]) if "group_id" in s else f"#{i}"
+        part = _sample_batch(s, labels.setdefault(label, len(labels)))
+        if runs and int(runs[-1][-1]["group_ids"][0]) == labels[label]:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    for run in runs:
+        metrics.update(_collate(run))
+    return {k: v.tolist() for k, v in metrics.compute().items()}
+
+
+def reference_histograms(samples: list[dict]) -> tuple[list[int], list[int]]:
+    """numpy: searchsorted over the inner edges (bins (lo, hi]) of valid-token and valid-sequence ratios."""
+    edges = np.array(symlog_edges())
+    tokens, seqs = [], []
+    for s in samples:
+        t = np.array([np.nan if v is None else v for v in s["trainer_logprobs"]], dtype=np.float64)
+        r = np.array([np.nan if v is None else v for v in s["rollout_logprobs"]], dtype=np.float64)
+        m = np.array(s.get("response_mask", [1] * len(t)), dtype=bool)
+        finite = np.isfinite(t) & np.isfinite(r)
+        valid = m & finite
+        tokens.extend((t - r)[valid].tolist())
+        if valid.any() and not (m & ~finite).any():
+            seqs.append(float((t - r)[valid].sum()))
+    count = lambda xs: np.bincount(np.searchsorted(edges, np.array(xs), side="left"),  # noqa: E731
+                                   minlength=len(edges) + 1).tolist()
+    return count(tokens), count(seqs)
+
+
+def assert_close(got, expected, key):
+    if isinstance(expected, list):
+        assert isinstance(got, list) and len(got) == len(expected), key
+        for g, e in zip(got, expected):
+            assert_close(g, e, key)
+        return
+    got = float(got)  # "inf"/"nan" strings parse too
+    if math.isnan(expected):
+        assert math.isnan(got), key
+    else:
+        assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12), (key, got, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# HTML parsing
+# ---------------------------------------------------------------------------------------------
+class ReportParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.svgs: dict[str, dict] = {}
+        self.tags: list[tuple[str, dict]] = []
+        self._svg: str | None = None
+        self._in_title = False
+        self._rect_title = False
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append((tag, a))
+        if tag == "svg":
+            self._svg = a.get("id")
+            self.svgs[self._svg] = {"title": "", "rects": [], "rect_titles": []}
+        elif tag == "title" and self._svg is not None:
+            self._in_title = True
+        elif tag == "rect" and self._svg is not None:
+            self.svgs[self._svg]["rects"].append(a)
+
+    def handle_endtag(self, tag):
+        if tag == "svg":
+            self._svg = None
+        elif tag == "title":
+            self._in_title = False
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self._in_title and self._svg is not None:
+            chart = self.svgs[self._svg]
+            if not chart["title"]:
+                chart["title"] = data
+            else:
+                chart["rect_titles"].append(data)
+
+
+def parse_report(text: str) -> ReportParser:
+    parser = ReportParser()
+    parser.feed(text)
+    parser.close()
+    return parser
+
+
+def assert_self_contained(parser: ReportParser) -> None:
+    for tag, attrs in parser.tags:
+        assert tag not in ("script", "link", "iframe", "img", "object", "embed"), tag
+        for name in ("src", "href"):
+            value = attrs.get(name) or ""
+            assert not value or value.startswith("#"), (tag, name, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def jsonl_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("jsonl")
+    proc = run_cli("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(out), "--batch-size", "16")
+    result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else None
+    html = (out / "report.html").read_text() if (out / "report.html").exists() else ""
+    return proc, result, html
+
+
+def test_fixtures_are_reproducible(tmp_path):
+    paths = GEN.write_all(str(tmp_path))
+    for name in ("rollouts.jsonl", "hostile.jsonl"):
+        assert Path(paths[name]).read_bytes() == (FIXTURES / name).read_bytes(), name
+    new = torch.load(paths["rollouts.pt"], weights_only=True)
+    old = torch.load(FIXTURES / "rollouts.pt", weights_only=True)
+    assert new.keys() == old.keys()
+    for k in new:
+        assert torch.equal(new[k], old[k]) if isinstance(new[k], torch.Tensor) else new[k] == old[k], k
+
+
+# ---------------------------------------------------------------------------------------------
+# analyze on the JSONL fixture (one subprocess run shared by these tests)
+# ---------------------------------------------------------------------------------------------
+def test_analyze_jsonl_runs_and_prints_a_summary(jsonl_run):
+    proc, result, _ = jsonl_run
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    # batches of 16: 0-15, 16-31, 32-43 (q11 has no expert ids: a new batch), 44-47
+    assert "input     jsonl: 48 samples in 4 batches, 12 groups" in out
+    assert "opbc/is" in out and "ess" in out and "moe/router" in out
+    assert "layer_{i}/flip_rate" in out and "[3 layers]" in out  # capacity 64 collapsed to the 3 seen
+    assert "result.json" in out and "report.html" in out
+    assert result["input"]["issues_total"] == 0
+
+
+def test_json_result_equals_collection_on_the_same_data(jsonl_run):
+    _, result, _ = jsonl_run
+    samples = _reference_samples(FIXTURES / "rollouts.jsonl")
+    assert set(DEFAULT_SECTIONS) <= set(result["settings"]["sections"])
+    ref = reference_metrics(samples, result["settings"]["sections"])
+    assert set(ref) <= set(result["metrics"])
+    assert not any(k.startswith(("opbc/", "moe/", "per_round/")) for k in result["not_computed"])
+    # the only extra keys are the controller's budget metrics
+    assert all(k.startswith("opbc/decision/") for k in set(result["metrics"]) - set(ref))
+    for key, expected in ref.items():
+        assert_close(result["metrics"][key], expected, key)
+    assert result["input"]["samples"] == len(samples) == 48
+    assert result["input"]["groups"] == 12
+    assert result["input"]["layers_seen"] == 3
+    assert result["metrics"]["opbc/input/nonfinite_count"] > 0  # q11's -Infinity
+    assert result["metrics"]["opbc/is/veto_fraction"] > 0  # q9's -9999 sentinel
+    assert result["metrics"]["rollout/discarded/max_async"] == 4  # q10
+    assert "rollout" in result["settings"]["sections"]  # optional-input sections run by default
+
+
+def test_histograms_match_numpy(jsonl_run):
+    _, result, _ = jsonl_run
+    tokens, seqs = reference_histograms(_reference_samples(FIXTURES / "rollouts.jsonl"))
+    assert result["histograms"]["token_log_ratio"]["edges"] == symlog_edges()
+    assert result["histograms"]["token_log_ratio"]["counts"] == tokens
+    assert result["histograms"]["sequence_log_ratio"]["counts"] == seqs
+    assert sum(tokens) == result["metrics"]["opbc/input/num_tokens"]
+    assert sum(seqs) == result["metrics"]["opbc/input/num_sequences"]
+
+
+def test_html_report_has_its_charts(jsonl_run):
+    _, result, html = jsonl_run
+    parser = parse_report(html)
+    assert_self_contained(parser)
+    svgs = parser.svgs
+    for chart in ("chart-token-log-ratio", "chart-sequence-log-ratio"):
+        assert chart in svgs and svgs[chart]["title"], chart
+        assert len(svgs[chart]["rects"]) == len(symlog_edges()) + 1  # one bar per bin
+    layer = [c for c in svgs if c.startswith("chart-per-layer-")]
+    rounds = [c for c in svgs if c.startswith("chart-per-round-")]
+    assert "chart-per-layer-moe-router-flip_rate" in layer
+    assert rounds and all(svgs[c]["title"] for c in layer + rounds)
+    # the per-layer bars are the layers seen, with the JSON values in their tooltips
+    bars = svgs["chart-per-layer-moe-router-flip_rate"]["rect_titles"]
+    assert len(bars) == 3
+    for i, text in enumerate(bars):
+        assert text.startswith(f"layer {i}: ")
+        value = result["metrics"][f"moe/router/layer_{i}/flip_rate"]
+        assert math.isclose(float(text.split(": ")[1]), value, rel_tol=1e-3)
+    if result["controller"]["available"]:
+        bars = svgs["chart-decision-mix"]["rect_titles"]
+        assert [t.split(": ")[0] for t in bars] == list(result["controller"]["decision_mix"])
+        assert [int(t.split(": ")[1]) for t in bars] == list(result["controller"]["decision_mix"].values())
+        assert "groups-table" in html
+    else:
+        assert "chart-decision-mix" not in svgs
+        assert "controller" in "".join(parser.text)
+    assert "metrics-table" in html
+
+
+def _group_batches(samples: list[dict]) -> dict[str, dict]:
+    """Each group's rows as one padded batch (group id 0), built from the independently parsed samples."""
+    by_group: dict[str, list[dict]] = {}
+    for s in samples:
+        by_group.setdefault(str(s["group_id"]), []).append(_sample_batch(s, 0))
+    return {label: _collate(parts) for label, parts in by_group.items()}
+
+
+def test_controller_decisions_per_group(jsonl_run):
+    _, result, _ = jsonl_run
+    controller = result["controller"]
+    if not controller["available"]:
+        assert controller["note"] and controller["decision_mix"] is None
+        pytest.skip("opbc_metrics.controller is not available")
+    ctl = pytest.importorskip("opbc_metrics.controller")
+    groups = {g["group"]: g for g in controller["groups"]}
+    assert groups.keys() == GEN.EXPECTED_DECISIONS.keys()
+    for label, (decision, reason) in GEN.EXPECTED_DECISIONS.items():
+        assert groups[label]["decision"] == decision, (label, groups[label])
+        assert (groups[label]["reasons"] or [None])[0] == reason, (label, groups[label])
+        assert groups[label]["batches"] == 1
+    # each group's decision is the controller's on that group's rows alone
+    for label, batch in _group_batches(_reference_samples(FIXTURES / "rollouts.jsonl")).items():
+        (d,) = ctl.OPBCController().evaluate(batch).decisions
+        assert d.action.value == groups[label]["decision"], label
+        assert [r.value for r in d.reasons] == groups[label]["reasons"], label
+        assert math.isclose(d.report.ess, groups[label]["stats"]["ess"], rel_tol=1e-9), label
+    mix = controller["decision_mix"]
+    assert mix == {"train": 5, "train_with_correction": 1, "replay": 2, "quarantine": 3, "reject": 1}
+    for action, n in mix.items():
+        assert math.isclose(result["metrics"][f"opbc/decision/group_share/{action}"], n / 12)
+
+
+def test_groups_split_across_batches_keep_the_strictest_decision(tmp_path):
+    """Interleaved groups with batches of 2: every group is decided in 4 batches, the strictest is kept."""
+    ctl = pytest.importorskip("opbc_metrics.controller")
+    samples = _reference_samples(FIXTURES / "rollouts.jsonl")
+    interleaved = [samples[g * 4 + i] for i in range(4) for g in range(12)]
+    path = tmp_path / "interleaved.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in interleaved))
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--batch-size", "2", "--no-html")
+    assert status == 0, err
+    result = json.loads((tmp_path / "o" / "result.json").read_text())
+    groups = {g["group"]: g for g in result["controller"]["groups"]}
+    assert "12 group(s) were split across batches" in result["controller"]["note"]
+    strictness = {a.value: a.strictness for a in ctl.Action}
+    for label in GEN.EXPECTED_DECISIONS:
+        rows = [s for s in samples if str(s["group_id"]) == label]
+        singles = [ctl.OPBCController().evaluate(_sample_batch(s, 0)).decisions[0] for s in rows]
+        strictest = max(singles, key=lambda d: d.action.strictness)
+        assert groups[label]["batches"] == 4
+        assert groups[label]["decision"] == strictest.action.value, label
+        assert strictness[groups[label]["decision"]] == max(strictness[d.action.value] for d in singles)
+        reasons = {r.value for d in singles for r in d.reasons}
+        assert set(groups[label]["reasons"]) == reasons, label
+    # the metrics do not depend on how the file was batched
+    ref = reference_metrics(samples, result["settings"]["sections"])
+    for key in ("opbc/is/ess", "opbc/kl/k3", "moe/router/flip_rate", "per_round/round_1_abs_diff_mean"):
+        assert_close(result["metrics"][key], ref[key], key)
+
+
+# ---------------------------------------------------------------------------------------------
+# .pt input, batch-size invariance, options
+# ---------------------------------------------------------------------------------------------
+def test_pt_file_equals_its_batch_and_the_jsonl(tmp_path, jsonl_run):
+    status, _, err = run_main("analyze", str(FIXTURES / "rollouts.pt"), "--out", str(tmp_path), "--batch-size", "7")
+    assert status == 0, err
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["input"]["format"] == "pt" and result["input"]["samples"] == 48
+    assert result["input"]["batches"] == 6  # slices of 7 rows extended to the end of a group of 4
+    batch = torch.load(FIXTURES / "rollouts.pt", weights_only=True)
+    ref = OPBCCollection(sections=result["settings"]["sections"])
+    ref.update(batch)
+    for key, value in ref.compute().items():
+        assert_close(result["metrics"][key], value.tolist(), key)
+    # everything but the router metrics agrees with the JSONL run (the .pt adds expert ids for q11 only)
+    _, jsonl_result, _ = jsonl_run
+    assert set(result["metrics"]) == set(jsonl_result["metrics"])
+    for key, value in jsonl_result["metrics"].items():
+        if not key.startswith(("moe/", "opbc/decision/")):
+            assert_close(result["metrics"][key], float(value), key)
+    assert result["histograms"] == jsonl_result["histograms"]
+
+
+def test_batch_size_and_limit(tmp_path):
+    runs = {}
+    for bs in ("1", "64"):
+        status, _, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path / bs),
+                                  "--batch-size", bs, "--no-html")
+        assert status == 0, err
+        runs[bs] = json.loads((tmp_path / bs / "result.json").read_text())
+        assert not (tmp_path / bs / "report.html").exists()
+    for key, value in runs["64"]["metrics"].items():
+        assert_close(runs["1"]["metrics"][key], float(value) if not isinstance(value, list) else value, key)
+    # batch size 1: a group's 4 consecutive samples stay together; 64: 0-43, then q11 (no expert ids)
+    assert runs["1"]["input"]["batches"] == 12 and runs["64"]["input"]["batches"] == 2
+    status, _, _ = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path / "l"), "--limit", "5")
+    assert status == 0
+    limited = json.loads((tmp_path / "l" / "result.json").read_text())
+    assert limited["input"]["samples"] == 5
+    ref = reference_metrics(_reference_samples(FIXTURES / "rollouts.jsonl")[:5], limited["settings"]["sections"])
+    assert_close(limited["metrics"]["opbc/is/ess"], ref["opbc/is/ess"], "ess")
+
+
+def test_clamp_and_veto_options_reach_the_metrics(tmp_path):
+    status, out, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path),
+                                "--clamp", "5", "--veto", "10000", "--no-html")
+    assert status == 0, err
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["settings"]["clamp"] == 5 and result["metrics"]["opbc/is/veto_fraction"] == 0
+    assert "clamp C = 5 nats, veto = 10000 nats" in out
+
+
+def test_bad_options_exit_2_without_traceback(tmp_path):
+    for args in (["analyze", "x.jsonl", "--clamp", "-1"], ["analyze", "x.jsonl", "--batch-size", "0"],
+                 ["analyze", "x.jsonl", "--on-error", "ignore"], ["frobnicate"]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 2, args
+        assert "Traceback" not in err.getvalue()
+    status, _, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path), "--sections", "nope")
+    assert status == 1 and "unknown sections" in err
+
+
+def test_controller_policy_options(tmp_path):
+    pytest.importorskip("opbc_metrics.controller")
+    jsonl = str(FIXTURES / "rollouts.jsonl")
+    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "a"), "--preset", "nope")
+    assert status == 1 and "unknown OPBC preset 'nope'" in err and "Traceback" not in err
+    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "b"), "--veto", "10")
+    assert status == 1 and "`veto` (10.0) must be >= `clamp` (20.0)" in err
+    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "c"), "--preset", "truncated_is", "--no-html")
+    assert status == 0, err
+    result = json.loads((tmp_path / "c" / "result.json").read_text())
+    assert result["controller"]["policy"]["weight_cap"] == 2.0 and result["settings"]["preset"] == "truncated_is"
+
+
+def test_progress_bar_with_tqdm_and_without(tmp_path, monkeypatch):
+    jsonl = str(FIXTURES / "rollouts.jsonl")
+    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "a"), "--progress", "--no-html")
+    assert status == 0 and "analyze" in err
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "b"), "--progress", "--no-html")
+    assert status == 0 and "\ranalyze: " in err and "(100%)" in err
+    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "c"), "--no-html")  # not a terminal
+    assert status == 0 and err == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile files
+# ---------------------------------------------------------------------------------------------
+def test_hostile_jsonl_skip_reports_every_line(tmp_path):
+    proc = run_cli("analyze", str(FIXTURES / "hostile.jsonl"), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    reported = [line for line in proc.stderr.splitlines() if line.startswith("skipped: hostile.jsonl line ")]
+    assert len(reported) == len(GEN.HOSTILE_ISSUES)
+    for (line, fragment), text in zip(GEN.HOSTILE_ISSUES.items(), reported):
+        assert text.startswith(f"skipped: hostile.jsonl line {line}: "), text
+        assert fragment in text, (fragment, text)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert [i["line"] for i in result["input"]["issues"]] == list(GEN.HOSTILE_ISSUES)
+    assert result["input"]["samples"] == len(GEN.HOSTILE_VALID_LINES)
+    assert "4 samples" in proc.stdout and f"{len(GEN.HOSTILE_ISSUES)} issue(s) skipped" in proc.stdout
+    # the valid lines, read independently, give the same metrics
+    lines = (FIXTURES / "hostile.jsonl").read_text().splitlines()
+    valid = [json.loads(lines[n - 1]) for n in GEN.HOSTILE_VALID_LINES]
+    ref = reference_metrics(valid, result["settings"]["sections"])
+    assert set(ref) == {k for k in result["metrics"] if not k.startswith("opbc/decision/")}
+    assert "moe/router/flip_rate" in result["not_computed"]  # no expert ids in the file
+    for key, expected in ref.items():
+        assert_close(result["metrics"][key], expected, key)
+    parser = parse_report((tmp_path / "report.html").read_text())
+    assert "line 14" in "".join(parser.text)
+
+
+def test_hostile_jsonl_fail_stops_at_the_first_bad_line(tmp_path):
+    proc = run_cli("analyze", str(FIXTURES / "hostile.jsonl"), "--out", str(tmp_path / "out"), "--on-error", "fail")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "hostile.jsonl line 3: invalid JSON" in proc.stderr
+    assert "line 5" not in proc.stderr
+    assert not (tmp_path / "out" / "result.json").exists()
+
+
+def test_pickled_pt_is_refused_without_unpickling(tmp_path):
+    proc = run_cli("analyze", str(FIXTURES / "pickled.pt"), "--out", str(tmp_path))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "refused" in proc.stderr and "pickle" in proc.stderr and "weights_only=True" in proc.stderr
+    assert "PWNED" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "result.json").exists()
+
+
+def _pt(tmp_path: Path, name: str, obj) -> Path:
+    path = tmp_path / name
+    torch.save(obj, path)
+    return path
+
+
+def _good() -> dict:
+    return {k: v[:3] for k, v in torch.load(FIXTURES / "rollouts.pt", weights_only=True).items()}
+
+
+HOSTILE_FILES = {
+    # name: (maker, expected status, fragment of the message)
+    "empty.jsonl": (lambda p: p.write_bytes(b""), 1, "empty file, no samples"),
+    "blank.jsonl": (lambda p: p.write_bytes(b"\n  \n\n"), 1, "empty file, no samples"),
+    "all_bad.jsonl": (lambda p: p.write_text('{"a": 1}\n[]\n'), 1, "no valid sample (2 issue(s)"),
+    "cut.jsonl": (lambda p: p.write_text('{"trainer_logprobs": [-1.0], "rollout'), 1, "line 1: truncated"),
+    "latin1.jsonl": (lambda p: p.write_bytes(b'{"trainer_logprobs": [-1.0], "x": "\xe9"}\n'), 1,
+                     "line 1: not valid UTF-8"),
+    "deep.jsonl": (lambda p: p.write_text("[" * 100000 + "]" * 100000 + "\n"), 1, "line 1: invalid JSON"),
+    "gz.jsonl": (lambda p: p.write_bytes(gzip.compress(b'{"trainer_logprobs": [-1.0]}\n')), 1, "gzip"),
+    "rollouts.csv": (lambda p: p.write_text("a,b\n"), 2, "unknown file extension .csv"),
+    "noext": (lambda p: p.write_text("{}\n"), 2, "unknown file extension (none)"),
+    "truncated.pt": (lambda p: p.write_bytes((FIXTURES / "rollouts.pt").read_bytes()[:5000]), 1,
+                     "not a readable torch file"),
+    "text.pt": (lambda p: p.write_text("hello, I am not a tensor file"), 1, "not a readable torch file"),
+    "tensor.pt": (lambda p: torch.save(torch.zeros(3), p), 1, "expected a dict of tensors"),
+    "missing.pt": (lambda p: torch.save({"trainer_logprobs": torch.zeros(2, 3)}, p), 1,
+                   "`rollout_logprobs` is required but missing"),
+    "wrongtype.pt": (lambda p: torch.save({**_good(), "rollout_logprobs": "oops"}, p), 1,
+                     "`rollout_logprobs` must be a tensor, got str"),
+    "rows.pt": (lambda p: torch.save({**_good(), "group_ids": torch.arange(5)}, p), 1,
+                "`group_ids` has 5 rows but `trainer_logprobs` has 3 rows"),
+    "int_logprobs.pt": (lambda p: torch.save({**_good(), "trainer_logprobs": torch.zeros(3, 40, dtype=torch.int64)}, p),
+                        1, "`trainer_logprobs` must be a floating-point tensor"),
+    "shape.pt": (lambda p: torch.save({**_good(), "rollout_logprobs": torch.zeros(3, 7)}, p), 1,
+                 "`rollout_logprobs` has shape (3, 7) but `trainer_logprobs` has shape (3, "),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_FILES))
+def test_hostile_files_give_clear_messages(tmp_path, name):
+    make, expected_status, fragment = HOSTILE_FILES[name]
+    path = tmp_path / name
+    make(path)
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "out"))
+    assert status == expected_status, (status, err)
+    assert fragment in err, err
+    assert err.count("opbc-metrics: error:") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out" / "result.json").exists()
+
+
+def test_missing_file_and_directory(tmp_path):
+    status, _, err = run_main("analyze", str(tmp_path / "nope.jsonl"))
+    assert status == 2 and "no such file" in err
+    folder = tmp_path / "dir.jsonl"
+    folder.mkdir()
+    status, _, err = run_main("analyze", str(folder), "--out", str(tmp_path / "o"))
+    assert status == 1 and "directory" in err
+
+
+def test_pt_list_of_records_skips_a_bad_record(tmp_path):
+    good = _good()
+    path = _pt(tmp_path, "steps.pt", [good, {"trainer_logprobs": "x", "rollout_logprobs": torch.zeros(1, 2)}, good])
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html")
+    assert status == 0, err
+    assert "steps.pt record 1: `trainer_logprobs` must be a tensor" in err
+    result = json.loads((tmp_path / "o" / "result.json").read_text())
+    assert result["input"]["samples"] == 6 and result["input"]["issues_total"] == 1
+
+
+def test_failed_batch_rolls_back_every_member(tmp_path):
+    """A .pt batch rejected by a metric's validation (float expert ids) leaves no partial state behind."""
+    good = _good()
+    bad = {**good, "rollout_experts": good["rollout_experts"].float()}
+    path = _pt(tmp_path, "mixed.pt", [good, bad])
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html")
+    assert status == 0, err
+    assert "mixed.pt record 1 rows 0-2: " in err and "rollout_experts" in err
+    result = json.loads((tmp_path / "o" / "result.json").read_text())
+    ref = OPBCCollection(sections=result["settings"]["sections"])
+    ref.update(good)
+    for key, value in ref.compute().items():
+        assert_close(result["metrics"][key], value.tolist(), key)
+
+
+def test_report_escapes_input_text():
+    evil = '<script>alert("x")</script>'
+    result = {
+        "input": {"path": evil + ".jsonl", "format": "jsonl", "samples": 1, "issues_total": 1,
+                  "issues": [{"where": "line 1", "line": 1, "message": evil}]},
+        "settings": {"clamp": 20.0, "veto": 30.0},
+        "metrics": {"opbc/is/ess": 0.5, "per_round/round_0_abs_diff_mean": 0.1},
+        "controller": {"available": True, "decision_mix": {"train": 3, "reject": 1},
+                       "groups": [{"group": evil, "decision": "reject", "reasons": ["non_finite"]}]},
+    }
+    html = render_html(result)
+    assert "<script" not in html and "&lt;script&gt;" in html
+    parser = parse_report(html)
+    assert_self_contained(parser)
+    mix = parser.svgs["chart-decision-mix"]
+    assert [t.split(":")[0] for t in mix["rect_titles"]] == [
+        "train", "train_with_correction", "replay", "quarantine", "reject"]
+    assert "chart-per-round-per_round-abs_diff_mean" in parser.svgs
+
+
+def test_summary_lines_with_decisions():
+    result = {
+        "input": {"path": "f.jsonl", "format": "jsonl", "samples": 8, "batches": 1, "groups": 4, "issues_total": 0},
+        "settings": {"clamp": 20.0, "veto": 30.0, "batch_size": 64},
+        "metrics": {"opbc/is/ess": 0.25, "moe/router/layer_0/flip_rate": 0.1, "moe/router/layer_1/flip_rate": 0.3},
+        "controller": {"available": True, "decision_mix": {"train": 3, "reject": 1}},
+    }
+    text = "\n".join(summary_lines(result))
+    assert "ess" in text and "0.25" in text and "ESS" in text
+    assert "layer_{i}/flip_rate" in text and "max 0.3 at layer 1" in text
+    assert "decisions (4 groups): train 3 (75.0%), reject 1 (25.0%)" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# glossary
+# ---------------------------------------------------------------------------------------------
+def test_glossary_command_outputs_every_key():
+    assert import_all_metrics() == []  # every metric class of the package registers, as in the command
+    script = Path(sys.executable).parent / "opbc-metrics"  # the console script, when installed next to python
+    if script.exists():
+        proc = subprocess.run([str(script), "glossary", "--format", "json"], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+    else:
+        proc = run_cli("glossary", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    expected = glossary_dict()
+    assert data.keys() == expected.keys()
+    all_keys = {k for e in expected.values() for k in e["keys"]}
+    assert {k for e in data.values() for k in e["keys"]} == all_keys
+    status, md, _ = run_main("glossary")
+    assert status == 0 and md.startswith("# opbc-metrics glossary")
+    for key in all_keys:
+        assert f"`{key}`" in md, key
+
+
+def test_help_documents_the_schema():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exc:
+        main(["analyze", "--help"])
+    assert exc.value.code == 0
+    text = out.getvalue()
+    for word in ("trainer_logprobs", "rollout_logprobs", "response_mask", "group_id", "rollout_experts",
+                 "policy_lag", "weights_only=True", "--on-error", "--batch-size"):
+        assert word in text, word

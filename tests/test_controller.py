@@ -1,0 +1,647 @@
+"""OPBC controller: per-group statistics against a plain-Python reference and against the core metrics on
+each group's rows alone, contract validation, correction weights, JSON, host-sync discipline."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opbc_metrics import OPBCCollection
+from opbc_metrics import functional as F
+from opbc_metrics.controller import (
+    Action,
+    BatchDecisions,
+    CorrectionTokenShare,
+    DecisionGroupShare,
+    DecisionReasonCount,
+    DecisionTokenShare,
+    GroupDecision,
+    OPBCController,
+    OPBCPolicy,
+    Reason,
+    budget_metrics,
+    load_decisions,
+)
+from opbc_metrics.functional import controller as FC
+from opbc_metrics.testing import assert_no_host_sync
+from tests.data import make_batch
+
+# ---------------------------------------------------------------------------------------------------
+# Plain-Python reference, written from DESIGN's formulas: loops, math.exp, sorted().
+# ---------------------------------------------------------------------------------------------------
+
+
+def _lists(batch):
+    t = batch["trainer_logprobs"].double().tolist()
+    r = batch["rollout_logprobs"].double().tolist()
+    m = batch.get("response_mask")
+    m = [[1] * len(row) for row in t] if m is None else [[int(x != 0) for x in row] for row in m.tolist()]
+    return t, r, m, batch["group_ids"].tolist()
+
+
+def reference_group_stats(batch, clamp=20.0, veto=30.0):
+    """{group id: {stat: value}} from plain Python."""
+    t, r, m, gids = _lists(batch)
+    lag = batch.get("policy_lag")
+    lag = None if lag is None else [float(x) for x in lag.tolist()]
+    experts = None
+    if batch.get("rollout_experts") is not None:
+        experts = (batch["rollout_experts"].tolist(), batch["trainer_experts"].tolist())
+    out = {}
+    for g in sorted(set(gids)):
+        rows = [i for i, x in enumerate(gids) if x == g]
+        ws, rs, seqs, resp, nonfinite = [], [], [], 0, 0
+        flips = pairs = 0
+        for i in rows:
+            row_r, bad = [], False
+            for j in range(len(t[i])):
+                if not m[i][j]:
+                    continue
+                resp += 1
+                if experts is not None:
+                    for layer in range(len(experts[0][i][j])):
+                        pairs += 1
+                        flips += experts[0][i][j][layer][0] != experts[1][i][j][layer][0]
+                if not (math.isfinite(t[i][j]) and math.isfinite(r[i][j])):
+                    nonfinite += 1
+                    bad = True
+                    continue
+                x = t[i][j] - r[i][j]
+                row_r.append(x)
+                rs.append(x)
+                ws.append(math.exp(min(max(x, -clamp), clamp)))
+            if row_r and not bad:
+                seqs.append((sum(row_r), len(row_r)))
+        n = len(ws)
+        s = {"num_sequences": len(rows), "num_response_tokens": resp, "num_tokens": n, "nonfinite_count": nonfinite}
+        if n:
+            sw, sw2 = sum(ws), sum(w * w for w in ws)
+            k = max(1, math.floor(0.01 * n + 1e-9))
+            s.update(
+                ess=min(1.0, sw * sw / (n * sw2)), second_moment=sw2 / n, weight_mean=sw / n,
+                clipped_fraction=sum(abs(x) > clamp for x in rs) / n, veto_fraction=sum(abs(x) > veto for x in rs) / n,
+                max_abs_log_ratio=max(abs(x) for x in rs),
+                top_1pct_gradient_mass=sum(sorted(ws, reverse=True)[:k]) / sw,
+            )
+        else:
+            s.update(ess=1.0, second_moment=1.0, weight_mean=1.0, clipped_fraction=0.0, veto_fraction=0.0,
+                     max_abs_log_ratio=0.0, top_1pct_gradient_mass=0.0)
+        if seqs:
+            sws = [math.exp(min(max(si, -clamp), clamp)) for si, _ in seqs]
+            s.update(
+                seq_ess=min(1.0, sum(sws) ** 2 / (len(sws) * sum(w * w for w in sws))),
+                seq_log_ratio_mean=sum(si for si, _ in seqs) / len(seqs),
+                seq_log_ratio_abs_mean=sum(abs(si) for si, _ in seqs) / len(seqs),
+                seq_log_ratio_max_abs=max(abs(si) for si, _ in seqs),
+                geo_log_ratio_mean=sum(si / ni for si, ni in seqs) / len(seqs),
+            )
+        else:
+            s.update(seq_ess=1.0, seq_log_ratio_mean=0.0, seq_log_ratio_abs_mean=0.0, seq_log_ratio_max_abs=0.0,
+                     geo_log_ratio_mean=0.0)
+        s["num_valid_sequences"] = len(seqs)
+        s["router_flip_rate"] = None if experts is None else (flips / pairs if pairs else 0.0)
+        s["policy_lag"] = None if lag is None else max(lag[i] for i in rows)
+        out[g] = s
+    return out
+
+
+def _assert_report_matches(report, expected, rel=1e-9, abs_=1e-12):
+    for key, want in expected.items():
+        got = getattr(report, key)
+        if want is None:
+            assert got is None, key
+        else:
+            assert got == pytest.approx(want, rel=rel, abs=abs_), (report.group_id, key, got, want)
+
+
+def _grouped_batch(seed=0, batch=12, seq=24, dtype=torch.float64, heavy=True, drift=1.5):
+    b = make_batch(batch=batch, seq=seq, seed=seed, dtype=dtype, heavy_tail=heavy, drift=drift)
+    g = torch.Generator().manual_seed(seed + 100)
+    b["group_ids"] = torch.tensor([10**12, -3, 7, 7])[torch.randint(0, 4, (batch,), generator=g)]
+    b["policy_lag"] = torch.randint(0, 12, (batch,), generator=g)
+    experts = torch.randint(0, 6, (batch, seq, 3, 2), generator=g)
+    b["rollout_experts"] = experts
+    b["trainer_experts"] = torch.where(torch.rand(batch, seq, 3, 1, generator=g) < 0.2, (experts + 1) % 6, experts)
+    return b
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-group statistics
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_group_reports_match_plain_python_reference(seed):
+    b = _grouped_batch(seed)
+    b["rollout_logprobs"][0, 0] = -9999.0  # a vetoed token
+    b["response_mask"][0, 0] = 1
+    b["rollout_logprobs"][1, 1] = float("nan")  # a non-finite response token
+    b["response_mask"][1, 1] = 1
+    ref = reference_group_stats(b)
+    out = OPBCController(track_budget=False).step(b)
+    assert [d.group_id for d in out.decisions] == sorted(ref)
+    for d in out.decisions:
+        _assert_report_matches(d.report, ref[d.group_id])
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float64, 1e-9), (torch.float32, 2e-5)])
+def test_each_group_equals_the_core_metrics_on_its_rows_alone(dtype, rel):
+    """A group's statistics of the FULL batch equal OPBCCollection (and the exact top-1% mass, and the
+    router flip rate metric) on that group's rows alone."""
+    from opbc_metrics.moe import RouterFlipRate
+
+    b = _grouped_batch(seed=5, batch=16, seq=40, dtype=dtype)
+    b["rollout_logprobs"][2, 0] = b["trainer_logprobs"][2, 0] - 25.0  # clipped
+    b["response_mask"][2, 0] = 1
+    clamp, veto = 20.0, 30.0
+    out = OPBCController(OPBCPolicy(clamp=clamp, veto=veto), track_budget=False).step(b)
+    gids = b["group_ids"]
+    pairs = {
+        "ess": "opbc/is/ess", "seq_ess": "opbc/is/seq_ess", "second_moment": "opbc/is/second_moment",
+        "weight_mean": "opbc/is/weight_mean", "clipped_fraction": "opbc/is/clipped_fraction",
+        "veto_fraction": "opbc/is/veto_fraction", "max_abs_log_ratio": "opbc/log_ratio/max_abs",
+        "seq_log_ratio_mean": "opbc/sequence/log_ratio_mean",
+        "seq_log_ratio_abs_mean": "opbc/sequence/log_ratio_abs_mean",
+        "seq_log_ratio_max_abs": "opbc/sequence/log_ratio_max_abs",
+        "geo_log_ratio_mean": "opbc/sequence/geo_log_ratio_mean", "num_tokens": "opbc/input/num_tokens",
+        "num_valid_sequences": "opbc/input/num_sequences", "nonfinite_count": "opbc/input/nonfinite_count",
+    }
+    assert len(out.decisions) == 3
+    for d in out.decisions:
+        rows = (gids == d.group_id).nonzero().flatten()
+        sub = {k: v[rows] for k, v in b.items() if k in ("trainer_logprobs", "rollout_logprobs", "response_mask")}
+        core = OPBCCollection(clamp=clamp, veto=veto)(sub)
+        for name, key in pairs.items():
+            assert getattr(d.report, name) == pytest.approx(core[key].item(), rel=rel, abs=1e-6), (name, d.group_id)
+        exact = F.top_gradient_mass(sub["trainer_logprobs"], sub["rollout_logprobs"], sub["response_mask"], clamp=clamp)
+        assert d.report.top_1pct_gradient_mass == pytest.approx(exact.item(), rel=rel)
+        flip = RouterFlipRate()(rollout_experts=b["rollout_experts"][rows], trainer_experts=b["trainer_experts"][rows],
+                                response_mask=sub["response_mask"])
+        assert d.report.router_flip_rate == pytest.approx(flip["moe/router/flip_rate"].item(), rel=1e-12)
+        assert d.report.policy_lag == b["policy_lag"][rows].max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_top_mass_per_group_is_exact_with_ties_and_many_tokens(dtype):
+    """k = floor(0.01 N) > 1 inside some groups; ties and zero-weight invalid tokens do not change the sum.
+    (float32 weights take the one-sort composite-key path, float64 the two stable sorts.)"""
+    g = torch.Generator().manual_seed(3)
+    trainer = (-torch.rand(8, 500, generator=g, dtype=torch.float64)).to(dtype)
+    rollout = trainer - (torch.round(torch.randn(8, 500, generator=g, dtype=torch.float64) * 4) / 2).to(dtype)
+    mask = torch.rand(8, 500, generator=g) < 0.8
+    b = {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask,
+         "group_ids": torch.tensor([4, 4, 4, 1, 1, 9, 9, 9])}
+    ref = reference_group_stats(b)
+    out = OPBCController(track_budget=False).step(b)
+    for d in out.decisions:
+        assert d.report.num_tokens >= 400
+        want = ref[d.group_id]["top_1pct_gradient_mass"]
+        assert d.report.top_1pct_gradient_mass == pytest.approx(want, rel=1e-12 if dtype == torch.float64 else 1e-6)
+
+
+def test_functional_group_statistics_and_empty_groups():
+    t = torch.zeros(3, 2, dtype=torch.float64) - 1.0
+    r = t.clone()
+    r[0, 1] -= 1.0
+    mask = torch.tensor([[1, 1], [1, 0], [0, 0]])
+    ids, stats = FC.group_statistics(t, r, torch.tensor([2, 2, 5]), response_mask=mask)
+    assert ids.tolist() == [2, 5]
+    # group 5 has no valid token: the core's empty-window values
+    assert stats["ess"][1] == 1.0 and stats["top_1pct_gradient_mass"][1] == 0.0 and stats["num_tokens"][1] == 0
+    w = [1.0, math.e, 1.0]
+    assert stats["ess"][0].item() == pytest.approx(sum(w) ** 2 / (3 * sum(x * x for x in w)))
+    assert math.isnan(stats["router_flip_rate"][0]) and math.isnan(stats["policy_lag"][0])
+
+
+@given(st.integers(0, 10**6), st.randoms(use_true_random=False))
+def test_permuting_rows_changes_no_group_report(seed, rnd):
+    b = _grouped_batch(seed % 1000, batch=7, seq=9)
+    perm = list(range(7))
+    rnd.shuffle(perm)
+    a = OPBCController(track_budget=False).step(b).decisions
+    c = OPBCController(track_budget=False).step({k: v[perm] for k, v in b.items()}).decisions
+    assert [d.group_id for d in a] == [d.group_id for d in c]
+    for x, y in zip(a, c):
+        assert x.action == y.action and x.reasons == y.reasons
+        for name in FC.STAT_NAMES:
+            vx, vy = getattr(x.report, name), getattr(y.report, name)
+            assert vx == pytest.approx(vy, rel=1e-9, abs=1e-12), name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Contract validation
+# ---------------------------------------------------------------------------------------------------
+def _clean(b=4, t=5, groups=(0, 0, 1, 1)):
+    g = torch.Generator().manual_seed(0)
+    trainer = -0.1 - torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    return {
+        "trainer_logprobs": trainer,
+        "rollout_logprobs": trainer + 0.01 * torch.randn(b, t, generator=g, dtype=torch.float64),
+        "response_mask": torch.ones(b, t, dtype=torch.int64),
+        "group_ids": torch.tensor(groups),
+    }
+
+
+def _decide(batch, policy=None):
+    return {d.group_id: d for d in OPBCController(policy, track_budget=False).step(batch).decisions}
+
+
+def test_clean_batch_trains():
+    out = _decide(_clean())
+    assert all(d.action is Action.TRAIN and d.reasons == () for d in out.values())
+
+
+@pytest.mark.parametrize(
+    "corrupt,reason",
+    [
+        (lambda b: b["rollout_logprobs"][2:].zero_(), Reason.LOGPROBS_MISSING),
+        (lambda b: b["trainer_logprobs"][2:].zero_(), Reason.LOGPROBS_MISSING),
+        (lambda b: b["rollout_logprobs"][3, 1].fill_(float("nan")), Reason.NON_FINITE),
+        (lambda b: b["trainer_logprobs"][2, 4].fill_(float("-inf")), Reason.NON_FINITE),
+        (lambda b: b["rollout_logprobs"][2, 2].fill_(0.0), Reason.LOGPROBS_MISALIGNED),  # zero where mask is 1
+        (lambda b: b["response_mask"][2:].zero_(), Reason.NO_RESPONSE_TOKENS),
+    ],
+)
+def test_contract_failures_reject_only_their_group(corrupt, reason):
+    b = _clean()
+    corrupt(b)
+    out = _decide(b)
+    assert out[0].action is Action.TRAIN
+    assert out[1].action is Action.REJECT and out[1].primary_reason is reason
+
+
+def test_logprobs_present_on_masked_positions_only_is_misaligned():
+    b = _clean()
+    b["response_mask"][2:] = torch.tensor([0, 0, 1, 1, 1])
+    shifted = b["rollout_logprobs"][2:].clone()
+    b["rollout_logprobs"][2:] = 0.0
+    b["rollout_logprobs"][2:, :2] = shifted[:, :2]  # values on the prompt, zeros on the response
+    b["trainer_logprobs"][2:, 2:] = -0.001  # a trainer this confident does not trip the zero-gap check
+    out = _decide(b)
+    assert out[1].action is Action.REJECT
+    assert Reason.LOGPROBS_MISALIGNED in out[1].reasons and Reason.LOGPROBS_MISSING in out[1].reasons
+    assert out[0].action is Action.TRAIN
+
+
+def test_exact_zero_on_a_confident_token_is_not_misaligned():
+    b = _clean()
+    b["trainer_logprobs"][2, 0] = -1e-7  # near-certain token: rollout rounds to exactly 0
+    b["rollout_logprobs"][2, 0] = 0.0
+    b["trainer_logprobs"][3, 0] = 0.0
+    b["rollout_logprobs"][3, 0] = 0.0
+    assert _decide(b)[1].action is Action.TRAIN
+    # the gap is a policy threshold: with gap 0 any exact zero against a non-zero side is misaligned
+    assert _decide(b, OPBCPolicy(alignment_gap=0.0))[1].action is Action.REJECT
+
+
+def test_masked_positions_are_not_checked():
+    b = _clean()
+    b["response_mask"][2, :2] = 0
+    b["rollout_logprobs"][2, 0] = float("nan")
+    b["trainer_logprobs"][2, 1] = 0.0
+    assert _decide(b)[1].action is Action.TRAIN
+
+
+def test_token_id_mismatch_rejects_the_group():
+    b = _clean()
+    ids = torch.arange(20).view(4, 5)
+    b["rollout_token_ids"], b["trainer_token_ids"] = ids, ids.clone()
+    assert all(d.action is Action.TRAIN for d in _decide(b).values())
+    b["trainer_token_ids"][1, 3] = 99
+    out = _decide(b)
+    assert out[0].action is Action.REJECT and out[0].reasons == (Reason.TOKEN_IDS_MISMATCH,)
+    b["response_mask"][1, 3] = 0  # only response tokens are compared
+    assert _decide(b)[0].action is Action.TRAIN
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (lambda b: b.pop("rollout_logprobs"), Reason.LOGPROBS_MISSING),
+        (lambda b: b.update(rollout_logprobs=b["rollout_logprobs"][:, :-1]), Reason.SHAPE_MISMATCH),
+        (lambda b: b.update(trainer_logprobs=b["trainer_logprobs"][:-1]), Reason.SHAPE_MISMATCH),
+        (lambda b: b.update(response_mask=b["response_mask"][:, 1:]), Reason.SHAPE_MISMATCH),
+        (lambda b: b.update(rollout_experts=torch.zeros(4, 5, 2, 2, dtype=torch.long),
+                            trainer_experts=torch.zeros(4, 5, 3, 2, dtype=torch.long)), Reason.SHAPE_MISMATCH),
+        (lambda b: b.update(rollout_token_ids=torch.zeros(4, 5), trainer_token_ids=torch.zeros(4, 4)),
+         Reason.SHAPE_MISMATCH),
+    ],
+)
+def test_batch_wide_contract_failures_reject_every_group(change, reason):
+    b = _clean()
+    change(b)
+    out = OPBCController(track_budget=False).step(b)
+    assert [d.action for d in out.decisions] == [Action.REJECT, Action.REJECT]
+    assert all(d.reasons == (reason,) for d in out.decisions)
+    assert out.loss_mask.sum() == 0 and out.weights.sum() == 0
+    assert out.loss_mask.shape[0] == 4
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda b: b.pop("group_ids"), "group_ids"),
+        (lambda b: b.update(group_ids=torch.zeros(4, 1, dtype=torch.long)), "group_ids"),
+        (lambda b: b.update(group_ids=torch.zeros(4)), "group_ids"),
+        (lambda b: b.update(trainer_logprobs=b["trainer_logprobs"].long()), "trainer_logprobs"),
+        (lambda b: b.update(rollout_logprobs=b["rollout_logprobs"].tolist()), "rollout_logprobs"),
+        (lambda b: b.update(rollout_experts=torch.zeros(4, 5, 2, 2, dtype=torch.long)), "trainer_experts"),
+        (lambda b: b.update(trainer_token_ids=torch.zeros(4, 5, dtype=torch.long)), "rollout_token_ids"),
+        (lambda b: b.update(policy_lag=torch.zeros(3)), "policy_lag"),
+        (lambda b: b.update(policy_lag={0: 1}), "policy_lag"),
+        (lambda b: b.update(policy_lag="stale"), "policy_lag"),
+    ],
+)
+def test_inputs_that_cannot_be_data_raise_naming_the_field(change, field):
+    b = _clean()
+    change(b)
+    with pytest.raises(ValueError, match=field):
+        OPBCController(track_budget=False).step(b)
+
+
+def test_policy_lag_forms_agree():
+    b = _clean()
+    as_tensor = _decide(dict(b, policy_lag=torch.tensor([1, 1, 6, 6])))
+    as_mapping = _decide(dict(b, policy_lag={0: 1, 1: 6}))
+    as_rows_max = _decide(dict(b, policy_lag=torch.tensor([0, 1, 6, 2])))  # a group's lag: its stalest row
+    for out in (as_tensor, as_mapping, as_rows_max):
+        assert out[0].action is Action.TRAIN and out[0].report.policy_lag == 1
+        assert out[1].action is Action.REPLAY and out[1].report.policy_lag == 6
+    scalar = _decide(dict(b, policy_lag=9))
+    assert all(d.action is Action.QUARANTINE for d in scalar.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the trainer consumes
+# ---------------------------------------------------------------------------------------------------
+def _correction_batch():
+    """Group 0 clean; group 1 with ratios e^{+-0.9} and one token clipped (1/8 > 0.10) at r = -25, whose
+    weight e^-20 keeps ESS at 0.70 (train_with_correction, default); group 2 stale (replay); group 3 vetoed
+    (quarantine)."""
+    t = torch.full((8, 4), -2.0, dtype=torch.float64)
+    r = t.clone()
+    r[2] = t[2] - torch.tensor([0.9, -0.9, 0.0, 0.2], dtype=torch.float64)
+    t[3, 0], r[3, 0] = -30.0, -5.0  # r = -25: clipped at C = 20
+    r[6, 0] = t[6, 0] - 40.0
+    return {
+        "trainer_logprobs": t, "rollout_logprobs": r, "response_mask": torch.ones(8, 4, dtype=torch.bool),
+        "group_ids": torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), "policy_lag": torch.tensor([0, 0, 0, 0, 5, 5, 0, 0]),
+    }
+
+
+def _plain_weights(r, level, mode, floor, cap):
+    """Reference correction weights of one sequence (a list of log ratios)."""
+    if level == "token":
+        logs = r
+    else:
+        s = sum(r)
+        logs = [s if level == "sequence" else s / len(r)] * len(r)
+    if mode == "truncate":
+        return [min(max(math.exp(x), floor), cap) for x in logs], [True] * len(r)
+    keep = [floor <= math.exp(x) <= cap for x in logs]
+    return [math.exp(x) if k else 0.0 for x, k in zip(logs, keep)], keep
+
+
+def test_default_policy_trains_flagged_groups_with_the_core_weights():
+    b = _correction_batch()
+    out = OPBCController(track_budget=False).step(b)
+    actions = {d.group_id: d.action for d in out.decisions}
+    assert actions == {0: Action.TRAIN, 1: Action.TRAIN_WITH_CORRECTION, 2: Action.REPLAY, 3: Action.QUARANTINE}
+    from opbc_metrics.batch import BatchView
+
+    core_w = BatchView(b).weights(20.0)
+    assert torch.equal(out.weights[2:4], core_w[2:4])  # exactly w = exp(clamp(r, -C, C))
+    assert torch.equal(out.weights[:2], torch.ones(2, 4, dtype=torch.float64))  # train: weight 1
+    assert out.loss_mask[:4].all() and not out.loss_mask[4:].any() and not out.weights[4:].any()
+    assert out.replay_group_ids == [2] and out.quarantine_group_ids == [3] and out.trained_group_ids == [0, 1]
+    assert out.rows("replay").tolist() == [4, 5]
+    picked = out.select(b, Action.REPLAY, Action.QUARANTINE)
+    assert picked["group_ids"].tolist() == [2, 2, 3, 3]
+    assert torch.equal(picked["trainer_logprobs"], b["trainer_logprobs"][4:])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_correction_weights_match_reference(level, mode):
+    b = _correction_batch()
+    policy = OPBCPolicy(correction_level=level, correction_mode=mode, weight_cap=2.0, weight_floor=0.5,
+                        correct_train=True)
+    out = OPBCController(policy, track_budget=False).step(b)
+    r = (b["trainer_logprobs"] - b["rollout_logprobs"]).tolist()
+    truncated = masked = trained = 0
+    for i in range(8):
+        gid = b["group_ids"][i].item()
+        action = {d.group_id: d.action for d in out.decisions}[gid]
+        if not action.trains:
+            assert not out.loss_mask[i].any() and not out.weights[i].any()
+            continue
+        w, keep = _plain_weights(r[i], level, mode, 0.5, 2.0)
+        trained += len(w)
+        assert out.loss_mask[i].tolist() == keep
+        assert out.weights[i].tolist() == pytest.approx(w, rel=1e-12)
+        logs = r[i] if level == "token" else [sum(r[i]) if level == "sequence" else sum(r[i]) / 4] * 4
+        outside = sum(not (0.5 <= math.exp(x) <= 2.0) for x in logs)
+        truncated += outside if mode == "truncate" else 0
+        masked += outside if mode == "mask" else 0
+    stats = out.budget_stats()
+    assert stats["trained_tokens"].item() == trained
+    assert stats["truncated_tokens"].item() == truncated and stats["masked_tokens"].item() == masked
+    assert (truncated if mode == "truncate" else masked) > 0
+
+
+def test_truncated_is_preset_caps_every_trained_token_at_two():
+    b = _correction_batch()
+    out = OPBCController("truncated_is", track_budget=False).step(b)
+    r = b["trainer_logprobs"] - b["rollout_logprobs"]
+    trained = out.row_action == Action.TRAIN.code
+    trained |= out.row_action == Action.TRAIN_WITH_CORRECTION.code
+    expect = torch.where(trained[:, None], torch.exp(r).clamp(max=2.0), torch.zeros_like(r))
+    assert torch.allclose(out.weights, expect, rtol=1e-12, atol=0)
+    assert out.weights.max() == 2.0
+
+
+def test_weights_are_detached_and_never_nan_on_masked_tokens():
+    b = _correction_batch()
+    t = b["trainer_logprobs"].clone().requires_grad_(True)
+    b["trainer_logprobs"] = t
+    b["rollout_logprobs"][0, 0] = -1e6  # vetoed, group quarantined: its exp(r) overflows
+    out = OPBCController("masked_is", track_budget=False).step(b)
+    assert not out.weights.requires_grad
+    assert torch.isfinite(out.weights).all()
+    loss = (out.weights * t * out.loss_mask).sum()
+    loss.backward()
+    assert torch.isfinite(t.grad).all()
+
+
+def test_functional_correction_weights():
+    t = torch.tensor([[-1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    r = torch.tensor([[-2.0, -1.0, -0.5, -4.0]], dtype=torch.float64)
+    mask, w = FC.correction_weights(t, r, level="token", mode="truncate", cap=2.0, floor=0.0)
+    assert mask.all() and w.tolist()[0] == pytest.approx([2.0, 1.0, math.exp(-0.5), 2.0])
+    mask, w = FC.correction_weights(t, r, level="sequence", mode="mask", cap=2.0, floor=0.5)
+    assert not mask.any() and not w.any()  # e^{1 + 0 - 0.5 + 3} = e^{3.5} > 2: the whole sequence goes
+    mask, w = FC.correction_weights(t, r, level="geometric", mode="mask", cap=2.5, floor=0.5)
+    assert mask.all() and w.tolist()[0] == pytest.approx([math.exp(3.5 / 4)] * 4)
+    with pytest.raises(ValueError, match="level"):
+        FC.correction_weights(t, r, level="segment")
+    with pytest.raises(ValueError, match="mode"):
+        FC.correction_weights(t, r, mode="clip")
+
+
+# ---------------------------------------------------------------------------------------------------
+# JSON, host sync, budget metrics
+# ---------------------------------------------------------------------------------------------------
+def test_decisions_round_trip_through_json():
+    b = _grouped_batch(seed=2)
+    b["rollout_logprobs"][0, 0] = -9999.0
+    b["response_mask"][0, 0] = 1
+    out = OPBCController("truncated_is", track_budget=False).step(b)
+    text = out.to_json(step=3)
+    back = load_decisions(text)
+    assert back == out.decisions
+    assert any(d.reasons for d in back)
+    for d in out.decisions:
+        assert GroupDecision.from_json(d.to_json()) == d
+    import json
+
+    assert OPBCPolicy.from_dict(json.loads(text)["policy"]) == OPBCPolicy.preset("truncated_is")
+    no_router = OPBCController(track_budget=False).step(_clean()).decisions[0]
+    assert no_router.report.router_flip_rate is None and GroupDecision.from_json(no_router.to_json()) == no_router
+
+
+def test_step_and_budget_update_never_sync_host_and_device():
+    b = _grouped_batch(seed=1)
+    b["rollout_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
+    b["trainer_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
+    for preset in ("default", "truncated_is", "masked_is"):
+        controller = OPBCController(preset)
+        with assert_no_host_sync():
+            out = controller.step(b)
+            for m in budget_metrics():
+                m.update(out)
+        assert isinstance(out, BatchDecisions)
+    policy = OPBCPolicy(correction_level="geometric", correction_mode="mask", weight_cap=3.0, weight_floor=0.2)
+    with assert_no_host_sync():
+        OPBCController(policy).step(b)
+
+
+def test_decisions_cost_one_device_to_host_copy(monkeypatch):
+    out = OPBCController(track_budget=False).step(_grouped_batch(seed=4))
+    calls = {"cpu": 0}
+    original = torch.Tensor.cpu
+
+    def counting(self, *args, **kwargs):
+        calls["cpu"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counting)
+    from opbc_metrics.testing import _SyncDetector
+
+    with _SyncDetector():  # no .item(), bool(tensor), nonzero ... on top of the one copy
+        decisions = out.decisions
+        _ = (out.replay_group_ids, out.quarantine_group_ids, out.rejected_group_ids, out.to_json())
+    assert calls["cpu"] == 1
+    assert len(decisions) == 3
+
+
+def test_budget_metrics_values_and_empty_window():
+    b = _correction_batch()
+    b["rollout_logprobs"][0, 0] = float("nan")  # group 0 rejected
+    controller = OPBCController("masked_is")
+    controller.step(b)
+    out = controller.compute_budget()
+    assert out["opbc/decision/num_groups"] == 4 and out["opbc/decision/num_tokens"] == 32
+    for a in ("reject", "train_with_correction", "replay", "quarantine"):
+        assert out[f"opbc/decision/group_share/{a}"] == 0.25
+        assert out[f"opbc/decision/token_share/{a}"] == 0.25
+    assert out["opbc/decision/group_share/train"] == 0
+    assert out["opbc/decision/reason_count/non_finite"] == 1
+    assert out["opbc/decision/reason_count/veto"] == 1
+    assert out["opbc/decision/reason_count/lag_above_replay"] == 1
+    # masked_is: group 1 rows 2, 3 are trained; tokens with ratio outside [0.5, 2]: e^{0.9}, e^{-0.9}, e^{-25}
+    assert out["opbc/decision/masked_token_share"].item() == pytest.approx(3 / 8)
+    assert out["opbc/decision/truncated_token_share"] == 0
+    empty = {}
+    for m in budget_metrics():
+        with pytest.warns(UserWarning):
+            empty.update(m.compute_dict())
+    assert set(empty) == set(out) and all(v == 0 for v in empty.values())
+
+
+def test_budget_metrics_sit_in_a_collection_and_skip_batches_without_decisions():
+    collection = OPBCCollection([*OPBCCollection().members(), *budget_metrics()])
+    b = _correction_batch()
+    out = OPBCController(track_budget=False).step(b)
+    collection.update(b)  # no decisions: budget members skipped
+    collection.update({**b, "opbc_decisions": out})
+    values = collection.compute()
+    assert values["opbc/decision/num_groups"] == 4 and "opbc/is/ess" in values
+    with pytest.raises(ValueError, match="opbc_decisions"):
+        DecisionGroupShare().update({"opbc_decisions": "nope"})
+
+
+@given(st.integers(0, 10**6), st.integers(1, 4))
+def test_budget_of_group_aligned_chunks_equals_one_step(seed, n_chunks):
+    b = _grouped_batch(seed % 500, batch=10, seq=8)
+    order = torch.argsort(b["group_ids"], stable=True)
+    b = {k: v[order] for k, v in b.items()}
+    whole, chunked = OPBCController("truncated_is"), OPBCController("truncated_is")
+    whole.step(b)
+    ids = b["group_ids"]
+    distinct = sorted(set(ids.tolist()))
+    for part in (distinct[i::n_chunks] for i in range(n_chunks)):
+        if part:
+            rows = torch.isin(ids, torch.tensor(part)).nonzero().flatten()
+            chunked.step({k: v[rows] for k, v in b.items()})
+    a, c = whole.compute_budget(), chunked.compute_budget()
+    for k in a:
+        assert a[k].item() == pytest.approx(c[k].item(), rel=1e-12, abs=1e-12), k
+
+
+def test_empty_batch():
+    b = {"trainer_logprobs": torch.zeros(0, 5), "rollout_logprobs": torch.zeros(0, 5),
+         "group_ids": torch.zeros(0, dtype=torch.long)}
+    controller = OPBCController()
+    out = controller.step(b)
+    assert out.decisions == [] and out.loss_mask.shape == (0, 5)
+    assert controller.compute_budget()["opbc/decision/num_groups"] == 0
+
+
+def test_glossary_entries_of_budget_metrics():
+    from opbc_metrics.glossary import glossary_dict, lookup
+
+    names = glossary_dict()
+    for cls in (DecisionGroupShare, DecisionTokenShare, DecisionReasonCount, CorrectionTokenShare):
+        assert names[cls.glossary.name]["class"] == cls.__name__
+        assert all(k.startswith("opbc/decision/") for k in cls.keys)
+    assert lookup("OPBC").name == "decision_group_share"
+
+
+def test_both_sides_zero_on_a_short_response_is_not_misaligned():
+    """A one-token response that both engines find certain (logprob exactly 0), with trainer logprobs on
+    the prompt positions: both sides agree, nothing is misaligned."""
+    b = _clean()
+    b["response_mask"][2:] = torch.tensor([0, 0, 0, 0, 1])
+    b["trainer_logprobs"][2:, 4] = 0.0
+    b["rollout_logprobs"][2:, 4] = 0.0
+    b["rollout_logprobs"][2:, :4] = 0.0  # the rollout engine returns nothing for the prompt
+    assert _decide(b)[1].action is Action.TRAIN
+
+
+def test_grpo_example_runs():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "grpo_controller.py"
+    spec = importlib.util.spec_from_file_location("grpo_controller_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(steps=8, verbose=False)
+    assert out["opbc/decision/num_groups"] >= 8 * module.GROUPS_PER_STEP
+    assert out["opbc/decision/reason_count/non_finite"] >= 1  # the injected engine bug (step 3)
+    assert out["opbc/decision/reason_count/veto"] >= 1  # the injected catastrophic token (step 5)
+    assert out["opbc/decision/group_share/train"] > 0.5
+    shares = sum(out[f"opbc/decision/group_share/{a}"] for a in FC.ACTIONS)
+    assert shares == pytest.approx(1.0)

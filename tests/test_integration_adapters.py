@@ -1,0 +1,289 @@
+"""verl and TRL adapters on faithful fixtures: a fake DataProto with verl's attribute layout, and a dict
+shaped like the output of TRL GRPOTrainer._generate_and_score_completions. Expected values are built
+independently (plain Python loops over the fixture's construction parameters)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from opbc_metrics import OPBCCollection
+from opbc_metrics.integrations._common import ids_to_group_ids
+from opbc_metrics.integrations.trl import trl_to_batch
+from opbc_metrics.integrations.verl import verl_to_batch
+from opbc_metrics.testing import assert_no_host_sync
+
+
+# ------------------------------------------------------------------------------------------------
+# verl fixture
+# ------------------------------------------------------------------------------------------------
+class FakeTensorDict(dict):
+    """The parts of tensordict.TensorDict the adapter may touch: mapping access and ``batch_size``."""
+
+    def __init__(self, data: dict[str, torch.Tensor], batch_size: list[int]) -> None:
+        super().__init__(data)
+        self.batch_size = torch.Size(batch_size)
+
+
+@dataclass
+class FakeDataProto:
+    """verl.protocol.DataProto's layout: ``batch`` (TensorDict), ``non_tensor_batch`` (dict of numpy
+    arrays), ``meta_info`` (dict)."""
+
+    batch: FakeTensorDict
+    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VerlCase:
+    data: FakeDataProto
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+    tool_spans: list[tuple[int, int]]  # per row, [start, end) of an environment span inside the response
+    uids: list[str]
+    rewards: list[float]
+
+
+def make_verl_case(n_prompts: int = 3, n: int = 2, prompt_width: int = 5, response_width: int = 7, seed: int = 0):
+    """Left-padded prompts, right-padded responses, n rollouts per prompt interleaved as verl's
+    ``batch.repeat(repeat_times=n, interleave=True)`` leaves them, and a tool-output span masked out of
+    ``response_mask`` in some rows (agent loop)."""
+    rng = np.random.default_rng(seed)
+    b = n_prompts * n
+    prompt_lengths = [int(rng.integers(1, prompt_width + 1)) for _ in range(b)]
+    response_lengths = [int(rng.integers(0, response_width + 1)) for _ in range(b)]
+    response_lengths[1] = 0  # an empty response
+    attention = torch.zeros(b, prompt_width + response_width, dtype=torch.int64)
+    response_mask = torch.zeros(b, response_width, dtype=torch.int64)
+    tool_spans = []
+    for i in range(b):
+        for j in range(prompt_width - prompt_lengths[i], prompt_width):
+            attention[i, j] = 1
+        for j in range(response_lengths[i]):
+            attention[i, prompt_width + j] = 1
+            response_mask[i, j] = 1
+        span = (2, 4) if (i % 3 == 0 and response_lengths[i] >= 4) else (0, 0)
+        for j in range(*span):
+            response_mask[i, j] = 0
+        tool_spans.append(span)
+    prompt_uids = [str(uuid.UUID(int=int(rng.integers(1 << 62)))) for _ in range(n_prompts)]
+    uids = [u for u in prompt_uids for _ in range(n)]
+    old = -torch.rand(b, response_width, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 3
+    noise = torch.randn(b, response_width, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rollout = old + 0.2 * noise
+    rewards = [float(rng.integers(0, 2)) if response_lengths[i] else 0.0 for i in range(b)]  # on the last token
+    token_rewards = torch.zeros(b, response_width, dtype=torch.float32)
+    for i in range(b):
+        if response_lengths[i]:
+            token_rewards[i, response_lengths[i] - 1] = rewards[i]
+    batch = FakeTensorDict(
+        {
+            "prompts": torch.randint(3, 100, (b, prompt_width)),
+            "responses": torch.randint(3, 100, (b, response_width)),
+            "input_ids": torch.randint(3, 100, (b, prompt_width + response_width)),
+            "attention_mask": attention,
+            "position_ids": torch.clamp(torch.cumsum(attention, dim=-1) - 1, min=0),
+            "response_mask": response_mask,
+            "old_log_probs": old,
+            "rollout_log_probs": rollout,
+            "token_level_scores": token_rewards.clone(),
+            "token_level_rewards": token_rewards,
+            "advantages": torch.randn(b, response_width),
+        },
+        batch_size=[b],
+    )
+    non_tensor = {"uid": np.array(uids, dtype=object), "data_source": np.array(["toy"] * b, dtype=object)}
+    data = FakeDataProto(batch=batch, non_tensor_batch=non_tensor, meta_info={"global_steps": 1})
+    return VerlCase(data, prompt_lengths, response_lengths, tool_spans, uids, rewards)
+
+
+def expected_group_ids(uids: list[str]) -> list[int]:
+    first_seen: list[str] = []
+    for u in uids:
+        if u not in first_seen:
+            first_seen.append(u)
+    return [first_seen.index(u) for u in uids]
+
+
+def test_verl_dataproto_maps_every_field():
+    case = make_verl_case()
+    out = verl_to_batch(case.data)
+    assert out["trainer_logprobs"] is case.data.batch["old_log_probs"]
+    assert out["rollout_logprobs"] is case.data.batch["rollout_log_probs"]
+    assert out["response_mask"] is case.data.batch["response_mask"]  # the agent-loop mask wins
+    assert out["group_ids"].tolist() == expected_group_ids(case.uids)
+    assert out["group_ids"].dtype == torch.int64
+    assert out["prompt_lengths"].tolist() == case.prompt_lengths
+    assert out["response_lengths"].tolist() == case.response_lengths
+    assert out["rewards"].tolist() == case.rewards
+    assert out["advantages"] is case.data.batch["advantages"]
+    for row, (start, end) in enumerate(case.tool_spans):
+        for j in range(start, end):
+            assert out["response_mask"][row, j] == 0
+
+
+def test_verl_derives_response_mask_from_attention_mask_like_compute_response_mask():
+    case = make_verl_case(seed=1)
+    del case.data.batch["response_mask"]
+    out = verl_to_batch(case.data)
+    for i, length in enumerate(case.response_lengths):
+        assert out["response_mask"][i].tolist() == [1] * length + [0] * (7 - length)
+
+
+def test_verl_flat_dict_and_tensor_uids_and_offset():
+    case = make_verl_case(seed=2)
+    flat = {**case.data.batch, **case.data.non_tensor_batch}
+    a, b = verl_to_batch(case.data), verl_to_batch(flat)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    flat["uid"] = torch.tensor([7, 7, 3, 3, 9, 9])
+    assert verl_to_batch(flat, group_offset=100)["group_ids"].tolist() == [107, 107, 103, 103, 109, 109]
+    assert ids_to_group_ids(["z", "a", "z"], offset=5).tolist() == [5, 6, 5]
+
+
+def test_verl_collection_values_equal_a_schema_batch_built_by_hand():
+    case = make_verl_case(seed=3)
+    by_adapter, by_hand = OPBCCollection(), OPBCCollection()
+    out = verl_to_batch(case.data)
+    with assert_no_host_sync():
+        by_adapter.update(out)
+    mask = torch.zeros(6, 7, dtype=torch.int64)
+    for i, length in enumerate(case.response_lengths):
+        for j in range(length):
+            if not case.tool_spans[i][0] <= j < case.tool_spans[i][1]:
+                mask[i, j] = 1
+    by_hand.update(
+        trainer_logprobs=case.data.batch["old_log_probs"].clone(),
+        rollout_logprobs=case.data.batch["rollout_log_probs"].clone(),
+        response_mask=mask,
+    )
+    got, want = by_adapter.compute(), by_hand.compute()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_verl_adapter_does_not_sync():
+    case = make_verl_case(seed=4)
+    with assert_no_host_sync():
+        verl_to_batch(case.data)
+
+
+def test_verl_clear_errors():
+    case = make_verl_case(seed=5)
+    del case.data.batch["rollout_log_probs"]
+    with pytest.raises(ValueError, match=r"`rollout_log_probs`.*calculate_log_probs"):
+        verl_to_batch(case.data)
+    out = verl_to_batch(case.data, require_logprobs=False)
+    assert "rollout_logprobs" not in out and "trainer_logprobs" in out
+    del case.data.batch["old_log_probs"]
+    with pytest.raises(ValueError, match=r"`old_log_probs`"):
+        verl_to_batch(case.data)
+    bad = make_verl_case(seed=6)
+    bad.data.batch["attention_mask"] = bad.data.batch["attention_mask"][:, :3]
+    with pytest.raises(ValueError, match=r"`attention_mask`"):
+        verl_to_batch(bad.data)
+    with pytest.raises(TypeError, match="verl batch"):
+        verl_to_batch(42)
+
+
+# ------------------------------------------------------------------------------------------------
+# TRL fixture
+# ------------------------------------------------------------------------------------------------
+def make_trl_inputs(b: int = 6, prompt_width: int = 4, completion_width: int = 6, tools: bool = False, seed: int = 0):
+    """The dict GRPOTrainer._generate_and_score_completions returns (vLLM with IS correction on)."""
+    rng = np.random.default_rng(seed)
+    prompt_lengths = [int(rng.integers(1, prompt_width + 1)) for _ in range(b)]
+    completion_lengths = [int(rng.integers(1, completion_width + 1)) for _ in range(b)]
+    prompt_mask = torch.tensor([[0] * (prompt_width - p) + [1] * p for p in prompt_lengths])  # left padding
+    completion_mask = torch.tensor([[1] * c + [0] * (completion_width - c) for c in completion_lengths])
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, completion_width, generator=g) * 2
+    sampling = old + 0.1 * torch.randn(b, completion_width, generator=g)
+    inputs: dict[str, Any] = {
+        "prompt_ids": torch.randint(3, 50, (b, prompt_width), generator=g),
+        "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(3, 50, (b, completion_width), generator=g),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(b, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
+        "old_per_token_logps": old,
+        "sampling_per_token_logps": sampling,
+        "importance_sampling_ratio": torch.exp(old - sampling).clamp(max=2.0),
+    }
+    if tools:
+        tool_mask = torch.ones(b, completion_width, dtype=torch.int64)
+        tool_mask[:, 1:3] = 0  # a tool result inserted after the first generated token
+        inputs["tool_mask"] = tool_mask
+    return inputs, prompt_lengths, completion_lengths
+
+
+def test_trl_inputs_map_every_field_with_global_group_ids():
+    inputs, prompt_lengths, completion_lengths = make_trl_inputs()
+    out = trl_to_batch(inputs, num_generations=4, process_index=1)
+    assert out["trainer_logprobs"] is inputs["old_per_token_logps"]
+    assert out["rollout_logprobs"] is inputs["sampling_per_token_logps"]
+    assert out["response_mask"] is inputs["completion_mask"]
+    # process 1 holds global rows 6..11; prompts repeat in blocks of 4: groups 1,1,2,2,2,2
+    assert out["group_ids"].tolist() == [(6 + i) // 4 for i in range(6)] == [1, 1, 2, 2, 2, 2]
+    assert out["prompt_lengths"].tolist() == prompt_lengths
+    assert out["response_lengths"].tolist() == completion_lengths
+    assert out["advantages"] is inputs["advantages"]
+    assert "group_ids" not in trl_to_batch(inputs)  # no grouping information given
+    assert trl_to_batch(inputs, group_ids=["a", "a", "b", "b", "c", "c"])["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_trl_tool_mask_is_combined_like_trls_loss():
+    inputs, _, completion_lengths = make_trl_inputs(tools=True, seed=1)
+    out = trl_to_batch(inputs, num_generations=2)
+    for i, c in enumerate(completion_lengths):
+        want = [1 if (j < c and not 1 <= j < 3) else 0 for j in range(6)]
+        assert out["response_mask"][i].int().tolist() == want
+
+
+def test_trl_collection_values_equal_a_schema_batch_built_by_hand():
+    inputs, _, completion_lengths = make_trl_inputs(tools=True, seed=2)
+    out = trl_to_batch(inputs, num_generations=3)
+    by_adapter, by_hand = OPBCCollection(), OPBCCollection()
+    with assert_no_host_sync():
+        out = trl_to_batch(inputs, num_generations=3)
+        by_adapter.update(out)
+    mask = torch.tensor([[1 if (j < c and not 1 <= j < 3) else 0 for j in range(6)] for c in completion_lengths])
+    by_hand.update(
+        trainer_logprobs=inputs["old_per_token_logps"].clone(),
+        rollout_logprobs=inputs["sampling_per_token_logps"].clone(),
+        response_mask=mask,
+    )
+    got, want = by_adapter.compute(), by_hand.compute()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # The importance ratio TRL logs is exp(old - sampling) on the same tokens: our mean weight matches
+    # its unclipped mean when nothing is clipped at 2.0.
+    ratio = torch.exp(inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]).double()
+    assert float(ratio.max()) < 2.0
+    assert got["opbc/is/weight_mean"].item() == pytest.approx(float(ratio[mask.bool()].mean()), rel=1e-6)
+
+
+def test_trl_clear_errors():
+    inputs, _, _ = make_trl_inputs(seed=3)
+    no_sampling = {k: v for k, v in inputs.items() if k != "sampling_per_token_logps"}
+    with pytest.raises(ValueError, match=r"`sampling_per_token_logps`.*use_vllm"):
+        trl_to_batch(no_sampling)
+    assert "rollout_logprobs" not in trl_to_batch(no_sampling, require_logprobs=False)
+    with pytest.raises(ValueError, match=r"`old_per_token_logps`"):
+        trl_to_batch({k: v for k, v in inputs.items() if k != "old_per_token_logps"})
+    with pytest.raises(ValueError, match=r"`completion_mask`"):
+        trl_to_batch({k: v for k, v in inputs.items() if k != "completion_mask"})
+    with pytest.raises(ValueError, match=r"`tool_mask`"):
+        trl_to_batch({**inputs, "tool_mask": torch.ones(2, 2)})
+    with pytest.raises(ValueError, match="num_generations"):
+        trl_to_batch(inputs, num_generations=0)
+    with pytest.raises(ValueError, match="group_ids"):
+        trl_to_batch(inputs, group_ids=[1, 2])

@@ -1,0 +1,361 @@
+"""OPBCCallback under a real lightning.Trainer on CPU: interval and epoch logging, global values under a
+2-process DDP run (gloo), the LightningModule-held collection pattern, and a transform (verl names)."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.loggers import Logger  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
+
+from opbc_metrics import OPBCCollection  # noqa: E402
+from opbc_metrics.integrations.lightning import OPBCCallback  # noqa: E402
+from opbc_metrics.integrations.verl import verl_to_batch  # noqa: E402
+from tests.data import make_batch  # noqa: E402
+from tests.ddp import run_distributed  # noqa: E402
+
+SEQ = 12
+
+
+# ------------------------------------------------------------------------------------------------
+# A tiny model, a per-sample dataset, and a logger that records what it receives
+# ------------------------------------------------------------------------------------------------
+def make_samples(n: int, seed: int, empty_every: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Per-sample dicts (the default collate stacks them into a batch-schema dict)."""
+    b = make_batch(batch=n, seq=SEQ, seed=seed, drift=0.4, dtype=torch.float64, heavy_tail=True)
+    samples = []
+    for i in range(n):
+        mask = b["response_mask"][i].clone()
+        if empty_every and i % empty_every == 0:
+            mask.zero_()  # sequences with no valid token: uneven work across ranks
+        samples.append(
+            {
+                "trainer_logprobs": b["trainer_logprobs"][i],
+                "rollout_logprobs": b["rollout_logprobs"][i],
+                "response_mask": mask,
+                "group_ids": torch.tensor(i // 2),
+            }
+        )
+    return samples
+
+
+def stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def reference(samples: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Values of a fresh single-process collection on exactly these samples (one update)."""
+    metrics = OPBCCollection()
+    metrics.update(stack(samples))
+    return {k: v.item() for k, v in metrics.compute().items() if v.numel() == 1}
+
+
+class TinyModule(L.LightningModule):
+    """Returns the batch fields under "opbc" from training_step; the trainer logprobs carry grad."""
+
+    def __init__(self, hold_collection: bool = False, return_fields: bool = True) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+        self.return_fields = return_fields
+        if hold_collection:
+            self.opbc = OPBCCollection()
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        if not self.return_fields:
+            return (self.scale - 1.0) ** 2
+        trainer_logprobs = batch["trainer_logprobs"] * self.scale  # == the batch values, requires grad
+        loss = (trainer_logprobs * batch["response_mask"]).sum() * 0.0 + (self.scale - 1.0) ** 2
+        fields = {
+            "trainer_logprobs": trainer_logprobs,
+            "rollout_logprobs": batch["rollout_logprobs"],
+            "response_mask": batch["response_mask"],
+        }
+        return {"loss": loss, "opbc": fields}
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class MemoryLogger(Logger):
+    """Records every ``log_metrics`` call as ``(step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.records.append((int(step) if step is not None else -1, dict(metrics)))
+
+    def opbc_records(self, suffix: str = "") -> list[tuple[int, dict[str, float]]]:
+        """The records written by the callback: windows (``suffix=""``) or epoch aggregates."""
+        return [(step, m) for step, m in self.records if f"opbc/is/ess{suffix}" in m]
+
+
+def make_trainer(callback: OPBCCallback, logger: MemoryLogger, epochs: int = 1, **kwargs: Any) -> Any:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=logger,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def loader(samples: list[dict[str, Any]], batch_size: int = 2) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(samples, batch_size=batch_size, shuffle=False)
+
+
+def assert_close(got: dict[str, float], want: dict[str, float], suffix: str = "") -> None:
+    assert want, "nothing to compare"
+    for key, value in want.items():
+        assert key + suffix in got, f"{key + suffix} was not logged"
+        assert math.isclose(got[key + suffix], value, rel_tol=1e-9, abs_tol=1e-12), (key, got[key + suffix], value)
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Any:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=r".*GPU available but not used.*")
+        warnings.filterwarnings("ignore", message=r".*log_every_n_steps.*")
+        yield
+
+
+# ------------------------------------------------------------------------------------------------
+# Single process
+# ------------------------------------------------------------------------------------------------
+def test_interval_and_epoch_values_equal_an_independent_collection_on_the_same_batches():
+    samples = make_samples(12, seed=3, empty_every=5)  # 6 batches of 2 per epoch
+    logger = MemoryLogger()
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2, prog_bar=["opbc/is/ess"])
+    trainer = make_trainer(callback, logger, epochs=2, log_every_n_steps=50)
+    trainer.fit(TinyModule(), loader(samples))
+
+    windows = logger.opbc_records()
+    # Logged every 2 batches, at the step Lightning uses for the batch (batches_that_stepped before
+    # the increment): steps 1, 3, 5 in epoch 0 and 7, 9, 11 in epoch 1.
+    assert [step for step, _ in windows] == [1, 3, 5, 7, 9, 11]
+    for i, (_, logged) in enumerate(windows):
+        w = i % 3
+        assert_close(logged, reference(samples[4 * w : 4 * w + 4]))
+
+    epochs = logger.opbc_records(suffix="_epoch")
+    assert [step for step, _ in epochs] == [6, 12]
+    for _, logged in epochs:
+        assert_close(logged, reference(samples), suffix="_epoch")
+    assert {m["epoch"] for _, m in logger.records if "opbc/is/ess_epoch" in m} == {0.0, 1.0}
+
+    # callback_metrics holds the last window (for monitors / progress bar), unreduced.
+    last = reference(samples[8:12])
+    assert math.isclose(trainer.callback_metrics["opbc/is/ess"].item(), last["opbc/is/ess"], rel_tol=1e-9)
+    assert math.isclose(trainer.progress_bar_metrics["opbc/is/ess"], last["opbc/is/ess"], rel_tol=1e-6)
+    assert_close({k: v.item() for k, v in callback.epoch_values.items()}, reference(samples))
+
+
+def test_module_held_collection_source_batch_and_trainer_interval():
+    samples = make_samples(8, seed=4)
+    module = TinyModule(hold_collection=True, return_fields=False)
+    callback = OPBCCallback("opbc", source="batch")  # interval from Trainer(log_every_n_steps=2)
+    logger = MemoryLogger()
+    trainer = make_trainer(callback, logger, log_every_n_steps=2)
+    trainer.fit(module, loader(samples))
+
+    assert callback.metrics is module.opbc
+    windows = logger.opbc_records()
+    assert [step for step, _ in windows] == [1, 3]
+    assert_close(windows[0][1], reference(samples[:4]))
+    assert_close(windows[1][1], reference(samples[4:]))
+    # The window was reset after logging, as Lightning resets logged torchmetrics objects.
+    assert all(m._update_count == 0 for m in module.opbc.members())
+    # The collection is part of the module: its (persistent) states travel in the module's checkpoint.
+    assert any(k.startswith("opbc.") for k in module.state_dict())
+
+
+def test_transform_maps_a_frameworks_names_and_epoch_only_logging():
+    samples = make_samples(6, seed=5)
+    verl_samples = [
+        {
+            "old_log_probs": s["trainer_logprobs"],
+            "rollout_log_probs": s["rollout_logprobs"],
+            "response_mask": s["response_mask"],
+            "uid": f"prompt-{i // 3}",
+        }
+        for i, s in enumerate(samples)
+    ]
+    logger = MemoryLogger()
+    callback = OPBCCallback(source="batch", transform=verl_to_batch, log_every_n_steps=0, epoch_suffix="")
+    trainer = make_trainer(callback, logger, log_every_n_steps=50)
+    trainer.fit(TinyModule(return_fields=False), loader(verl_samples, batch_size=3))
+    records = [m for _, m in logger.records if "opbc/is/ess" in m]
+    assert len(records) == 1  # epoch end only
+    assert_close(records[0], reference(samples))
+
+
+def test_skip_missing_and_clear_errors():
+    samples = make_samples(4, seed=6)
+    logger = MemoryLogger()
+    # training_step returns a bare loss: nothing to read, the batches are skipped.
+    callback = OPBCCallback(key="opbc", log_every_n_steps=1)
+    make_trainer(callback, logger).fit(TinyModule(return_fields=False), loader(samples))
+    assert callback.batches_seen == 2
+    assert all(m._update_count == 0 for m in callback.metrics.members())
+
+    strict = OPBCCallback(key="opbc", log_every_n_steps=1, skip_missing=False)
+    with pytest.raises(ValueError, match="no batch fields"):
+        make_trainer(strict, MemoryLogger()).fit(TinyModule(return_fields=False), loader(samples))
+    with pytest.raises(AttributeError, match="no OPBCCollection attribute `nope`"):
+        make_trainer(OPBCCallback("nope"), MemoryLogger()).fit(TinyModule(), loader(samples))
+    with pytest.raises(ValueError, match="source"):
+        OPBCCallback(source="outputs_and_batch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="log_every_n_steps"):
+        OPBCCallback(log_every_n_steps=-1)
+
+
+def test_callback_state_round_trip():
+    samples = make_samples(6, seed=7)
+    callback = OPBCCallback(key="opbc", log_every_n_steps=4)
+    make_trainer(callback, MemoryLogger()).fit(TinyModule(), loader(samples))
+    state = callback.state_dict()
+    assert state["batches_seen"] == 3 and "window" in state and "epoch" in state
+    fresh = OPBCCallback(key="opbc", log_every_n_steps=4)
+    fresh.load_state_dict(state)
+    assert fresh.batches_seen == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes (gloo): the logged values are global, on every rank, with no Lightning reduction
+# ------------------------------------------------------------------------------------------------
+DDP_SAMPLES = dict(n=16, seed=11, empty_every=3)  # rank r trains on samples r, r+2, ... (explicit shards)
+
+
+def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    # The process group already exists (tests/ddp.py); LOCAL_RANK tells Lightning that processes were
+    # launched externally, so it neither spawns nor re-initialises.
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    warnings.filterwarnings("ignore")
+    samples = make_samples(**DDP_SAMPLES)
+    logger = MemoryLogger()
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_epochs=1,
+        logger=logger,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(TinyModule(), loader(samples[rank::world_size]))  # this rank's shard, in order
+    return {
+        "records": logger.records,
+        "epoch": {k: v.item() for k, v in callback.epoch_values.items()},
+        "callback_ess": trainer.callback_metrics["opbc/is/ess"].item(),
+        "world_size": trainer.world_size,
+    }
+
+
+def test_ddp_two_processes_log_global_values():
+    results = run_distributed(_ddp_worker, world_size=2, timeout=120)
+    assert [r["world_size"] for r in results] == [2, 2]
+    samples = make_samples(**DDP_SAMPLES)
+    per_rank = [samples[r::2] for r in range(2)]
+    # Batch b on rank r holds per_rank[r][2b : 2b + 2]; the window after batches 2w, 2w+1 holds both
+    # ranks' batches.
+    windows = [[s for r in range(2) for s in per_rank[r][4 * w : 4 * w + 4]] for w in range(2)]
+    rank0 = MemoryLogger()
+    rank0.records = results[0]["records"]
+    logged = rank0.opbc_records()
+    assert [step for step, _ in logged] == [1, 3]
+    for w, ((_, values), window) in enumerate(zip(logged, windows)):
+        expected = reference(window)
+        assert_close(values, expected)
+        # The mean of per-rank values (what sync_dist averaging would log) is a different number.
+        naive = np.mean([reference(per_rank[r][4 * w : 4 * w + 4])["opbc/is/ess"] for r in range(2)])
+        assert not math.isclose(naive, expected["opbc/is/ess"], rel_tol=1e-6)
+    epoch = [v for _, v in MemoryLogger.opbc_records(rank0, suffix="_epoch")]
+    assert len(epoch) == 1
+    assert_close(epoch[0], reference(samples), suffix="_epoch")
+    # Every rank computed the same global values; only rank 0 wrote to its logger.
+    assert_close(results[1]["epoch"], reference(samples))
+    assert results[1]["records"] == []
+    assert math.isclose(results[0]["callback_ess"], results[1]["callback_ess"], rel_tol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# The callback with a W&B sink (offline run, read back)
+# ------------------------------------------------------------------------------------------------
+def test_callback_with_wandb_sink_writes_windows_epoch_and_histograms(tmp_path):
+    pytest.importorskip("wandb")
+    from opbc_metrics.integrations.wandb_logger import DistributionHistograms, OPBCWandbLogger
+    from tests.test_integration_wandb import read_offline_run
+
+    samples = make_samples(10, seed=8)  # 5 batches: windows after batches 2 and 4, a 1-batch tail
+    sink = OPBCWandbLogger(
+        distributions=DistributionHistograms(bins=16), mode="offline", dir=str(tmp_path), log_glossary=False
+    )
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2, sinks=[sink])
+    make_trainer(callback, MemoryLogger(), log_every_n_steps=50).fit(TinyModule(), loader(samples))
+    sink.finish()
+
+    history = read_offline_run(tmp_path)["history"]
+    windows = [r for r in history if "opbc/is/ess" in r]
+    assert [r["_step"] for r in windows] == [1, 3]
+    assert_close(windows[0], reference(samples[:4]))
+    assert_close(windows[1], reference(samples[4:8]))
+    epoch = [r for r in history if "opbc/is/ess_epoch" in r]
+    assert [r["_step"] for r in epoch] == [5]
+    assert_close(epoch[0], reference(samples), suffix="_epoch")
+    # Window histograms count that window's valid tokens; the tail batch's histogram rides with the
+    # epoch row.
+    for row, part in ((windows[0], samples[:4]), (windows[1], samples[4:8]), (epoch[0], samples[8:])):
+        tokens = int(sum(s["response_mask"].sum() for s in part))
+        assert sum(row["opbc/dist/log_ratio"]["values"]) == tokens
+
+
+def test_lightning_example_runs_and_measures_a_real_bf16_mismatch(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "lightning_example.py"
+    spec = importlib.util.spec_from_file_location("lightning_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.chdir(tmp_path)
+    out = example.main(["--batches", "4", "--epochs", "1", "--log-every", "2"])
+    assert 0.99 < out["opbc/is/ess"] <= 1.0
+    assert 0.0 < out["opbc/logprob/abs_diff_mean"] < 0.05  # bf16 rounding of the same weights
+    assert out["opbc/input/num_sequences"] == 32
+    assert (tmp_path / "lightning_logs").exists()

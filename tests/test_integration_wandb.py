@@ -1,0 +1,400 @@
+"""OPBCWandbLogger against a real wandb run in offline mode, read back from the run's ``.wandb`` file.
+
+wandb >= 0.19 writes offline runs with its Go core and ships no Python reader for the transaction log,
+so :func:`read_offline_run` parses it here: a LevelDB-log-style file (a 7-byte header ``":W&B"``,
+magic ``0xBEE1``, version 0, then 32 KiB blocks of records with a 7-byte header: CRC32C, length,
+type FULL/FIRST/MIDDLE/LAST) whose payloads are ``wandb.proto.wandb_internal_pb2.Record`` messages.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+wandb = pytest.importorskip("wandb")
+from wandb.proto import wandb_internal_pb2  # noqa: E402
+
+from opbc_metrics import OPBCCollection  # noqa: E402
+from opbc_metrics.integrations.wandb_logger import (  # noqa: E402
+    MAX_HISTOGRAM_BINS,
+    DistributionHistograms,
+    OPBCWandbLogger,
+    batch_histograms,
+    summaries_for,
+    vector_histogram,
+)
+from opbc_metrics.testing import assert_no_host_sync  # noqa: E402
+from tests.data import concat_batches, make_batch  # noqa: E402
+from tests.ddp import run_distributed  # noqa: E402
+
+LAYERS, TOP_K = 4, 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading an offline run back
+# ------------------------------------------------------------------------------------------------
+def _records(path: str) -> list[Any]:
+    data = Path(path).read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
+    block, header = 32768, 7
+    pos, pending, payloads = 7, b"", []
+    while pos + header <= len(data):
+        left = block - pos % block
+        if left < header:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + header])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk = data[pos + header : pos + header + length]
+        pos += header + length
+        if kind == 1:
+            payloads.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            payloads.append(pending + chunk)
+            pending = b""
+    out = []
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        out.append(record)
+    return out
+
+
+def _items(items: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        value = json.loads(item.value_json)
+        if item.key or len(item.nested_key) == 1:
+            out[item.key or item.nested_key[0]] = value
+        else:
+            parent, child = "/".join(item.nested_key[:-1]), item.nested_key[-1]
+            out.setdefault(parent, {})[child] = value
+    return out
+
+
+def read_offline_run(root: Path, timeout: float = 30.0) -> dict[str, Any]:
+    """History rows, final summary, merged config and ``define_metric`` records of the one offline run.
+
+    wandb-core may still be flushing the log when ``run.finish()`` returns (seen on a loaded machine),
+    so the file is re-read until its ``exit`` record is there.
+    """
+    (path,) = glob.glob(str(root / "wandb" / "offline-run-*" / "run-*.wandb"))
+    deadline = time.monotonic() + timeout
+    records = _records(path)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = _records(path)
+    run: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "metrics": {}, "path": path}
+    run["kinds"] = sorted(r.WhichOneof("record_type") for r in records)
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            run["history"].append(_items(record.history.item))
+        elif kind == "summary":
+            run["summary"].update(_items(record.summary.update))
+        elif kind == "config":
+            run["config"].update(_items(record.config.update))
+        elif kind == "metric":
+            m = record.metric
+            run["metrics"][m.name] = {
+                "summary": {f for f in ("min", "max", "mean", "last", "best") if getattr(m.summary, f)},
+                "step_metric": m.step_metric,
+            }
+    return run
+
+
+# ------------------------------------------------------------------------------------------------
+# Data with real router disagreement
+# ------------------------------------------------------------------------------------------------
+def expert_batch(seed: int, batch: int = 6, seq: int = 10, flip_p: float = 0.2) -> dict[str, torch.Tensor]:
+    b = make_batch(batch=batch, seq=seq, seed=seed, drift=0.3, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1000 + seed)
+    rollout = torch.stack([torch.randperm(8, generator=g)[:TOP_K] for _ in range(batch * seq * LAYERS)])
+    rollout = rollout.reshape(batch, seq, LAYERS, TOP_K)
+    trainer = rollout.clone()
+    flip = torch.rand(batch, seq, LAYERS, generator=g) < flip_p * (1 + torch.arange(LAYERS)) / LAYERS
+    trainer[..., 0] = torch.where(flip, (rollout[..., 0] + 1) % 8, rollout[..., 0])
+    return {**b, "rollout_experts": rollout, "trainer_experts": trainer}
+
+
+def np_layer_flip_rate(batches: list[dict[str, torch.Tensor]]) -> np.ndarray:
+    """Independent reference: loops over tokens and layers."""
+    flips, tokens = np.zeros(LAYERS), 0
+    for b in batches:
+        mask = b["response_mask"].numpy()
+        r, t = b["rollout_experts"].numpy(), b["trainer_experts"].numpy()
+        for i in range(mask.shape[0]):
+            for j in range(mask.shape[1]):
+                if mask[i, j]:
+                    tokens += 1
+                    for layer in range(LAYERS):
+                        flips[layer] += int(r[i, j, layer, 0] != t[i, j, layer, 0])
+    return flips / tokens
+
+
+def np_valid_log_ratios(batches: list[dict[str, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:
+    tokens, seqs = [], []
+    for b in batches:
+        r = (b["trainer_logprobs"] - b["rollout_logprobs"]).numpy()
+        mask = b["response_mask"].numpy().astype(bool)
+        tokens.extend(r[mask].tolist())
+        seqs.extend(r[i][mask[i]].sum() for i in range(r.shape[0]) if mask[i].any())
+    return np.array(tokens), np.array(seqs)
+
+
+def np_hist(values: np.ndarray, bins: int, half_width: float) -> np.ndarray:
+    """Counts in equal bins over [-R, R], the end bins open (values beyond are clipped into them)."""
+    edges = np.linspace(-half_width, half_width, bins + 1)
+    counts, _ = np.histogram(np.clip(values, -half_width, half_width), bins=edges)
+    return counts.astype(float)
+
+
+# ------------------------------------------------------------------------------------------------
+# The logger against an offline run
+# ------------------------------------------------------------------------------------------------
+def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
+    batches = [[expert_batch(3 * s + k) for k in range(2)] for s in range(3)]  # 3 windows of 2 batches
+    metrics = OPBCCollection()
+    hist = DistributionHistograms(bins=32, log_ratio_range=1.5, seq_log_ratio_range=6.0, num_layers=LAYERS)
+    logger = OPBCWandbLogger(
+        collection=metrics,
+        distributions=hist,
+        num_layers=LAYERS,
+        ranges={"rollout/reward/mean": (0.0, 2.0)},
+        project="opbc-test",
+        mode="offline",
+        dir=str(tmp_path),
+    )
+    logged: list[dict[str, float]] = []
+    for step, window in enumerate(batches):
+        for b in window:
+            metrics.update(b)
+            logger.update(b)
+        values = metrics.compute()
+        logged.append({k: v.item() for k, v in values.items() if v.numel() == 1})
+        logger.log(values, step=10 * step)
+        metrics.reset()
+    logger.finish()
+
+    run = read_offline_run(tmp_path)
+    assert "offline-run-" in run["path"]
+    rows = [r for r in run["history"] if "opbc/is/ess" in r]
+    assert [r["_step"] for r in rows] == [0, 10, 20], (run["kinds"], os.path.getsize(run["path"]))
+
+    for row, window in zip(rows, batches):
+        # Scalars: exactly what a fresh collection computes on the window (independent recomputation).
+        fresh = OPBCCollection()
+        for b in window:
+            fresh.update(b)
+        want = {k: v.item() for k, v in fresh.compute().items() if v.numel() == 1}
+        for key, value in want.items():
+            assert math.isclose(row[key], value, rel_tol=1e-12, abs_tol=1e-15), key
+        # Distribution histograms (fixed bins, end bins open) against numpy on the window's tokens.
+        tokens, seqs = np_valid_log_ratios(window)
+        h = row["opbc/dist/log_ratio"]
+        assert h["_type"] == "histogram" and len(h["bins"]) == len(h["values"]) + 1 <= MAX_HISTOGRAM_BINS + 1
+        np.testing.assert_allclose(h["values"], np_hist(tokens, 32, 1.5))
+        np.testing.assert_allclose(h["bins"], np.linspace(-1.5, 1.5, 33))
+        np.testing.assert_allclose(row["opbc/dist/seq_log_ratio"]["values"], np_hist(seqs, 32, 6.0))
+        flips = np_layer_flip_rate(window)
+        np.testing.assert_allclose(row["moe/dist/layer_flip_rate"]["values"], flips, rtol=1e-12)
+        # Per-layer bars built from the collection's moe/router/layer_<i>/flip_rate scalars.
+        bars = row["moe/router/flip_rate_by_layer"]
+        np.testing.assert_allclose(bars["values"], flips, rtol=1e-12)
+        assert bars["bins"] == [0, 1, 2, 3, 4]
+
+    # define_metric: the worst case over the run.
+    metrics_defined = run["metrics"]
+    assert metrics_defined["opbc/is/ess"]["summary"] == {"min"}
+    assert metrics_defined["opbc/is/veto_fraction"]["summary"] == {"max"}
+    assert metrics_defined["opbc/logprob/abs_diff_mean"]["summary"] == {"max"}
+    assert metrics_defined["opbc/is/weight_mean"]["summary"] == {"min", "max"}
+    assert metrics_defined["moe/router/flip_rate"]["summary"] == {"max"}
+    assert metrics_defined["moe/router/worst_layer"]["summary"] == {"last"}
+    # ... and W&B's own summary holds those aggregates of what was logged.
+    summary = run["summary"]
+    assert summary["opbc/is/ess"]["min"] == pytest.approx(min(v["opbc/is/ess"] for v in logged), rel=1e-12)
+    assert summary["opbc/kl/k3"]["max"] == pytest.approx(max(v["opbc/kl/k3"] for v in logged), rel=1e-12)
+    assert summary["moe/router/flip_rate"]["max"] == pytest.approx(
+        max(v["moe/router/flip_rate"] for v in logged), rel=1e-12
+    )
+
+    # Config: glossary, chart ranges (class bounds + declared), summaries, histogram bins.
+    opbc = run["config"]["opbc"]
+    assert opbc["glossary"]["ESS"]["keys"] == ["opbc/is/ess"]
+    assert opbc["glossary"]["ESS"]["cap"]
+    assert opbc["chart_ranges"]["opbc/is/ess"] == [0.0, 1.0]
+    assert opbc["chart_ranges"]["rollout/reward/mean"] == [0.0, 2.0]
+    assert opbc["summaries"]["opbc/is/veto_fraction"] == "max"
+    assert opbc["histograms"]["opbc/dist/log_ratio"] == {"bins": 32, "edges": [-1.5, 1.5]}
+
+
+def test_step_metric_and_batch_distributions(tmp_path: Path):
+    logger = OPBCWandbLogger(step_metric="trainer/global_step", mode="offline", dir=str(tmp_path), log_glossary=False)
+    b = make_batch(batch=5, seq=9, seed=2)
+    logger.log({"opbc/is/ess": torch.tensor(0.75), "opbc/is/veto_fraction": 0.0, "custom/loss": 1.5}, step=7)
+    logger.log_batch_distributions(b, step=8, bins=16)
+    logger.finish()
+    run = read_offline_run(tmp_path)
+    assert run["metrics"]["opbc/is/ess"]["step_metric"] == "trainer/global_step"
+    assert "custom/loss" not in run["metrics"]  # unknown direction: W&B's default summary
+    row = next(r for r in run["history"] if "opbc/is/ess" in r)
+    assert row["trainer/global_step"] == 7 and row["opbc/is/ess"] == 0.75 and row["custom/loss"] == 1.5
+    hist_row = next(r for r in run["history"] if "opbc/dist/log_ratio" in r)
+    tokens, seqs = np_valid_log_ratios([b])
+    counts, edges = np.histogram(tokens, bins=16)
+    assert hist_row["trainer/global_step"] == 8
+    np.testing.assert_allclose(hist_row["opbc/dist/log_ratio"]["values"], counts)
+    np.testing.assert_allclose(hist_row["opbc/dist/log_ratio"]["bins"], edges, rtol=1e-12)
+    assert sum(hist_row["opbc/dist/seq_log_ratio"]["values"]) == len(seqs)
+
+
+def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("RANK", "1")
+    hist = DistributionHistograms(bins=8)
+    logger = OPBCWandbLogger(distributions=hist, mode="offline", dir=str(tmp_path))
+    logger.update(make_batch(seed=1))
+    logger.log({"opbc/is/ess": 0.5}, step=0)
+    logger.finish()
+    assert logger.run is None
+    assert not (tmp_path / "wandb").exists()
+    assert float(hist.token_counts.sum()) == 0.0  # the window was consumed (and reset) all the same
+
+
+# ------------------------------------------------------------------------------------------------
+# Histograms: bin limit, reference, no host sync, chunking
+# ------------------------------------------------------------------------------------------------
+def test_histograms_respect_wandbs_bin_limit():
+    assert MAX_HISTOGRAM_BINS == wandb.Histogram.MAX_LENGTH == 512
+    with pytest.raises(ValueError, match="512"):
+        DistributionHistograms(bins=513)
+    with pytest.raises(ValueError, match="512"):
+        batch_histograms(make_batch(), bins=1000)
+    heights, edges = vector_histogram(np.arange(1500.0))
+    assert len(heights) <= 512 and len(edges) == len(heights) + 1
+    assert heights.sum() * 3 == pytest.approx(np.arange(1500.0).sum())  # means over runs of 3
+    wandb.Histogram(np_histogram=(heights, edges))  # accepted by wandb itself
+    with pytest.raises(ValueError, match="log_ratio_range"):
+        DistributionHistograms(log_ratio_range=0.0)
+    with pytest.raises(ValueError, match="num_layers"):
+        DistributionHistograms(num_layers=0)
+
+
+@pytest.mark.filterwarnings("ignore:The ``compute`` method of metric DistributionHistograms")
+def test_distribution_histograms_reference_chunking_and_no_host_sync():
+    batches = [expert_batch(s) for s in range(3)]
+    one = DistributionHistograms(bins=20, num_layers=LAYERS)
+    chunked = DistributionHistograms(bins=20, num_layers=LAYERS)
+    with assert_no_host_sync():
+        for b in batches:
+            chunked.update(b)
+    one.update(concat_batches(batches))
+    tokens, seqs = np_valid_log_ratios(batches)
+    for metric in (one, chunked):
+        out = metric.histograms()
+        np.testing.assert_allclose(out["opbc/dist/log_ratio"][0], np_hist(tokens, 20, 1.0))
+        np.testing.assert_allclose(out["opbc/dist/seq_log_ratio"][0], np_hist(seqs, 20, 10.0))
+        np.testing.assert_allclose(out["moe/dist/layer_flip_rate"][0], np_layer_flip_rate(batches), rtol=1e-12)
+    bad = dict(batches[0], trainer_experts=batches[0]["trainer_experts"][:, :, :2])
+    with pytest.raises(ValueError, match="`trainer_experts`"):
+        DistributionHistograms(num_layers=LAYERS).update(bad)
+    empty = DistributionHistograms(bins=4, num_layers=LAYERS)
+    assert empty.histograms(skip_empty=True) == {}
+    assert all(not v.any() for v in empty.compute().values())
+
+
+def test_summaries_follow_the_worst_case_direction():
+    directions = {"a/b/good": True, "a/b/bad": False, "a/b/neutral": None}
+    got = summaries_for([*directions, "a/b/unknown", "a/b/good_epoch"], directions, overrides={"a/b/bad": "max,last"})
+    assert got == {"a/b/good": "min", "a/b/bad": "max,last", "a/b/neutral": "last", "a/b/good_epoch": "min"}
+
+
+@pytest.mark.filterwarnings("ignore:The ``compute`` method of metric DistributionHistograms")
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 9)), min_size=1, max_size=4),
+    seed=st.integers(0, 10_000),
+    drift=st.floats(0.01, 3.0),
+)
+def test_distribution_histograms_properties(sizes, seed, drift):
+    batches = [
+        make_batch(batch=b, seq=t, seed=seed + i, drift=drift, dtype=torch.float64, empty_rows=i % 2)
+        for i, (b, t) in enumerate(sizes)
+    ]
+    chunked, one, permuted = (DistributionHistograms(bins=24, log_ratio_range=0.7) for _ in range(3))
+    for b in batches:
+        chunked.update(b)
+    whole = concat_batches(batches)
+    one.update(whole)
+    perm = torch.randperm(whole["trainer_logprobs"].shape[0], generator=torch.Generator().manual_seed(seed))
+    permuted.update({k: v[perm] for k, v in whole.items()})
+    a, b, c = chunked.compute(), one.compute(), permuted.compute()
+    for key in a:
+        assert torch.equal(a[key], b[key]) and torch.equal(a[key], c[key])
+    valid_tokens = sum(int(x["response_mask"].sum()) for x in batches)
+    valid_seqs = sum(int((x["response_mask"].sum(1) > 0).sum()) for x in batches)
+    assert float(a["opbc/dist/log_ratio"].sum()) == valid_tokens  # nothing dropped: end bins are open
+    assert float(a["opbc/dist/seq_log_ratio"].sum()) == valid_seqs
+    restored = DistributionHistograms(bins=24, log_ratio_range=0.7)
+    restored.load_state_dict(chunked.state_dict())
+    assert torch.equal(restored.compute()["opbc/dist/log_ratio"], a["opbc/dist/log_ratio"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Two processes: every rank calls log(), rank 0 writes the global values
+# ------------------------------------------------------------------------------------------------
+SHARDS = [[dict(seed=21), dict(seed=22, batch=3)], [dict(seed=23, flip_p=0.6)]]
+
+
+def _wandb_worker(rank: int, world_size: int, root: str) -> bool:
+    os.environ["RANK"] = str(rank)
+    metrics = OPBCCollection()
+    logger = OPBCWandbLogger(
+        collection=metrics,
+        distributions=DistributionHistograms(bins=16, num_layers=LAYERS),
+        num_layers=LAYERS,
+        mode="offline",
+        dir=root,
+        log_glossary=False,
+    )
+    for spec in SHARDS[rank]:
+        b = expert_batch(**spec)
+        metrics.update(b)
+        logger.update(b)
+    logger.log(metrics.compute(), step=1)
+    wrote = logger.run is not None
+    logger.finish()
+    return wrote
+
+
+def test_ddp_rank_zero_writes_global_values(tmp_path: Path):
+    assert run_distributed(_wandb_worker, world_size=2, args=(str(tmp_path),)) == [True, False]
+    everything = [expert_batch(**spec) for shard in SHARDS for spec in shard]
+    single = OPBCCollection()
+    for b in everything:
+        single.update(b)
+    want = {k: v.item() for k, v in single.compute().items() if v.numel() == 1}
+    row = next(r for r in read_offline_run(tmp_path)["history"] if "opbc/is/ess" in r)
+    for key, value in want.items():
+        assert math.isclose(row[key], value, rel_tol=1e-9, abs_tol=1e-12), key
+    tokens, _ = np_valid_log_ratios(everything)
+    np.testing.assert_allclose(row["opbc/dist/log_ratio"]["values"], np_hist(tokens, 16, 1.0))
+    np.testing.assert_allclose(row["moe/dist/layer_flip_rate"]["values"], np_layer_flip_rate(everything), rtol=1e-9)

@@ -1,0 +1,536 @@
+"""MoE router drift against an independent NumPy reference, plus DDP, properties and contracts."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opbc_metrics import OPBCCollection, RouterFlipRate, RouterSetDisagreement, glossary
+from opbc_metrics import functional as F
+from opbc_metrics.batch import BatchView
+from opbc_metrics.collection import DEFAULT_SECTIONS
+from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
+from opbc_metrics.testing import assert_no_host_sync
+from tests.data import make_batch
+from tests.ddp import run_distributed
+
+FLIP = "moe/router/flip_rate"
+SET = "moe/router/topk_disagreement_rate"
+WORST = "moe/router/worst_layer"
+WORST_RATE = "moe/router/worst_layer_flip_rate"
+
+
+# --- independent reference (NumPy + plain loops, written from the design text) ----------------------
+def router_reference(rollout, trainer, mask=None, num_layers=None) -> dict[str, float]:
+    """Loops over tokens and layers; Python sets for the top-K comparison."""
+    rollout, trainer = np.asarray(rollout), np.asarray(trainer)
+    b, t, n_layers, _ = rollout.shape
+    mask = np.ones((b, t), dtype=bool) if mask is None else np.asarray(mask) != 0
+    cap = n_layers if num_layers is None else num_layers
+    flips = np.zeros(cap + 1)
+    pairs = np.zeros(cap + 1)
+    tokens = 0
+    set_diff = 0
+    for i in range(b):
+        for j in range(t):
+            if not mask[i, j]:
+                continue
+            tokens += 1
+            differs = False
+            for layer in range(n_layers):
+                bucket = min(layer, cap)
+                pairs[bucket] += 1
+                if rollout[i, j, layer, 0] != trainer[i, j, layer, 0]:
+                    flips[bucket] += 1
+                if set(rollout[i, j, layer].tolist()) != set(trainer[i, j, layer].tolist()):
+                    differs = True
+            set_diff += differs
+    rates = [flips[k] / pairs[k] if pairs[k] else 0.0 for k in range(cap + 1)]
+    out = {
+        FLIP: flips.sum() / pairs.sum() if pairs.sum() else 0.0,
+        SET: set_diff / tokens if tokens else 0.0,
+    }
+    worst, worst_rate = -1, 0.0
+    for k in range(cap + 1):
+        if pairs[k] and (worst < 0 or rates[k] > worst_rate):
+            worst, worst_rate = k, rates[k]
+    out[WORST] = float(worst)
+    out[WORST_RATE] = worst_rate
+    for k in range(cap):
+        out[f"moe/router/layer_{k}/flip_rate"] = rates[k]
+    out["moe/router/layer_overflow/flip_rate"] = rates[cap]
+    return out
+
+
+def make_router_batch(batch=4, seq=10, layers=3, k=2, experts=8, seed=0, swap=0.2, replace=0.15, empty_rows=0):
+    """Distinct top-K ids per (token, layer); the trainer swaps the top two (top-1 flip, same set) or
+    replaces the last expert with one outside the set (set differs), at the given rates."""
+    rng = np.random.default_rng(seed)
+    order = np.argsort(rng.random((batch, seq, layers, experts)), axis=-1)
+    rollout = order[..., :k].copy()
+    trainer = rollout.copy()
+    if k > 1:
+        sw = rng.random((batch, seq, layers)) < swap
+        trainer[sw, 0], trainer[sw, 1] = rollout[sw, 1], rollout[sw, 0]
+    if k < experts:
+        rep = rng.random((batch, seq, layers)) < replace
+        trainer[rep, k - 1] = order[rep, k]  # an expert outside the rollout's top-K
+    lengths = rng.integers(1, seq + 1, size=batch)
+    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+    mask[:empty_rows] = 0
+    return {
+        "rollout_experts": torch.from_numpy(rollout),
+        "trainer_experts": torch.from_numpy(trainer),
+        "response_mask": torch.from_numpy(mask),
+    }
+
+
+def _numpy(batch):
+    return batch["rollout_experts"].numpy(), batch["trainer_experts"].numpy(), batch["response_mask"].numpy()
+
+
+def _router_metrics(num_layers, top_k=None):
+    return [RouterFlipRate(num_layers=num_layers, top_k=top_k), RouterSetDisagreement(top_k=top_k)]
+
+
+def _values(metrics, *batches):
+    out = {}
+    for m in metrics:
+        for b in batches:
+            m.update(b)
+        out.update(m.compute_dict())
+    return {k: v.item() for k, v in out.items()}
+
+
+def _assert_close(got, want, tol=1e-12):
+    assert set(want) <= set(got), set(want) - set(got)
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=tol, abs_tol=tol), (key, got[key], value)
+
+
+def concat_padded(batches):
+    """Concatenate along B, right-padding T (dim 1) of every [B, T, ...] field with masked zeros."""
+    seq = max(b["response_mask"].shape[1] for b in batches)
+    out = {}
+    for b in batches:
+        for key, v in b.items():
+            if v.ndim >= 2:
+                pad = [0, 0] * (v.ndim - 2) + [0, seq - v.shape[1]]
+                v = torch.nn.functional.pad(v, pad, value=0)
+            out.setdefault(key, []).append(v)
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+# --- reference comparisons --------------------------------------------------------------------------
+@pytest.mark.parametrize("layers,num_layers", [(3, 3), (3, 8), (6, 4)])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_matches_reference(layers, num_layers, k):
+    batches = [make_router_batch(layers=layers, k=k, seed=s, swap=0.3, replace=0.2 + 0.1 * s) for s in range(3)]
+    got = _values(_router_metrics(num_layers), *batches)
+    want = router_reference(*_numpy(concat_padded(batches)), num_layers=num_layers)
+    assert want[FLIP] > 0 and want[SET] > 0
+    _assert_close(got, want)
+    assert set(got) == {*flip_rate_keys(num_layers), SET}
+
+
+def test_overflow_layers_pool_and_can_be_the_worst():
+    b = make_router_batch(layers=6, k=2, seed=1, swap=0.0, replace=0.0)
+    b["trainer_experts"][:, :, 5, 0] += 100  # every valid token flips in layer 5, pooled with layer 4
+    got = _values(_router_metrics(4), b)
+    want = router_reference(*_numpy(b), num_layers=4)
+    _assert_close(got, want)
+    assert got[WORST] == 4.0 and got["moe/router/layer_overflow/flip_rate"] == 0.5
+
+
+def test_worst_layer_is_the_first_on_ties_and_minus_one_when_empty():
+    b = make_router_batch(layers=3, k=2, seed=2, swap=0.0, replace=0.0)
+    b["trainer_experts"][:, :, 1, 0] += 100
+    b["trainer_experts"][:, :, 2, 0] += 100
+    assert _values([RouterFlipRate(num_layers=3)], b)[WORST] == 1.0
+    empty = dict(b, response_mask=torch.zeros_like(b["response_mask"]))
+    out = _values(_router_metrics(3), empty)
+    assert out[WORST] == -1.0 and out[WORST_RATE] == 0.0 and out[FLIP] == 0.0 and out[SET] == 0.0
+
+
+def test_router_logits_are_read_through_top_k():
+    rng = np.random.default_rng(5)
+    b, t, layers, experts, k = 3, 7, 4, 8, 2
+    r_logits = rng.normal(size=(b, t, layers, experts)).astype(np.float32)
+    t_logits = (r_logits + rng.normal(scale=0.3, size=r_logits.shape)).astype(np.float32)
+    mask = (rng.random((b, t)) < 0.7).astype(np.int64)
+    ref_r = np.argsort(-r_logits, axis=-1)[..., :k]
+    ref_t = np.argsort(-t_logits, axis=-1)[..., :k]
+    want = router_reference(ref_r, ref_t, mask, num_layers=layers)
+    assert want[FLIP] > 0 and want[SET] > 0
+    logits = {
+        "rollout_router_logits": torch.from_numpy(r_logits),
+        "trainer_router_logits": torch.from_numpy(t_logits),
+        "response_mask": torch.from_numpy(mask),
+    }
+    _assert_close(_values(_router_metrics(layers, top_k=k), logits), want)
+    # Mixed: replayed rollout ids against trainer logits.
+    mixed = {"rollout_experts": torch.from_numpy(ref_r), "trainer_router_logits": logits["trainer_router_logits"],
+             "response_mask": logits["response_mask"]}
+    _assert_close(_values(_router_metrics(layers, top_k=k), mixed), want)
+    # Functional: integer tensors are expert ids, floating ones router logits.
+    out = F.router_flip_rate(logits["rollout_router_logits"], torch.from_numpy(ref_t), logits["response_mask"], top_k=k)
+    _assert_close({key: v.item() for key, v in out.items()}, {key: v for key, v in want.items() if key != SET})
+    assert F.router_topk_disagreement_rate(
+        logits["rollout_router_logits"], logits["trainer_router_logits"], logits["response_mask"], top_k=k
+    ).item() == pytest.approx(want[SET], abs=1e-15)
+    assert torch.equal(F.router_topk(logits["rollout_router_logits"], k), torch.from_numpy(ref_r))
+
+
+def test_top_k_cuts_expert_ids_to_the_highest_weights():
+    b = make_router_batch(layers=3, k=4, seed=3, swap=0.0, replace=0.4)
+    cut = {key: (v[..., :2] if key.endswith("experts") else v) for key, v in b.items()}
+    want = router_reference(*_numpy(cut), num_layers=3)
+    _assert_close(_values([RouterSetDisagreement(top_k=2), RouterFlipRate(num_layers=3, top_k=2)], b), want)
+    assert want[SET] != router_reference(*_numpy(b))[SET]
+
+
+def test_functional_equals_class_after_one_update():
+    b = make_router_batch(layers=5, k=3, seed=4)
+    args = (b["rollout_experts"], b["trainer_experts"], b["response_mask"])
+    got = _values(_router_metrics(5), b)
+    func = F.router_flip_rate(*args)  # num_layers defaults to L
+    assert set(func) == set(flip_rate_keys(5))
+    for key, v in func.items():
+        assert v.item() == got[key], key
+    assert F.router_topk_disagreement_rate(*args).item() == got[SET]
+    assert F.router_flip_rate(*args, num_layers=2)["moe/router/layer_overflow/flip_rate"].item() == pytest.approx(
+        router_reference(*_numpy(b), num_layers=2)["moe/router/layer_overflow/flip_rate"], abs=1e-15
+    )
+
+
+def test_public_token_helpers():
+    b = make_router_batch(batch=3, seq=5, layers=4, k=3, seed=6, swap=0.4, replace=0.3)
+    r, t = b["rollout_experts"], b["trainer_experts"]
+    flips = F.router_top1_flips(r, t)
+    sets = F.router_set_disagreement(r, t)
+    assert flips.shape == (3, 5, 4) and flips.dtype == torch.bool
+    assert sets.shape == (3, 5) and sets.dtype == torch.bool
+    rn, tn = r.numpy(), t.numpy()
+    for i in range(3):
+        for j in range(5):
+            any_set = False
+            for layer in range(4):
+                assert flips[i, j, layer].item() == (rn[i, j, layer, 0] != tn[i, j, layer, 0])
+                any_set |= set(rn[i, j, layer]) != set(tn[i, j, layer])
+            assert sets[i, j].item() == any_set
+    with assert_no_host_sync():
+        F.router_top1_flips(r, t)
+        F.router_set_disagreement(r, t)
+
+
+# --- collection ------------------------------------------------------------------------------------
+def test_default_collection_includes_router_members_with_optional_inputs():
+    assert "moe" in DEFAULT_SECTIONS
+    logprobs_only = make_batch(seed=1)
+    metrics = OPBCCollection()
+    metrics.update(logprobs_only)  # no expert ids: the router members skip the batch
+    out = metrics.compute()
+    # A window without expert ids on any rank leaves the router keys out (no empty MoE charts).
+    assert not any(k.startswith("moe/") for k in out) and "opbc/is/ess" in out
+    alone = RouterFlipRate()  # used alone, a metric still reports its documented empty values
+    with pytest.warns(UserWarning, match="before the ``update``"):
+        empty = alone.compute_dict()
+    assert empty[FLIP].item() == 0.0 and empty[WORST].item() == -1.0
+    assert sum(k.startswith("moe/router/layer_") for k in empty) == DEFAULT_MOE_LAYERS + 1
+
+    router = make_router_batch(batch=6, seq=20, layers=5, seed=7)
+    both = dict(logprobs_only, rollout_experts=router["rollout_experts"], trainer_experts=router["trainer_experts"])
+    metrics = OPBCCollection()
+    metrics.update(both)
+    metrics.update(logprobs_only)
+    want = router_reference(router["rollout_experts"].numpy(), router["trainer_experts"].numpy(),
+                            logprobs_only["response_mask"].numpy(), num_layers=DEFAULT_MOE_LAYERS)
+    _assert_close({k: v.item() for k, v in metrics.compute().items()}, want)
+
+
+def test_forward_returns_batch_values_and_accumulates():
+    a, b = make_router_batch(seed=30, layers=3), make_router_batch(seed=31, layers=3, swap=0.6)
+    metrics = OPBCCollection(_router_metrics(3))
+    metrics(a)
+    out_b = {k: v.item() for k, v in metrics(b).items()}
+    _assert_close(out_b, router_reference(*_numpy(b), num_layers=3))
+    _assert_close({k: v.item() for k, v in metrics.compute().items()},
+                  router_reference(*_numpy(concat_padded([a, b])), num_layers=3))
+
+
+def test_custom_collection_with_logits_member():
+    rng = np.random.default_rng(8)
+    logits = torch.from_numpy(rng.normal(size=(2, 6, 3, 5)))
+    batch = {"rollout_router_logits": logits, "trainer_router_logits": logits.flip(-1)}
+    metrics = OPBCCollection([RouterFlipRate(num_layers=3, top_k=2), RouterSetDisagreement(top_k=2)])
+    metrics.update(batch)
+    metrics.update({"rollout_experts": torch.zeros(1, 1, 3, 2, dtype=torch.long)})  # skipped: no logits
+    want = router_reference(torch.topk(logits, 2).indices.numpy(), torch.topk(logits.flip(-1), 2).indices.numpy())
+    _assert_close({k: v.item() for k, v in metrics.compute().items()}, want)
+    assert RouterFlipRate(top_k=2).accepts(BatchView(rollout_experts=1, trainer_router_logits=2))
+    assert not RouterFlipRate().accepts(BatchView(rollout_experts=1, trainer_router_logits=2))
+
+
+def test_glossary_aliases_resolve():
+    assert glossary.lookup("top-1 flip rate") is RouterFlipRate.glossary
+    assert glossary.lookup("router_flip_rate") is RouterFlipRate.glossary
+    assert glossary.lookup("top-k set disagreement") is RouterSetDisagreement.glossary
+    assert glossary.lookup("token_expert_disagreement_rate") is RouterSetDisagreement.glossary
+    assert glossary.lookup(SET) is RouterSetDisagreement.glossary
+    assert glossary.lookup("moe/router/layer_7/flip_rate") is RouterFlipRate.glossary
+    md = glossary.glossary_markdown()
+    assert "## router_flip_rate" in md and "## token_expert_disagreement_rate" in md
+    for entry in (RouterFlipRate.glossary, RouterSetDisagreement.glossary):
+        assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
+
+
+# --- DDP --------------------------------------------------------------------------------------------
+SHARDS = {
+    "uneven": [
+        [dict(batch=5, seq=12, layers=6, seed=11), dict(batch=3, seq=30, layers=6, seed=12, swap=0.5)],
+        [dict(batch=2, seq=7, layers=6, seed=13, empty_rows=1, replace=0.6)],
+    ],
+    "rank_without_valid_tokens": [
+        [dict(batch=4, seq=16, layers=6, seed=14)],
+        [dict(batch=3, seq=9, layers=6, seed=15, empty_rows=3)],
+    ],
+}
+
+
+def _full_batches(specs):
+    out = []
+    for s in specs:
+        router = make_router_batch(**s)
+        lp = make_batch(batch=s["batch"], seq=s["seq"], seed=s["seed"], dtype=torch.float64)
+        lp["response_mask"] = router["response_mask"]
+        out.append({**lp, **router})
+    return out
+
+
+def _compute_counting_all_reduce(collection):
+    import torch.distributed as dist
+
+    calls = {"n": 0}
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        return collection.compute(), calls["n"]
+    finally:
+        dist.all_reduce = original
+
+
+def _ddp_worker(rank, world_size):
+    results = {}
+    for scenario, shards in SHARDS.items():
+        batches = _full_batches(shards[rank])
+        collection = OPBCCollection()
+        for b in batches:
+            collection.update(b)
+        out, n_calls = _compute_counting_all_reduce(collection)
+        synced = {k: v.item() for k, v in out.items() if k.startswith("moe/")}
+        alone = _values(_router_metrics(4), *batches)  # the member's own sync path, overflow used
+        results[scenario] = (synced, n_calls, alone)
+    return results
+
+
+def test_ddp_sync_equals_single_process_on_concatenated_data():
+    results = run_distributed(_ddp_worker, world_size=2)
+    for scenario, shards in SHARDS.items():
+        cat = concat_padded([b for specs in shards for b in _full_batches(specs)])
+        want_default = router_reference(*_numpy(cat), num_layers=DEFAULT_MOE_LAYERS)
+        want_small = router_reference(*_numpy(cat), num_layers=4)
+        assert want_default[FLIP] > 0
+        for per_rank in results:
+            synced, n_collectives, alone = per_rank[scenario]
+            assert n_collectives <= 3
+            _assert_close(synced, want_default)
+            _assert_close(alone, want_small)
+        assert results[0][scenario] == results[1][scenario]
+
+
+# --- properties -------------------------------------------------------------------------------------
+@st.composite
+def router_batches(draw, max_b=4, max_t=6, max_l=3, max_k=3):
+    b = draw(st.integers(1, max_b))
+    t = draw(st.integers(1, max_t))
+    layers = draw(st.integers(1, max_l))
+    k = draw(st.integers(1, max_k))
+    experts = draw(st.integers(k, k + 3))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    order = np.argsort(rng.random((b, t, layers, experts)), axis=-1)
+    rollout = order[..., :k]
+    # Trainer: draw each expert id freely from [0, E) (so any overlap with the rollout's set can occur).
+    trainer = rng.integers(0, experts, size=(b, t, layers, k))
+    keep = rng.random((b, t, layers)) < draw(st.floats(0.0, 1.0))
+    trainer = np.where(keep[..., None], rollout, trainer)
+    mask = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
+    return {
+        "rollout_experts": torch.from_numpy(rollout.copy()),
+        "trainer_experts": torch.from_numpy(trainer),
+        "response_mask": torch.tensor(mask).view(b, t),
+    }
+
+
+@given(router_batches())
+def test_property_matches_reference_and_rates_are_bounded(batch):
+    got = _values(_router_metrics(2), batch)
+    _assert_close(got, router_reference(*_numpy(batch), num_layers=2))
+    for key, value in got.items():
+        if key != WORST:
+            assert 0.0 <= value <= 1.0, key
+    assert -1.0 <= got[WORST] <= 2.0
+
+
+@given(router_batches())
+def test_identical_routing_gives_zero_flips(batch):
+    batch = dict(batch, trainer_experts=batch["rollout_experts"].clone())
+    got = _values(_router_metrics(3), batch)
+    assert all(v == 0.0 for k, v in got.items() if k != WORST)
+    assert got[WORST] == (0.0 if batch["response_mask"].any() else -1.0)
+
+
+@given(router_batches(), st.randoms(use_true_random=False))
+def test_permuting_within_top_k_flips_top1_but_keeps_the_set(batch, rnd):
+    r = batch["rollout_experts"]
+    k = r.shape[-1]
+    perms = torch.tensor([rnd.sample(range(k), k) for _ in range(r[..., 0].numel())]).view(*r.shape[:3], k)
+    permuted = torch.gather(r, -1, perms)
+    got = _values(_router_metrics(3), dict(batch, trainer_experts=permuted))
+    assert got[SET] == 0.0
+    mask = batch["response_mask"].numpy()
+    moved = perms[..., 0].numpy() != 0  # distinct ids: top-1 changes iff another position moves first
+    want_flip = (moved & mask[..., None]).sum() / (mask.sum() * r.shape[2]) if mask.sum() else 0.0
+    assert got[FLIP] == pytest.approx(want_flip, abs=1e-15)
+    assert (got[FLIP] > 0) == bool((moved & mask[..., None]).any())
+
+
+@given(router_batches(max_k=1))
+def test_with_k1_set_disagreement_is_any_layer_flip(batch):
+    got = _values(_router_metrics(3), batch)
+    assert got[SET] >= got[FLIP] - 1e-15
+
+
+@given(router_batches(), st.integers(1, 4), st.booleans())
+def test_chunked_updates_equal_one_update(batch, n_chunks, along_time):
+    whole = _values(_router_metrics(2), batch)
+    dim = 1 if along_time else 0
+    chunks = [
+        {k: v.index_select(dim, idx) for k, v in batch.items()}
+        for idx in torch.tensor_split(torch.arange(batch["response_mask"].shape[dim]), n_chunks)
+        if idx.numel()
+    ]
+    assert _values(_router_metrics(2), *chunks) == whole
+
+
+@given(router_batches(), st.randoms(use_true_random=False))
+def test_sequence_order_and_side_swap_change_nothing(batch, rnd):
+    perm = list(range(batch["response_mask"].shape[0]))
+    rnd.shuffle(perm)
+    whole = _values(_router_metrics(2), batch)
+    assert _values(_router_metrics(2), {k: v[perm] for k, v in batch.items()}) == whole
+    swapped = dict(batch, rollout_experts=batch["trainer_experts"], trainer_experts=batch["rollout_experts"])
+    assert _values(_router_metrics(2), swapped) == whole
+
+
+# --- contracts --------------------------------------------------------------------------------------
+def test_update_never_syncs_host_and_device():
+    router = make_router_batch(batch=6, seq=20, layers=3, seed=9)
+    full = {**make_batch(seed=9), **router}
+    logits = {"rollout_router_logits": torch.randn(2, 5, 3, 6), "trainer_router_logits": torch.randn(2, 5, 3, 6),
+              "rollout_experts": None, "trainer_experts": None}
+    mixed = {"rollout_experts": router["rollout_experts"][:2, :5],
+             "trainer_router_logits": torch.randn(2, 5, 3, 6)}
+    for metric, batch in [
+        (OPBCCollection(), full),
+        (OPBCCollection(), make_batch(seed=9)),
+        (RouterFlipRate(), router),
+        (RouterSetDisagreement(), router),
+        (RouterFlipRate(num_layers=2, top_k=2), logits),
+        (RouterSetDisagreement(top_k=2), mixed),
+    ]:
+        with assert_no_host_sync():
+            metric.update(batch)
+
+
+def test_state_size_is_fixed_and_state_dict_round_trips():
+    parts = [make_router_batch(batch=2 + s, seq=5 * (s + 1), layers=3 + s % 2, seed=20 + s) for s in range(4)]
+    straight = _router_metrics(8)
+    for p in parts:
+        for m in straight:
+            m.update(p)
+    first = _router_metrics(8)
+    sizes = []
+    for p in parts[:2]:
+        for m in first:
+            m.update(p)
+        sizes.append(sum(v.numel() for m in first for v in m.state_dict().values()))
+    assert sizes[0] == sizes[1] == 2 * 9 + 2
+    resumed = _router_metrics(8)
+    for src, dst in zip(first, resumed):
+        buf = io.BytesIO()
+        torch.save(src.state_dict(), buf)
+        buf.seek(0)
+        dst.load_state_dict(torch.load(buf, weights_only=True))
+    assert _values(resumed, *parts[2:]) == _values(straight)
+
+
+def _bad(**changes):
+    b = make_router_batch(batch=2, seq=4, layers=3, k=2, seed=0)
+    b.update(changes)
+    return b
+
+
+@pytest.mark.parametrize(
+    "batch,top_k,field",
+    [
+        (_bad(rollout_experts=torch.zeros(2, 4, 3, dtype=torch.long)), None, "rollout_experts"),  # rank 3
+        (_bad(trainer_experts=torch.zeros(2, 4, 3, 2)), None, "trainer_experts"),  # float ids
+        (_bad(trainer_experts=torch.zeros(2, 4, 3, 2, dtype=torch.bool)), None, "trainer_experts"),
+        (_bad(trainer_experts=torch.zeros(2, 4, 2, 2, dtype=torch.long)), None, "trainer_experts"),  # L differs
+        (_bad(trainer_experts=torch.zeros(2, 5, 3, 2, dtype=torch.long)), None, "trainer_experts"),  # T differs
+        (_bad(trainer_experts=torch.zeros(2, 4, 3, 3, dtype=torch.long)), None, "trainer_experts"),  # K differs
+        (_bad(rollout_experts=torch.zeros(2, 4, 0, 2, dtype=torch.long)), None, "rollout_experts"),
+        (_bad(rollout_experts=[[1, 2]]), None, "rollout_experts"),
+        (_bad(response_mask=torch.ones(2, 5)), None, "response_mask"),
+        (_bad(response_mask=torch.ones(2, 4, 1)), None, "response_mask"),
+        (_bad(trainer_experts=None), None, "trainer_experts"),  # missing
+        (_bad(trainer_experts=None, trainer_router_logits=torch.randn(2, 4, 3, 5)), None, "trainer_router_logits"),
+        (_bad(trainer_experts=None, trainer_router_logits=torch.ones(2, 4, 3, 5, dtype=torch.long)), 2,
+         "trainer_router_logits"),  # logits must be floating point
+        (_bad(trainer_experts=None, trainer_router_logits=torch.randn(2, 4, 3)), 2, "trainer_router_logits"),
+        (_bad(trainer_experts=None, trainer_router_logits=torch.randn(2, 4, 3, 1)), 2, "trainer_router_logits"),
+        (_bad(trainer_experts=None, trainer_router_logits=torch.randn(2, 4, 4, 5)), 2, "trainer_router_logits"),
+        (_bad(), 3, "rollout_experts"),  # K = 2 ids < top_k
+    ],
+)
+def test_bad_input_names_the_field(batch, top_k, field):
+    for metric in _router_metrics(4, top_k=top_k):
+        with pytest.raises(ValueError, match=field):
+            metric.update(batch)
+
+
+def test_bad_helper_and_constructor_arguments():
+    r = torch.zeros(2, 3, 4, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="trainer_experts"):
+        F.router_top1_flips(r, r[:, :2])
+    with pytest.raises(ValueError, match="rollout_experts"):
+        F.router_set_disagreement(r.float(), r)
+    with pytest.raises(ValueError, match="rollout_experts"):
+        F.router_set_disagreement(r[0], r[0])
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_layers"):
+            RouterFlipRate(num_layers=bad)
+        with pytest.raises(ValueError, match="top_k"):
+            RouterSetDisagreement(top_k=bad)

@@ -1,0 +1,614 @@
+"""The rollout-group metrics against the independent reference, plus properties and contracts."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opbc_metrics import OPBCCollection
+from opbc_metrics.functional import rollout as R
+from opbc_metrics.rollout import (
+    ROLLOUT_METRICS,
+    CompletionLengthGini,
+    CompletionLengthMaxMedianRatio,
+    CompletionTokenStats,
+    DiscardedRollouts,
+    PromptTokenStats,
+    RolloutAdvantageStats,
+    RolloutRewardGini,
+    RolloutRewardStats,
+    SampleMetricStats,
+    StopReasonLengthPct,
+    TotalTokenStats,
+    chart_ranges,
+    rollout_metrics,
+)
+from opbc_metrics.testing import assert_no_host_sync
+from tests.data import make_batch
+from tests.test_rollout_reference import (
+    gini_pairwise,
+    gini_sorted_rank,
+    group_gini_mean,
+    group_max_median_mean,
+    rollout_reference,
+    zero_advantage_reference,
+)
+
+NAMES = ("tool_calls", "format")
+STOP_STRINGS = ("stop", "length", "abort", "tool_calls")
+
+
+def make_rollouts(groups: int = 4, seed: int = 0, first_id: int = 0, tokens: bool = False, t: int = 6,
+                  missing: bool = True) -> dict:
+    """A batch of whole prompt groups (sizes 1-5, interleaved), ids ``first_id * 1000 + 37 k`` (arbitrary ints)."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 6, groups)
+    gid = np.concatenate([np.full(s, first_id * 1000 + 37 * k - 50) for k, s in enumerate(sizes)])
+    rng.shuffle(gid)  # a group need not be contiguous in the batch
+    b = gid.size
+    rewards = rng.choice([0.0, 0.5, 1.0, 2.0], size=b) * rng.integers(0, 2, b)
+    lengths = rng.integers(0, 200, b)
+    out = {
+        "group_ids": torch.tensor(gid),
+        "prompt_lengths": torch.tensor(rng.integers(5, 100, b)),
+        "response_lengths": torch.tensor(lengths),
+        "stop_reasons": [STOP_STRINGS[i] for i in rng.integers(0, 4, b)],
+        "discard_reasons": torch.tensor(rng.integers(0, 3, b)),
+    }
+    tool_calls = rng.integers(0, 5, b).astype(np.float64)
+    fmt = rng.random(b)
+    if missing:
+        fmt[rng.random(b) < 0.3] = np.nan  # not reported by some samples
+    out["sample_metrics"] = {"tool_calls": torch.tensor(tool_calls), "format": torch.tensor(fmt)}
+    if tokens:
+        mask = (np.arange(t)[None, :] < rng.integers(0, t + 1, b)[:, None]).astype(np.int64)
+        out["response_mask"] = torch.tensor(mask)
+        out["rewards"] = torch.tensor(rng.normal(size=(b, t)))
+        out["advantages"] = torch.tensor(rng.normal(size=(b, t)))
+    else:
+        out["rewards"] = torch.tensor(rewards)
+        out["advantages"] = torch.tensor(rng.normal(size=b))
+    return out
+
+
+def concat(batches: list[dict]) -> dict:
+    out: dict = {}
+    for b in batches:
+        for k, v in b.items():
+            if k == "sample_metrics":
+                for n, col in v.items():
+                    out.setdefault(k, {}).setdefault(n, []).append(col)
+            else:
+                out.setdefault(k, []).append(v)
+    res = {}
+    for k, parts in out.items():
+        if k == "sample_metrics":
+            res[k] = {n: torch.cat(c) for n, c in parts.items()}
+        elif isinstance(parts[0], list):
+            res[k] = [x for p in parts for x in p]
+        else:
+            res[k] = torch.cat(parts)
+    return res
+
+
+def collection(**kwargs) -> OPBCCollection:
+    return OPBCCollection(rollout_metrics(NAMES, **kwargs))
+
+
+def assert_matches(out: dict, ref: dict, rtol: float = 1e-9, atol: float = 1e-12) -> None:
+    for key, want in ref.items():
+        got = out[key].item()
+        assert math.isclose(got, want, rel_tol=rtol, abs_tol=atol), (key, got, want)
+
+
+def _subset(b: dict, idx) -> dict:
+    idx = list(idx)
+    out = {}
+    for k, v in b.items():
+        if k == "sample_metrics":
+            out[k] = {n: c[idx] for n, c in v.items()}
+        elif isinstance(v, list):
+            out[k] = [v[i] for i in idx]
+        else:
+            out[k] = v[idx]
+    return out
+
+
+# --- reference ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens", [False, True])
+def test_collection_matches_reference(tokens):
+    batches = [make_rollouts(groups=3 + s, seed=s, first_id=s, tokens=tokens) for s in range(3)]
+    metrics = collection()
+    for b in batches:
+        metrics.update(b)
+    out = metrics.compute()
+    ref = rollout_reference(concat(batches) if not tokens else _concat_tokens(batches), NAMES)
+    assert set(ref) == set(out)
+    assert_matches(out, ref)
+
+
+def _concat_tokens(batches):
+    t = max(b["rewards"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        pad = t - b["rewards"].shape[1]
+        padded.append({k: (torch.nn.functional.pad(v, (0, pad)) if isinstance(v, torch.Tensor) and v.ndim == 2 else v)
+                       for k, v in b.items()})
+    return concat(padded)
+
+
+def test_token_level_fields_are_reduced_per_sample():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0], [5.0, 5.0, 5.0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, 4.0, 100.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    r = R.reward_stats(rewards, mask)
+    assert [v.item() for v in r.values()] == pytest.approx([1.0, math.sqrt(2 / 3), 0.0, 2.0])  # sums 1, 2, 0
+    a = R.advantage_stats(adv, mask)  # means 1, 1; the empty third row is left out
+    assert [v.item() for v in a.values()] == [1.0, 0.0, 1.0, 1.0]
+    # without a mask every token counts
+    assert R.reward_stats(rewards)["rollout/reward/max"].item() == 15.0
+
+
+def test_functional_equals_class_after_one_update():
+    b = make_rollouts(groups=5, seed=11)
+    out = collection()(b)
+    gid = b["group_ids"]
+    checks = {
+        **R.reward_stats(b["rewards"]),
+        **R.advantage_stats(b["advantages"]),
+        **R.token_stats(b["prompt_lengths"], b["response_lengths"]),
+        **R.discarded_counts(b["discard_reasons"]),
+        **R.sample_metric_stats(b["sample_metrics"], gid),
+        "rollout/reward/group_gini_mean": R.group_gini(b["rewards"], gid),
+        "rollout/tokens_completion/group_gini_mean": R.group_gini(b["response_lengths"].double(), gid),
+        "rollout/tokens_completion/group_max_median_ratio_mean": R.group_max_median_ratio(b["response_lengths"], gid),
+        "rollout/stop_reason/length_pct": R.stop_reason_length_pct(b["stop_reasons"]),
+    }
+    for k, v in checks.items():
+        assert v.item() == pytest.approx(out[k].item(), rel=1e-12, abs=1e-15), k
+
+
+# --- Gini -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "values,expected",
+    [([1, 1, 1], 0.0), ([0, 0, 0, 1], 0.75), ([1, 2, 3, 4], 0.25), ([5], 0.0), ([0, 0], 0.0), ([-3, 1], 0.0),
+     ([1, 3], 0.25), ([], 0.0)],
+)
+def test_gini_known_values(values, expected):
+    assert R.gini(torch.tensor(values, dtype=torch.float64)).item() == pytest.approx(expected, abs=1e-15)
+
+
+def test_group_ids_are_arbitrary():
+    """Negative, huge, non-contiguous ints, strings and NumPy object arrays all give the same groups."""
+    x = torch.tensor([1.0, 0.0, 3.0, 3.0, 2.0, 0.0, 7.0])
+    compact = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    want = R.group_gini(x, compact).item()
+    assert want == pytest.approx(group_gini_mean(compact.tolist(), x.numpy()))
+    for ids in (torch.tensor([-9, -9, 2**40, 2**40, 5, 5, -1]), ["u1", "u1", "u7", "u7", "x", "x", "y"],
+                np.array(["u1", "u1", "u7", "u7", "x", "x", "y"], dtype=object), np.array([4, 4, 3, 3, 2, 2, 1])):
+        assert R.group_gini(x, ids).item() == pytest.approx(want, rel=1e-14)
+        assert R.group_max_median_ratio(x, ids).item() == pytest.approx(group_max_median_mean(compact.tolist(), x))
+
+
+def test_max_median_ratio_floors_lengths_at_one_token():
+    ids = torch.tensor([0, 0, 0, 1, 1])
+    # group 0: [0, 0, 6] -> floored [1, 1, 6], median 1 -> 6; group 1: [0, 0] -> 1
+    assert R.group_max_median_ratio(torch.tensor([0, 0, 6, 0, 0]), ids).item() == 3.5
+    # even-sized group: median is the mean of the two middle values, (2 + 4) / 2
+    assert R.group_max_median_ratio(torch.tensor([1, 2, 4, 9]), torch.zeros(4, dtype=torch.long)).item() == 3.0
+
+
+def test_split_group_counts_as_two_groups():
+    """The documented assumption: a group must arrive whole in one update. A split group is two groups."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    ids = torch.tensor([5, 5, 5, 5])
+    whole, split = RolloutRewardGini(), RolloutRewardGini()
+    whole.update(rewards=rewards, group_ids=ids)
+    split.update(rewards=rewards[:2], group_ids=ids[:2])
+    split.update(rewards=rewards[2:], group_ids=ids[2:])
+    assert whole.compute().item() == pytest.approx(gini_pairwise([1, 0, 0, 0])) == 0.75
+    assert split.compute().item() == pytest.approx((gini_pairwise([1, 0]) + gini_pairwise([0, 0])) / 2) == 0.25
+
+
+def test_zero_advantage_mask_and_discard_reasons():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        b = int(rng.integers(1, 20))
+        ids = rng.integers(-3, 4, b) * 11
+        r = rng.integers(0, 2, b).astype(np.float64)
+        got = R.zero_advantage_mask(torch.tensor(r), torch.tensor(ids))
+        assert got.tolist() == zero_advantage_reference(r, ids.tolist())
+    codes = R.discard_reasons(torch.tensor([1.0, 1.0, 0.0, 1.0, 3.0]), ["a", "a", "b", "b", "c"],
+                              policy_lag=torch.tensor([0, 9, 9, 0, 0]), max_off_policy_steps=4)
+    assert codes.tolist() == [2, 1, 1, 0, 2]
+    codes = R.discard_reasons(torch.tensor([1.0, 1.0]), [0, 0], discard_group_zero_advantage=False)
+    assert codes.tolist() == [0, 0]
+    # [B, T] rewards are summed under the mask first: both sums are 1 -> zero advantage
+    tok = torch.tensor([[1.0, 5.0], [0.5, 0.5]])
+    assert R.zero_advantage_mask(tok, [0, 0], torch.tensor([[1, 0], [1, 1]])).tolist() == [True, True]
+    assert R.zero_advantage_mask(torch.tensor([0.0, 0.1]), [0, 0], atol=0.2).tolist() == [True, True]
+    with pytest.raises(ValueError, match="max_off_policy_steps"):
+        R.discard_reasons(torch.ones(2), [0, 0], policy_lag=torch.zeros(2))
+
+
+def test_stop_reason_encodings():
+    assert R.stop_reason_length_pct(torch.tensor([True, False, False, False])).item() == 25.0
+    assert R.stop_reason_length_pct(torch.tensor([3, 3, 1, 0]), length_code=3).item() == 50.0
+    assert R.stop_reason_length_pct(["length", None, "tool_calls", "LENGTH"]).item() == 25.0
+    assert R.stop_reason_length_pct(np.array(["length", "stop"])).item() == 50.0
+    assert R.stop_reason_length_pct([]).item() == 0.0
+    metric = StopReasonLengthPct(length_code=7)
+    metric.update(stop_reasons=torch.tensor([7, 1]))
+    metric.update(stop_reasons=["length", "length", "stop"])  # strings: "length" maps to length_code
+    assert metric.compute().item() == pytest.approx(300 / 5)
+
+
+# --- properties -----------------------------------------------------------------------------------
+nonneg = st.one_of(st.just(0.0), st.floats(1e-6, 1e6))  # no subnormals: the references divide by n^2 mean
+
+
+@given(st.lists(nonneg, min_size=1, max_size=12), st.floats(1e-3, 1e3))
+def test_gini_bounds_and_scale_invariance(values, scale):
+    x = torch.tensor(values, dtype=torch.float64)
+    g = R.gini(x).item()
+    n = len(values)
+    assert -1e-12 <= g <= (n - 1) / n + 1e-12
+    assert R.gini(x * scale).item() == pytest.approx(g, rel=1e-9, abs=1e-12)
+    assert g == pytest.approx(gini_pairwise(values), rel=1e-9, abs=1e-12)
+    assert g == pytest.approx(gini_sorted_rank(values), rel=1e-9, abs=1e-12)
+
+
+@st.composite
+def rollout_groups(draw, max_groups=5):
+    """A list of whole groups: (id, [(reward, length, stop, discard, metric or None), ...])."""
+    ids = draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=max_groups, unique=True))
+    groups = []
+    for gid in ids:
+        size = draw(st.integers(1, 5))
+        samples = [
+            (
+                draw(st.sampled_from([0.0, 0.25, 1.0, 3.0])),
+                draw(st.integers(0, 64)),
+                draw(st.sampled_from(STOP_STRINGS)),
+                draw(st.integers(0, 2)),
+                draw(st.one_of(st.none(), st.floats(0.0, 10.0))),
+            )
+            for _ in range(size)
+        ]
+        groups.append((gid, samples))
+    return groups
+
+
+def _batch_of(groups, order=None) -> dict:
+    rows = [(gid, s) for gid, samples in groups for s in samples]
+    if order is not None:
+        rows = [rows[i] for i in order]
+    return {
+        "group_ids": torch.tensor([g for g, _ in rows], dtype=torch.long),
+        "rewards": torch.tensor([s[0] for _, s in rows], dtype=torch.float64),
+        "advantages": torch.tensor([s[0] - 1.0 for _, s in rows], dtype=torch.float64),
+        "prompt_lengths": torch.tensor([3 * s[1] % 17 for _, s in rows], dtype=torch.long),
+        "response_lengths": torch.tensor([s[1] for _, s in rows], dtype=torch.long),
+        "stop_reasons": [s[2] for _, s in rows],
+        "discard_reasons": torch.tensor([s[3] for _, s in rows], dtype=torch.long),
+        "sample_metrics": {
+            "tool_calls": torch.tensor([float(s[1] % 5) for _, s in rows], dtype=torch.float64),
+            "format": torch.tensor([math.nan if s[4] is None else s[4] for _, s in rows], dtype=torch.float64),
+        },
+    }
+
+
+def _close(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), (k, a[k], b[k])
+
+
+@given(rollout_groups(), st.integers(1, 5))
+def test_chunked_updates_by_whole_groups_equal_one_update(groups, n_chunks):
+    whole, chunked = collection(), collection()
+    whole.update(_batch_of(groups))
+    for part in np.array_split(np.arange(len(groups)), n_chunks):
+        chunked.update(_batch_of([groups[i] for i in part]))  # an empty part is an empty batch
+    _close(whole.compute(), chunked.compute())
+
+
+@given(rollout_groups(), st.randoms(use_true_random=False))
+def test_permuting_samples_changes_nothing(groups, rnd):
+    n = sum(len(s) for _, s in groups)
+    order = list(range(n))
+    rnd.shuffle(order)
+    a, b = collection(), collection()
+    a.update(_batch_of(groups))
+    b.update(_batch_of(groups, order))
+    _close(a.compute(), b.compute())
+
+
+@given(rollout_groups())
+def test_matches_reference_and_bounds(groups):
+    batch = _batch_of(groups)
+    out = collection()(batch)
+    assert_matches(out, rollout_reference(batch, NAMES), rtol=1e-9, atol=1e-9)
+    for key in ("rollout/stop_reason/length_pct", "rollout/discarded/pct"):
+        assert 0.0 <= out[key].item() <= 100.0
+    for key in ("rollout/reward/group_gini_mean", "rollout/tokens_completion/group_gini_mean",
+                "sample_metrics/tool_calls/group_gini_mean", "sample_metrics/format/group_gini_mean"):
+        assert 0.0 <= out[key].item() < 1.0, key
+    assert out["rollout/tokens_completion/group_max_median_ratio_mean"].item() >= 1.0
+    for prefix in ("rollout/reward", "rollout/advantage", "rollout/tokens_total", "sample_metrics/format"):
+        lo, mean, hi, std = (out[f"{prefix}/{s}"].item() for s in ("min", "mean", "max", "std"))
+        assert lo - 1e-12 <= mean <= hi + 1e-12 and 0.0 <= std <= (hi - lo) / 2 + 1e-9
+
+
+@given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=30), st.floats(-1e6, 1e6))
+def test_std_of_shifted_data(values, shift):
+    """Population std from raw moments: within the documented rounding resolution of numpy's std."""
+    x = np.asarray(values) + shift
+    got = R.reward_stats(torch.tensor(x))["rollout/reward/std"].item()
+    rms = float(np.sqrt((x * x).mean()))
+    assert abs(got - x.std()) <= 1e-6 * rms + 1e-12
+
+
+def test_constant_values_have_zero_std():
+    for c in (0.7, 1e6 + 0.1, -3.3, 1e-9):
+        metric = RolloutRewardStats()
+        for _ in range(3):
+            metric.update(rewards=torch.full((7,), c, dtype=torch.float64))
+        assert metric.compute()["rollout/reward/std"].item() == 0.0
+
+
+# --- contracts ------------------------------------------------------------------------------------
+def _all_metrics():
+    return [*[cls() for cls in ROLLOUT_METRICS], SampleMetricStats(NAMES), collection()]
+
+
+def test_update_never_syncs_host_and_device():
+    b = make_rollouts(groups=6, seed=2, tokens=True)
+    b["stop_reasons"] = torch.tensor([1, 0, 2] * (len(b["stop_reasons"]) // 3) + [0] * (len(b["stop_reasons"]) % 3))
+    for m in _all_metrics():
+        with assert_no_host_sync():
+            m.update(b)
+    # [B] fields too, and the helpers
+    b = make_rollouts(groups=6, seed=3)
+    b["stop_reasons"] = torch.ones(b["group_ids"].shape[0], dtype=torch.long)
+    for m in _all_metrics():
+        with assert_no_host_sync():
+            m.update(b)
+    with assert_no_host_sync():
+        R.zero_advantage_mask(b["rewards"], b["group_ids"])
+        R.discard_reasons(b["rewards"], b["group_ids"], policy_lag=b["prompt_lengths"], max_off_policy_steps=50)
+
+
+def test_state_size_is_fixed():
+    metrics = collection()
+    metrics.update(make_rollouts(groups=2, seed=0))
+    size = sum(v.numel() for v in metrics.state_dict().values())
+    for s in range(1, 5):
+        metrics.update(make_rollouts(groups=2 + 3 * s, seed=s))
+    assert sum(v.numel() for v in metrics.state_dict().values()) == size
+
+
+def test_state_dict_round_trip_mid_accumulation():
+    parts = [make_rollouts(groups=3, seed=s, first_id=s) for s in range(4)]
+    straight = collection()
+    for p in parts:
+        straight.update(p)
+    first = collection()
+    for p in parts[:2]:
+        first.update(p)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = collection()
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    for p in parts[2:]:
+        resumed.update(p)
+    _close(straight.compute(), resumed.compute())
+
+
+def test_forward_returns_batch_values_and_accumulates():
+    a, b = make_rollouts(groups=3, seed=1, first_id=1), make_rollouts(groups=4, seed=2, first_id=2)
+    metrics = collection()
+    metrics(a)
+    out_b = metrics(b)
+    _close(out_b, collection()(b))
+    _close(metrics.compute(), collection()(concat([a, b])))
+
+
+def test_empty_window_values():
+    """Alone, each member reports its documented empty-window value; a collection leaves out the keys of
+    optional-input members that never saw data (also after an empty B = 0 batch)."""
+    for m in collection().members():
+        with pytest.warns(UserWarning, match="before the ``update``"):
+            out = m.compute_dict()
+        for k, v in out.items():
+            assert v.item() == (1.0 if k.endswith("max_median_ratio_mean") else 0.0), k
+    assert collection().compute() == {}
+    metrics = collection()
+    metrics.update(_subset(make_rollouts(groups=2, seed=0), []))
+    assert metrics.compute() == {}
+
+
+def test_section_in_collection_and_optional_inputs():
+    b = make_batch(seed=1, dtype=torch.float64)  # logprobs and group_ids, no rollout fields
+    r = make_rollouts(groups=3, seed=1)
+    both = OPBCCollection(sections=("mismatch", "rollout"))
+    mismatch_only = OPBCCollection(sections=("mismatch",))
+    both.update(b)  # no rollout fields: every rollout member skips the batch
+    mismatch_only.update(b)
+    out = both.compute()
+    assert out == mismatch_only.compute()  # the rollout members never saw data: their keys are left out
+    with pytest.raises(ValueError, match="trainer_logprobs"):
+        both.update(r)  # rollout fields only: the mismatch members (required inputs) raise
+    both.update({**b, **r})  # one batch carrying both: each member reads its own fields
+    mismatch_only.update(b)
+    out = both.compute()
+    for k, v in mismatch_only.compute().items():
+        assert torch.equal(out[k], v), k
+    assert_matches(out, rollout_reference({k: v for k, v in r.items() if k != "sample_metrics"}))
+    rollout_only = OPBCCollection(sections=("rollout",))
+    rollout_only.update({k: v for k, v in r.items() if k in ("rewards", "group_ids")})
+    out = rollout_only.compute()
+    assert out["rollout/reward/group_gini_mean"].item() == pytest.approx(
+        group_gini_mean(r["group_ids"].tolist(), r["rewards"].numpy()))
+    assert not any(k.startswith("sample_metrics/") for k in out)  # needs names: rollout_metrics([...])
+
+
+def test_list_inputs_per_sample_dicts_and_uids():
+    rows = [{"tool_calls": 1, "format": 0.5}, {"tool_calls": 3}, {"format": 1.0}, {}]
+    metric = SampleMetricStats(NAMES)
+    metric.update(sample_metrics=rows, group_ids=["p0", "p0", "p1", "p1"])
+    out = metric.compute()
+    assert out["sample_metrics/tool_calls/mean"].item() == 2.0
+    assert out["sample_metrics/tool_calls/group_gini_mean"].item() == pytest.approx(gini_pairwise([1, 3]))
+    assert out["sample_metrics/format/mean"].item() == 0.75
+    # format: group p0 [0.5], group p1 [1.0] -> both Gini 0
+    assert out["sample_metrics/format/group_gini_mean"].item() == 0.0
+    no_gini = SampleMetricStats(["x"], group_gini=False)
+    no_gini.update(sample_metrics={"x": [1.0, 2.0]})
+    assert set(no_gini.compute()) == {f"sample_metrics/x/{s}" for s in ("mean", "std", "min", "max")}
+
+
+def test_chart_ranges_declared_and_observed():
+    metrics = collection(reward_min=-1.0, reward_max=None, metrics_ranges={"format": (0.0, 1.0)})
+    assert chart_ranges(metrics) == {
+        **{f"sample_metrics/format/{s}": (0.0, 1.0) for s in ("mean", "min", "max", "group_gini_mean")},
+        "sample_metrics/format/std": (0.0, 0.5),
+    }
+    metrics.update(make_rollouts(groups=3, seed=4, missing=False))
+    metrics.compute()
+    metrics.reset()
+    b = make_rollouts(groups=3, seed=5, missing=False)
+    metrics.update(b)
+    metrics.compute()
+    metrics.reset()  # the observed range is the run's: it survives resets
+    ranges = chart_ranges(metrics)
+    a, b2 = make_rollouts(groups=3, seed=4, missing=False), b
+    seen = torch.cat([a["rewards"], b2["rewards"]])
+    assert ranges["rollout/reward/mean"] == (-1.0, seen.max().item())  # declared lo, observed hi
+    calls = torch.cat([a["sample_metrics"]["tool_calls"], b2["sample_metrics"]["tool_calls"]])
+    assert ranges["sample_metrics/tool_calls/max"] == (calls.min().item(), calls.max().item())
+    assert ranges["sample_metrics/format/max"] == (0.0, 1.0)
+    lengths = torch.cat([a["response_lengths"], b2["response_lengths"]]).double()
+    assert ranges["rollout/tokens_completion/std"] == (0.0, (lengths.max() - lengths.min()).item() / 2)
+    assert "rollout/advantage/mean" in ranges and "rollout/stop_reason/length_pct" not in ranges
+    assert metrics["RolloutRewardStats"].reward_min == -1.0
+
+
+# --- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda b: b.update(group_ids=b["group_ids"][:, None]), "group_ids"),
+        (lambda b: b.update(group_ids=b["group_ids"][:-1]), "group_ids"),
+        (lambda b: b.update(group_ids=b["group_ids"].double()), "group_ids"),
+        (lambda b: b.update(group_ids=[[1], [2]]), "group_ids"),
+        (lambda b: b.update(response_lengths=b["response_lengths"][:-1]), "response_lengths"),
+        (lambda b: b.update(prompt_lengths=b["prompt_lengths"][:, None]), "prompt_lengths"),
+        (lambda b: b.update(rewards=b["rewards"][:, None, None]), "rewards"),
+        (lambda b: b.update(rewards=b["rewards"].bool()), "rewards"),
+        (lambda b: b.update(rewards=b["rewards"].tolist()), "rewards"),
+        (lambda b: b.update(advantages=torch.zeros(len(b["group_ids"]), 3), response_mask=torch.ones(2, 2)),
+         "response_mask"),
+        (lambda b: b["sample_metrics"].update(unknown=b["sample_metrics"]["format"]), "sample_metrics"),
+        (lambda b: b["sample_metrics"].update(format=b["sample_metrics"]["format"][:-1]), "sample_metrics"),
+        (lambda b: b.update(sample_metrics=[1, 2]), "sample_metrics"),
+        (lambda b: b.update(stop_reasons=torch.zeros(len(b["group_ids"]))), "stop_reasons"),
+        (lambda b: b.update(stop_reasons=[1.5] * len(b["group_ids"])), "stop_reasons"),
+        (lambda b: b.update(discard_reasons=["late"] * len(b["group_ids"])), "discard_reasons"),
+        (lambda b: b.update(discard_reasons=torch.ones(len(b["group_ids"]), dtype=torch.bool)), "discard_reasons"),
+    ],
+)
+def test_bad_input_names_the_field(change, field):
+    b = make_rollouts(groups=3, seed=0)
+    change(b)
+    with pytest.raises(ValueError, match=field):
+        collection().update(b)
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (lambda b: b["response_lengths"].__setitem__(0, -1), "response_lengths"),
+        (lambda b: b["prompt_lengths"].__setitem__(1, -5), "prompt_lengths"),
+        (lambda b: b["rewards"].__setitem__(0, math.nan), "rewards"),
+        (lambda b: b["advantages"].__setitem__(0, math.inf), "advantages"),
+        (lambda b: b["sample_metrics"]["format"].__setitem__(0, -math.inf), "sample_metrics.*format"),
+        (lambda b: b["discard_reasons"].__setitem__(0, 5), "discard_reasons"),
+    ],
+)
+def test_bad_values_raise_at_compute_naming_the_field(change, field):
+    """Values cannot be read in update() without a host sync: they are counted and raise at compute()."""
+    b = make_rollouts(groups=3, seed=0, missing=False)
+    change(b)
+    metrics = collection()
+    with assert_no_host_sync():
+        metrics.update(b)
+    with pytest.raises(ValueError, match=field):
+        metrics.compute()
+    metrics.reset()
+    metrics.update(make_rollouts(groups=3, seed=0))
+    metrics.compute()  # a reset clears the error
+    with pytest.raises(ValueError, match=field):  # the public functions raise at once
+        _functional_for(field)(b)
+
+
+def _functional_for(field):
+    return {
+        "response_lengths": lambda b: R.token_stats(b["prompt_lengths"], b["response_lengths"]),
+        "prompt_lengths": lambda b: R.token_stats(b["prompt_lengths"], b["response_lengths"]),
+        "rewards": lambda b: R.reward_stats(b["rewards"]),
+        "advantages": lambda b: R.advantage_stats(b["advantages"]),
+        "sample_metrics.*format": lambda b: R.sample_metric_stats(b["sample_metrics"], b["group_ids"]),
+        "discard_reasons": lambda b: R.discarded_counts(b["discard_reasons"]),
+    }[field]
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="value_range"):
+        RolloutRewardStats(reward_min=2.0, reward_max=1.0)
+    with pytest.raises(ValueError, match="value_range"):
+        RolloutRewardStats(reward_min=math.inf)
+    with pytest.raises(ValueError, match="metrics_ranges"):
+        SampleMetricStats(["a"], metrics_ranges={"b": (0, 1)})
+    with pytest.raises(ValueError, match="metrics_ranges"):
+        SampleMetricStats(["a"], metrics_ranges={"a": (0, 1, 2)})
+    for bad in (["a/b"], ["a", "a"], [""], "abc", [3]):
+        with pytest.raises(ValueError, match="names"):
+            SampleMetricStats(bad)
+    with pytest.raises(ValueError, match="length_code"):
+        StopReasonLengthPct(length_code="length")
+    with pytest.raises(ValueError, match="metrics_ranges"):
+        rollout_metrics(metrics_ranges={"a": (0, 1)})
+
+
+def test_each_class_alone():
+    """Each class works outside a collection, with just its own fields."""
+    b = make_rollouts(groups=4, seed=8)
+    ref = rollout_reference(b, NAMES)
+    for m, fields in (
+        (RolloutRewardStats(), ("rewards",)),
+        (RolloutRewardGini(), ("rewards", "group_ids")),
+        (RolloutAdvantageStats(), ("advantages",)),
+        (PromptTokenStats(), ("prompt_lengths",)),
+        (CompletionTokenStats(), ("response_lengths",)),
+        (TotalTokenStats(), ("prompt_lengths", "response_lengths")),
+        (CompletionLengthGini(), ("response_lengths", "group_ids")),
+        (CompletionLengthMaxMedianRatio(), ("response_lengths", "group_ids")),
+        (StopReasonLengthPct(), ("stop_reasons",)),
+        (DiscardedRollouts(), ("discard_reasons",)),
+        (SampleMetricStats(NAMES), ("sample_metrics", "group_ids")),
+    ):
+        m.update(**{f: b[f] for f in fields})
+        out = m.compute_dict()
+        assert set(out) == set(m.keys)
+        assert_matches(out, {k: ref[k] for k in out})
+        empty = type(m)(NAMES) if isinstance(m, SampleMetricStats) else type(m)()
+        with pytest.raises(ValueError, match=f"`{fields[0]}` is required"):
+            empty.update()

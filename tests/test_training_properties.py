@@ -1,0 +1,215 @@
+"""Hypothesis properties of the training metrics: bounds, monotonicity, chunking and order invariance."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opbc_metrics import OPBCCollection
+from opbc_metrics.functional import perf as P
+from opbc_metrics.functional import training as FT
+from opbc_metrics.functional import validation as FV
+from opbc_metrics.training import (
+    PPOKL,
+    AbortedRatio,
+    AdvantageStats,
+    ApproxKL,
+    DPOMetrics,
+    ExplainedVariance,
+    GlobalSeqlen,
+    NumTurns,
+    PolicyClipFraction,
+    PolicyEntropy,
+    PromptLength,
+    ResponseLength,
+    ReturnStats,
+    RewardModelMetrics,
+    RewardStats,
+    ScoreStats,
+    ValidationAccuracy,
+    ValidationReward,
+    ValueStats,
+)
+from tests.test_training_data import make_training_batch
+
+
+def _batch_metrics():
+    return [PPOKL(), ApproxKL(estimator="k2"), PolicyClipFraction(clip_ratio_low=0.1, clip_ratio_high=0.3),
+            PolicyEntropy(), PolicyEntropy(from_logits=True), ValueStats(), ReturnStats(), AdvantageStats(),
+            RewardStats(), ScoreStats(), ExplainedVariance(), ResponseLength(max_response_length=5),
+            PromptLength(max_prompt_length=20), AbortedRatio(), NumTurns(), DPOMetrics(), RewardModelMetrics(),
+            GlobalSeqlen(world_size=1)]
+
+
+def _collection():
+    # PolicyEntropy twice would clash on keys in one collection: keep the logits one apart.
+    members = _batch_metrics()
+    return OPBCCollection(metrics=[m for m in members if not getattr(m, "from_logits", False)]), members[4]
+
+
+def _rows(batch, idx):
+    return {k: v[idx] for k, v in batch.items()}
+
+
+def _assert_close(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), (k, a[k], b[k])
+
+
+batch_params = st.tuples(st.integers(1, 7), st.integers(1, 9), st.integers(0, 10_000), st.integers(0, 2))
+
+
+@given(batch_params, st.integers(1, 4))
+def test_chunked_updates_equal_one_update(params, n_chunks):
+    b, t, seed, empty = params
+    batch = make_training_batch(batch=b, seq=t, seed=seed, empty_rows=min(empty, b))
+    (whole, ent_whole), (chunked, ent_chunked) = _collection(), _collection()
+    whole.update(batch)
+    ent_whole.update(batch)
+    for idx in torch.tensor_split(torch.arange(b), n_chunks):
+        if idx.numel():
+            chunked.update(_rows(batch, idx))
+            ent_chunked.update(_rows(batch, idx))
+    _assert_close(whole.compute(), chunked.compute())
+    assert torch.allclose(ent_whole.compute(), ent_chunked.compute(), rtol=1e-9)
+
+
+@given(batch_params, st.randoms(use_true_random=False))
+def test_permuting_sequences_changes_nothing(params, rnd):
+    b, t, seed, empty = params
+    batch = make_training_batch(batch=b, seq=t, seed=seed, empty_rows=min(empty, b))
+    perm = list(range(b))
+    rnd.shuffle(perm)
+    (x, _), (y, _) = _collection(), _collection()
+    x.update(batch)
+    y.update(_rows(batch, torch.tensor(perm)))
+    _assert_close(x.compute(), y.compute())
+
+
+@given(batch_params, st.floats(0.0, 0.9), st.floats(0.0, 2.0), st.floats(1.01, 10.0), st.floats(0.01, 3.0))
+def test_fractions_and_bounds(params, low, high, c, spread):
+    b, t, seed, empty = params
+    batch = make_training_batch(batch=b, seq=t, seed=seed, empty_rows=min(empty, b))
+    g = torch.Generator().manual_seed(seed)
+    batch["policy_logprobs"] = batch["old_logprobs"] + torch.randn(b, t, generator=g, dtype=torch.float64) * spread
+    out = PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)(batch)
+    mask = batch["response_mask"] != 0
+    neg = ((batch["advantages"] < 0) & mask).sum() / mask.sum().clamp_min(1)
+    assert 0.0 <= out["actor/pg_clipfrac"] <= 1.0
+    assert 0.0 <= out["actor/pg_clipfrac_lower"] <= neg + 1e-12
+    for est in ("k2", "k3"):
+        assert PPOKL(estimator=est)(batch) >= 0
+    assert ExplainedVariance()(batch) <= 1.0
+    ent = PolicyEntropy(from_logits=True)(batch)
+    assert 0.0 <= ent <= math.log(batch["logits"].shape[-1]) + 1e-9
+    for key, v in DPOMetrics()(batch).items():
+        if key in ("loss/dpo",):
+            assert v >= 0
+        if key == "rewards/accuracy":
+            assert 0 <= v <= 1
+    rm = RewardModelMetrics()(batch)
+    assert rm["rm/loss"] >= 0 and 0 <= rm["rm/accuracy"] <= 1
+    r = ResponseLength(max_response_length=4)(batch)
+    assert 0 <= r["response_length/clip_ratio"] <= 1
+    assert r["response_length/min"] <= r["response_length/mean"] <= r["response_length/max"]
+    assert 0 <= AbortedRatio()(batch) <= 1
+    adv = AdvantageStats()(batch)
+    assert adv["critic/advantages/std"] >= 0
+    assert adv["critic/advantages/min"] <= adv["critic/advantages/mean"] <= adv["critic/advantages/max"]
+
+
+@given(st.integers(1, 80), st.data())
+def test_pass_at_k_is_monotone_in_k_and_c_and_bounded(n, data):
+    c = data.draw(st.integers(0, n))
+    ks = list(range(1, n + 1))
+    values = [FV.pass_at_k(torch.tensor([float(n)]), torch.tensor([float(c)]), k).item() for k in ks]
+    assert all(0.0 <= v <= 1.0 for v in values)
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(values))
+    assert math.isclose(values[0], c / n, rel_tol=1e-12, abs_tol=1e-15)  # pass@1 = c / n
+    k = data.draw(st.integers(1, n))
+    by_c = FV.pass_at_k(torch.full((n + 1,), float(n)), torch.arange(n + 1, dtype=torch.float64), k)
+    assert (by_c[1:] >= by_c[:-1] - 1e-12).all()
+    assert by_c[0] == 0.0 and by_c[-1] == 1.0
+
+
+@given(st.lists(st.floats(-100, 100, allow_nan=False), min_size=1, max_size=12))
+def test_best_at_k_is_monotone_and_between_mean_and_max(values):
+    v = torch.tensor([values], dtype=torch.float64)
+    valid = torch.ones_like(v, dtype=torch.bool)
+    best = [FV.best_at_k(v, valid, k).item() for k in range(1, len(values) + 1)]
+    assert math.isclose(best[0], sum(values) / len(values), rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(best[-1], max(values), rel_tol=1e-9, abs_tol=1e-9)
+    assert all(a <= b + 1e-9 for a, b in itertools.pairwise(best))
+
+
+@st.composite
+def validation_batches(draw):
+    sources = ["a", "b", "c"]
+    n = draw(st.integers(1, 5))
+    p = draw(st.integers(1, 6))
+    acc = draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=p * n, max_size=p * n))
+    rew = draw(st.lists(st.floats(-5, 5, allow_nan=False), min_size=p * n, max_size=p * n))
+    mask = draw(st.lists(st.booleans(), min_size=p * n, max_size=p * n))
+    srcs = draw(st.lists(st.sampled_from(sources), min_size=p, max_size=p))
+    return n, {"val_acc": torch.tensor(acc).view(p, n),
+               "val_rewards": torch.tensor(rew, dtype=torch.float64).view(p, n),
+               "val_mask": torch.tensor(mask).view(p, n), "data_sources": srcs}
+
+
+@given(validation_batches(), st.integers(1, 4))
+def test_validation_chunked_equals_whole_and_bounded(nb, n_chunks):
+    n, batch = nb
+    sources = ("a", "b", "c")
+    make = lambda: [ValidationAccuracy(sources, n_samples=n), ValidationReward(sources, n_samples=n)]  # noqa: E731
+    whole, chunked = make(), make()
+    for m in whole:
+        m.update(batch)
+    p = batch["val_acc"].shape[0]
+    for idx in torch.tensor_split(torch.arange(p), n_chunks):
+        if idx.numel():
+            part = {k: (v[idx] if isinstance(v, torch.Tensor) else [v[i] for i in idx.tolist()])
+                    for k, v in batch.items()}
+            for m in chunked:
+                m.update(part)
+    for a, b in zip(whole, chunked):
+        _assert_close(a.compute(), b.compute())
+    out = whole[0].compute()
+    for s in sources:
+        passes = [out[f"val-aux/{s}/acc/pass@{k}"].item() for k in whole[0].ks]
+        assert all(0 <= x <= 1 for x in passes)
+
+
+@given(st.lists(st.integers(0, 5000), min_size=0, max_size=40), st.integers(1, 6), st.booleans())
+def test_balanced_partitions_bracket_the_mean(lengths, k, equal):
+    for algo in P.PARTITION_ALGORITHMS:
+        loads = P.partition_loads(lengths, k, algo, equal)
+        assert len(loads) == k and math.isclose(sum(loads), sum(lengths))
+        if lengths:
+            assert min(loads) <= sum(lengths) / k <= max(loads)
+    m = GlobalSeqlen(world_size=k)
+    if lengths:
+        ranks = torch.arange(len(lengths)) % k
+        m.update(prompt_lengths=torch.zeros(len(lengths), dtype=torch.long), response_lengths=torch.tensor(lengths),
+                 rank_ids=ranks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an empty list never updates: compute before update
+        out = {key: v.item() for key, v in m.compute().items()}
+    assert out["global_seqlen/min"] <= out["global_seqlen/mean"] <= out["global_seqlen/max"]
+    assert out["global_seqlen/balanced_min"] <= out["global_seqlen/mean"] + 1e-9
+    assert out["global_seqlen/balanced_max"] >= out["global_seqlen/mean"] - 1e-9
+
+
+@given(st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=30), st.floats(-1e3, 1e3))
+def test_explained_variance_at_most_one_and_shift_invariant(returns, shift):
+    r = torch.tensor([returns], dtype=torch.float64)
+    v = r * 0.5 + 1.0
+    ev = FT.explained_variance(v, r).item()
+    assert ev <= 1.0
+    ev_shift = FT.explained_variance(v + shift, r + shift).item()
+    assert math.isclose(ev, ev_shift, rel_tol=1e-6, abs_tol=1e-6)

@@ -1,0 +1,293 @@
+"""Independent references for the training metrics, written from the glossary / verl semantics alone.
+
+Plain Python and NumPy, deliberately naive: boolean indexing, loops over sequences and pairs, exact
+binomials (``math.comb``), enumeration of subsets. Equivalent reformulations are used where they make the
+check independent (e.g. the clip fractions via ``A > 0 and rho > 1 + eps``). The tests in this file check
+the references themselves against brute force.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------------
+# generic
+# ---------------------------------------------------------------------------------------------------
+
+
+def _valid(mask, shape):
+    return np.ones(shape, dtype=bool) if mask is None else np.asarray(mask) != 0
+
+
+def ref_entropy(entropies=None, mask=None, logits=None, temperature=1.0):
+    if logits is not None:
+        lg = np.asarray(logits, dtype=np.float64) / temperature
+        hs = np.zeros(lg.shape[:2])
+        for b in range(lg.shape[0]):
+            for t in range(lg.shape[1]):
+                row = lg[b, t]
+                m = row.max()
+                e = np.exp(row - m)
+                p = e / e.sum()
+                nz = p > 0
+                hs[b, t] = -(p[nz] * np.log(p[nz])).sum()
+        entropies = hs
+    h = np.asarray(entropies, dtype=np.float64)
+    sel = h[_valid(mask, h.shape)]
+    return float(sel.mean()) if sel.size else 0.0
+
+
+def ref_kl(new, old, mask=None, estimator="k1", clamp=20.0):
+    new, old = np.asarray(new, np.float64), np.asarray(old, np.float64)
+    vals = []
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            if mask is not None and not mask[b][t]:
+                continue
+            r = min(max(new[b, t] - old[b, t], -clamp), clamp)
+            vals.append({"k1": -r, "k2": r * r / 2, "k3": math.exp(r) - 1 - r}[estimator])
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def ref_clipfrac(new, old, adv, mask=None, eps_low=0.2, eps_high=0.2, c=3.0, clamp=20.0):
+    """clip active <=> A (rho - clip(rho)) > 0; dual clip <=> A < 0 and max(rho, clip(rho)) > c."""
+    new, old = np.asarray(new, np.float64), np.asarray(old, np.float64)
+    adv = np.asarray(adv, np.float64)
+    if adv.ndim == 1:
+        adv = np.repeat(adv[:, None], new.shape[1], axis=1)
+    n = clipped = lower = 0
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            if mask is not None and not mask[b][t]:
+                continue
+            rho = math.exp(min(max(new[b, t] - old[b, t], -clamp), clamp))
+            a = adv[b, t]
+            n += 1
+            clipped += (a > 0 and rho > 1 + eps_high) or (a < 0 and rho < 1 - eps_low)
+            lower += a < 0 and max(rho, min(max(rho, 1 - eps_low), 1 + eps_high)) > c
+    return (clipped / n, lower / n) if n else (0.0, 0.0)
+
+
+def _token_select(x, mask):
+    x = np.asarray(x, np.float64)
+    if x.ndim == 1 and mask is not None:
+        x = np.repeat(x[:, None], np.asarray(mask).shape[1], axis=1)
+    return x[_valid(mask, x.shape)] if (mask is not None or x.ndim == 2) else x
+
+
+def ref_stats(x, with_std=False):
+    x = np.asarray(x, np.float64)
+    if not x.size:
+        out = {"mean": 0.0, "max": 0.0, "min": 0.0}
+        return {**out, "std": 0.0} if with_std else out
+    out = {"mean": x.mean(), "max": x.max(), "min": x.min()}
+    if with_std:
+        out["std"] = x.std()
+    return {k: float(v) for k, v in out.items()}
+
+
+def ref_token_stats(x, mask=None, with_std=False):
+    return ref_stats(_token_select(x, mask), with_std)
+
+
+def ref_sequence_stats(x, mask=None):
+    x = np.asarray(x, np.float64)
+    seq = x.sum(axis=1) if x.ndim == 2 else x
+    if mask is not None:
+        seq = seq[np.asarray(mask).sum(axis=1) > 0]
+    return ref_stats(seq)
+
+
+def ref_explained_var(values, returns, mask=None):
+    r, v = _token_select(returns, mask), _token_select(values, mask)
+    if not r.size:
+        return 0.0
+    var_r, var_d = r.var(), (r - v).var()
+    if var_r == 0:
+        return 1.0 if var_d == 0 else 0.0
+    return float(1 - var_d / var_r)
+
+
+def ref_lengths(lengths, max_length=None):
+    x = np.asarray(lengths, np.float64)
+    out = ref_stats(x)
+    if max_length is not None:
+        out["clip_ratio"] = float((x >= max_length).mean()) if x.size else 0.0
+    return out
+
+
+def ref_dpo(pc, pr, rc, rr, beta, label_smoothing=0.0):
+    loss = chosen = rejected = correct = 0.0
+    n = len(pc)
+    for i in range(n):
+        c = beta * (pc[i] - rc[i])
+        r = beta * (pr[i] - rr[i])
+        h = c - r
+        # -log sigmoid(h) = log(1 + e^-h)
+        loss += (1 - label_smoothing) * np.logaddexp(0.0, -h) + label_smoothing * np.logaddexp(0.0, h)
+        chosen += c
+        rejected += r
+        correct += c > r
+    if not n:
+        return dict.fromkeys(("loss", "chosen", "rejected", "margins", "accuracy"), 0.0)
+    return {"loss": loss / n, "chosen": chosen / n, "rejected": rejected / n,
+            "margins": (chosen - rejected) / n, "accuracy": correct / n}
+
+
+def ref_rm(chosen, rejected):
+    n = len(chosen)
+    if not n:
+        return {"loss": 0.0, "accuracy": 0.0, "reward_margin": 0.0}
+    m = [float(c) - float(r) for c, r in zip(chosen, rejected)]
+    return {"loss": sum(np.logaddexp(0.0, -x) for x in m) / n, "accuracy": sum(x > 0 for x in m) / n,
+            "reward_margin": sum(m) / n}
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------------
+
+
+def ref_pass_at_k(n, c, k):
+    """Exact, with big integers: 1 - C(n-c, k) / C(n, k)."""
+    return float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
+
+
+def ref_best_at_k(values, k):
+    """E[max of k of the values drawn without replacement], by the rank-weight formula with exact binomials."""
+    v = sorted(values, reverse=True)
+    n = len(v)
+    total = Fraction(0)
+    for j in range(1, n + 1):
+        total += Fraction(math.comb(n - j, k - 1), math.comb(n, k)) * Fraction(v[j - 1])
+    return float(total)
+
+
+def brute_best_at_k(values, k):
+    subsets = list(itertools.combinations(values, k))
+    return sum(max(s) for s in subsets) / len(subsets)
+
+
+def ref_validation(rows, sources, n_samples, ks, kind):
+    """rows: list of (source, samples list, valid list). Returns the per-source dict of key -> value."""
+    out = {}
+    for s in sources:
+        mine = [(x, v) for src, x, v in rows if src == s]
+        means, at_k = [], {k: [] for k in ks}
+        for x, v in mine:
+            vals = [xi for xi, vi in zip(x, v) if vi]
+            if not vals:
+                continue
+            means.append(sum(vals) / len(vals))
+            for k in ks:
+                if len(vals) < k:
+                    continue
+                if kind == "acc":
+                    at_k[k].append(ref_pass_at_k(len(vals), sum(xi >= 0.5 for xi in vals), k))
+                else:
+                    at_k[k].append(ref_best_at_k(vals, k))
+        if kind == "acc":
+            out[f"val-core/{s}/acc/mean@{n_samples}"] = sum(means) / len(means) if means else 0.0
+            for k in ks:
+                out[f"val-aux/{s}/acc/pass@{k}"] = sum(at_k[k]) / len(at_k[k]) if at_k[k] else 0.0
+        else:
+            out[f"val-aux/{s}/reward/mean@{n_samples}"] = sum(means) / len(means) if means else 0.0
+            for k in ks:
+                out[f"val-aux/{s}/reward/best@{k}"] = sum(at_k[k]) / len(at_k[k]) if at_k[k] else 0.0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# load balance, timing, FLOPs
+# ---------------------------------------------------------------------------------------------------
+
+
+def ref_karmarkar_karp_sums(lengths, k, equal_size=True):
+    """Largest differencing, list based: each round sorts the partial solutions by (-spread, age) and merges
+    the first two, largest set of the first with the smallest of the second. Returns sorted set sums."""
+    items = sorted(float(x) for x in lengths)
+    if equal_size:
+        items = [0.0] * ((-len(items)) % k) + items
+        groups = [items[i:i + k] for i in range(0, len(items), k)]
+    else:
+        groups = [[x] + [0.0] * (k - 1) for x in items]
+    sols = []  # (age, sums in decreasing order)
+    age = 0
+    for g in groups:
+        sols.append((age, sorted(g, reverse=True)))
+        age += 1
+    while len(sols) > 1:
+        sols.sort(key=lambda s: (-(s[1][0] - s[1][-1]), s[0]))
+        (_, a), (_, b) = sols[0], sols[1]
+        merged = sorted((a[j] + b[k - 1 - j] for j in range(k)), reverse=True)
+        sols = [*sols[2:], (age, merged)]
+        age += 1
+    return sorted(sols[0][1]) if sols else [0.0] * k
+
+
+def brute_min_max_partition(lengths, k, equal_size=True):
+    """Optimal largest set sum over all assignments (tiny inputs only)."""
+    n = len(lengths)
+    best = math.inf
+    for assign in itertools.product(range(k), repeat=n):
+        if equal_size and any(assign.count(j) > math.ceil(n / k) for j in range(k)):
+            continue
+        sums = [0.0] * k
+        for i, j in enumerate(assign):
+            sums[j] += lengths[i]
+        best = min(best, max(sums))
+    return best
+
+
+def ref_transformer_active_params(hidden, layers, heads, vocab, inter, kv_heads=None, head_dim=None,
+                                  experts=0, topk=0, moe_inter=None, shared=0, count_embedding=False):
+    head_dim = head_dim or hidden // heads
+    kv_heads = kv_heads or heads
+    q_proj = hidden * heads * head_dim
+    k_proj = v_proj = hidden * kv_heads * head_dim
+    o_proj = heads * head_dim * hidden
+    if experts:
+        per_expert = 3 * hidden * (moe_inter or inter)  # gate, up, down
+        mlp = per_expert * (topk + shared) + hidden * experts
+    else:
+        mlp = 3 * hidden * inter
+    embed = vocab * hidden if count_embedding else 0
+    return layers * (q_proj + k_proj + v_proj + o_proj + mlp) + vocab * hidden + embed
+
+
+# ---------------------------------------------------------------------------------------------------
+# self-checks of the references
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_pass_at_k_reference_matches_enumeration():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                outcomes = [1] * c + [0] * (n - c)
+                subsets = list(itertools.combinations(outcomes, k))
+                brute = sum(any(s) for s in subsets) / len(subsets)
+                assert math.isclose(ref_pass_at_k(n, c, k), brute, rel_tol=1e-12), (n, c, k)
+
+
+def test_best_at_k_reference_matches_enumeration():
+    rng = np.random.default_rng(0)
+    for n in range(1, 7):
+        vals = [float(v) for v in rng.normal(size=n).round(3)]
+        vals[0] = vals[-1]  # a tie
+        for k in range(1, n + 1):
+            assert math.isclose(ref_best_at_k(vals, k), brute_best_at_k(vals, k), rel_tol=1e-12, abs_tol=1e-12)
+
+
+def test_karmarkar_karp_reference_is_sane():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        k = int(rng.integers(2, 4))
+        lengths = [int(x) for x in rng.integers(1, 50, size=int(rng.integers(k, 8)))]
+        sums = ref_karmarkar_karp_sums(lengths, k)
+        assert math.isclose(sum(sums), sum(lengths))
+        assert max(sums) >= brute_min_max_partition(lengths, k) - 1e-9
