@@ -85,38 +85,42 @@ def token_statistics(
         (2.0, 1.0, 1.0, 2)
     """
     f64 = torch.float64
-    dtype, device = trainer.dtype, trainer.device
-    zero = torch.zeros((), dtype=dtype, device=device)
-    inf = torch.full((), float("inf"), dtype=dtype, device=device)
+    dtype = trainer.dtype
+    # Arithmetic masking throughout: on CPU, where/isfinite/fmin cost several times a multiply.
+    mask_f = mask.to(dtype)
     d = trainer - rollout
-    valid = mask & torch.isfinite(d)
-    r = torch.where(valid, d, zero)
+    # d * 0 is 0 where d is finite and NaN where it is not; nan_to_num turns that into a 0/1 flag.
+    bad = torch.nan_to_num(d * 0.0, nan=1.0)
+    valid = torch.addcmul(mask_f, mask_f, bad, value=-1.0)  # 1 on valid tokens, else 0
+    invalid = 1.0 - valid
+    r = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0).mul_(valid)
     rc = r.clamp(-clamp, clamp)
     w = torch.exp(rc).mul_(valid)  # 0 on invalid tokens
     ar = r.abs()
     # Row sums give the sequence statistics and, summed again, the token totals.
     seq_sum = r.sum(-1)
     seq_n = valid.sum(-1).to(f64)
-    seq_mask_n = mask.sum(-1).to(f64)
+    seq_mask_n = mask_f.sum(-1).to(f64)
     n = seq_n.sum()
     sum_r = seq_sum.to(f64).sum()
-    # min/max over valid tokens in one aminmax: invalid tokens take the valid mean, which lies inside
-    # [min, max] (rounding to nearest cannot push it past a representable extreme).
+    # min/max over valid tokens in one aminmax: invalid tokens (r = 0 there) take the valid mean, which
+    # lies inside [min, max] (rounding to nearest cannot push it past a representable extreme).
     fill = (sum_r / n.clamp_min(1.0)).to(dtype)
-    lo, hi = torch.aminmax(torch.where(valid, d, fill))
-    # Probabilities exp(min(logp, 0)) on valid tokens, 0 elsewhere (fmin ignores NaN on invalid ones).
-    cap = torch.where(valid, zero, -inf)
-    p = torch.exp(torch.fmin(trainer, cap))
-    q = torch.exp(torch.fmin(rollout, cap))
+    lo, hi = torch.aminmax(torch.addcmul(r, invalid, fill))
+    # Probabilities exp(min(logp, 0)) on valid tokens, 0 elsewhere (non-finite inputs are only on
+    # invalid tokens, and nan_to_num keeps them from turning the product into NaN).
+    p = torch.nan_to_num(trainer, nan=0.0, posinf=0.0, neginf=0.0).clamp_(max=0.0).exp_().mul_(valid)
+    q = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0).clamp_(max=0.0).exp_().mul_(valid)
     diff = p - q
     # Squared sums as squared 2-norms: one read per tensor; sum p*q by polarisation.
     sum_pp = torch.linalg.vector_norm(p).to(f64) ** 2
     sum_qq = torch.linalg.vector_norm(q).to(f64) ** 2
     sum_dd = torch.linalg.vector_norm(diff).to(f64) ** 2
     apq = diff.abs_()
-    # Histogram of clamped log-weights; invalid tokens are moved out of range, which histc ignores.
+    # Histogram of clamped log-weights; invalid tokens are pushed out of range, which histc ignores.
     # (histc with an explicit range sizes its output from `bins` alone: no host sync on any device.)
-    hist = torch.histc(torch.where(valid, rc, 4.0 * clamp), bins=bins, min=-clamp, max=clamp)
+    hist = torch.histc(torch.addcmul(rc, invalid, invalid, value=4.0 * clamp), bins, -clamp, clamp)
+    neg_inf64 = torch.full((), float("-inf"), dtype=f64, device=trainer.device)
 
     # Sequences: a sequence counts if it has a valid token and no masked token with a non-finite log
     # ratio. [B]-sized, so float64 throughout.
@@ -125,7 +129,6 @@ def token_statistics(
     geo = s / seq_n.clamp_min(1.0)
     ws = torch.exp(s.clamp(-clamp, clamp)) * seq_ok
     dseq = -geo  # d_i = mean rollout logp - mean trainer logp
-    neg_inf64 = torch.full((), float("-inf"), dtype=f64, device=device)
     return {
         "n": n,
         "n_mask": seq_mask_n.sum(),
@@ -136,8 +139,8 @@ def token_statistics(
         "sum_w": w.sum().to(f64),
         # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
         "sum_w2": (w * w).sum().to(f64),
-        "clipped": (ar > clamp).sum().to(f64),
-        "vetoed": (ar > veto).sum().to(f64),
+        "clipped": torch.count_nonzero(ar > clamp).to(f64),
+        "vetoed": torch.count_nonzero(ar > veto).to(f64),
         "min_r": torch.where(n > 0, lo.to(f64), -neg_inf64),
         "max_r": torch.where(n > 0, hi.to(f64), neg_inf64),
         "sum_p": p.sum().to(f64),
