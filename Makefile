@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	WANDB_MODE=offline $(BIN)/python examples/quickstart.py
+	WANDB_MODE=offline $(BIN)/python examples/demo.py
 
 test: $(STAMP)
 	WANDB_MODE=offline $(BIN)/python -m pytest

@@ -1,7 +1,7 @@
 """The main job: GRPO on a tiny MoE transformer whose rollout engine is the same weights in bf16 and fp8.
 
 Run: ``make demo`` (or ``WANDB_MODE=offline python examples/demo.py [--steps N] [--out DIR]``); CPU only,
-a couple of minutes with the defaults, no download. What happens:
+about a minute with the defaults on 2 CPU cores, no download. What happens:
 
 1. A tiny mixture-of-experts decoder (``examples/tiny_moe.py``: 4 layers, 8 experts, top-2 routing),
    randomly initialised with a fixed seed, learns a toy task with GRPO: a prompt ``[BOS, start, stride]``
@@ -80,7 +80,7 @@ DECISIONS = ("train", "train_with_correction", "replay", "quarantine", "reject")
 class DemoConfig:
     """Settings of the run (the defaults are the ``make demo`` run)."""
 
-    steps: int = 40
+    steps: int = 100
     groups_per_step: int = 8  # prompt groups per step, ``async_groups`` of them from stale engines
     group_size: int = 8  # G samples per prompt
     response_len: int = 12  # T tokens per response (an EOS ends a response early)
@@ -103,6 +103,9 @@ def available_precisions(wanted: tuple[str, ...] = tm.PRECISIONS) -> tuple[tuple
             out.append(p)
         else:
             notes.append(f"note: skipping the fp8 rollout engine: {reason}")
+    if not out:
+        notes.append("note: no requested rollout precision is available here; running bf16 instead")
+        out.append("bf16")
     return tuple(out), notes
 
 
@@ -149,6 +152,7 @@ class GRPODemo(pl.LightningModule):
         self.controller = OPBCController(cfg.policy)
         self.wandb_logger = wandb_logger
         self.verbose = verbose
+        self.print_every = max(1, cfg.steps // 20)
         self.sampler = torch.Generator().manual_seed(cfg.seed + 1)
         self.snapshots: collections.deque[dict[str, Tensor]] = collections.deque(maxlen=cfg.max_async_lag + 1)
         self.replay: dict[str, Any] | None = None
@@ -156,8 +160,11 @@ class GRPODemo(pl.LightningModule):
         self.decisions = {s: collections.Counter() for s in self.streams}
         self.reasons: collections.Counter[str] = collections.Counter()
         self.rewards: list[float] = []
+        # |r| summed and counted on tokens whose top-K expert sets agree in every layer / differ in one.
+        self.split = {s: {"agree": [0.0, 0], "differ": [0.0, 0]} for s in self.streams}
         self.dumps: dict[str, list[str]] = {s: [] for s in self.streams}
         self._last: dict[str, float] = {}
+        self._async_lag = 0
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr)
@@ -176,6 +183,7 @@ class GRPODemo(pl.LightningModule):
         fresh = cfg.groups_per_step - cfg.async_groups
         plan = [(cfg.precisions[k % len(cfg.precisions)], 0) for k in range(fresh)]
         lag = min(step % (cfg.max_async_lag + 1), len(self.snapshots) - 1)
+        self._async_lag = lag
         plan += [(ASYNC, lag)] * cfg.async_groups
         parts = []
         for stream in dict.fromkeys(s for s, _ in plan):  # one engine (one generate call) per stream
@@ -260,6 +268,7 @@ class GRPODemo(pl.LightningModule):
                 continue
             part = {k: v[sel] for k, v in batch.items()}
             values = self.by_stream[name](part)  # accumulates, and returns this step's values
+            self._split_by_routing(name, part)
             self._last[f"{name}/reward"] = rewards[sel].mean().item()
             for key in ("opbc/is/ess", "opbc/logprob/abs_diff_mean", "moe/router/flip_rate",
                         "moe/router/topk_disagreement_rate"):
@@ -267,7 +276,14 @@ class GRPODemo(pl.LightningModule):
             self.dumps[name] += _jsonl_records(part, rewards[sel], advantages[sel], rows["prompts"].shape[1], step)
         for name in self.streams:
             counts = self.decisions[name]
-            self._last[f"{name}/trained_groups"] = float(counts["train"] + counts["train_with_correction"])
+            self._last[f"{name}/trained_groups_total"] = float(counts["train"] + counts["train_with_correction"])
+
+    def _split_by_routing(self, name: str, part: dict[str, Tensor]) -> None:
+        differ = (part["rollout_experts"].sort(-1).values != part["trainer_experts"].sort(-1).values).any(-1).any(-1)
+        abs_r = (part["trainer_logprobs"] - part["rollout_logprobs"]).abs()
+        for key, where in (("agree", ~differ & part["response_mask"]), ("differ", differ & part["response_mask"])):
+            self.split[name][key][0] += abs_r[where].sum().item()
+            self.split[name][key][1] += int(where.sum())
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Runs after OPBCCallback's hook: the demo's own scalars go to the same W&B step.
@@ -275,12 +291,15 @@ class GRPODemo(pl.LightningModule):
         run = self.wandb_logger.run if self.wandb_logger is not None else None
         if run is not None:
             run.log({f"demo/{k}": v for k, v in self._last.items()}, step=int(step))
-        if self.verbose:
+        if self.verbose and (batch_idx % self.print_every == 0 or batch_idx == self.cfg.steps - 1):
             mix = collections.Counter(d.action.value for d in outputs["opbc"]["opbc_decisions"].decisions)
             parts = [
                 f"{s} |Δlogp| {self._last[f'{s}/abs_diff_mean']:.4f} flip {self._last[f'{s}/flip_rate']:.2%}"
                 for s in self.cfg.precisions
+                if f"{s}/flip_rate" in self._last
             ]
+            if ASYNC in self.streams:
+                parts.append(f"async lag {self._async_lag:2d}")
             decided = ", ".join(f"{a} {mix[a]}" for a in DECISIONS if mix[a])
             print(f"step {batch_idx:3d}  reward {self._last['reward']:.3f}  " + "  ".join(parts) + f"  | {decided}")
 
@@ -348,19 +367,24 @@ def _format_table(values: dict[str, dict[str, float]], streams: list[str]) -> li
 # main
 # ------------------------------------------------------------------------------------------------------
 def main(
-    steps: int = 40,
+    steps: int = DemoConfig.steps,
     *,
     seed: int = 0,
     out_dir: str | os.PathLike[str] = "runs/demo",
     use_wandb: bool = True,
     report: bool = True,
     verbose: bool = True,
+    precisions: tuple[str, ...] = tm.PRECISIONS,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """Run the demo; returns the per-stream metrics, decision mixes, output paths and timings."""
+    """Run the demo; returns the per-stream metrics, decision mixes, output paths and timings.
+
+    ``overrides`` are :class:`DemoConfig` fields (``lr``, ``group_size``, ...). Precisions this torch cannot
+    run (fp8 without ``torch.float8_e4m3fn``) are skipped with a printed note. Sets torch to one thread.
+    """
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # tiny matmuls: threads cost more than they give, and results stay reproducible
-    precisions, notes = available_precisions()
+    precisions, notes = available_precisions(tuple(precisions))
     cfg = DemoConfig(steps=steps, seed=seed, precisions=precisions, **overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -370,6 +394,7 @@ def main(
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=r".*(Checkpoint|checkpoint).*")
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*")  # torch/lightning version skew, harmless
     pl.seed_everything(seed, verbose=False)
 
     wandb_logger, distributions = None, None
@@ -382,7 +407,7 @@ def main(
             wandb_logger = OPBCWandbLogger(
                 distributions=distributions, num_layers=cfg.model.n_layers, mode="offline", dir=str(out),
                 project="opbc-metrics-demo", name=f"tiny-moe-grpo-seed{seed}",
-                config={"demo": {**asdict(cfg), "model": asdict(cfg.model)}},
+                config={"demo": asdict(cfg)},
             )
         except ImportError as e:
             print(f"note: W&B logging skipped ({e})")
@@ -417,16 +442,23 @@ def main(
     for line in _format_table(values, module.streams):
         say(line)
     say("")
-    say("== OPBC decisions (groups) ==")
+    say("== OPBC decisions (per group and step: a replayed group is decided again the next step) ==")
     for s in module.streams:
         counts = module.decisions[s]
         total = sum(counts.values()) or 1
         say(f"{s:<6} " + ", ".join(f"{a} {counts[a]} ({counts[a] / total:.0%})" for a in DECISIONS if counts[a]))
     reasons = ", ".join(f"{r} {n}" for r, n in module.reasons.most_common())
-    say(f"reasons: {reasons or 'none'}")
+    say(f"reasons (groups where each rule held): {reasons or 'none'}")
     trained = budget["opbc/decision/token_share/train"] + budget["opbc/decision/token_share/train_with_correction"]
     say(f"tokens trained: {trained:.1%} of {budget['opbc/decision/num_tokens']:.0f}; trained tokens whose weight "
         f"was truncated at 2 (TIS): {budget['opbc/decision/truncated_token_share']:.2%}")
+    say("")
+    say("== mean |Δlogp| (nats) on tokens whose top-k expert sets agree in every layer / differ in one ==")
+    by_routing = {s: {k: v[0] / max(v[1], 1) for k, v in module.split[s].items()} for s in module.streams}
+    for s in module.streams:
+        n_agree, n_differ = module.split[s]["agree"][1], module.split[s]["differ"][1]
+        say(f"{s:<6} agree {by_routing[s]['agree']:.5f} ({n_agree} tokens)   "
+            f"differ {by_routing[s]['differ']:.5f} ({n_differ} tokens)")
     k = min(5, len(module.rewards))
     reward_first, reward_last = sum(module.rewards[:k]) / k, sum(module.rewards[-k:]) / k
     say(f"reward: first {k} steps {reward_first:.3f} -> last {k} steps {reward_last:.3f}")
@@ -435,17 +467,21 @@ def main(
         "streams": module.streams, "metrics": values, "budget": budget,
         "decisions": {s: dict(module.decisions[s]) for s in module.streams}, "notes": notes,
         "reward_first": reward_first, "reward_last": reward_last, "fit_seconds": fit_s,
+        "abs_diff_by_routing": by_routing,
     }
     if report:
         result["reports"] = write_reports(module.dumps, out, cfg.policy)
         say("")
         for s, info in result["reports"].items():
-            say(f"HTML report ({s}): {info['html']}   (rollouts: {info['jsonl']})")
+            offline = {a: n for a, n in (info["decision_mix"] or {}).items() if n}
+            same = "same as online" if offline == dict(module.decisions[s]) else f"online: {dict(module.decisions[s])}"
+            say(f"HTML report ({s}): {info['html']}")
+            say(f"    from {info['jsonl']}; decisions re-derived offline: {offline} ({same})")
     if wandb_logger is not None and wandb_logger.run is not None:
         run = wandb_logger.run
         for s in module.streams:
             for key, _, _ in KEY_METRICS:
-                run.summary[f"demo/{s}/{key}"] = values[s][key]
+                run.summary[f"final/{s}/{key}"] = values[s][key]
         run_dir = str(Path(run.dir).parent)
         wandb_logger.finish()
         result["wandb_dir"] = run_dir
@@ -457,16 +493,23 @@ def main(
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps (default 40)")
+    p.add_argument("--steps", type=int, default=DemoConfig.steps, help=f"GRPO steps (default {DemoConfig.steps})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/demo", help="output folder: reports, rollout dumps, W&B run")
+    p.add_argument("--precisions", default=",".join(tm.PRECISIONS),
+                   help="rollout precisions, comma-separated, from: " + ", ".join(tm.PRECISIONS))
     p.add_argument("--no-wandb", action="store_true", help="do not log to W&B")
     p.add_argument("--no-report", action="store_true", help="do not write the JSONL dumps and HTML reports")
     p.add_argument("--quiet", action="store_true", help="print nothing but notes")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.precisions = tuple(x.strip() for x in args.precisions.split(",") if x.strip())
+    unknown = [x for x in args.precisions if x not in tm.PRECISIONS]
+    if unknown or not args.precisions:
+        p.error(f"--precisions: expected some of {', '.join(tm.PRECISIONS)}, got {unknown or 'nothing'}")
+    return args
 
 
 if __name__ == "__main__":
     args = _parse(None)
     main(args.steps, seed=args.seed, out_dir=args.out, use_wandb=not args.no_wandb, report=not args.no_report,
-         verbose=not args.quiet)
+         verbose=not args.quiet, precisions=args.precisions)

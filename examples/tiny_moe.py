@@ -19,7 +19,7 @@ Everything the demo (``examples/demo.py``) needs besides the library, in plain P
   log-probability mismatch and the router mismatch the demo measures are real numerics, not injected noise.
 * The task (:func:`make_prompts`, :func:`rewards_for`): a prompt ``[BOS, start, stride]`` asks to count
   up from ``start`` in steps of ``stride`` (mod 10) for ``T`` tokens; the reward is the share of the
-  ``T`` positions whose token is the right next number. An ``EOS`` token ends a response early (the
+  ``T`` positions whose token is the previous one plus ``stride``. An ``EOS`` token ends a response early (the
   rest of the row is padding, outside ``response_mask``).
 """
 
@@ -55,16 +55,18 @@ def response_mask_for(tokens: Tensor) -> Tensor:
 
 
 def rewards_for(prompts: Tensor, tokens: Tensor) -> Tensor:
-    """Share of the ``T`` positions whose token is ``start + (t + 1) * stride (mod 10)``; 0 after an EOS.
+    """Share of the ``T`` positions whose token is the previous one plus ``stride`` (mod 10), the first
+    one counting from ``start``; positions after an EOS score 0.
 
     Example:
-        >>> p = torch.tensor([[BOS, 8, 3]])
+        >>> p = torch.tensor([[BOS, 8, 3], [BOS, 8, 3]])
         >>> rewards_for(p, torch.tensor([[1, 4, 7, 0], [1, EOS, 7, 0]])).tolist()  # 8 + 3 = 11 -> 1, 4, 7, 0
         [1.0, 0.25]
+        >>> rewards_for(p[:1], torch.tensor([[1, 5, 8, 1]])).tolist()  # one slip: 4 -> 5, then 5 + 3 = 8, 8 + 3 = 11
+        [0.75]
     """
-    t = torch.arange(1, tokens.shape[1] + 1)
-    target = (prompts[:, 1:2] + t[None, :] * prompts[:, 2:3]) % DIGITS
-    right = (tokens == target) & response_mask_for(tokens)
+    prev = torch.cat([prompts[:, 1:2], tokens[:, :-1]], dim=1)
+    right = (tokens == (prev + prompts[:, 2:3]) % DIGITS) & (tokens < DIGITS) & response_mask_for(tokens)
     return right.float().mean(dim=1)
 
 

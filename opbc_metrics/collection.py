@@ -27,14 +27,16 @@ def _mismatch_section(clamp: float, veto: float, top_mass_bins: int, **kwargs: A
     return [cls(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins, **kwargs) for cls in MISMATCH_METRICS]
 
 
-# Section name -> factory(clamp, veto, top_mass_bins, **metric_kwargs) -> metrics.
+# Section name -> factory(clamp, veto, top_mass_bins, **metric_kwargs, **section_options) -> metrics.
+# The default sections are the OPBC glossary's (seeds 000 and 003). Members with optional inputs skip
+# batches without their fields, and compute() leaves out the keys of those that never saw data, so a
+# dense model's run shows no MoE keys and a run without trajectories no agent keys.
 SECTIONS: dict[str, Callable[..., list[OPBCMetric]]] = {"mismatch": _mismatch_section}
-# moe: router members with optional inputs (skip batches without expert ids), per-layer capacity
-# DEFAULT_MOE_LAYERS = 64; per_round: needs only the core logprob fields, capacity 16 rounds.
+# moe: router members (expert ids or router logits); section_options {"num_layers": 64, "top_k": None}.
 SECTIONS["moe"] = moe_section
+# per_round: needs only the core logprob fields; section_options {"capacity": 16}.
 SECTIONS["per_round"] = per_round_section
-# agent, endpoint: host-data members with optional inputs (trajectory_pairs; endpoint_responses); opt-in
-# with sections=[..., "agent", "endpoint"] or as members.
+# agent, endpoint: host-data members (trajectory_pairs; endpoint_responses).
 SECTIONS["agent"] = agent_section
 SECTIONS["endpoint"] = endpoint_section
 # rollout: per-sample/per-group statistics with optional inputs (rewards, advantages, lengths, group_ids,
@@ -45,7 +47,7 @@ SECTIONS["rollout"] = rollout_section
 # Opt-in (its members would report empty-window zeros for fields a mismatch-only user never feeds);
 # settings via section_options={"training": {"max_response_length": ..., "data_sources": [...], ...}}.
 SECTIONS["training"] = training_section
-DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round")
+DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round", "agent", "endpoint")
 
 
 class OPBCCollection(MetricCollection):

@@ -468,8 +468,13 @@ def test_joins_collection_by_choice_and_skips_batches_without_pairs():
     members = OPBCCollection([ToolCallJaccard(), AnswerMatchRate()])
     members.update(trajectory_pairs=pairs)
     assert set(members.compute()) == {"agent/trajectory/tool_call_jaccard", "agent/answer/match_rate"}
-    # Not a default section.
-    assert not any(k.startswith("agent/") for k in OPBCCollection().keys_produced)
+    # A default section: its keys appear only once trajectory pairs arrive.
+    default = OPBCCollection()
+    assert any(k.startswith("agent/") for k in default.keys_produced)
+    default.update(batch)
+    assert not any(k.startswith("agent/") for k in default.compute())
+    default.update(dict(batch, trajectory_pairs=pairs))
+    assert_window({k: v for k, v in default.compute().items() if k.startswith("agent/")}, ref_window(pairs))
 
 
 def test_metric_alone_requires_the_field():

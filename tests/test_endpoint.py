@@ -348,7 +348,10 @@ def test_joins_collection_by_choice_or_as_members():
     members = OPBCCollection([TokenIdsCoverage(), SeedSupportCoverage(), EndpointResponseCount()])
     members.update(endpoint_responses=responses, endpoint_requests=requests)
     assert len(members.compute()) == 5
-    assert not any(k.startswith("endpoint/") for k in OPBCCollection().keys_produced)
+    default = OPBCCollection()  # a default section: keys only once responses arrive
+    default.update(batch)
+    assert any(k.startswith("endpoint/") for k in default.keys_produced)
+    assert not any(k.startswith("endpoint/") for k in default.compute())
 
 
 def _chat(**choice):

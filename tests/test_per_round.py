@@ -203,8 +203,10 @@ def test_default_collection_includes_per_round():
     out = {k: v.item() for k, v in metrics.compute().items()}
     _assert_close(out, per_round_reference(*_numpy(concat_batches(batches))))
     assert len(metrics.keys_produced) == len(set(metrics.keys_produced))
-    # Every key is there except those of the router members, which saw no expert ids.
-    assert set(out) == {k for k in metrics.keys_produced if not k.startswith("moe/")}
+    # Every key is there except those of the optional-input members (router, agent, endpoint), which saw
+    # none of their fields.
+    silent = ("moe/", "agent/", "endpoint/")
+    assert set(out) == {k for k in metrics.keys_produced if not k.startswith(silent)}
 
 
 def test_glossary_entry():

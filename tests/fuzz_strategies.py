@@ -1,0 +1,512 @@
+"""Hostile inputs for tests/test_fuzz.py: batch fields of every kind the public ``update()`` s read, with
+random shapes (0-size, 1x1, mismatched), dtypes, non-finite and sentinel values, empty and fully masked
+rows, huge log ratios, non-contiguous / strided / broadcast layouts and a field on another device.
+
+Hypothesis draws a small *plan* (sizes, dtype, value pool, mask kind, layouts, at most one structural
+mutation); the tensors are then built from the plan's seed with NumPy, so a case is cheap to build and
+shrinks through its parameters. Nothing here reads the library: expectations (which fields are hostile,
+how many non-finite tokens a batch holds) are derived from the built tensors alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+NAN, INF = float("nan"), float("inf")
+F32_MIN = float(torch.finfo(torch.float32).min)  # what masked_fill(..., finfo.min) leaves in a logprob
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Specials: NaN and +-inf (vLLM returns -inf outside top-p), the -9999 sentinel, huge log ratios (+-1e4), the
+# float32 minimum used as a mask fill, and exact zeros (a missing-logprob fill).
+SPECIALS = (NAN, INF, -INF, -9999.0, 1e4, -1e4, F32_MIN, 0.0)
+LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
+MASK_KINDS = ("absent", "ones", "zeros", "random", "empty_rows", "first_row_only", "float", "int8")
+# Structural mutations of one field; the run must then raise a ValueError/TypeError naming that field or
+# accept the input and return finite values.
+MUTATIONS = (
+    "extra_dim",
+    "drop_dim",
+    "other_size",
+    "int_dtype",
+    "bool_dtype",
+    "float_dtype",
+    "complex_dtype",
+    "meta_device",
+    "as_list",
+    "as_string",
+    "none",
+)
+
+
+@dataclass
+class Plan:
+    """The drawn parameters of one case."""
+
+    seed: int
+    b: int
+    t: int
+    dtype: torch.dtype
+    specials: tuple[float, ...]
+    rate: float
+    mask_kind: str
+    layouts: dict[str, str] = field(default_factory=dict)
+    mutation: tuple[str, str] | None = None  # (field, kind)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def rng(self, salt: str) -> np.random.Generator:
+        return np.random.default_rng([self.seed, *salt.encode()])
+
+
+def plans(fields: tuple[str, ...], mutate: bool = True, max_b: int = 5, max_t: int = 7) -> st.SearchStrategy[Plan]:
+    """Plans for a batch with ``fields``: sizes 0..max, one float dtype, a subset of specials, layouts."""
+
+    @st.composite
+    def make(draw: Any) -> Plan:
+        b = draw(st.sampled_from((0, 1, 1, 2, 3, 4, max_b)))
+        t = draw(st.sampled_from((0, 1, 1, 2, 3, 5, max_t)))
+        specials = tuple(draw(st.lists(st.sampled_from(SPECIALS), max_size=4, unique_by=repr)))
+        rate = draw(st.sampled_from((0.0, 0.15, 0.5, 1.0))) if specials else 0.0
+        layouts = {f: draw(st.sampled_from(LAYOUTS)) for f in fields}
+        mutation = None
+        if mutate and draw(st.booleans()):
+            mutation = (draw(st.sampled_from(fields)), draw(st.sampled_from(MUTATIONS)))
+        return Plan(
+            seed=draw(st.integers(0, 2**16)),
+            b=b,
+            t=t,
+            dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+            specials=specials,
+            rate=rate,
+            mask_kind=draw(st.sampled_from(MASK_KINDS)),
+            layouts=layouts,
+            mutation=mutation,
+        )
+
+    return make()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# values
+# ---------------------------------------------------------------------------------------------------------
+def with_specials(plan: Plan, name: str, values: np.ndarray) -> np.ndarray:
+    """Replace a ``plan.rate`` share of ``values`` (float64) by specials drawn from ``plan.specials``."""
+    if not plan.specials or plan.rate == 0.0 or values.size == 0:
+        return values
+    rng = plan.rng("specials/" + name)
+    hit = rng.random(values.shape) < plan.rate
+    pick = rng.integers(0, len(plan.specials), values.shape)
+    return np.where(hit, np.asarray(plan.specials, dtype=np.float64)[pick], values)
+
+
+def logprobs(plan: Plan, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Logprob-like values: mostly in [-8, 0], some near 0, plus specials."""
+    rng = plan.rng(name)
+    x = -rng.exponential(1.5, shape)
+    if x.size:
+        x = np.where(rng.random(shape) < 0.2, x * 0.01, x)
+    return with_specials(plan, name, x)
+
+
+def reals(plan: Plan, name: str, shape: tuple[int, ...], scale: float = 2.0) -> np.ndarray:
+    """Real values (rewards, advantages, values, scores) plus specials."""
+    return with_specials(plan, name, plan.rng(name).normal(0.0, scale, shape))
+
+
+def counts(plan: Plan, name: str, shape: tuple[int, ...], high: int = 40) -> np.ndarray:
+    """Non-negative integer counts (lengths, turns); with specials, some turn negative or non-finite."""
+    x = plan.rng(name).integers(0, high, shape).astype(np.float64)
+    return with_specials(plan, name, x)
+
+
+def to_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (float64) as ``dtype``; integer/bool targets get finite values (NaN -> 0, inf -> +-1e4)."""
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+    if dtype.is_floating_point:
+        return t.to(dtype)
+    t = torch.nan_to_num(t, nan=0.0, posinf=1e4, neginf=-1e4)
+    return t.round().to(dtype) if dtype != torch.bool else t != 0
+
+
+def mask_values(plan: Plan, b: int, t: int) -> torch.Tensor | None:
+    """A response mask of ``plan.mask_kind``: None (absent), all ones, all zeros, ragged, empty rows, ..."""
+    rng = plan.rng("mask")
+    kind = plan.mask_kind
+    if kind == "absent":
+        return None
+    if kind == "ones":
+        return torch.ones(b, t, dtype=torch.bool)
+    if kind == "zeros":
+        return torch.zeros(b, t, dtype=torch.int64)
+    m = rng.random((b, t)) < 0.7
+    if kind == "empty_rows" and b:
+        m[rng.random(b) < 0.5] = False
+    if kind == "first_row_only" and b:
+        m[1:] = False
+    if kind == "float":
+        return torch.from_numpy(m.astype(np.float32))
+    if kind == "int8":
+        return torch.from_numpy(m.astype(np.int8))
+    return torch.from_numpy(m)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layouts: the same values, other memory layouts
+# ---------------------------------------------------------------------------------------------------------
+def expanded_values(t: torch.Tensor) -> torch.Tensor:
+    """The values an ``expanded`` layout holds: the first slice along dim 0, repeated (contiguous)."""
+    if t.ndim == 0 or t.shape[0] == 0:
+        return t
+    return t[:1].expand_as(t).contiguous()
+
+
+def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values (or, for ``expanded``, :func:`expanded_values`) in a non-contiguous layout.
+
+    ``transposed``: a transposed view of a contiguous transposed copy; ``strided``: every other element of
+    an interleaved buffer; ``expanded``: a stride-0 broadcast of the first slice.
+    """
+    if not isinstance(t, torch.Tensor) or t.ndim == 0 or t.numel() == 0 or t.device.type == "meta":
+        return t
+    if layout == "transposed" and t.ndim >= 2:
+        return t.transpose(0, -1).contiguous().transpose(0, -1)
+    if layout == "strided":
+        junk = torch.zeros_like(t)
+        return torch.stack([t, junk], dim=-1)[..., 0]
+    if layout == "expanded":
+        return t[:1].expand_as(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------------
+# structural mutations
+# ---------------------------------------------------------------------------------------------------------
+def mutate(value: Any, kind: str) -> Any:
+    """One structural mutation of a field's value (tensors; other values get the type mutations only)."""
+    if kind == "none":
+        return None
+    if kind == "as_string":
+        return "not a tensor"
+    if not isinstance(value, torch.Tensor):
+        if kind == "as_list":
+            return [value]
+        if kind in ("int_dtype", "bool_dtype"):
+            return object()
+        return value
+    t = value
+    if kind == "extra_dim":
+        return t[..., None]
+    if kind == "drop_dim":
+        return t.sum(-1) if t.ndim else t.reshape(1)
+    if kind == "other_size":
+        shape = list(t.shape) or [1]
+        shape[0] += 1
+        return torch.zeros(shape, dtype=t.dtype)
+    if kind == "int_dtype":
+        return torch.nan_to_num(t.double(), nan=0.0, posinf=0.0, neginf=0.0).to(torch.int64)
+    if kind == "bool_dtype":
+        return torch.nan_to_num(t.double(), nan=1.0) != 0
+    if kind == "float_dtype":
+        return t.to(torch.float32)
+    if kind == "complex_dtype":
+        return t.to(torch.complex64)
+    if kind == "meta_device":
+        return t.to("meta")
+    if kind == "as_list":
+        return t.tolist()
+    raise AssertionError(kind)
+
+
+def nonfinite_in(value: Any) -> bool:
+    """Whether a field holds a NaN/inf (tensors, numbers, nested lists, dict values)."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type != "meta" and value.is_floating_point() and not bool(torch.isfinite(value).all())
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(nonfinite_in(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(nonfinite_in(v) for v in value)
+    return False
+
+
+def negative_in(value: Any) -> bool:
+    """Whether a field holds a negative number (for count fields)."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type != "meta" and value.dtype != torch.bool and bool((value < 0).any())
+    if isinstance(value, (int, float)):
+        return value < 0
+    if isinstance(value, dict):
+        return any(negative_in(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(negative_in(v) for v in value)
+    return False
+
+
+def out_of_range(name: str, value: Any) -> bool:
+    """Codes outside a field's declared range (``rank_ids`` for 2 ranks, ``discard_reasons`` 0..2)."""
+    limit = {"rank_ids": 2, "discard_reasons": 3}.get(name)
+    return limit is not None and isinstance(value, torch.Tensor) and bool((value >= limit).any())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# field builders: name -> (plan, b, t) -> value
+# ---------------------------------------------------------------------------------------------------------
+Builder = Callable[[Plan, int, int], Any]
+
+
+def _float_field(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str, dims: str) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        shape = {"bt": (b, t), "b": (b,), "b1": (b, 1), "bt3": (b, t, 3)}[dims]
+        return to_tensor(make(plan, name, shape), plan.dtype)
+
+    return build
+
+
+def _b_or_bt(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str) -> Builder:
+    """A [B] or [B, T] float field (rewards, advantages, values, ...), chosen by the seed."""
+
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        shape = (b, t) if plan.rng("ndim/" + name).random() < 0.5 else (b,)
+        return to_tensor(make(plan, name, shape), plan.dtype)
+
+    return build
+
+
+def _counts(name: str, dtype: torch.dtype = torch.int64) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        x = counts(plan, name, (b,))
+        return to_tensor(x, torch.float64 if nonfinite_or_fraction(x) else dtype)
+
+    return build
+
+
+def nonfinite_or_fraction(x: np.ndarray) -> bool:
+    return bool(x.size) and not bool(np.all(np.isfinite(x)) and np.all(x == np.round(x)))
+
+
+def _group_ids(plan: Plan, b: int, t: int) -> Any:
+    rng = plan.rng("group_ids")
+    ids = rng.integers(0, max(1, b // 2 + 1), b)
+    if rng.random() < 0.3:  # verl's uid strings
+        return [f"uid-{i}" for i in ids]
+    if rng.random() < 0.2:  # huge and negative ids
+        return torch.from_numpy(ids * (2**40) - 7)
+    return torch.from_numpy(ids)
+
+
+def _experts(name: str) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        rng = plan.rng("experts")  # both sides share a base so that some ids agree
+        base = rng.integers(0, 8, (b, t, 3, 2))
+        flip = plan.rng(name).random((b, t, 3, 2)) < 0.3
+        return torch.from_numpy(np.where(flip, plan.rng(name + "/ids").integers(0, 8, (b, t, 3, 2)), base))
+
+    return build
+
+
+def _router_logits(name: str) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        return to_tensor(reals(plan, name, (b, t, 3, 4)), plan.dtype)
+
+    return build
+
+
+def _token_ids(name: str) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        base = plan.rng("token_ids").integers(0, 50, (b, t))
+        other = plan.rng(name).integers(0, 50, (b, t))
+        return torch.from_numpy(np.where(plan.rng(name + "/x").random((b, t)) < 0.1, other, base))
+
+    return build
+
+
+def _scalar(name: str) -> Builder:
+    """A trainer scalar: a float, a 0-d tensor, a list, or a 1-D tensor (one per micro-batch)."""
+
+    def build(plan: Plan, b: int, t: int) -> Any:
+        rng = plan.rng("form/" + name)
+        x = with_specials(plan, name, rng.normal(0.5, 1.0, (max(b, 1),)))
+        form = rng.integers(0, 4)
+        if form == 0:
+            return float(x[0])
+        if form == 1:
+            return torch.tensor(float(x[0]), dtype=plan.dtype)
+        if form == 2:
+            return [float(v) for v in x]
+        return to_tensor(x, plan.dtype)
+
+    return build
+
+
+def _loss_tokens(plan: Plan, b: int, t: int) -> Any:
+    return [float(v) for v in counts(plan, "loss_tokens", (max(b, 1),))]
+
+
+def _timing(plan: Plan, b: int, t: int) -> dict[str, Any]:
+    rng = plan.rng("timing")
+    stages = ("gen", "step", "update_actor", "old_log_prob", "reward")
+    out: dict[str, Any] = {s: float(rng.exponential(2.0)) for s in stages if rng.random() < 0.8}
+    if plan.specials and rng.random() < plan.rate:
+        out[stages[rng.integers(0, len(stages))]] = float(plan.specials[rng.integers(0, len(plan.specials))])
+    return out
+
+
+def _stop_reasons(plan: Plan, b: int, t: int) -> Any:
+    rng = plan.rng("stop_reasons")
+    form = rng.integers(0, 3)
+    if form == 0:
+        return [("stop", "length", "abort", None, "tool_calls")[i] for i in rng.integers(0, 5, b)]
+    if form == 1:
+        return torch.from_numpy(rng.integers(-1, 4, b))
+    return torch.from_numpy(rng.random(b) < 0.5)
+
+
+def _discard_reasons(plan: Plan, b: int, t: int) -> Any:
+    rng = plan.rng("discard_reasons")
+    if rng.random() < 0.5:
+        return [("max_async", "zero_advantage", None, "")[i] for i in rng.integers(0, 4, b)]
+    return torch.from_numpy(rng.integers(0, 4 if plan.specials else 3, b))
+
+
+def _sample_metrics(plan: Plan, b: int, t: int) -> Any:
+    rng = plan.rng("sample_metrics")
+    cols = {n: to_tensor(reals(plan, "sample_metrics/" + n, (b,)), plan.dtype) for n in ("format", "tool_calls")}
+    if rng.random() < 0.3:  # list of per-sample mappings (RewardResult.sample_metrics), some names missing
+        return [{n: float(c[i]) for n, c in cols.items() if rng.random() < 0.8} for i in range(b)]
+    return cols
+
+
+def _data_sources(plan: Plan, b: int, t: int) -> Any:
+    rng = plan.rng("data_sources")
+    if rng.random() < 0.3:
+        return "gsm8k"
+    return [("gsm8k", "math")[i] for i in rng.integers(0, 2, b)]
+
+
+def _val(name: str) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        x = plan.rng(name).integers(0, 2, (b, 2)).astype(np.float64)
+        if name == "val_rewards":
+            x = plan.rng(name).normal(0.0, 1.0, (b, 2))
+        return to_tensor(with_specials(plan, name, x), plan.dtype)
+
+    return build
+
+
+def _val_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
+    return torch.from_numpy(plan.rng("val_mask").random((b, 2)) < 0.8)
+
+
+def _rank_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
+    return torch.from_numpy(plan.rng("rank_ids").integers(0, 3 if plan.specials else 2, b))
+
+
+def _times(name: str) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> Any:
+        x = with_specials(plan, name, plan.rng(name).exponential(1.0, (b,)))
+        return [float(v) for v in x] if plan.rng("form/" + name).random() < 0.5 else to_tensor(x, plan.dtype)
+
+    return build
+
+
+BUILDERS: dict[str, Builder] = {
+    "trainer_logprobs": _float_field(logprobs, "trainer_logprobs", "bt"),
+    "rollout_logprobs": _float_field(logprobs, "rollout_logprobs", "bt"),
+    "policy_logprobs": _float_field(logprobs, "policy_logprobs", "bt"),
+    "old_logprobs": _float_field(logprobs, "old_logprobs", "bt"),
+    "response_mask": lambda plan, b, t: mask_values(plan, b, t),
+    "group_ids": _group_ids,
+    "rollout_experts": _experts("rollout_experts"),
+    "trainer_experts": _experts("trainer_experts"),
+    "rollout_router_logits": _router_logits("rollout_router_logits"),
+    "trainer_router_logits": _router_logits("trainer_router_logits"),
+    "rollout_token_ids": _token_ids("rollout_token_ids"),
+    "trainer_token_ids": _token_ids("trainer_token_ids"),
+    "policy_lag": lambda plan, b, t: to_tensor(counts(plan, "policy_lag", (b,), high=10), torch.float64),
+    "rewards": _b_or_bt(reals, "rewards"),
+    "advantages": _b_or_bt(reals, "advantages"),
+    "values": _b_or_bt(reals, "values"),
+    "returns": _b_or_bt(reals, "returns"),
+    "scores": _b_or_bt(reals, "scores"),
+    "entropies": _float_field(lambda p, n, s: np.abs(reals(p, n, s)), "entropies", "bt"),
+    "logits": _float_field(reals, "logits", "bt3"),
+    "prompt_lengths": _counts("prompt_lengths"),
+    "response_lengths": _counts("response_lengths"),
+    "num_turns": _counts("num_turns", torch.int32),
+    "rank_ids": _rank_ids,
+    "stop_reasons": _stop_reasons,
+    "discard_reasons": _discard_reasons,
+    "sample_metrics": _sample_metrics,
+    "loss_tokens": _loss_tokens,
+    "timing_s": _timing,
+    "agent_generate_s": _times("agent_generate_s"),
+    "agent_tool_calls_s": _times("agent_tool_calls_s"),
+    "policy_chosen_logps": _float_field(logprobs, "policy_chosen_logps", "b"),
+    "policy_rejected_logps": _float_field(logprobs, "policy_rejected_logps", "b1"),
+    "reference_chosen_logps": _float_field(logprobs, "reference_chosen_logps", "b"),
+    "reference_rejected_logps": _float_field(logprobs, "reference_rejected_logps", "b"),
+    "chosen_scores": _float_field(reals, "chosen_scores", "b"),
+    "rejected_scores": _float_field(reals, "rejected_scores", "b"),
+    "val_acc": _val("val_acc"),
+    "val_rewards": _val("val_rewards"),
+    "val_num_turns": _counts("val_num_turns"),
+    "val_mask": _val_mask,
+    "data_sources": _data_sources,
+}
+for _name in ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",
+              "critic_loss", "critic_lr", "rm_grad_norm"):
+    BUILDERS[_name] = _scalar(_name)
+
+
+@dataclass
+class Case:
+    """A built batch: the fields as given to ``update`` and their contiguous, unmutated twins."""
+
+    plan: Plan
+    batch: dict[str, Any]  # with layouts and the mutation applied
+    plain: dict[str, Any]  # contiguous, same values, no mutation
+    mutated: str | None  # the field whose structure was mutated (None: structurally valid batch)
+    hostile: set[str]  # fields holding non-finite (or, for counts, negative) values
+
+
+def build_case(plan: Plan, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> Case:
+    """Build every field of ``fields`` (and of ``optional``, each present with probability 1/2)."""
+    b, t = plan.b, plan.t
+    plain: dict[str, Any] = {}
+    for name in (*fields, *optional):
+        if name in optional and plan.rng("present/" + name).random() < 0.5:
+            continue
+        value = BUILDERS[name](plan, b, t)
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor) and plan.layouts.get(name) == "expanded":
+            value = expanded_values(value)
+        plain[name] = value
+    batch = {k: apply_layout(v, plan.layouts.get(k, "contiguous")) if isinstance(v, torch.Tensor) else v
+             for k, v in plain.items()}
+    mutated = None
+    if plan.mutation is not None and plan.mutation[0] in batch:
+        name, kind = plan.mutation
+        new = mutate(plain[name], kind)
+        if new is None:
+            del batch[name]
+        else:
+            batch[name] = new
+        mutated = name
+    hostile = {
+        k for k, v in plain.items()
+        if nonfinite_in(v) or (k in COUNT_FIELDS and negative_in(v)) or out_of_range(k, v)
+    }
+    return Case(plan, batch, plain, mutated, hostile)
+
+
+COUNT_FIELDS = frozenset(
+    {"prompt_lengths", "response_lengths", "num_turns", "val_num_turns", "loss_tokens", "agent_generate_s",
+     "agent_tool_calls_s", "timing_s", "policy_lag", "rank_ids", "discard_reasons"}
+)
