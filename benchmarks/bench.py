@@ -2,7 +2,10 @@
 
 Run: ``.venv/bin/python benchmarks/bench.py`` (``--quick`` for a smoke run, ``--only update,sync``
 to pick sections). Every figure is a median over repeats; what matters are the ratios, which
-compare code run on the same machine, in the same process, on the same data.
+compare code run on the same machine, in the same process, on the same data, timed in turn within
+each repeat. Times are the process's CPU time with one intra-op thread by default (``--threads``,
+``--wall``): on a shared 2-core VM, wall-clock medians swing several-fold with the neighbours' load,
+while CPU time measures the work itself.
 
 Sections:
   update   the full mismatch collection's update() against the floor (one fused pass that reads the
@@ -45,15 +48,18 @@ def make_inputs(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask}
 
 
+CLOCK: Callable[[], float] = time.process_time
+
+
 def timeit(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median seconds per call."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return statistics.median(times)
 
 
@@ -97,38 +103,63 @@ def naive_metrics(t: torch.Tensor, r: torch.Tensor, m: torch.Tensor, c: float = 
     return out
 
 
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each function, timed in turn within each repeat, so that load
+    drifting on a shared machine hits all of them alike (ratios of these medians are what we report)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = CLOCK()
+            fn()
+            times[name].append(CLOCK() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def bench_update(shapes: list[tuple[int, int]], repeats: int, compiled: bool) -> None:
-    print("\n## update(): the full mismatch collection against the floor (median ms; ratio to the compiled floor)")
+    print("\n## update(): the mismatch collection against the floor (median ms; ratio to the compiled floor)")
     print(f"{'shape':>12} {'tokens':>9} {'floor':>8} {'floor eager':>11} {'eager':>8} {'x floor':>8}"
           + (f" {'compiled':>9} {'x floor':>8}" if compiled else ""))
     for b, t in shapes:
         x = make_inputs(b, t)
         tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
-        floor = timeit(lambda: _floor_compiled(tr, ro, m), repeats)  # noqa: B023
-        floor_eager = timeit(lambda: _floor(tr, ro, m), repeats)  # noqa: B023
-        metrics = OPBCCollection(sections=["mismatch"])
-        eager = timeit(lambda: metrics.update(x), repeats)  # noqa: B023
-        line = (f"{b:>5}x{t:<6} {b * t:>9} {floor * 1e3:>8.3f} {floor_eager * 1e3:>11.3f} "
-                f"{eager * 1e3:>8.2f} {eager / floor:>8.1f}")
+        eager_metrics = OPBCCollection(sections=["mismatch"])
+        fns: dict[str, Callable[[], object]] = {
+            "floor": lambda: _floor_compiled(tr, ro, m),  # noqa: B023
+            "floor_eager": lambda: _floor(tr, ro, m),  # noqa: B023
+            "eager": lambda: eager_metrics.update(x),  # noqa: B023
+        }
         if compiled:
-            cm = OPBCCollection(sections=["mismatch"], compiled=True)
-            comp = timeit(lambda: cm.update(x), repeats)  # noqa: B023
-            line += f" {comp * 1e3:>9.2f} {comp / floor:>8.1f}"
+            compiled_metrics = OPBCCollection(sections=["mismatch"], compiled=True)
+            fns["compiled"] = lambda: compiled_metrics.update(x)  # noqa: B023
+        med = interleaved(fns, repeats)
+        floor = med["floor"]
+        line = (f"{b:>5}x{t:<6} {b * t:>9} {floor * 1e3:>8.3f} {med['floor_eager'] * 1e3:>11.3f} "
+                f"{med['eager'] * 1e3:>8.2f} {med['eager'] / floor:>8.1f}")
+        if compiled:
+            line += f" {med['compiled'] * 1e3:>9.2f} {med['compiled'] / floor:>8.1f}"
         print(line, flush=True)
 
 
 def bench_naive(shapes: list[tuple[int, int]], repeats: int) -> None:
-    print("\n## against the naive per-metric .item() baseline (median ms)")
+    print("\n## one step (update + compute + reset of the mismatch section) against the naive per-metric"
+          " .item() baseline (median ms)")
     print(f"{'shape':>12} {'naive':>9} {'collection':>11} {'speed-up':>9} {'naive keys':>11} {'our keys':>9}")
     for b, t in shapes:
         x = make_inputs(b, t)
         tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
         n_naive = len(naive_metrics(tr, ro, m))
 
+        metrics = OPBCCollection(sections=["mismatch"])
+
         def ours() -> dict[str, float]:
-            metrics = OPBCCollection()
+            # One training step's worth: update, compute (one host read per value), reset.
             metrics.update(x)  # noqa: B023
-            return {k: v.item() for k, v in metrics.compute().items()}
+            out = {k: v.item() for k, v in metrics.compute().items()}  # noqa: B023
+            metrics.reset()  # noqa: B023
+            return out
 
         naive = timeit(lambda: naive_metrics(tr, ro, m), repeats)  # noqa: B023
         mine = timeit(ours, repeats)
@@ -191,12 +222,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke run)")
     parser.add_argument("--only", default="update,naive,sync,memory,sketch")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--wall", action="store_true", help="time wall-clock instead of process CPU time")
     args = parser.parse_args()
+    global CLOCK
+    torch.set_num_threads(args.threads)
+    if args.wall:
+        CLOCK = time.perf_counter
     shapes = QUICK_SHAPES if args.quick else SHAPES
     repeats = 3 if args.quick else 15
     only = set(args.only.split(","))
     print(f"# opbc-metrics benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} cpus, {'quick' if args.quick else 'full'}")
+          f"{os.cpu_count()} cpus, {'wall-clock' if args.wall else 'process CPU time'}, "
+          f"{'quick' if args.quick else 'full'}")
     if "update" in only:
         bench_update(shapes, repeats, compiled=not args.no_compile)
     if "naive" in only:

@@ -43,8 +43,8 @@ class _Counter:
             setattr(dist, name, self._wrap(fn))
         return self
 
-    def _wrap(self, fn):  # noqa: ANN001, ANN202
-        def inner(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def _wrap(self, fn):
+        def inner(*args, **kwargs):
             self.n += 1
             return fn(*args, **kwargs)
 

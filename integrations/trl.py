@@ -157,6 +157,10 @@ def trl_to_batch(
             raise ValueError(
                 f"TRL field `tool_mask` must match `completion_mask` {tuple(completion_mask.shape)}, got {shape}"
             )
+        if tool_mask.device != completion_mask.device:
+            raise ValueError(
+                f"TRL field `tool_mask` is on {tool_mask.device} but `completion_mask` is on {completion_mask.device}"
+            )
         out["response_mask"] = (completion_mask != 0) & (tool_mask != 0)
     else:
         out["response_mask"] = completion_mask
@@ -170,7 +174,10 @@ def trl_to_batch(
 
     batch_size = completion_mask.shape[0]
     if group_ids is not None:
-        out["group_ids"] = ids_to_group_ids(group_ids, device=completion_mask.device)
+        try:
+            out["group_ids"] = ids_to_group_ids(group_ids, device=completion_mask.device)
+        except ValueError as err:
+            raise ValueError(f"`group_ids`: {err}") from None
         if out["group_ids"].shape[0] != batch_size:
             raise ValueError(f"`group_ids` has {out['group_ids'].shape[0]} entries for a batch of {batch_size}")
     elif num_generations is not None:

@@ -24,7 +24,7 @@ What it relies on (verl's PPO/GRPO driver, ``verl/trainer/ppo/ray_trainer.py`` a
   (the GRPO group verl's ``compute_grpo_outcome_advantage`` normalises within) -> ``group_ids``, numbered
   ``0..G-1`` in order of first appearance within the batch (plus ``group_offset``);
 * optional ``token_level_rewards`` (else ``token_level_scores``) ``[B, T_resp]`` -> ``rewards`` ``[B]`` as
-  their sum over the response (verl's ``critic/rewards``), and ``advantages``, ``returns``, ``values``
+  their sum over the response, in float64 (verl's ``critic/rewards``), and ``advantages``, ``returns``, ``values``
   ``[B, T_resp]`` unchanged.
 
 Fields already named as in the batch schema (``rollout_experts``, ``stop_reasons``, ...) pass through.
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from opbc_metrics.integrations._common import as_plain_mapping, ids_to_group_ids, lookup, passthrough
@@ -155,14 +156,22 @@ def verl_to_batch(
         uids = lookup(tensors, group_key)
     if uids is not None and "group_ids" not in out:
         device = trainer.device if isinstance(trainer, Tensor) else None
-        out["group_ids"] = ids_to_group_ids(uids, offset=group_offset, device=device)
+        try:
+            out["group_ids"] = ids_to_group_ids(uids, offset=group_offset, device=device)
+        except ValueError as err:
+            raise ValueError(f"verl field `{group_key}`: {err}") from None
 
     if "rewards" not in out:
         token_rewards = lookup(tensors, "token_level_rewards")
         if token_rewards is None:
             token_rewards = lookup(tensors, "token_level_scores")
         if isinstance(token_rewards, Tensor):
-            out["rewards"] = token_rewards.sum(dim=-1) if token_rewards.ndim == 2 else token_rewards
+            if token_rewards.ndim == 2:
+                # Floating rewards are summed in float64: a float32 sum of huge token rewards overflows to inf.
+                dtype = torch.float64 if token_rewards.is_floating_point() else None
+                out["rewards"] = token_rewards.sum(dim=-1, dtype=dtype)
+            else:
+                out["rewards"] = token_rewards
     return out
 
 

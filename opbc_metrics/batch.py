@@ -7,10 +7,11 @@ dtype, device: host metadata only, never the values) and caches derived per-toke
 collection of twenty metrics computes the log ratio, the mask and the weights once.
 
 Non-finite logprobs cannot be rejected in ``update()`` without a host sync, so they are handled by
-value: a response token whose trainer or rollout logprob is NaN or infinite is excluded from every
-mismatch statistic and counted instead (``opbc/input/nonfinite_count``); a sequence holding such a
-token is excluded from the sequence-level statistics. Finite sentinels such as -9999 are real values
-and show up as huge log ratios (clipped and vetoed).
+value: a response token whose trainer or rollout logprob is NaN or infinite (or whose log ratio
+overflows the compute dtype) is excluded from every mismatch statistic and counted instead
+(``opbc/input/nonfinite_count``); a sequence holding such a token is excluded from the sequence-level
+statistics. Finite sentinels such as -9999 or float32's minimum are real values and show up as huge
+log ratios (clipped and vetoed); sequence sums of log ratios accumulate in float64.
 """
 
 from __future__ import annotations
@@ -165,9 +166,9 @@ class BatchView:
 
     @property
     def finite(self) -> Tensor:
-        """Both logprobs finite."""
+        """Both logprobs finite and their difference too (``r`` does not overflow the compute dtype)."""
         trainer, rollout, _ = self.token_inputs
-        return self._cached("finite", lambda: torch.isfinite(trainer) & torch.isfinite(rollout))
+        return self._cached("finite", lambda: torch.isfinite(trainer - rollout))
 
     @property
     def valid(self) -> Tensor:
@@ -252,8 +253,10 @@ class BatchView:
 
     @property
     def seq_log_ratio(self) -> Tensor:
-        """``[B]`` ``s_i = sum_t r_t``; 0 for sequences outside :attr:`seq_valid`."""
-        return self._cached("seq_log_ratio", lambda: self.log_ratio.sum(dim=1) * self.seq_valid_f)
+        """``[B]`` float64 ``s_i = sum_t r_t``; 0 for sequences outside :attr:`seq_valid`."""
+        return self._cached(
+            "seq_log_ratio", lambda: self.log_ratio.sum(dim=1, dtype=torch.float64) * self.seq_valid_f
+        )
 
     @property
     def seq_mean_log_ratio(self) -> Tensor:

@@ -89,10 +89,23 @@ class OPBCMetric(Metric):
         self._add(name, "min", float("inf"), shape)
 
     def accumulate(self, **stats: Tensor) -> None:
-        """Fold one batch's statistics into the states, by each state's reduction."""
+        """Fold one batch's statistics into the states, by each state's reduction.
+
+        Statistics built on the host (CPU) move to the states' device. Statistics of a batch on another
+        accelerator than the states raise a ``ValueError``: moving them would be a hidden device-to-host
+        copy (a sync), and adding them in place would fail inside torch (or, on ``meta``, do nothing).
+        """
+        for name, value in stats.items():  # check every statistic first: no partial update on refusal
+            state = getattr(self, name)
+            if value.device != state.device and value.device.type != "cpu":
+                fields = ", ".join(f"`{f}`" for f in self.required_fields) or "the batch"
+                raise ValueError(
+                    f"batch field(s) {fields} are on {value.device} but the states of {type(self).__name__} "
+                    f"are on {state.device}; move the metric to the batch's device (metric.to(device))"
+                )
         for name, value in stats.items():
             state = getattr(self, name)
-            value = value.to(state.dtype)
+            value = value.to(device=state.device, dtype=state.dtype)
             fx = self._reductions[name]
             if fx is dim_zero_sum:
                 state.add_(value)

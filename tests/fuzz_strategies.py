@@ -10,6 +10,7 @@ how many non-finite tokens a batch holds) are derived from the built tensors alo
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -262,7 +263,7 @@ Builder = Callable[[Plan, int, int], Any]
 
 def _float_field(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str, dims: str) -> Builder:
     def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        shape = {"bt": (b, t), "b": (b,), "b1": (b, 1), "bt3": (b, t, 3)}[dims]
+        shape = {"bt": (b, t), "b": (b,), "b1": (b, 1), "b2": (b, 2), "bt3": (b, t, 3)}[dims]
         return to_tensor(make(plan, name, shape), plan.dtype)
 
     return build
@@ -272,7 +273,8 @@ def _b_or_bt(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str
     """A [B] or [B, T] float field (rewards, advantages, values, ...), chosen by the seed."""
 
     def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        shape = (b, t) if plan.rng("ndim/" + name).random() < 0.5 else (b,)
+        # One choice per batch: [B] and [B, T] fields of one batch must agree (values with returns, ...).
+        shape = (b, t) if plan.rng("ndim").random() < 0.5 else (b,)
         return to_tensor(make(plan, name, shape), plan.dtype)
 
     return build
@@ -330,9 +332,8 @@ def _scalar(name: str) -> Builder:
     """A trainer scalar: a float, a 0-d tensor, a list, or a 1-D tensor (one per micro-batch)."""
 
     def build(plan: Plan, b: int, t: int) -> Any:
-        rng = plan.rng("form/" + name)
-        x = with_specials(plan, name, rng.normal(0.5, 1.0, (max(b, 1),)))
-        form = rng.integers(0, 4)
+        x = with_specials(plan, name, plan.rng(name).normal(0.5, 1.0, (max(b, 1),)))
+        form = _scalar_form(plan)
         if form == 0:
             return float(x[0])
         if form == 1:
@@ -344,8 +345,15 @@ def _scalar(name: str) -> Builder:
     return build
 
 
+def _scalar_form(plan: Plan) -> int:
+    """0: a float, 1: a 0-d tensor, 2: a list, 3: a 1-D tensor (one form per batch, shared with loss_tokens)."""
+    return int(plan.rng("scalar_form").integers(0, 4))
+
+
 def _loss_tokens(plan: Plan, b: int, t: int) -> Any:
-    return [float(v) for v in counts(plan, "loss_tokens", (max(b, 1),))]
+    """One weight per observation of the batch's trainer scalar."""
+    w = [float(v) for v in counts(plan, "loss_tokens", (max(b, 1),))]
+    return w if _scalar_form(plan) >= 2 else w[0]
 
 
 def _timing(plan: Plan, b: int, t: int) -> dict[str, Any]:
@@ -455,13 +463,18 @@ BUILDERS: dict[str, Builder] = {
     "rejected_scores": _float_field(reals, "rejected_scores", "b"),
     "val_acc": _val("val_acc"),
     "val_rewards": _val("val_rewards"),
-    "val_num_turns": _counts("val_num_turns"),
+    "val_num_turns": _float_field(lambda p, n, s: counts(p, n, s, high=6), "val_num_turns", "b2"),
     "val_mask": _val_mask,
     "data_sources": _data_sources,
 }
 for _name in ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",
               "critic_loss", "critic_lr", "rm_grad_norm"):
     BUILDERS[_name] = _scalar(_name)
+
+
+# Optional fields that come in pairs (both sides or neither).
+PAIRED = {"rollout_experts": "experts", "trainer_experts": "experts", "rollout_token_ids": "token_ids",
+          "trainer_token_ids": "token_ids"}
 
 
 @dataclass
@@ -475,14 +488,18 @@ class Case:
     hostile: set[str]  # fields holding non-finite (or, for counts, negative) values
 
 
-def build_case(plan: Plan, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> Case:
-    """Build every field of ``fields`` (and of ``optional``, each present with probability 1/2)."""
+def build_case(
+    plan: Plan, fields: tuple[str, ...], optional: tuple[str, ...] = (), builders: dict[str, Builder] | None = None
+) -> Case:
+    """Build every field of ``fields`` (and of ``optional``, each present with probability 1/2); ``builders``
+    override :data:`BUILDERS` for some names."""
     b, t = plan.b, plan.t
+    make = {**BUILDERS, **(builders or {})}
     plain: dict[str, Any] = {}
     for name in (*fields, *optional):
-        if name in optional and plan.rng("present/" + name).random() < 0.5:
+        if name in optional and plan.rng("present/" + PAIRED.get(name, name)).random() < 0.5:
             continue
-        value = BUILDERS[name](plan, b, t)
+        value = make[name](plan, b, t)
         if value is None:
             continue
         if isinstance(value, torch.Tensor) and plan.layouts.get(name) == "expanded":
@@ -510,3 +527,216 @@ COUNT_FIELDS = frozenset(
     {"prompt_lengths", "response_lengths", "num_turns", "val_num_turns", "loss_tokens", "agent_generate_s",
      "agent_tool_calls_s", "timing_s", "policy_lag", "rank_ids", "discard_reasons"}
 )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs)
+# ---------------------------------------------------------------------------------------------------------
+def _attention_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
+    """verl's [B, P + T] attention mask: left-padded prompt (P = 3), right-padded response."""
+    rng = plan.rng("attention_mask")
+    prompt = np.arange(3)[None, :] >= rng.integers(0, 4, (b, 1))
+    response = np.arange(t)[None, :] < rng.integers(0, t + 1, (b, 1))
+    return torch.from_numpy(np.concatenate([prompt, response], axis=1).astype(np.int64))
+
+
+def _uid(plan: Plan, b: int, t: int) -> Any:
+    rng = plan.rng("uid")
+    ids = [f"p-{i}" for i in rng.integers(0, max(1, b // 2 + 1), b)]
+    form = rng.integers(0, 3)
+    if form == 0:
+        return np.array(ids, dtype=object)
+    if form == 1:
+        return ids
+    return torch.from_numpy(rng.integers(0, 3, b))
+
+
+def _completion_mask(name: str) -> Builder:
+    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+        lengths = plan.rng(name).integers(0, t + 1, (b, 1))
+        return torch.from_numpy((np.arange(t)[None, :] < lengths).astype(np.int64))
+
+    return build
+
+
+def _prompt_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
+    return torch.from_numpy((np.arange(3)[None, :] >= plan.rng("prompt_mask").integers(0, 4, (b, 1))).astype(np.int64))
+
+
+BUILDERS.update(
+    {
+        "old_log_probs": _float_field(logprobs, "old_log_probs", "bt"),
+        "rollout_log_probs": _float_field(logprobs, "rollout_log_probs", "bt"),
+        "responses": _token_ids("responses"),
+        "attention_mask": _attention_mask,
+        "uid": _uid,
+        "token_level_rewards": _float_field(reals, "token_level_rewards", "bt"),
+        "old_per_token_logps": _float_field(logprobs, "old_per_token_logps", "bt"),
+        "sampling_per_token_logps": _float_field(logprobs, "sampling_per_token_logps", "bt"),
+        "completion_mask": _completion_mask("completion_mask"),
+        "tool_mask": _completion_mask("tool_mask"),
+        "prompt_mask": _prompt_mask,
+    }
+)
+
+
+def int_group_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
+    """Integer group ids (the controller's contract: a [B] integer tensor), some huge or negative."""
+    ids = _group_ids(plan, b, t)
+    if isinstance(ids, list):
+        return torch.tensor([int(x.split("-")[1]) for x in ids], dtype=torch.int64)
+    return ids
+
+
+def lag_or_number(plan: Plan, b: int, t: int) -> Any:
+    """``policy_lag``: a [B] tensor (with specials) or one number for the batch."""
+    x = counts(plan, "policy_lag", (b,), high=10)
+    if plan.rng("lag_form").random() < 0.3:
+        return float(x[0]) if b else 3.0
+    return to_tensor(x, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host data: agent trajectories and OpenAI-compatible endpoint responses
+# ---------------------------------------------------------------------------------------------------------
+class Opaque:
+    """A value no JSON encoder, number check or mapping check accepts."""
+
+    def __repr__(self) -> str:
+        return "Opaque()"
+
+
+class Nested(list):
+    """A list nested ``depth`` deep (deep enough to exhaust a recursive JSON encoder), with a short repr."""
+
+    def __init__(self, depth: int) -> None:
+        inner: Any = []
+        for _ in range(depth - 1):
+            inner = [inner]
+        super().__init__([inner] if depth else [])
+        self.depth = depth
+
+    def __repr__(self) -> str:
+        return f"Nested({self.depth})"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
+
+
+def nested(depth: int) -> Any:
+    return Nested(depth)
+
+
+JUNK = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
+    st.binary(max_size=3), st.builds(Opaque), st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=2),
+)
+def weighted(*choices: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
+    """Draw from one of ``choices`` with the given integer weights (``st.one_of`` flattens nested one_ofs
+    and weighs every leaf branch alike, which would bury the valid structures under the junk)."""
+    table = [strategy for weight, strategy in choices for _ in range(weight)]
+    return st.integers(0, len(table) - 1).flatmap(lambda i: table[i])
+
+
+def mostly(valid: st.SearchStrategy[Any], junk: st.SearchStrategy[Any] = JUNK) -> st.SearchStrategy[Any]:
+    """``valid`` seven times in eight, else ``junk``: deep structures stay reachable, and a fair share of
+    the batches is valid all the way down."""
+    return weighted((7, valid), (1, junk))
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=6,
+)
+ARGUMENTS = weighted(
+    (3, JSON.map(json.dumps)),  # a JSON string, as OpenAI sends it
+    (2, JSON),  # an already parsed value
+    (1, st.text(max_size=8)),  # often malformed JSON
+    (1, st.sampled_from((None, "  ", b"{}", b"\xff"))),
+    (1, st.builds(Opaque)),
+    (1, st.sampled_from((50, 5000)).map(nested)),  # deeply nested parsed arguments
+    (1, st.sampled_from((50, 5000)).map(lambda d: "[" * d + "]" * d)),  # deeply nested JSON text
+)
+TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=4)})
+CONTENT = weighted((2, st.none()), (3, st.text(max_size=8)), (1, st.lists(mostly(TEXT_PART), max_size=2)), (1, JUNK))
+
+NAME = st.sampled_from(("search", "calc"))
+FUNCTION = mostly(st.fixed_dictionaries({"name": mostly(NAME), "arguments": ARGUMENTS}))
+TOOL_CALL = mostly(st.fixed_dictionaries({"type": st.just("function"), "function": FUNCTION}))
+ASSISTANT = st.fixed_dictionaries(
+    {"role": st.just("assistant"), "content": CONTENT},
+    optional={"tool_calls": mostly(st.lists(TOOL_CALL, min_size=1, max_size=2)), "function_call": FUNCTION},
+)
+MESSAGE = weighted(
+    (2, ASSISTANT),
+    (1, st.fixed_dictionaries({"role": st.sampled_from(("user", "tool", "system", "bogus", None)),
+                               "content": CONTENT})),
+    (1, JUNK),
+)
+
+
+@st.composite
+def trajectory_objects(draw: Any) -> Any:
+    from opbc_metrics.agent import Step, Trajectory
+
+    steps = draw(st.lists(st.tuples(st.text(max_size=6), st.lists(st.tuples(
+        st.sampled_from(("search", "calc", "")), st.one_of(JSON, st.text(max_size=6)),
+    ), max_size=2)), min_size=1, max_size=3))
+    answer = draw(st.one_of(st.none(), st.text(max_size=6)))
+    return Trajectory([Step(c, tuple(calls)) for c, calls in steps], final_answer=answer)
+
+
+SIDE = weighted((2, st.lists(ASSISTANT, min_size=1, max_size=2)), (2, st.lists(MESSAGE, min_size=1, max_size=4)),
+                (1, st.lists(MESSAGE, max_size=2)), (2, trajectory_objects()), (1, JUNK))
+PAIR = weighted((6, st.tuples(SIDE, SIDE)), (1, st.lists(SIDE, max_size=3)), (1, JUNK))
+TRAJECTORY_PAIRS = weighted((6, st.lists(PAIR, min_size=1, max_size=3)), (1, st.lists(PAIR, max_size=3)), (1, JUNK))
+
+LOGPROB = mostly(st.floats(allow_nan=True, allow_infinity=True))
+CHAT_ITEM = st.fixed_dictionaries(
+    {"token": mostly(st.one_of(st.text(max_size=4), st.just("token_id:17"))), "logprob": LOGPROB},
+    optional={"top_logprobs": mostly(st.lists(mostly(st.fixed_dictionaries(
+        {"token": st.text(max_size=3), "logprob": LOGPROB})), max_size=2))},
+)
+TOKEN_IDS = mostly(st.lists(st.integers(0, 10**6), max_size=3))
+CHAT_LOGPROBS = st.fixed_dictionaries({"content": weighted((1, st.none()), (6, st.lists(mostly(CHAT_ITEM), max_size=3)),
+                                                          (1, JUNK))})
+CHAT_CHOICE = mostly(st.fixed_dictionaries(
+    {"message": mostly(st.fixed_dictionaries({"role": st.just("assistant"), "content": CONTENT}))},
+    optional={"logprobs": weighted((1, st.none()), (6, CHAT_LOGPROBS), (1, JUNK)),
+              "token_ids": TOKEN_IDS, "index": st.integers(0, 3)},
+))
+TEXT_LOGPROBS = st.fixed_dictionaries(
+    {"tokens": mostly(st.lists(mostly(st.one_of(st.text(max_size=3), st.just("token_id:5"))), max_size=3)),
+     "token_logprobs": mostly(st.lists(st.one_of(st.none(), LOGPROB), max_size=3))},
+    optional={"top_logprobs": mostly(st.lists(st.one_of(st.none(), st.dictionaries(
+        st.text(max_size=3), LOGPROB, max_size=2)), max_size=3))},
+)
+TEXT_CHOICE = mostly(st.fixed_dictionaries(
+    {"text": mostly(st.text(max_size=4))},
+    optional={"logprobs": weighted((1, st.none()), (6, TEXT_LOGPROBS), (1, JUNK)),
+              "token_ids": TOKEN_IDS, "prompt_token_ids": TOKEN_IDS},
+))
+RESPONSE = weighted(
+    (3, st.fixed_dictionaries(
+        {"choices": mostly(st.lists(CHAT_CHOICE, min_size=1, max_size=2), st.one_of(st.just([]), JUNK))},
+        optional={"object": weighted((6, st.just("chat.completion")), (1, st.just("chat.completion.chunk"))),
+                  "system_fingerprint": mostly(st.text(max_size=4)), "prompt_token_ids": TOKEN_IDS},
+    )),
+    (3, st.fixed_dictionaries(
+        {"choices": mostly(st.lists(TEXT_CHOICE, min_size=1, max_size=2), st.one_of(st.just([]), JUNK))},
+        optional={"object": st.just("text_completion"), "system_fingerprint": mostly(st.text(max_size=4))},
+    )),
+    (1, JUNK),
+)
+REQUEST = weighted((1, st.none()), (3, st.fixed_dictionaries({}, optional={"seed": mostly(st.integers())})),
+                   (1, JUNK))
+ENDPOINT_RESPONSES = mostly(st.lists(RESPONSE, min_size=1, max_size=3), st.one_of(st.just([]), JUNK))
+
+
+def endpoint_requests(responses: Any) -> st.SearchStrategy[Any]:
+    """Request bodies: none, one for all, a parallel list (usually as long as ``responses``), or junk."""
+    n = len(responses) if isinstance(responses, list) else 2
+    return weighted((1, st.none()), (1, REQUEST), (4, st.lists(REQUEST, min_size=n, max_size=n)),
+                    (1, st.lists(REQUEST, max_size=3)))

@@ -211,7 +211,9 @@ class ToolChoiceDisagreementRate(_AgentMetric):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-    _sums = ("disagree", "tool_steps")
+    # ``pairs`` is not needed for the rate; it marks that the window saw pairs, so a collection reports the
+    # key (0) for pairs without any tool call instead of leaving it out as "no data".
+    _sums = ("disagree", "tool_steps", "pairs")
 
     def compute(self) -> Tensor:
         return F._tool_choice_compute(self.disagree, self.tool_steps)

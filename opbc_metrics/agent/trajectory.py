@@ -73,7 +73,7 @@ def canonical_arguments(arguments: Any) -> tuple[str, bool]:
             return text, True
     try:
         return canonical_json(arguments), False
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RecursionError) as err:  # RecursionError: nested past the recursion limit
         raise ValueError(
             f"tool-call field `arguments` must be a JSON string or a JSON-serialisable value, got "
             f"{type(arguments).__name__}: {err}"

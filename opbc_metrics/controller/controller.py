@@ -297,6 +297,8 @@ def _lag_rows(value: Any, group_ids: Tensor) -> Tensor | None:
     if isinstance(value, Tensor):
         if value.is_complex() or value.dtype == torch.bool:
             raise ValueError(f"batch field `{POLICY_LAG}` must be a real tensor, got {value.dtype}")
+        if value.device != device:
+            raise ValueError(f"batch field `{POLICY_LAG}` is on {value.device} but `{GROUP_IDS}` is on {device}")
         if value.ndim == 0:
             return value.to(device=device, dtype=torch.float64).expand(b)
         if value.shape != (b,):
@@ -351,6 +353,11 @@ def _prepare(
         shape = shape or (tuple(mask.shape) if mask.ndim == 2 and mask.shape[0] == b else None)
     experts = _pair(view, ROLLOUT_EXPERTS, TRAINER_EXPERTS)
     token_ids = _pair(view, ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)
+    pairs = ((experts, (ROLLOUT_EXPERTS, TRAINER_EXPERTS)), (token_ids, (ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)))
+    for pair, names in pairs:
+        for name, t in zip(names, pair or ()):
+            if t.device != device:
+                raise ValueError(f"batch field `{name}` is on {t.device} but `{GROUP_IDS}` is on {device}")
     if shape is not None:
         if experts is not None and (
             experts[0].ndim != 4 or tuple(experts[0].shape[:2]) != shape or experts[0].shape != experts[1].shape

@@ -333,7 +333,8 @@ def _contract_flags(
       on all its response tokens but finite and non-zero on some masked-out position, while the other side is
       not all zero there (the logprobs are laid out on other positions than the mask: an offset or a wrong
       mask). Both sides exactly 0 on the response agree (a response of near-certain tokens) and pass.
-    * ``non_finite``: a NaN or infinite logprob on a response token.
+    * ``non_finite``: a NaN or infinite logprob on a response token (or a log ratio that overflows the
+      compute dtype, see :attr:`~opbc_metrics.batch.BatchView.finite`).
     * ``token_ids_mismatch``: rollout and trainer token ids differ on a response token (only when both
       are given).
     """

@@ -77,7 +77,8 @@ def probe_responses(responses: Any, requests: Any = None) -> list[EndpointCapabi
     Raises:
         ValueError: naming ``endpoint_responses[i]`` / ``endpoint_requests`` and the bad field.
     """
-    from opbc_metrics.endpoint.probe import probe_response  # lazy: opbc_metrics.endpoint imports this module
+    # lazy: opbc_metrics.endpoint imports this module
+    from opbc_metrics.endpoint.probe import _seed_requested, probe_response
 
     if not _is_list(responses):
         raise ValueError(
@@ -99,6 +100,11 @@ def probe_responses(responses: Any, requests: Any = None) -> list[EndpointCapabi
         )
     out = []
     for i, (response, request) in enumerate(zip(responses, per_response)):
+        try:
+            _seed_requested(request)  # a bad request body is the requests field's fault, not the response's
+        except ValueError as err:
+            where = f"{ENDPOINT_REQUESTS}[{i}]" if _is_list(requests) else ENDPOINT_REQUESTS
+            raise ValueError(f"batch field `{where}`: {err}") from None
         try:
             out.append(probe_response(response, request))
         except ValueError as err:

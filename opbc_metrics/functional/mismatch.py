@@ -31,6 +31,9 @@ from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView
 # The top-1% sketch bins log-weights over [-C, C]; 8192 bins keep its relative error under 0.25%.
 DEFAULT_TOP_MASS_BINS = 8192
 DEFAULT_TOP_FRACTION = 0.01
+# opbc/ppl/ratio = mean exp(d_i) caps d_i at 600 nats: exp(600) ~ 3.8e260, so a sum over up to 1e47 sequences
+# stays finite in float64 (exp would overflow at 709.8; only sentinel logprobs get near either).
+PPL_LOG_CAP = 600.0
 
 Stats = dict[str, Tensor]
 
@@ -97,12 +100,14 @@ def token_statistics(
     rc = r.clamp(-clamp, clamp)
     w = torch.exp(rc).mul_(valid)  # 0 on invalid tokens
     ar = r.abs()
-    # Row sums give the sequence statistics and, summed again, the token totals.
-    seq_sum = r.sum(-1)
+    # Row sums give the sequence statistics and, summed again, the token totals. They accumulate in
+    # float64: a float32 sentinel such as finfo.min (a masked_fill value) is a finite r of 3.4e38, and two
+    # of them overflow a float32 sum.
+    seq_sum = r.sum(-1, dtype=f64)
     seq_n = valid.sum(-1).to(f64)
     seq_mask_n = mask_f.sum(-1).to(f64)
     n = seq_n.sum()
-    sum_r = seq_sum.to(f64).sum()
+    sum_r = seq_sum.sum()
     # min/max over valid tokens in one aminmax: invalid tokens (r = 0 there) take the valid mean, which
     # lies inside [min, max] (rounding to nearest cannot push it past a representable extreme).
     fill = (sum_r / n.clamp_min(1.0)).to(dtype)
@@ -117,15 +122,13 @@ def token_statistics(
     sum_qq = torch.linalg.vector_norm(q).to(f64) ** 2
     sum_dd = torch.linalg.vector_norm(diff).to(f64) ** 2
     apq = diff.abs_()
-    # Histogram of clamped log-weights; invalid tokens are pushed out of range, which histc ignores.
-    # (histc with an explicit range sizes its output from `bins` alone: no host sync on any device.)
-    hist = torch.histc(torch.addcmul(rc, invalid, invalid, value=4.0 * clamp), bins, -clamp, clamp)
+    hist = _log_weight_histogram(rc, invalid, clamp, bins)
     neg_inf64 = torch.full((), float("-inf"), dtype=f64, device=trainer.device)
 
     # Sequences: a sequence counts if it has a valid token and no masked token with a non-finite log
     # ratio. [B]-sized, so float64 throughout.
     seq_ok = ((seq_n > 0) & (seq_n == seq_mask_n)).to(f64)
-    s = seq_sum.to(f64) * seq_ok
+    s = seq_sum * seq_ok
     geo = s / seq_n.clamp_min(1.0)
     ws = torch.exp(s.clamp(-clamp, clamp)) * seq_ok
     dseq = -geo  # d_i = mean rollout logp - mean trainer logp
@@ -133,7 +136,7 @@ def token_statistics(
         "n": n,
         "n_mask": seq_mask_n.sum(),
         "sum_r": sum_r,
-        "sum_abs_r": ar.sum().to(f64),
+        "sum_abs_r": ar.sum(dtype=f64),
         "sum_rc": rc.sum().to(f64),
         "sum_rc2": torch.linalg.vector_norm(rc).to(f64) ** 2,
         "sum_w": w.sum().to(f64),
@@ -159,9 +162,26 @@ def token_statistics(
         "sum_ws2": (ws * ws).sum(),
         "sum_d": dseq.sum(),
         "sum_abs_d": dseq.abs().sum(),
-        "sum_exp_d": (torch.exp(dseq) * seq_ok).sum(),
+        # A sentinel (-9999, finfo.min) can make d_i thousands of nats: capped where exp stays finite.
+        "sum_exp_d": (torch.exp(dseq.clamp(max=PPL_LOG_CAP)) * seq_ok).sum(),
         "hist": hist.to(f64),
     }
+
+
+def _log_weight_histogram(rc: Tensor, invalid: Tensor, clamp: float, bins: int) -> Tensor:
+    """Token counts of clamped log-weights in ``bins`` equal bins over ``[-C, C]``; invalid tokens left out.
+
+    Eager: ``histc`` (one native pass; with an explicit range it sizes its output from ``bins`` alone,
+    so no host sync on any device), with invalid tokens pushed out of range. Under ``torch.compile``: an
+    index computation and an accumulating ``index_put_`` that inductor fuses into the token loop
+    (``histc`` would stay an opaque extra pass). Both put a value on a bin edge in the upper bin.
+    """
+    if torch.compiler.is_compiling():
+        idx = ((rc + clamp) * (bins / (2.0 * clamp))).to(torch.int64).clamp(max=bins - 1)
+        idx = (idx + (invalid * bins).to(torch.int64)).clamp(max=bins).reshape(-1)  # invalid -> bin `bins`
+        ones = torch.ones_like(rc).reshape(-1)
+        return torch.zeros(bins + 1, dtype=rc.dtype, device=rc.device).index_put_((idx,), ones, accumulate=True)[:bins]
+    return torch.histc(torch.addcmul(rc, invalid, invalid, value=4.0 * clamp), bins, -clamp, clamp)
 
 
 def _empty_statistics(bins: int, device: torch.device) -> Stats:
@@ -667,7 +687,9 @@ def perplexity_gap(
     r"""``opbc/ppl/*``: per sequence :math:`d_i = \overline{\log p_{roll}} - \overline{\log p_{train}}`.
 
     ``log_ppl_diff`` = mean :math:`d_i` (log of trainer-over-rollout perplexity), ``log_ppl_abs_diff`` =
-    mean :math:`|d_i|`, ``ratio`` = mean :math:`e^{d_i}` (perplexity ratio; in float64).
+    mean :math:`|d_i|`, ``ratio`` = mean :math:`e^{\min(d_i, 600)}` (perplexity ratio; in float64; the cap
+    only acts on a per-token log-perplexity gap above 600 nats, i.e. a sentinel logprob such as -9999, which
+    would otherwise overflow the ratio to inf).
 
     Example:
         >>> import torch

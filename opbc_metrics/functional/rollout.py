@@ -776,6 +776,19 @@ def _refuse_unknown(unknown: set[str], names: tuple[str, ...]) -> None:
         )
 
 
+def _host_number(sample: Mapping[Any, Any], i: int, name: str) -> float:
+    """One per-sample value of a list of mappings: a host number (NaN when the sample did not report it)."""
+    v = sample.get(name)
+    if v is None:
+        return float("nan")
+    if isinstance(v, (bool, int, float, np.integer, np.floating)):
+        return float(v)
+    raise ValueError(
+        f"batch field `{SAMPLE_METRICS}`[{i}][{name!r}] must be a number (per-sample mappings hold host values), "
+        f"got {type(v).__name__}"
+    )
+
+
 def _sample_matrix(view: BatchView, names: tuple[str, ...], device: torch.device | str) -> Tensor:
     """``[B, K]`` float64 values of the K declared per-sample metrics, NaN where a sample did not report one.
 
@@ -819,7 +832,7 @@ def _sample_matrix(view: BatchView, names: tuple[str, ...], device: torch.device
             return torch.stack([cols[n].to(F64) if n in cols else nan for n in names], dim=1)
         if isinstance(raw, (list, tuple)) and all(isinstance(d, Mapping) for d in raw):
             _refuse_unknown({str(k) for d in raw for k in d if k not in known}, names)
-            rows = [[float(d[n]) if d.get(n) is not None else float("nan") for n in names] for d in raw]
+            rows = [[_host_number(d, i, n) for n in names] for i, d in enumerate(raw)]
             return torch.tensor(rows, dtype=F64, device=device).reshape(len(raw), len(names))
         raise ValueError(
             f"batch field `{SAMPLE_METRICS}` must be a mapping name -> [B] values or a list of per-sample "

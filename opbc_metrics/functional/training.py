@@ -120,6 +120,16 @@ def as_field_tensor(
     return t, on_host
 
 
+def tensor_device(view: BatchView, *names: str) -> torch.device | None:
+    """The device of the first of ``names`` that the batch gives as a tensor: where host values (lists,
+    numbers) of a related field go, so that a mix of host values and device tensors works without a sync."""
+    for name in names:
+        value = view.data.get(name)
+        if isinstance(value, Tensor):
+            return value.device
+    return None
+
+
 def field_tensor(view: BatchView, name: str, **kwargs: Any) -> tuple[Tensor, bool]:
     """:func:`as_field_tensor` of a batch field (a clear error if it is missing)."""
     return as_field_tensor(name, view.field(name), **kwargs)
@@ -146,14 +156,26 @@ def response_mask_for(view: BatchView, shape: torch.Size, device: torch.device, 
         )
     if mask.is_complex():
         raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
-    return (mask != 0).to(device)
+    if mask.device != device:
+        raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{like}` is on {device}")
+    return mask != 0
 
 
-def raise_if_invalid(name: str, count: Tensor, what: str) -> None:
-    """Raise the deferred value error of a batch field (``compute()`` only: this reads ``count``)."""
+def raise_if_invalid(name: str | Sequence[str], count: Tensor, what: str) -> None:
+    """Raise the deferred value error of a batch field, or of the fields a count is shared by (``compute()``
+    only: this reads ``count``)."""
     n = float(count)
     if n > 0:
-        raise ValueError(f"batch field `{name}` had {n:g} {what} in this window; fix the input (see the docs)")
+        names = (name,) if isinstance(name, str) else tuple(name)
+        fields = ", ".join(f"`{x}`" for x in names)
+        where = f"batch field {fields}" if len(names) == 1 else f"batch fields {fields}"
+        raise ValueError(f"{where} had {n:g} {what} in this window; fix the input (see the docs)")
+
+
+def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    """A clear error for two batch fields on different devices (moving one would be a hidden copy)."""
+    if t.device != ref.device:
+        raise ValueError(f"batch field `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
 
 
 def _check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
@@ -161,6 +183,7 @@ def _check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
         raise ValueError(
             f"batch field `{name}` has shape {tuple(t.shape)} but `{ref_name}` has shape {tuple(ref.shape)}"
         )
+    check_same_device(name, t, ref_name, ref)
 
 
 def _zero(device: torch.device) -> Tensor:
@@ -209,8 +232,9 @@ def _scalar_update(view: BatchView, name: str, weight_field: str | None, device:
     x, _ = field_tensor(view, name, ndims=(0, 1), dims=("N",), device=device, check="finite")
     x = x.reshape(-1).to(F64)
     if weight_field is not None and view.has(weight_field):
-        w, _ = field_tensor(view, weight_field, ndims=(0, 1), dims=("N",), device=device, check="nonnegative")
-        w = w.reshape(-1).to(device=x.device, dtype=F64)
+        w, _ = field_tensor(view, weight_field, ndims=(0, 1), dims=("N",), device=x.device, check="nonnegative")
+        check_same_device(weight_field, w, name, x)
+        w = w.reshape(-1).to(dtype=F64)
         if w.numel() != x.numel():
             raise ValueError(
                 f"batch field `{weight_field}` has {w.numel()} values but `{name}` has {x.numel()}; give one "
@@ -218,10 +242,16 @@ def _scalar_update(view: BatchView, name: str, weight_field: str | None, device:
             )
     else:
         w = torch.ones_like(x)
-    return {"sum_wx": (w * x).sum(), "sum_w": w.sum(), "count": torch.full((), float(x.numel()), dtype=F64)}
+    # Tensor observations cannot be checked without a sync: non-finite ones (or non-finite / negative
+    # weights) are left out and counted; the metric raises at compute().
+    ok = torch.isfinite(x) & torch.isfinite(w) & (w >= 0)
+    zero = torch.zeros((), dtype=F64, device=x.device)
+    x, w = torch.where(ok, x, zero), torch.where(ok, w, zero)
+    return {"sum_wx": (w * x).sum(), "sum_w": w.sum(), "count": torch.full((), float(x.numel()), dtype=F64),
+            "nonfinite": (~ok).to(F64).sum()}
 
 
-def _scalar_compute(sum_wx: Tensor, sum_w: Tensor, count: Tensor) -> Tensor:
+def _scalar_compute(sum_wx: Tensor, sum_w: Tensor, count: Tensor, nonfinite: Tensor | None = None) -> Tensor:
     return _mean(sum_wx, sum_w)
 
 
@@ -235,7 +265,9 @@ def scalar_mean(values: Any, weights: Any = None) -> Tensor:
         tensor(1.5000, dtype=torch.float64)
     """
     view = BatchView(x=values, w=weights)
-    return _scalar_compute(**_f64(_scalar_update(view, "x", "w" if weights is not None else None, None)))
+    stats = _scalar_update(view, "x", "w" if weights is not None else None, None)
+    raise_if_invalid(("x", "w") if weights is not None else "x", stats["nonfinite"], "non-finite values or weights")
+    return _scalar_compute(**_f64(stats))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +300,7 @@ def _entropy_update(view: BatchView, from_logits: bool, temperature: float) -> S
             raise ValueError(f"batch field `{LOGITS}` must be a floating-point tensor, got {logits.dtype}")
         h, name = entropy_from_logits(logits, temperature), LOGITS
     else:
-        h, _ = field_tensor(view, ENTROPIES, ndims=(2,), check="finite")
+        h, _ = field_tensor(view, ENTROPIES, ndims=(2,), check="finite", device=tensor_device(view, RESPONSE_MASK))
         name = ENTROPIES
     mask = response_mask_for(view, h.shape, h.device, like=name)
     h = h.to(F64)
@@ -316,8 +348,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def _ppo_inputs(view: BatchView) -> tuple[Tensor, Tensor, Tensor]:
-    new, _ = field_tensor(view, POLICY_LOGPROBS, ndims=(2,))
-    old, _ = field_tensor(view, OLD_LOGPROBS, ndims=(2,))
+    new, _ = field_tensor(view, POLICY_LOGPROBS, ndims=(2,), device=tensor_device(view, OLD_LOGPROBS, RESPONSE_MASK))
+    old, _ = field_tensor(view, OLD_LOGPROBS, ndims=(2,), device=new.device)
     for name, t in ((POLICY_LOGPROBS, new), (OLD_LOGPROBS, old)):
         if not t.is_floating_point():
             raise ValueError(f"batch field `{name}` must be a floating-point tensor, got {t.dtype}")
@@ -370,7 +402,7 @@ def policy_kl(
         raise ValueError(f"`estimator` must be one of {KL_ESTIMATORS}, got {estimator!r}")
     view = BatchView(policy_logprobs=policy_logprobs, old_logprobs=old_logprobs, response_mask=response_mask)
     stats = _policy_kl_update(view, estimator, clamp)
-    raise_if_invalid(POLICY_LOGPROBS, stats["nonfinite"], "non-finite logprobs on response tokens")
+    raise_if_invalid((POLICY_LOGPROBS, OLD_LOGPROBS), stats["nonfinite"], "non-finite logprobs on response tokens")
     return _policy_kl_compute(**_f64(stats))
 
 
@@ -394,6 +426,7 @@ def check_clip_range(clip_ratio: float, clip_ratio_low: float | None, clip_ratio
 
 def _advantages_like(view: BatchView, like: Tensor) -> tuple[Tensor, bool]:
     adv, on_host = field_tensor(view, ADVANTAGES, ndims=(1, 2), device=like.device, check="finite")
+    check_same_device(ADVANTAGES, adv, POLICY_LOGPROBS, like)
     if adv.ndim == 1:
         if adv.shape[0] != like.shape[0]:
             raise ValueError(
@@ -469,21 +502,23 @@ def pg_clipfrac(
     view = BatchView(policy_logprobs=policy_logprobs, old_logprobs=old_logprobs, advantages=advantages,
                      response_mask=response_mask)
     stats = _clipfrac_update(view, low, high, c, clamp)
-    raise_if_invalid(POLICY_LOGPROBS, stats["nonfinite"], "non-finite logprobs/advantages on response tokens")
+    raise_if_invalid((POLICY_LOGPROBS, OLD_LOGPROBS, ADVANTAGES), stats["nonfinite"],
+                     "non-finite logprobs/advantages on response tokens")
     return _clipfrac_compute(**_f64(stats))
 
 
 # ---------------------------------------------------------------------------------------------
 # critic/*: value, returns, advantages, rewards, score, explained variance
 # ---------------------------------------------------------------------------------------------
-def _token_values(view: BatchView, name: str) -> tuple[Tensor, Tensor, Tensor]:
+def _token_values(view: BatchView, name: str, device: torch.device | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A [B, T] or [B] field as float64 with its valid mask and the mask of non-finite entries.
 
     [B, T]: the tokens under ``response_mask`` (all when absent). [B] with a ``response_mask``:
     broadcast over each sequence's response tokens (as verl broadcasts GRPO advantages). [B] without a
-    mask: one value per sequence.
+    mask: one value per sequence. Host values go to ``device`` (default: the mask's).
     """
-    x, _ = field_tensor(view, name, ndims=(1, 2), check="finite")
+    device = device or tensor_device(view, RESPONSE_MASK)
+    x, _ = field_tensor(view, name, ndims=(1, 2), check="finite", device=device)
     x = x.to(F64)
     if x.ndim == 1 and view.has(RESPONSE_MASK):
         mask_t = view.tensor(RESPONSE_MASK)
@@ -492,6 +527,7 @@ def _token_values(view: BatchView, name: str) -> tuple[Tensor, Tensor, Tensor]:
                 f"batch field `{RESPONSE_MASK}` has shape {tuple(mask_t.shape)} but `{name}` has shape "
                 f"{tuple(x.shape)}; a [B] field needs a [B, T] mask"
             )
+        check_same_device(RESPONSE_MASK, mask_t, name, x)
         x = x[:, None].expand(mask_t.shape)
     mask = response_mask_for(view, x.shape, x.device, like=name)
     finite = torch.isfinite(x)
@@ -522,7 +558,7 @@ def _token_stats_update(view: BatchView, name: str) -> Stats:
 def _sequence_sum_update(view: BatchView, name: str) -> Stats:
     """Per-sequence totals (a [B, T] field summed over T, as verl sums token-level rewards), skipping
     aborted sequences (no response token) when a ``response_mask`` is given."""
-    x, _ = field_tensor(view, name, ndims=(1, 2), check="finite")
+    x, _ = field_tensor(view, name, ndims=(1, 2), check="finite", device=tensor_device(view, RESPONSE_MASK))
     x = x.to(F64)
     if x.ndim == 2:
         x = x.sum(dim=1)
@@ -534,7 +570,8 @@ def _sequence_sum_update(view: BatchView, name: str) -> Stats:
                 f"batch field `{RESPONSE_MASK}` has shape {tuple(mask_t.shape)} but `{name}` has "
                 f"{x.shape[0]} sequences"
             )
-        keep = (mask_t != 0).any(dim=1).to(x.device)
+        check_same_device(RESPONSE_MASK, mask_t, name, x)
+        keep = (mask_t != 0).any(dim=1)
     finite = torch.isfinite(x)
     stats = _masked_moments(x, keep & finite)
     stats["nonfinite"] = (keep & ~finite).to(F64).sum()
@@ -579,8 +616,9 @@ def critic_stats(name: str, values: Tensor, response_mask: Tensor | None = None)
 
 
 def _explained_var_update(view: BatchView) -> Stats:
-    r, valid_r, bad_r = _token_values(view, RETURNS)
-    v, valid_v, bad_v = _token_values(view, VALUES)
+    device = tensor_device(view, RESPONSE_MASK, RETURNS, VALUES)
+    r, valid_r, bad_r = _token_values(view, RETURNS, device)
+    v, valid_v, bad_v = _token_values(view, VALUES, device)
     _check_same_shape(VALUES, v, RETURNS, r)
     valid = valid_r & valid_v
     zero = _zero(r.device)
@@ -623,7 +661,7 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor | 
         tensor(0.8500, dtype=torch.float64)
     """
     stats = _explained_var_update(BatchView(values=values, returns=returns, response_mask=response_mask))
-    raise_if_invalid(RETURNS, stats["nonfinite"], "non-finite values/returns")
+    raise_if_invalid((VALUES, RETURNS), stats["nonfinite"], "non-finite values/returns")
     return _explained_var_compute(**_f64(stats))
 
 
@@ -740,7 +778,8 @@ DPO_KEYS = ("loss/dpo", "rewards/chosen", "rewards/rejected", "rewards/margins",
 def _paired_fields(view: BatchView, names: Sequence[str]) -> list[Tensor]:
     out: list[Tensor] = []
     for name in names:
-        t, _ = field_tensor(view, name, ndims=(1, 2), dims=("B", "1"), check="finite")
+        device = out[0].device if out else tensor_device(view, *names)
+        t, _ = field_tensor(view, name, ndims=(1, 2), dims=("B", "1"), check="finite", device=device)
         if t.ndim == 2:
             if t.shape[1] != 1:
                 raise ValueError(f"batch field `{name}` must have shape [B] or [B, 1], got {tuple(t.shape)}")
@@ -748,7 +787,9 @@ def _paired_fields(view: BatchView, names: Sequence[str]) -> list[Tensor]:
         if out and t.shape != out[0].shape:
             raise ValueError(f"batch field `{name}` has shape {tuple(t.shape)} but `{names[0]}` has "
                              f"shape {tuple(out[0].shape)}")
-        out.append(t.to(device=out[0].device if out else t.device, dtype=F64))
+        if out:
+            check_same_device(name, t, names[0], out[0])
+        out.append(t.to(dtype=F64))
     return out
 
 
@@ -814,7 +855,7 @@ def dpo_metrics(
     stats = _dpo_update(BatchView(dict(zip(DPO_FIELDS, (policy_chosen_logps, policy_rejected_logps,
                                                            reference_chosen_logps, reference_rejected_logps)))),
                         beta, label_smoothing)
-    raise_if_invalid(DPO_FIELDS[0], stats["nonfinite"], "pairs with non-finite logps")
+    raise_if_invalid(DPO_FIELDS, stats["nonfinite"], "pairs with non-finite logps")
     return _dpo_compute(**_f64(stats))
 
 
@@ -855,5 +896,5 @@ def reward_model_metrics(chosen_scores: Tensor, rejected_scores: Tensor) -> dict
         {'rm/loss': 0.6437, 'rm/accuracy': 0.5, 'rm/reward_margin': 0.25}
     """
     stats = _rm_update(BatchView(chosen_scores=chosen_scores, rejected_scores=rejected_scores))
-    raise_if_invalid(RM_FIELDS[0], stats["nonfinite"], "pairs with non-finite scores")
+    raise_if_invalid(RM_FIELDS, stats["nonfinite"], "pairs with non-finite scores")
     return _rm_compute(**_f64(stats))

@@ -19,7 +19,10 @@ Per data source ``s`` (averaged over that source's prompts, each prompt weighing
   bootstrap; for 0/1 rewards it equals pass@k).
 
 Prompts with fewer than ``k`` valid samples (a ragged ``val_mask``) are left out of the ``@k`` averages;
-prompts without any valid sample are left out of everything. Empty windows report 0.
+prompts without any valid sample are left out of everything. Empty windows report 0. Non-finite values
+on unmasked samples are refused: at once for host inputs, and for tensors (which cannot be read in
+``update()`` without a sync) left out, counted, and raised as a ``ValueError`` naming the field at
+``compute()``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from opbc_metrics.functional.training import (
     _amin,
     _f64,
     _safe_div,
+    check_same_device,
     field_tensor,
     raise_if_invalid,
+    tensor_device,
 )
 
 DATA_SOURCES = "data_sources"
@@ -49,6 +54,7 @@ VAL_REWARDS = "val_rewards"
 VAL_NUM_TURNS = "val_num_turns"
 VAL_MASK = "val_mask"
 OTHER_SOURCE = "other"
+NONFINITE_SAMPLES = "non-finite values on unmasked samples"
 VAL_TURN_KEYS = ("val-aux/num_turns/min", "val-aux/num_turns/max", "val-aux/num_turns/mean")
 
 
@@ -99,7 +105,7 @@ def check_ks(ks: Sequence[int] | None, n_samples: int) -> tuple[int, ...]:
 
 
 def source_index(value: Any, sources: tuple[str, ...], allow_other: bool, num_prompts: int,
-                 device: torch.device) -> Tensor:
+                 device: torch.device, like: str | None = None) -> Tensor:
     """Map the batch's ``data_sources`` (one string per prompt, or one string for all) to indices."""
     if isinstance(value, str):
         value = [value] * num_prompts
@@ -109,9 +115,8 @@ def source_index(value: Any, sources: tuple[str, ...], allow_other: bool, num_pr
             f"got {type(value).__name__}"
         )
     if len(value) != num_prompts:
-        raise ValueError(
-            f"batch field `{DATA_SOURCES}` has {len(value)} entries but the batch has {num_prompts} prompts"
-        )
+        prompts = f"`{like}` has" if like else "the batch has"
+        raise ValueError(f"batch field `{DATA_SOURCES}` has {len(value)} entries but {prompts} {num_prompts} prompts")
     lookup = {s: i for i, s in enumerate(sources)}
     other = lookup.get(OTHER_SOURCE) if allow_other else None
     idx = []
@@ -126,9 +131,10 @@ def source_index(value: Any, sources: tuple[str, ...], allow_other: bool, num_pr
     return torch.tensor(idx, dtype=torch.long, device=device)
 
 
-def _samples(view: BatchView, name: str, n_samples: int) -> tuple[Tensor, Tensor]:
-    """A ``[P, n]`` (or ``[P]``) field as float64 ``[P, n]`` and its valid mask (finite, under ``val_mask``)."""
-    x, _ = field_tensor(view, name, ndims=(1, 2), dims=("P", "n"), check="finite")
+def _samples(view: BatchView, name: str, n_samples: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A ``[P, n]`` (or ``[P]``) field as float64 ``[P, n]``, its valid mask (finite, under ``val_mask``) and
+    the number of non-finite values under the mask (left out, counted for the deferred error)."""
+    x, _ = field_tensor(view, name, ndims=(1, 2), dims=("P", "n"), check="finite", device=tensor_device(view, VAL_MASK))
     if x.ndim == 1:
         x = x[:, None]
     if x.shape[1] != n_samples:
@@ -138,14 +144,16 @@ def _samples(view: BatchView, name: str, n_samples: int) -> tuple[Tensor, Tensor
         )
     valid = torch.ones(x.shape, dtype=torch.bool, device=x.device)
     if view.has(VAL_MASK):
-        m, _ = field_tensor(view, VAL_MASK, ndims=(1, 2), dims=("P", "n"))
+        m, _ = field_tensor(view, VAL_MASK, ndims=(1, 2), dims=("P", "n"), device=x.device)
         m = m[:, None] if m.ndim == 1 else m
         if m.shape != x.shape:
             raise ValueError(f"batch field `{VAL_MASK}` has shape {tuple(m.shape)} but `{name}` has {tuple(x.shape)}")
-        valid = m.to(x.device) != 0
+        check_same_device(VAL_MASK, m, name, x)
+        valid = m != 0
     x = x.to(F64)
     finite = torch.isfinite(x)
-    return torch.where(valid & finite, x, torch.zeros((), dtype=F64, device=x.device)), valid & finite
+    nonfinite = (valid & ~finite).to(F64).sum()
+    return torch.where(valid & finite, x, torch.zeros((), dtype=F64, device=x.device)), valid & finite, nonfinite
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,9 +237,9 @@ def _validation_update(
     mode: str,
 ) -> Stats:
     """Per-source sums for ``mean@n`` and pass@k (``mode="pass"``, correctness ``x >= 0.5``) or best@k."""
-    x, valid = _samples(view, name, n_samples)
+    x, valid, nonfinite = _samples(view, name, n_samples)
     num_prompts = x.shape[0]
-    idx = source_index(view.field(DATA_SOURCES), sources, allow_other, num_prompts, x.device)
+    idx = source_index(view.field(DATA_SOURCES), sources, allow_other, num_prompts, x.device, like=name)
     n = valid.to(F64).sum(dim=1)
     has = n > 0
     prompt_mean = _safe_div(x.sum(dim=1), n, 0.0)
@@ -251,6 +259,7 @@ def _validation_update(
         "sum_mean": _per_source(idx, prompt_mean, S),
         "sum_at_k": _per_source(idx, torch.stack(at_k, dim=1), S),
         "prompts_at_k": _per_source(idx, torch.stack(at_k_ok, dim=1), S),
+        "nonfinite": nonfinite,
     }
 
 
@@ -335,6 +344,7 @@ def _validation_functional(values: Any, data_sources: Sequence[str] | str, ks: S
     kk = check_ks(ks, n_samples)
     view = BatchView({name: t, DATA_SOURCES: data_sources, VAL_MASK: val_mask})
     stats = _validation_update(view, name, sources, False, n_samples, kk, mode)
+    raise_if_invalid(name, stats.pop("nonfinite"), NONFINITE_SAMPLES)
     return _validation_compute(**_f64(stats), sources=sources, n_samples=n_samples, ks=kk, mode=mode)
 
 
@@ -342,15 +352,17 @@ def _validation_functional(values: Any, data_sources: Sequence[str] | str, ks: S
 # val-aux/num_turns/*
 # ---------------------------------------------------------------------------------------------
 def _val_turns_update(view: BatchView) -> Stats:
-    x, _ = field_tensor(view, VAL_NUM_TURNS, ndims=(1, 2), dims=("P", "n"), check="nonnegative")
+    x, _ = field_tensor(view, VAL_NUM_TURNS, ndims=(1, 2), dims=("P", "n"), check="nonnegative",
+                        device=tensor_device(view, VAL_MASK))
     x = x.to(F64)
     valid = torch.ones(x.shape, dtype=torch.bool, device=x.device)
     if view.has(VAL_MASK):
-        m, _ = field_tensor(view, VAL_MASK, ndims=(1, 2), dims=("P", "n"))
+        m, _ = field_tensor(view, VAL_MASK, ndims=(1, 2), dims=("P", "n"), device=x.device)
         if m.shape != x.shape:
             raise ValueError(f"batch field `{VAL_MASK}` has shape {tuple(m.shape)} but `{VAL_NUM_TURNS}` has "
                              f"{tuple(x.shape)}")
-        valid = m.to(x.device) != 0
+        check_same_device(VAL_MASK, m, VAL_NUM_TURNS, x)
+        valid = m != 0
     ok = torch.isfinite(x) & (x >= 0)
     zero = torch.zeros((), dtype=F64, device=x.device)
     inf = torch.full((), float("inf"), dtype=F64, device=x.device)

@@ -281,8 +281,8 @@ class TopGradientMass(_MismatchMetric):
 
     def _update_view(self, view: BatchView) -> None:
         if self.exact:
+            self.accumulate(count=view.num_valid)  # first: it refuses a batch on another device
             self.weights.append(view.weights(self.clamp).reshape(-1).to(torch.float64))
-            self.accumulate(count=view.num_valid)
         else:
             self.accumulate(**F._top_mass_sketch_update(self._stats(view)))
 
@@ -563,7 +563,9 @@ class PerplexityGap(_MismatchMetric):
     r"""Perplexity gap ``opbc/ppl/{log_ppl_diff, log_ppl_abs_diff, ratio}``.
 
     Per sequence :math:`d_i = \mathrm{mean}_t \log p_{roll} - \mathrm{mean}_t \log p_{train}`: mean
-    :math:`d_i`, mean :math:`|d_i|` and mean :math:`e^{d_i}` (trainer-over-rollout perplexity ratio).
+    :math:`d_i`, mean :math:`|d_i|` and mean :math:`e^{\min(d_i, 600)}` (trainer-over-rollout perplexity
+    ratio; the cap only acts on gaps above 600 nats per token, i.e. a sentinel such as -9999, which would
+    otherwise overflow the ratio to inf).
 
     Example:
         >>> import torch

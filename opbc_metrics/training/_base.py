@@ -23,19 +23,13 @@ DEFAULT_MAX_RANKS = 1024
 
 class _TrainingMetric(OPBCMetric):
     """Base of the ``training`` section: optional inputs (a collection skips batches without the fields)
-    and deferred value checks (``_deferred``: ``(state, field, what)`` triples raised by ``compute``)."""
+    and deferred value checks (``_deferred``: ``(state, field or fields, what)`` triples raised by ``compute``;
+    a count shared by several fields names them all). Host-built statistics move to the states' device in
+    :meth:`~opbc_metrics.metric.OPBCMetric.accumulate`."""
 
     section = "training"
     optional_inputs = True
-    _deferred: ClassVar[tuple[tuple[str, str, str], ...]] = ()
-
-    def accumulate(self, **stats: Tensor) -> None:
-        """Fold a batch's statistics in, moving host-built statistics to the states' device first."""
-        moved = {}
-        for name, value in stats.items():
-            state = getattr(self, name)
-            moved[name] = value.to(device=state.device, dtype=state.dtype)
-        super().accumulate(**moved)
+    _deferred: ClassVar[tuple[tuple[str, str | tuple[str, ...], str], ...]] = ()
 
     def check_deferred(self) -> None:
         """Raise the ``ValueError`` of any bad value counted by ``update()`` (reads the counts: compute only)."""
@@ -50,7 +44,9 @@ class _TrainerScalar(_TrainingMetric):
     observations (e.g. one per micro-batch). Loss-like scalars (``weight_field = "loss_tokens"``) are
     weighted by the batch's ``loss_tokens`` when it is given (the tokens the loss was averaged over),
     so the result is the token mean of a token-mean loss across micro-batches and ranks; otherwise
-    every observation weighs the same. An empty window reports 0.
+    every observation weighs the same. An empty window reports 0. Host values (numbers, lists) must be
+    finite (a ``ValueError`` in ``update``); non-finite tensor observations (or non-finite / negative
+    tensor weights) are left out and counted, and ``compute()`` raises a ``ValueError`` naming the field.
     """
 
     field: ClassVar[str] = ""
@@ -58,13 +54,16 @@ class _TrainerScalar(_TrainingMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("sum_wx", "sum_w", "count"):
+        for name in ("sum_wx", "sum_w", "count", "nonfinite"):
             self.add_sum(name)
+        fields = (self.field,) if self.weight_field is None else (self.field, self.weight_field)
+        self._deferred = (("nonfinite", fields, "non-finite observations (or non-finite / negative weights)"),)
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**F._scalar_update(view, self.field, self.weight_field, self.device))
 
     def compute(self) -> Tensor:
+        self.check_deferred()
         return F._scalar_compute(self.sum_wx, self.sum_w, self.count)
 
 

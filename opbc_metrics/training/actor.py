@@ -248,7 +248,7 @@ class _PolicyKL(_TrainingMetric):
     required_fields = (F.POLICY_LOGPROBS, F.OLD_LOGPROBS)
     higher_is_better = False
     default_estimator = "k1"
-    _deferred = (("nonfinite", F.POLICY_LOGPROBS, "non-finite logprobs on response tokens"),)
+    _deferred = (("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS), "non-finite logprobs on response tokens"),)
 
     def __init__(self, estimator: str | None = None, clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -356,7 +356,10 @@ class PolicyClipFraction(_TrainingMetric):
     higher_is_better = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
-    _deferred = (("nonfinite", F.POLICY_LOGPROBS, "non-finite logprobs or advantages on response tokens"),)
+    _deferred = (
+        ("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS, F.ADVANTAGES),
+         "non-finite logprobs or advantages on response tokens"),
+    )
     glossary = GlossaryEntry(
         name="actor/pg_clipfrac",
         what="Clip fraction: how often PPO's ratio clipping is active (the update was speed-limited), and how "

@@ -245,7 +245,7 @@ class ExplainedVariance(_TrainingMetric):
     required_fields = (F.VALUES, F.RETURNS)
     higher_is_better = True
     plot_upper_bound = 1.0
-    _deferred = (("nonfinite", F.RETURNS, "non-finite values or returns on response tokens"),)
+    _deferred = (("nonfinite", (F.VALUES, F.RETURNS), "non-finite values or returns on response tokens"),)
     glossary = GlossaryEntry(
         name="critic/vf_explained_var",
         what="Explained variance of the returns by the value function: 1 = perfect critic, 0 = no better "

@@ -51,14 +51,15 @@ def _check_stage_names(name: str, stages: Sequence[str]) -> tuple[str, ...]:
 
 def _workload(view: BatchView) -> tuple[Tensor, Tensor]:
     """Per-sequence workload ``prompt_lengths + response_lengths`` (float64) and the invalid-entry count."""
-    p, bad_p = F.nonnegative_field(view, F.PROMPT_LENGTHS)
-    r, bad_r = F.nonnegative_field(view, F.RESPONSE_LENGTHS)
+    p, bad_p = F.nonnegative_field(view, F.PROMPT_LENGTHS, device=F.tensor_device(view, F.RESPONSE_LENGTHS))
+    r, bad_r = F.nonnegative_field(view, F.RESPONSE_LENGTHS, device=p.device)
     if p.shape != r.shape:
         raise ValueError(
             f"batch field `{F.PROMPT_LENGTHS}` has shape {tuple(p.shape)} but `{F.RESPONSE_LENGTHS}` has "
             f"shape {tuple(r.shape)}"
         )
-    return p + r.to(p.device), bad_p + bad_r.to(bad_p.device)
+    F.check_same_device(F.RESPONSE_LENGTHS, r, F.PROMPT_LENGTHS, p)
+    return p + r, bad_p + bad_r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ class GlobalSeqlen(_PerRank):
     required_fields = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
     higher_is_better = None
     _deferred = (
-        ("invalid", F.RESPONSE_LENGTHS, "negative or non-finite prompt/response lengths"),
+        ("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),
         ("bad_rank", RANK_IDS, "rank ids outside [0, world_size)"),
     )
     glossary = GlossaryEntry(
@@ -146,8 +147,9 @@ class GlobalSeqlen(_PerRank):
                                  f"has shape {tuple(lengths.shape)}")
             if ids.is_floating_point() or ids.dtype == torch.bool:
                 raise ValueError(f"batch field `{RANK_IDS}` must be an integer tensor, got {ids.dtype}")
+            F.check_same_device(RANK_IDS, ids, F.PROMPT_LENGTHS, lengths)
             limit = self.world_size or self.slots
-            onehot = ids.to(device)[:, None] == torch.arange(limit, device=device)[None, :]
+            onehot = ids[:, None] == torch.arange(limit, device=device)[None, :]
             per_rank = (onehot.to(F64) * lengths[:, None]).sum(dim=0)
             workload = torch.zeros(self.slots, dtype=F64, device=device)
             workload[:limit] = per_rank
@@ -297,7 +299,7 @@ class _StageClock(_PerRank):
 
     strict_stages = False
     required_fields = ()  # timing_s and the lengths are each optional; see _update_view
-    _deferred = (("invalid", F.RESPONSE_LENGTHS, "negative or non-finite prompt/response lengths"),)
+    _deferred = (("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),)
 
     def _init_clock(self, stages: tuple[str, ...]) -> None:
         self.clock_stages = stages
@@ -595,7 +597,7 @@ class AgentLoopTiming(_TrainingMetric):
     keys = AGENT_LOOP_KEYS
     required_fields = (AGENT_GENERATE_S,)
     higher_is_better = False
-    _deferred = (("invalid", AGENT_GENERATE_S, "negative or non-finite sample times"),)
+    _deferred = (("invalid", (AGENT_GENERATE_S, AGENT_TOOL_CALLS_S), "negative or non-finite sample times"),)
     glossary = GlossaryEntry(
         name="timing_s/agent_loop",
         what="Distribution of per-sample generation and tool-call time in agentic rollouts: min, max, mean. A "
@@ -616,12 +618,16 @@ class AgentLoopTiming(_TrainingMetric):
         self.add_sum("invalid")
 
     def _update_view(self, view: BatchView) -> None:
+        view.field(AGENT_GENERATE_S)  # required (a clear error when missing); the tool-call times are optional
         stats: dict[str, Tensor] = {}
         invalid = []
         for part, name in (("gen", AGENT_GENERATE_S), ("tool", AGENT_TOOL_CALLS_S)):
             if not view.has(name):
                 continue
-            x, bad = F.nonnegative_field(view, name)
+            ref = stats.get("gen_sum")  # host values of the tool times go where the generation times are
+            x, bad = F.nonnegative_field(view, name, device=None if ref is None else ref.device)
+            if ref is not None:
+                F.check_same_device(name, x, AGENT_GENERATE_S, ref)
             s = F._masked_moments(x, torch.ones_like(x, dtype=torch.bool))
             stats.update({f"{part}_sum": s["sum"], f"{part}_max": s["max"], f"{part}_min": s["min"],
                           f"{part}_count": s["count"]})

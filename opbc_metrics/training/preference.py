@@ -42,7 +42,7 @@ class DPOMetrics(_TrainingMetric):
 
     keys = F.DPO_KEYS
     required_fields = F.DPO_FIELDS
-    _deferred = (("nonfinite", F.DPO_FIELDS[0], "pairs with non-finite logps"),)
+    _deferred = (("nonfinite", F.DPO_FIELDS, "pairs with non-finite logps"),)
     glossary = GlossaryEntry(
         name="dpo",
         what="DPO loss and implicit rewards: rewards/chosen and rewards/rejected are beta times the policy-vs-"
@@ -90,7 +90,7 @@ class RewardModelMetrics(_TrainingMetric):
 
     keys = F.RM_KEYS
     required_fields = F.RM_FIELDS
-    _deferred = (("nonfinite", F.RM_FIELDS[0], "pairs with non-finite scores"),)
+    _deferred = (("nonfinite", F.RM_FIELDS, "pairs with non-finite scores"),)
     glossary = GlossaryEntry(
         name="rm",
         what="Reward-model training: preference loss (cross-entropy of the Bradley-Terry model), accuracy (how "

@@ -47,6 +47,8 @@ class _PerSource(_TrainingMetric):
         self.add_sum("sum_mean", (S,))
         self.add_sum("sum_at_k", (S, K))
         self.add_sum("prompts_at_k", (S, K))
+        self.add_sum("nonfinite")
+        self._deferred = (("nonfinite", self.value_field, V.NONFINITE_SAMPLES),)
 
     def _update_view(self, view: BatchView) -> None:
         stats = V._validation_update(
@@ -55,6 +57,7 @@ class _PerSource(_TrainingMetric):
         self.accumulate(**stats)
 
     def compute(self) -> dict[str, Tensor]:
+        self.check_deferred()
         return V._validation_compute(
             self.prompts, self.sum_mean, self.sum_at_k, self.prompts_at_k,
             sources=self.data_sources, n_samples=self.n_samples, ks=self.ks, mode=self.mode,

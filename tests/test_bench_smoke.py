@@ -1,0 +1,21 @@
+"""The benchmark script runs (a smoke run on tiny shapes; its figures are not asserted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmark_script_runs_quick():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--no-compile",
+         "--only", "update,naive,memory,sketch"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for section in ("## update()", "## one step", "## memory", "## top-1% gradient mass"):
+        assert section in out.stdout
+    assert "after 1 update" in out.stdout
