@@ -14,11 +14,39 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import pytest
+
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "all_gather_object")
+
+
+@contextmanager
+def count_collectives() -> Iterator[dict[str, int]]:
+    """Count the ``torch.distributed`` collectives issued inside the block: ``with count_collectives() as c:
+    ...; c["n"]``. Patches the module functions for the block (call them as ``dist.all_reduce``)."""
+    import torch.distributed as dist
+
+    calls = {"n": 0}
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(fn: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 def free_port() -> int:

@@ -34,7 +34,7 @@ from opbc_metrics.agent import (
 from opbc_metrics.functional import agent as FA
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch
-from tests.ddp import run_distributed
+from tests.ddp import count_collectives, run_distributed
 
 KINDS = ("tool_choice", "tool_arguments", "content", "length")
 KEYS = [
@@ -546,26 +546,9 @@ SHARDS = {"uneven": [[(10, 7), (11, 2)], [(12, 5)]], "rank_without_data": [[(13,
 
 def _compute_counting_collectives(metrics):
     """``metrics.compute()`` as floats, and the number of collectives it issued."""
-    import torch.distributed as dist
-
-    calls = {"n": 0}
-    names = ("all_reduce", "all_gather", "broadcast", "all_gather_object")
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counting(fn))
-    try:
-        return {k: v.item() for k, v in metrics.compute().items()}, calls["n"]
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    with count_collectives() as calls:
+        out = {k: v.item() for k, v in metrics.compute().items()}
+    return out, calls["n"]
 
 
 def _agent_worker(rank, world_size):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.data import make_batch
-from tests.ddp import run_distributed
+from tests.ddp import count_collectives, run_distributed
 
 # Rank 0: two batches of different shapes; rank 1: one batch, then an empty one (no group) in scenario
 # "uneven"; in "idle_rank" rank 1 never steps.
@@ -43,25 +43,14 @@ def _batches(specs):
 
 
 def _worker(rank, world_size, scenario, preset):
-    import torch.distributed as dist
 
     from opbc_metrics.controller import OPBCController
 
     controller = OPBCController(preset)
     for b in _batches(SHARDS[scenario][rank]):
         controller.step(b)
-    calls = {"n": 0}
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with count_collectives() as calls:
         out = controller.compute_budget()
-    finally:
-        dist.all_reduce = original
     local = controller.budget["DecisionGroupShare"].groups.item()
     return {k: v.item() for k, v in out.items()}, calls["n"], local
 

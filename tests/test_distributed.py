@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.data import concat_batches, make_batch
-from tests.ddp import run_distributed
+from tests.ddp import count_collectives, run_distributed
 
 # Uneven shards: rank 0 gets two batches of different shapes, rank 1 one batch with an empty row;
 # in the third scenario rank 1 has no valid token at all.
@@ -30,7 +30,6 @@ def _shard_batches(specs):
 
 
 def _collection_worker(rank, world_size, scenario):
-    import torch.distributed as dist
 
     from opbc_metrics import OPBCCollection
 
@@ -38,23 +37,8 @@ def _collection_worker(rank, world_size, scenario):
     for b in _shard_batches(SHARDS[scenario][rank]):
         metrics.update(b)
 
-    calls = {"n": 0}
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "all_gather_object")}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counting(fn))
-    try:
+    with count_collectives() as calls:
         out = metrics.compute()
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     # compute() restores the local (unsynced) states, so accumulation can go on.
     local_tokens = metrics["InputHealth"].tokens.item()
     return {k: v.item() for k, v in out.items()}, calls["n"], local_tokens

@@ -28,7 +28,7 @@ from opbc_metrics.endpoint import (
 from opbc_metrics.functional import endpoint as FE
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch
-from tests.ddp import run_distributed
+from tests.ddp import count_collectives, run_distributed
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "endpoint").glob("*.json"))
 FLAGS = (
@@ -426,26 +426,9 @@ SHARDS = {"uneven": [[(20, 9), (21, 3)], [(22, 5)]], "rank_without_data": [[(23,
 
 def _compute_counting_collectives(metrics):
     """``metrics.compute()`` as floats, and the number of collectives it issued."""
-    import torch.distributed as dist
-
-    calls = {"n": 0}
-    names = ("all_reduce", "all_gather", "broadcast", "all_gather_object")
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counting(fn))
-    try:
-        return {k: v.item() for k, v in metrics.compute().items()}, calls["n"]
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    with count_collectives() as calls:
+        out = {k: v.item() for k, v in metrics.compute().items()}
+    return out, calls["n"]
 
 
 def _endpoint_worker(rank, world_size):

@@ -18,7 +18,7 @@ from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch
-from tests.ddp import run_distributed
+from tests.ddp import count_collectives, run_distributed
 
 FLIP = "moe/router/flip_rate"
 SET = "moe/router/topk_disagreement_rate"
@@ -314,20 +314,9 @@ def _full_batches(specs):
 
 
 def _compute_counting_all_reduce(collection):
-    import torch.distributed as dist
-
-    calls = {"n": 0}
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
-        return collection.compute(), calls["n"]
-    finally:
-        dist.all_reduce = original
+    with count_collectives() as calls:
+        out = collection.compute()
+    return out, calls["n"]
 
 
 def _ddp_worker(rank, world_size):

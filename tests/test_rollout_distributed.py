@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.ddp import run_distributed
+from tests.ddp import count_collectives, run_distributed
 from tests.test_rollout import NAMES, concat, make_rollouts
 from tests.test_rollout_reference import rollout_reference
 
@@ -34,7 +34,6 @@ def _batches(specs):
 
 
 def _worker(rank, world_size):
-    import torch.distributed as dist
 
     from opbc_metrics import OPBCCollection
     from opbc_metrics.rollout import RolloutRewardGini, SampleMetricStats, chart_ranges, rollout_metrics
@@ -47,18 +46,8 @@ def _worker(rank, world_size):
         for m in alone:
             m.update(b)
 
-    calls = {"n": 0}
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with count_collectives() as calls:
         out = metrics.compute()
-    finally:
-        dist.all_reduce = original
     alone_out = {}
     for m in alone:
         alone_out.update(m.compute_dict())

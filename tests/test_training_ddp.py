@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from tests.ddp import run_distributed
+from tests.ddp import count_collectives, run_distributed
 from tests.test_training_data import concat_training, make_scalars, make_training_batch
 
 SOURCES = ("gsm8k", "math")
@@ -50,30 +50,14 @@ def _feed(metrics, rank, alone=False):
 
 
 def _worker(rank, world_size):
-    import torch.distributed as dist
 
     from opbc_metrics import OPBCCollection
     from opbc_metrics.training import GlobalSeqlen, PolicyClipFraction, ValidationAccuracy
 
     collection = OPBCCollection(metrics=_members())
     _feed(collection, rank)
-    calls = {"n": 0}
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "all_gather_object")}
-
-    def counting(fn):
-        def wrapper(*args, **kwargs):
-            calls["n"] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counting(fn))
-    try:
+    with count_collectives() as calls:
         out = collection.compute()
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     # Standalone members sync through their own compute (the packed path of OPBCMetric._sync_dist).
     alone = {}
     for m in (PolicyClipFraction(), ValidationAccuracy(SOURCES, n_samples=3), GlobalSeqlen()):
