@@ -230,6 +230,8 @@ def tensor_targets() -> list[Target]:
         Target("Throughput", lambda: m.Throughput(world_size=1), ("timing_s",), ("prompt_lengths", "response_lengths")),
         Target("ModelFlopsUtilization", _flops_metric, ("timing_s",), ("prompt_lengths", "response_lengths")),
         Target("AgentLoopTiming", m.AgentLoopTiming, ("agent_generate_s",), ("agent_tool_calls_s",)),
+        Target("AgentLoopSlowest", lambda: m.AgentLoopSlowest(world_size=1), ("agent_generate_s",),
+               ("agent_tool_calls_s", "prompt_lengths", "response_lengths")),
         Target("DPOMetrics", m.DPOMetrics, DPO),
         Target("RewardModelMetrics", m.RewardModelMetrics, ("chosen_scores", "rejected_scores")),
         Target("ValidationAccuracy", lambda: m.ValidationAccuracy(["gsm8k", "math"], n_samples=2),
@@ -253,14 +255,38 @@ HOST_DATA_CLASSES = {  # fuzzed with their own strategies below
     opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.TokenIdsCoverage, opbc_metrics.SampledLogprobsCoverage,
     opbc_metrics.TopLogprobsCoverage, opbc_metrics.SeedSupportCoverage, opbc_metrics.EndpointResponseCount,
 }
+MAPPING_CLASSES = {opbc_metrics.LRSchedulerState}  # a mapping field: fuzzed in test_fuzz_lr_scheduler_state
 BUDGET_CLASSES = {opbc_metrics.DecisionGroupShare, opbc_metrics.DecisionTokenShare, opbc_metrics.DecisionReasonCount,
                   opbc_metrics.CorrectionTokenShare}
 
 
 def test_every_public_metric_class_is_a_fuzz_target():
-    covered = {type(t.make()) for t in TENSOR_TARGETS} | HOST_DATA_CLASSES | BUDGET_CLASSES
+    covered = {type(t.make()) for t in TENSOR_TARGETS} | HOST_DATA_CLASSES | BUDGET_CLASSES | MAPPING_CLASSES
     missing = sorted(c.__name__ for c in public_metrics() if c not in covered)
     assert not missing, f"public metric classes without a fuzz target: {missing}"
+
+
+_JUNK = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10), st.text(max_size=3), st.none(),
+    st.lists(st.floats(-1e3, 1e3), max_size=3), st.just(torch.tensor([float("nan"), 1.0])),
+    st.just(torch.ones(2, 2)), st.just(torch.tensor(1e-6, device="meta")),
+)
+
+
+@settings(max_examples=examples(40))
+@given(state=st.one_of(st.dictionaries(st.sampled_from(["last_lr", "step", "other"]), _JUNK, max_size=3), _JUNK))
+def test_fuzz_lr_scheduler_state(state):
+    """A clear error naming `lr_scheduler`, or finite values."""
+    metric = opbc_metrics.LRSchedulerState(names=("last_lr", "step"))
+    CASES["LRSchedulerState"]["cases"] += 1
+    try:
+        with assert_no_host_sync():
+            metric.update(lr_scheduler=state)
+        out = metric.compute_dict()
+    except (ValueError, TypeError) as err:
+        assert "`lr_scheduler`" in str(err), err
+        return
+    assert all(torch.isfinite(v).all() for v in out.values())
 
 
 def _update_compute(target: Target) -> Callable[[dict[str, Any]], dict[str, torch.Tensor]]:

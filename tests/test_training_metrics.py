@@ -507,6 +507,7 @@ def _full_batch(seed=0):
     v = _val_batches()[2]
     b.update(v)
     b["timing_s"] = {"gen": 1.0, "update_actor": 0.5, "old_log_prob": 0.2, "step": 2.0}
+    b["lr_scheduler"] = {"last_lr": torch.tensor(1e-6, dtype=torch.float64)}
     b["rank_ids"] = torch.zeros(4, dtype=torch.long)
     return b
 
@@ -544,7 +545,8 @@ def test_collection_keys_are_unique_and_cover_the_glossary():
                  "timing_per_token_ms/adv", "timing_per_token_ms/update_actor", "perf/total_num_tokens",
                  "perf/time_per_step", "perf/throughput", "perf/mfu/actor_infer", "perf/mfu/actor",
                  "val-core/gsm8k/acc/mean@6", "val-aux/gsm8k/reward/mean@6", "val-aux/num_turns/mean",
-                 "timing_s/agent_loop/generate_sequences/max", "timing_s/agent_loop/tool_calls/mean"]
+                 "timing_s/agent_loop/generate_sequences/max", "timing_s/agent_loop/tool_calls/mean",
+                 "timing_s/agent_loop/slowest/generate_sequences", "lr_scheduler/last_lr"]
     assert not set(seed_keys) - set(keys)
 
 

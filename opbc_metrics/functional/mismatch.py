@@ -21,6 +21,7 @@ and Pearson 1; differences, fractions, KL and chi-square terms 0.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -59,6 +60,38 @@ _SCALAR_STATS = (
 )
 
 
+class _Workspaces(threading.local):
+    """Per-thread flat CPU buffers, grown to the largest batch seen (see :func:`release_workspaces`)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, torch.dtype], Tensor] = {}
+
+
+_WORKSPACES = _Workspaces()
+
+
+def _workspace(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Any:
+    """``buf(i)``: the i-th reused buffer of ``shape`` for eager CPU code, else ``None`` (allocate)."""
+    reuse = device.type == "cpu" and not torch.compiler.is_compiling()
+    numel = math.prod(shape)
+
+    def buf(i: int) -> Tensor | None:
+        if not reuse:
+            return None
+        key = (i, dtype)
+        flat = _WORKSPACES.buffers.get(key)
+        if flat is None or flat.numel() < numel:
+            flat = _WORKSPACES.buffers[key] = torch.empty(numel, dtype=dtype)
+        return flat[:numel].view(shape)
+
+    return buf
+
+
+def release_workspaces() -> None:
+    """Free this thread's workspace buffers (they hold about 6 x the largest [B, T] float batch seen)."""
+    _WORKSPACES.buffers.clear()
+
+
 def token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int
 ) -> Stats:
@@ -89,40 +122,55 @@ def token_statistics(
     """
     f64 = torch.float64
     dtype = trainer.dtype
+    # Eager on CPU, the [B, T] intermediates live in reused workspace buffers (``out=`` and in-place ops):
+    # fresh 8 MB allocations page-fault on every call. Under torch.compile or on other devices ``buf``
+    # gives None, i.e. ordinary allocations. The order below lets six float buffers suffice.
+    buf = _workspace(trainer.shape, dtype, trainer.device)
     # Arithmetic masking throughout: on CPU, where/isfinite/fmin cost several times a multiply.
-    mask_f = mask.to(dtype)
-    d = trainer - rollout
+    mask_f = mask.to(dtype) if buf(0) is None else buf(0).copy_(mask)
+    seq_mask_n = mask_f.sum(-1).to(f64)
+    d = torch.sub(trainer, rollout, out=buf(1))
     # d * 0 is 0 where d is finite and NaN where it is not; nan_to_num turns that into a 0/1 flag.
-    bad = torch.nan_to_num(d * 0.0, nan=1.0)
-    valid = torch.addcmul(mask_f, mask_f, bad, value=-1.0)  # 1 on valid tokens, else 0
-    invalid = 1.0 - valid
-    r = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0).mul_(valid)
-    rc = r.clamp(-clamp, clamp)
-    w = torch.exp(rc).mul_(valid)  # 0 on invalid tokens
-    ar = r.abs()
+    bad = torch.mul(d, 0.0, out=buf(2)).nan_to_num_(nan=1.0)
+    valid = torch.addcmul(mask_f, mask_f, bad, value=-1.0, out=buf(3))  # 1 on valid tokens, else 0
+    invalid = torch.sub(torch.ones((), dtype=dtype, device=trainer.device), valid, out=buf(0))
+    r = d.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(valid)
+    rc = torch.clamp(r, -clamp, clamp, out=buf(2))
+    w = torch.exp(rc, out=buf(4)).mul_(valid)  # 0 on invalid tokens
+    ar = torch.abs(r, out=buf(5))
     # Row sums give the sequence statistics and, summed again, the token totals. They accumulate in
     # float64: a float32 sentinel such as finfo.min (a masked_fill value) is a finite r of 3.4e38, and two
     # of them overflow a float32 sum.
     seq_sum = r.sum(-1, dtype=f64)
     seq_n = valid.sum(-1).to(f64)
-    seq_mask_n = mask_f.sum(-1).to(f64)
     n = seq_n.sum()
     sum_r = seq_sum.sum()
+    token = {
+        "sum_abs_r": ar.sum(dtype=f64),
+        "sum_rc": rc.sum().to(f64),
+        "sum_rc2": torch.linalg.vector_norm(rc).to(f64) ** 2,
+        "sum_w": w.sum().to(f64),
+        # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
+        "sum_w2": torch.mul(w, w, out=buf(4)).sum().to(f64),
+        "clipped": torch.count_nonzero(ar > clamp).to(f64),
+        "vetoed": torch.count_nonzero(ar > veto).to(f64),
+    }
     # min/max over valid tokens in one aminmax: invalid tokens (r = 0 there) take the valid mean, which
     # lies inside [min, max] (rounding to nearest cannot push it past a representable extreme).
     fill = (sum_r / n.clamp_min(1.0)).to(dtype)
-    lo, hi = torch.aminmax(torch.addcmul(r, invalid, fill))
+    lo, hi = torch.aminmax(torch.addcmul(r, invalid, fill, out=buf(5)))
+    hist = _log_weight_histogram(rc, invalid, clamp, bins, out=buf(5))
     # Probabilities exp(min(logp, 0)) on valid tokens, 0 elsewhere (non-finite inputs are only on
     # invalid tokens, and nan_to_num keeps them from turning the product into NaN).
-    p = torch.nan_to_num(trainer, nan=0.0, posinf=0.0, neginf=0.0).clamp_(max=0.0).exp_().mul_(valid)
-    q = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0).clamp_(max=0.0).exp_().mul_(valid)
-    diff = p - q
+    p = torch.nan_to_num(trainer, nan=0.0, posinf=0.0, neginf=0.0, out=buf(2)).clamp_(max=0.0).exp_().mul_(valid)
+    q = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0, out=buf(4)).clamp_(max=0.0).exp_().mul_(valid)
     # Squared sums as squared 2-norms: one read per tensor; sum p*q by polarisation.
+    sum_p, sum_q = p.sum().to(f64), q.sum().to(f64)
     sum_pp = torch.linalg.vector_norm(p).to(f64) ** 2
     sum_qq = torch.linalg.vector_norm(q).to(f64) ** 2
+    diff = p.sub_(q)
     sum_dd = torch.linalg.vector_norm(diff).to(f64) ** 2
     apq = diff.abs_()
-    hist = _log_weight_histogram(rc, invalid, clamp, bins)
     neg_inf64 = torch.full((), float("-inf"), dtype=f64, device=trainer.device)
 
     # Sequences: a sequence counts if it has a valid token and no masked token with a non-finite log
@@ -136,18 +184,11 @@ def token_statistics(
         "n": n,
         "n_mask": seq_mask_n.sum(),
         "sum_r": sum_r,
-        "sum_abs_r": ar.sum(dtype=f64),
-        "sum_rc": rc.sum().to(f64),
-        "sum_rc2": torch.linalg.vector_norm(rc).to(f64) ** 2,
-        "sum_w": w.sum().to(f64),
-        # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
-        "sum_w2": (w * w).sum().to(f64),
-        "clipped": torch.count_nonzero(ar > clamp).to(f64),
-        "vetoed": torch.count_nonzero(ar > veto).to(f64),
+        **token,
         "min_r": torch.where(n > 0, lo.to(f64), -neg_inf64),
         "max_r": torch.where(n > 0, hi.to(f64), neg_inf64),
-        "sum_p": p.sum().to(f64),
-        "sum_q": q.sum().to(f64),
+        "sum_p": sum_p,
+        "sum_q": sum_q,
         "sum_pp": sum_pp,
         "sum_qq": sum_qq,
         "sum_pq": 0.5 * (sum_pp + sum_qq - sum_dd),
@@ -168,7 +209,7 @@ def token_statistics(
     }
 
 
-def _log_weight_histogram(rc: Tensor, invalid: Tensor, clamp: float, bins: int) -> Tensor:
+def _log_weight_histogram(rc: Tensor, invalid: Tensor, clamp: float, bins: int, out: Tensor | None = None) -> Tensor:
     """Token counts of clamped log-weights in ``bins`` equal bins over ``[-C, C]``; invalid tokens left out.
 
     Eager: ``histc`` (one native pass; with an explicit range it sizes its output from ``bins`` alone,
@@ -181,7 +222,7 @@ def _log_weight_histogram(rc: Tensor, invalid: Tensor, clamp: float, bins: int) 
         idx = (idx + (invalid * bins).to(torch.int64)).clamp(max=bins).reshape(-1)  # invalid -> bin `bins`
         ones = torch.ones_like(rc).reshape(-1)
         return torch.zeros(bins + 1, dtype=rc.dtype, device=rc.device).index_put_((idx,), ones, accumulate=True)[:bins]
-    return torch.histc(torch.addcmul(rc, invalid, invalid, value=4.0 * clamp), bins, -clamp, clamp)
+    return torch.histc(torch.addcmul(rc, invalid, invalid, value=4.0 * clamp, out=out), bins, -clamp, clamp)
 
 
 def _empty_statistics(bins: int, device: torch.device) -> Stats:

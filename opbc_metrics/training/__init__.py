@@ -42,6 +42,7 @@ from opbc_metrics.training.actor import (
     EntropyLoss,
     KLCoef,
     KLLoss,
+    LRSchedulerState,
     PolicyClipFraction,
     PolicyEntropy,
     PolicyGradientLoss,
@@ -59,6 +60,7 @@ from opbc_metrics.training.critic import (
 from opbc_metrics.training.lengths import AbortedRatio, NumTurns, PromptLength, ResponseLength
 from opbc_metrics.training.perf import (
     DEFAULT_MFU_STAGES,
+    AgentLoopSlowest,
     AgentLoopTiming,
     GlobalSeqlen,
     ModelFlopsUtilization,
@@ -134,6 +136,7 @@ def training_metrics(
     peak_flops: float | None = None,
     num_gpus: int | None = None,
     world_size: int | None = None,
+    lr_scheduler_names: Sequence[str] = ("last_lr",),
     **metric_kwargs: Any,
 ) -> list[OPBCMetric]:
     """Every training metric, configured: pass the list to ``OPBCCollection(metrics=...)``.
@@ -158,6 +161,8 @@ def training_metrics(
         GlobalSeqlen(world_size=world_size, **kw),
         StageTiming(timing_stages, strict=strict_stages, world_size=world_size, **kw),
         Throughput(num_gpus=num_gpus, world_size=world_size, **kw),
+        AgentLoopSlowest(world_size=world_size, **kw),
+        LRSchedulerState(names=tuple(lr_scheduler_names), **kw),
     ]
     if data_sources is not None:
         out += [
@@ -188,6 +193,7 @@ __all__ = [
     "ActorLR",
     "ActorLoss",
     "AdvantageStats",
+    "AgentLoopSlowest",
     "AgentLoopTiming",
     "ApproxKL",
     "CriticLR",
@@ -198,6 +204,7 @@ __all__ = [
     "GlobalSeqlen",
     "KLCoef",
     "KLLoss",
+    "LRSchedulerState",
     "ModelFlopsUtilization",
     "NumTurns",
     "PolicyClipFraction",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
@@ -392,3 +393,76 @@ class PolicyClipFraction(_TrainingMetric):
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
         return F._clipfrac_compute(self.clipped, self.clipped_lower, self.count)
+
+
+LR_SCHEDULER = "lr_scheduler"
+
+
+class LRSchedulerState(_TrainingMetric):
+    """Learning-rate scheduler state ``lr_scheduler/<name>``, if the framework logs it.
+
+    Batch field ``lr_scheduler``: a mapping from a state name (``last_lr``, ``warmup_steps_left``, ...) to a
+    number, a 0-d tensor or one value per observation. Names are fixed at construction (state size is
+    fixed); a batch may carry any subset of them, and a name not declared raises a ``ValueError``. Each key
+    is the mean of its observations over the window and all ranks (a per-step value such as the current
+    learning rate reads as itself); an empty window reports 0.
+
+    Args:
+        names: the scheduler state names to report (``("last_lr",)``).
+
+    Example:
+        >>> metric = LRSchedulerState(names=("last_lr", "step"))
+        >>> metric.update(lr_scheduler={"last_lr": 1e-6, "step": 10})
+        >>> metric.update(lr_scheduler={"last_lr": 3e-6, "step": 11})
+        >>> {k: round(v.item(), 9) for k, v in metric.compute().items()}
+        {'lr_scheduler/last_lr': 2e-06, 'lr_scheduler/step': 10.5}
+    """
+
+    keys = ("lr_scheduler/<name>",)
+    required_fields = (LR_SCHEDULER,)
+    higher_is_better = None
+    glossary = GlossaryEntry(
+        name="lr_scheduler",
+        what="Learning-rate scheduler state as the framework reports it (current learning rate, warmup or decay "
+        "position): to check the schedule behaves as configured, e.g. warmup finished when expected.",
+        unit=_STEPS,
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+        aliases=("lr_scheduler/*",),
+    )
+
+    def __init__(self, names: tuple[str, ...] | list[str] = ("last_lr",), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        names = tuple(names)
+        if not names or any(not isinstance(n, str) or not n or "/" in n for n in names) or len(set(names)) < len(names):
+            raise ValueError(f"`names` must be distinct non-empty strings without '/', got {names!r}")
+        self.names = names
+        self.keys = tuple(f"lr_scheduler/{n}" for n in names)
+        for i in range(len(names)):
+            for stat in ("sum_wx", "sum_w", "count", "nonfinite"):
+                self.add_sum(f"{stat}_{i}")
+        self._deferred = tuple((f"nonfinite_{i}", (LR_SCHEDULER,), f"non-finite `{n}` values")
+                               for i, n in enumerate(names))
+
+    def _update_view(self, view: BatchView) -> None:
+        state = view.field(LR_SCHEDULER)
+        if not isinstance(state, Mapping):
+            raise ValueError(f"batch field `{LR_SCHEDULER}` must be a mapping of state names to values, "
+                             f"got {type(state).__name__}")
+        unknown = sorted(set(state) - set(self.names))
+        if unknown:
+            raise ValueError(f"batch field `{LR_SCHEDULER}` has names {unknown} not declared in `names` "
+                             f"{list(self.names)}")
+        inner = BatchView(dict(state))
+        for i, name in enumerate(self.names):
+            if inner.has(name):
+                try:
+                    stats = F._scalar_update(inner, name, None, self.device)
+                except ValueError as err:
+                    raise ValueError(f"batch field `{LR_SCHEDULER}`: {err}") from err
+                self.accumulate(**{f"{k}_{i}": v for k, v in stats.items()})
+
+    def compute(self) -> dict[str, Tensor]:
+        self.check_deferred()
+        return {key: F._scalar_compute(getattr(self, f"sum_wx_{i}"), getattr(self, f"sum_w_{i}"),
+                                       getattr(self, f"count_{i}")) for i, key in enumerate(self.keys)}

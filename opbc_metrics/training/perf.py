@@ -645,3 +645,99 @@ class AgentLoopTiming(_TrainingMetric):
             out[next(keys)] = F._extreme(getattr(self, f"{part}_max"), count)
             out[next(keys)] = F._mean(getattr(self, f"{part}_sum"), count)
         return out
+
+
+AGENT_SLOWEST_KEYS = tuple(
+    f"timing_s/agent_loop/slowest/{part}"
+    for part in ("generate_sequences", "tool_calls", "prompt_length", "response_length")
+)
+
+
+class AgentLoopSlowest(_PerRank):
+    """The slowest agent-loop sample of the window, ``timing_s/agent_loop/slowest/*`` (as verl reports it).
+
+    The slowest sample is the one with the largest generation + tool-call time over the window and all
+    ranks; its ``generate_sequences`` and ``tool_calls`` seconds and its ``prompt_length`` and
+    ``response_length`` are reported. Batch fields [B]: ``agent_generate_s`` (required),
+    ``agent_tool_calls_s``, ``prompt_lengths``, ``response_lengths`` (0 when absent).
+
+    An argmax does not merge by sum, max or min, so each rank keeps its own slowest sample in its own
+    slot (the sync sums the slots: exact), ``update`` keeps the slower of the slot and the batch's
+    slowest with ``torch.where`` (no host sync), and merging two states of one rank (``forward``,
+    ``merge_state``) keeps the slower row. ``compute`` picks the slowest slot. Ties keep the earlier
+    sample. An empty window reports 0.
+
+    Example:
+        >>> metric = AgentLoopSlowest()
+        >>> metric.update(agent_generate_s=[1.0, 4.0], agent_tool_calls_s=[3.5, 0.0], response_lengths=[90, 300])
+        >>> metric.update(agent_generate_s=[2.0], agent_tool_calls_s=[1.0], response_lengths=[120])
+        >>> [v.item() for v in metric.compute().values()]
+        [1.0, 3.5, 0.0, 90.0]
+    """
+
+    keys = AGENT_SLOWEST_KEYS
+    required_fields = (AGENT_GENERATE_S,)
+    higher_is_better = False
+    _FIELDS = (AGENT_GENERATE_S, AGENT_TOOL_CALLS_S, "prompt_lengths", "response_lengths")
+    _deferred = (("invalid", _FIELDS, "negative or non-finite values"),)
+    glossary = GlossaryEntry(
+        name="timing_s/agent_loop/slowest",
+        what="Details of the slowest agentic rollout sample of the step (largest generation + tool-call time): "
+        "its generation and tool-call seconds and its prompt and response lengths, to tell a long generation "
+        "from a slow or looping tool.",
+        unit="the single slowest sample over the window and all ranks",
+        cap=DIAGNOSTIC,
+        action=NO_ACTION,
+    )
+
+    def __init__(self, world_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(world_size=world_size, **kwargs)
+        # Per slot: total seconds, generation, tool calls, prompt length, response length.
+        self.add_sum("slowest", (self.slots, 5))
+        self.add_sum("seen", (self.slots,))
+        self.add_sum("invalid")
+
+    def _update_view(self, view: BatchView) -> None:
+        gen, invalid = F.nonnegative_field(view, AGENT_GENERATE_S)
+        cols = [gen]
+        for name in self._FIELDS[1:]:
+            if view.has(name):
+                x, bad = F.nonnegative_field(view, name, device=gen.device)
+                F.check_same_device(name, x, AGENT_GENERATE_S, gen)
+                if x.shape != gen.shape:
+                    raise ValueError(f"batch field `{name}` has shape {tuple(x.shape)} but `{AGENT_GENERATE_S}` "
+                                     f"has shape {tuple(gen.shape)}")
+                invalid = invalid + bad
+            else:
+                x = torch.zeros_like(gen)
+            cols.append(x)
+        if gen.numel() == 0:  # shape metadata, not data
+            self.accumulate(invalid=invalid)
+            return
+        rows = torch.stack([cols[0] + cols[1], *cols], dim=1)  # [B, 5]
+        if rows.device != self.slowest.device:  # as OPBCMetric.accumulate: host data moves, other devices raise
+            if rows.device.type != "cpu":
+                raise ValueError(f"batch field `{AGENT_GENERATE_S}` is on {rows.device} but the metric's states "
+                                 f"are on {self.slowest.device}")
+            rows = rows.to(self.slowest.device)
+        best = rows.index_select(0, torch.argmax(rows[:, 0]).reshape(1))[0]  # tensor index: no sync
+        rank = self.current_rank()
+        slot, seen = self.slowest[rank], self.seen[rank]
+        better = (best[0] > slot[0]) | (seen == 0)
+        self.slowest[rank] = torch.where(better, best.to(self.slowest.dtype), slot)
+        self.seen[rank] += 1.0
+        self.accumulate(invalid=invalid)
+
+    def _reduce_states(self, incoming_state: dict[str, Any]) -> None:
+        local_rows, local_seen = self.slowest.clone(), self.seen.clone()
+        super()._reduce_states(incoming_state)  # sums every state, the rows included: fixed below
+        in_rows = incoming_state["slowest"].to(local_rows.device)
+        in_seen = incoming_state["seen"].to(local_seen.device)
+        take = (in_seen > 0) & ((local_seen == 0) | (in_rows[:, 0] > local_rows[:, 0]))
+        self.slowest = torch.where(take[:, None], in_rows, local_rows)
+
+    def compute(self) -> dict[str, Tensor]:
+        self.check_deferred()
+        totals = torch.where(self.seen > 0, self.slowest[:, 0], torch.full_like(self.seen, float("-inf")))
+        row = self.slowest[torch.argmax(totals)] * (self.seen.sum() > 0)
+        return dict(zip(self.keys, row[1:]))
