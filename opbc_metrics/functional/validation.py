@@ -42,6 +42,7 @@ from opbc_metrics.functional.training import (
     _amin,
     _f64,
     _safe_div,
+    _turns_compute,
     check_same_device,
     field_tensor,
     raise_if_invalid,
@@ -378,12 +379,7 @@ def _val_turns_update(view: BatchView) -> Stats:
 
 def _val_turns_compute(sum: Tensor, max: Tensor, min: Tensor, count: Tensor, invalid: Tensor | None = None
                        ) -> dict[str, Tensor]:
-    zero = torch.zeros_like(sum)
-    return {
-        VAL_TURN_KEYS[0]: torch.where(count > 0, min, zero),
-        VAL_TURN_KEYS[1]: torch.where(count > 0, max, zero),
-        VAL_TURN_KEYS[2]: _safe_div(sum, count, 0.0),
-    }
+    return _turns_compute(sum, max, min, count, keys=VAL_TURN_KEYS)
 
 
 def validation_turns(val_num_turns: Any, val_mask: Tensor | None = None) -> dict[str, Tensor]:

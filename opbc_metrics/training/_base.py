@@ -37,6 +37,18 @@ class _TrainingMetric(OPBCMetric):
             F.raise_if_invalid(field, getattr(self, state), what)
 
 
+class _TurnCounts(_TrainingMetric):
+    """Min, max and mean of a per-sample count with negative / non-finite entries counted (``invalid``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_sum("sum")
+        self.add_max("max")
+        self.add_min("min")
+        self.add_sum("count")
+        self.add_sum("invalid")
+
+
 class _TrainerScalar(_TrainingMetric):
     """A scalar the trainer already has (loss, grad norm, learning rate), averaged over the window.
 

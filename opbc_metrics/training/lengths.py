@@ -10,7 +10,7 @@ from torch import Tensor
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
 from opbc_metrics.metric import GlossaryEntry
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric
+from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric, _TurnCounts
 
 _SEQUENCES = "sequences (samples) over the window and all ranks"
 
@@ -153,7 +153,7 @@ class AbortedRatio(_TrainingMetric):
         return F._aborted_compute(self.aborted, self.count)
 
 
-class NumTurns(_TrainingMetric):
+class NumTurns(_TurnCounts):
     """``num_turns/{min,max,mean}`` over samples, from ``num_turns`` [B] (multi-turn and agent rollouts).
 
     Example:
@@ -175,14 +175,6 @@ class NumTurns(_TrainingMetric):
         cap=DIAGNOSTIC,
         action=NO_ACTION,
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("sum")
-        self.add_max("max")
-        self.add_min("min")
-        self.add_sum("count")
-        self.add_sum("invalid")
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**F._turns_update(view))

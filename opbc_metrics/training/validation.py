@@ -16,7 +16,7 @@ from torch import Tensor
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import validation as V
 from opbc_metrics.metric import GlossaryEntry
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric
+from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric, _TurnCounts
 
 _PROMPTS = (
     "validation prompts of each data source (each prompt's n samples averaged first; every prompt weighs the "
@@ -135,7 +135,7 @@ class ValidationReward(_PerSource):
     )
 
 
-class ValidationTurns(_TrainingMetric):
+class ValidationTurns(_TurnCounts):
     """``val-aux/num_turns/{min,max,mean}`` over validation samples (batch field ``val_num_turns`` [P, n] or
     [P], optional ``val_mask``).
 
@@ -156,14 +156,6 @@ class ValidationTurns(_TrainingMetric):
         cap=DIAGNOSTIC,
         action=NO_ACTION,
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("sum")
-        self.add_max("max")
-        self.add_min("min")
-        self.add_sum("count")
-        self.add_sum("invalid")
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**V._val_turns_update(view))
