@@ -35,6 +35,9 @@ DEFAULT_TOP_FRACTION = 0.01
 # opbc/ppl/ratio = mean exp(d_i) caps d_i at 600 nats: exp(600) ~ 3.8e260, so a sum over up to 1e47 sequences
 # stays finite in float64 (exp would overflow at 709.8; only sentinel logprobs get near either).
 PPL_LOG_CAP = 600.0
+# Probabilities are exp(clamp(logp, -80, 0)): below e^-80 ~ 1.8e-35 the value is immaterial to every sum,
+# and CPU exp takes a slow path (10-100x) on inputs whose result underflows (-inf padding, -9999 sentinels).
+PROB_LOG_FLOOR = -80.0
 
 Stats = dict[str, Tensor]
 
@@ -51,44 +54,49 @@ def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused kernel: every token-level sufficient statistic of the section in one sweep
+# The kernels: every token-level sufficient statistic of the section in one sweep
 # ---------------------------------------------------------------------------------------------
+# Per-sequence sums both kernels produce, one row each of ``row_sums`` ([len(_ROW_SUMS), B]); every
+# feature is 0 on invalid tokens, so plain sums over tokens are the statistics.
+_ROW_SUMS = ("n", "sum_rc", "sum_w", "clipped", "vetoed", "sum_p", "sum_q", "sum_abs_pq")
+# Token-level sums of products, [len(_PRODUCT_SUMS)].
+_PRODUCT_SUMS = ("sum_rc2", "sum_w2", "sum_pp", "sum_qq", "sum_pq")
 _SCALAR_STATS = (
-    "n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_rc2", "sum_w", "sum_w2", "clipped", "vetoed",
-    "min_r", "max_r", "sum_p", "sum_q", "sum_pp", "sum_qq", "sum_pq", "sum_abs_pq", "max_abs_pq",
+    *_ROW_SUMS, *_PRODUCT_SUMS, "n_mask", "sum_r", "sum_abs_r", "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_ws", "sum_ws2", "sum_d", "sum_abs_d", "sum_exp_d",
 )
+# Eager CPU work goes in blocks of about this many tokens: the dozen [rows, T] intermediates of a block
+# stay in the L2 cache between the ops that use them, where whole-batch intermediates would stream
+# through memory once per op (measured: 2-3x fewer CPU cycles per op at 64K tokens than at 2M).
+_BLOCK_TOKENS = 1 << 16
+# The compiled kernel spreads its histogram over this many copies (by token position): consecutive
+# tokens, mostly in the same few central bins, then update different memory and do not wait on each other.
+_HIST_LANES = 4
 
 
 class _Workspaces(threading.local):
-    """Per-thread flat CPU buffers, grown to the largest batch seen (see :func:`release_workspaces`)."""
+    """Per-thread CPU buffers of the eager kernel, grown to the largest block seen (see :func:`release_workspaces`)."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, torch.dtype], Tensor] = {}
+        self.buffers: dict[tuple[str, torch.dtype], Tensor] = {}
 
 
 _WORKSPACES = _Workspaces()
 
 
-def _workspace(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Any:
-    """``buf(i)``: the i-th reused buffer of ``shape`` for eager CPU code, else ``None`` (allocate)."""
-    reuse = device.type == "cpu" and not torch.compiler.is_compiling()
+def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A reused uninitialised CPU buffer (a fresh one on other devices): no page faults per call."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
-
-    def buf(i: int) -> Tensor | None:
-        if not reuse:
-            return None
-        key = (i, dtype)
-        flat = _WORKSPACES.buffers.get(key)
-        if flat is None or flat.numel() < numel:
-            flat = _WORKSPACES.buffers[key] = torch.empty(numel, dtype=dtype)
-        return flat[:numel].view(shape)
-
-    return buf
+    flat = _WORKSPACES.buffers.get((name, dtype))
+    if flat is None or flat.numel() < numel:
+        flat = _WORKSPACES.buffers[(name, dtype)] = torch.empty(numel, dtype=dtype)
+    return flat[:numel].view(shape)
 
 
 def release_workspaces() -> None:
-    """Free this thread's workspace buffers (they hold about 6 x the largest [B, T] float batch seen)."""
+    """Free this thread's workspace buffers (about 16 x ``max(65536, T)`` elements of the widest batch)."""
     _WORKSPACES.buffers.clear()
 
 
@@ -98,9 +106,10 @@ def token_statistics(
     """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
 
     A token is valid when ``mask`` is set and ``r = trainer - rollout`` is finite (so both logprobs
-    are). Per-token work is a handful of elementwise passes whose sums are taken once; every
-    metric of the section reads its statistics from the result, and ``torch.compile`` fuses the
-    whole function into a few loops (it compiles with ``fullgraph=True``).
+    are). Eager, the batch goes through in blocks of about 64K tokens with in-place ops on cached
+    buffers (:func:`_blocked_token_statistics`); under ``torch.compile`` the same statistics come from
+    pure expressions that inductor fuses into one loop over the tokens plus one for the histogram
+    (:func:`_fused_token_statistics`, ``fullgraph=True``). Both feed :func:`_assemble_statistics`.
 
     Args:
         trainer: ``[B, T]`` trainer logprobs (float32 or float64).
@@ -120,84 +129,156 @@ def token_statistics(
         >>> s["n"].item(), s["sum_r"].item(), s["max_r"].item(), int(s["hist"].sum())
         (2.0, 1.0, 1.0, 2)
     """
-    f64 = torch.float64
-    dtype = trainer.dtype
-    # Eager on CPU, the [B, T] intermediates live in reused workspace buffers (``out=`` and in-place ops):
-    # fresh 8 MB allocations page-fault on every call. Under torch.compile or on other devices ``buf``
-    # gives None, i.e. ordinary allocations. The order below lets six float buffers suffice.
-    buf = _workspace(trainer.shape, dtype, trainer.device)
-    # Arithmetic masking throughout: on CPU, where/isfinite/fmin cost several times a multiply.
-    mask_f = mask.to(dtype) if buf(0) is None else buf(0).copy_(mask)
-    seq_mask_n = mask_f.sum(-1).to(f64)
-    d = torch.sub(trainer, rollout, out=buf(1))
-    # d * 0 is 0 where d is finite and NaN where it is not; nan_to_num turns that into a 0/1 flag.
-    bad = torch.mul(d, 0.0, out=buf(2)).nan_to_num_(nan=1.0)
-    valid = torch.addcmul(mask_f, mask_f, bad, value=-1.0, out=buf(3))  # 1 on valid tokens, else 0
-    invalid = torch.sub(torch.ones((), dtype=dtype, device=trainer.device), valid, out=buf(0))
-    r = d.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(valid)
-    rc = torch.clamp(r, -clamp, clamp, out=buf(2))
-    w = torch.exp(rc, out=buf(4)).mul_(valid)  # 0 on invalid tokens
-    ar = torch.abs(r, out=buf(5))
-    # Row sums give the sequence statistics and, summed again, the token totals. They accumulate in
-    # float64: a float32 sentinel such as finfo.min (a masked_fill value) is a finite r of 3.4e38, and two
-    # of them overflow a float32 sum.
-    seq_sum = r.sum(-1, dtype=f64)
-    seq_n = valid.sum(-1).to(f64)
-    n = seq_n.sum()
-    sum_r = seq_sum.sum()
-    token = {
-        "sum_abs_r": ar.sum(dtype=f64),
-        "sum_rc": rc.sum().to(f64),
-        "sum_rc2": torch.linalg.vector_norm(rc).to(f64) ** 2,
-        "sum_w": w.sum().to(f64),
-        # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
-        "sum_w2": torch.mul(w, w, out=buf(4)).sum().to(f64),
-        "clipped": torch.count_nonzero(ar > clamp).to(f64),
-        "vetoed": torch.count_nonzero(ar > veto).to(f64),
-    }
-    # min/max over valid tokens in one aminmax: invalid tokens (r = 0 there) take the valid mean, which
-    # lies inside [min, max] (rounding to nearest cannot push it past a representable extreme).
-    fill = (sum_r / n.clamp_min(1.0)).to(dtype)
-    lo, hi = torch.aminmax(torch.addcmul(r, invalid, fill, out=buf(5)))
-    hist = _log_weight_histogram(rc, invalid, clamp, bins, out=buf(5))
-    # Probabilities exp(min(logp, 0)) on valid tokens, 0 elsewhere (non-finite inputs are only on
-    # invalid tokens, and nan_to_num keeps them from turning the product into NaN).
-    p = torch.nan_to_num(trainer, nan=0.0, posinf=0.0, neginf=0.0, out=buf(2)).clamp_(max=0.0).exp_().mul_(valid)
-    q = torch.nan_to_num(rollout, nan=0.0, posinf=0.0, neginf=0.0, out=buf(4)).clamp_(max=0.0).exp_().mul_(valid)
-    # Squared sums as squared 2-norms: one read per tensor; sum p*q by polarisation.
-    sum_p, sum_q = p.sum().to(f64), q.sum().to(f64)
-    sum_pp = torch.linalg.vector_norm(p).to(f64) ** 2
-    sum_qq = torch.linalg.vector_norm(q).to(f64) ** 2
-    diff = p.sub_(q)
-    sum_dd = torch.linalg.vector_norm(diff).to(f64) ** 2
-    apq = diff.abs_()
-    neg_inf64 = torch.full((), float("-inf"), dtype=f64, device=trainer.device)
+    kernel = _fused_token_statistics if torch.compiler.is_compiling() else _blocked_token_statistics
+    return kernel(trainer, rollout, mask, clamp, veto, bins)
 
-    # Sequences: a sequence counts if it has a valid token and no masked token with a non-finite log
-    # ratio. [B]-sized, so float64 throughout.
-    seq_ok = ((seq_n > 0) & (seq_n == seq_mask_n)).to(f64)
-    s = seq_sum * seq_ok
+
+def _blocked_token_statistics(
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int
+) -> Stats:
+    """Eager kernel: blocks of whole sequences, ~40 in-place ops per block on cache-resident buffers.
+
+    Float arithmetic only: on CPU, ``where``, bool outputs and bool-to-float casts cost 5-20x a multiply.
+    """
+    f64, dtype, device = torch.float64, trainer.dtype, trainer.device
+    b, t = trainer.shape
+    rows = max(1, min(b, _BLOCK_TOKENS // max(t, 1))) if device.type == "cpu" else b
+    blocks = -(-b // rows)
+    row_sums = torch.empty(len(_ROW_SUMS), b, dtype=dtype, device=device)
+    seq_r = torch.empty(b, dtype=f64, device=device)
+    seq_abs_r = torch.empty(b, dtype=f64, device=device)
+    products = torch.empty(blocks, len(_PRODUCT_SUMS), dtype=dtype, device=device)
+    extremes = torch.empty(blocks, 3, dtype=dtype, device=device)  # min r, max r, max |p - q|
+    hist = torch.zeros(bins + 1, dtype=f64, device=device)
+    features = _buffer("features", (len(_ROW_SUMS), rows, t), dtype, device)
+    scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
+    mask_bytes = mask.view(torch.uint8)  # a uint8 -> float copy is ~6x faster than bool -> float
+    for i in range(blocks):
+        lo, hi = i * rows, min(b, (i + 1) * rows)
+        tr, ro, x = trainer[lo:hi], rollout[lo:hi], features[:, : hi - lo]
+        d = torch.sub(tr, ro, out=_buffer("d", (rows, t), dtype, device)[: hi - lo])
+        a = _buffer("a", (rows, t), dtype, device)[: hi - lo]
+        m = _buffer("m", (rows, t), dtype, device)[: hi - lo].copy_(mask_bytes[lo:hi])
+        # d - d is 0 where d is finite and NaN where it is not: valid = mask * (d - d == 0).
+        valid = torch.eq(torch.sub(d, d, out=a), 0.0, out=x[0]).mul_(m)
+        r = d.nan_to_num_(0.0, 0.0, 0.0).mul_(valid)
+        # Sums of r in float64: a float32 sentinel such as finfo.min (a masked_fill value) is a finite r of
+        # 3.4e38, and two of them overflow a float32 sum.
+        torch.sum(r, -1, dtype=f64, out=seq_r[lo:hi])
+        ar = torch.abs(r, out=a)
+        torch.sum(ar, -1, dtype=f64, out=seq_abs_r[lo:hi])
+        torch.gt(ar, clamp, out=x[3])
+        torch.gt(ar, veto, out=x[4])
+        rc = torch.clamp(r, -clamp, clamp, out=x[1])
+        w = torch.exp(rc, out=x[2]).mul_(valid)
+        # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
+        torch.dot(rc.view(-1), rc.view(-1), out=products[i, 0])
+        torch.dot(w.view(-1), w.view(-1), out=products[i, 1])
+        # Extremes over valid tokens: the others move to the far end of the finite range.
+        invalid = torch.eq(valid, 0.0, out=m)
+        torch.amin(torch.add(r, invalid, alpha=big, out=a), (0, 1), out=extremes[i, 0])
+        torch.amax(torch.add(r, invalid, alpha=-big, out=a), (0, 1), out=extremes[i, 1])
+        p = _probabilities(tr, valid, out=x[5])
+        q = _probabilities(ro, valid, out=x[6])
+        torch.dot(p.view(-1), p.view(-1), out=products[i, 2])
+        torch.dot(q.view(-1), q.view(-1), out=products[i, 3])
+        torch.dot(p.view(-1), q.view(-1), out=products[i, 4])
+        apq = torch.sub(p, q, out=x[7]).abs_()
+        torch.amax(apq, (0, 1), out=extremes[i, 2])
+        torch.sum(x, -1, out=row_sums[:, lo:hi])  # every per-sequence sum of the block in one op
+        # Histogram: bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking).
+        idx = _buffer("idx", (rows, t), torch.int64, device)[: hi - lo].copy_(torch.add(rc, clamp, out=a).mul_(scale))
+        block_hist = _buffer("hist", (bins + 1,), dtype, device).zero_()
+        hist.add_(block_hist.scatter_add_(0, idx.view(-1), valid.view(-1)))
+    top = extremes.amax(0)
+    return _assemble_statistics(
+        row_sums, products.sum(0, dtype=f64), seq_r, seq_abs_r, mask.sum(-1), extremes[:, 0].amin(), top[1], top[2],
+        hist, clamp, bins,
+    )
+
+
+def _probabilities(logprobs: Tensor, valid: Tensor, out: Tensor) -> Tensor:
+    """``exp(clamp(logp, PROB_LOG_FLOOR, 0))`` on valid tokens, 0 elsewhere (eager, into ``out``)."""
+    return torch.nan_to_num(logprobs, 0.0, 0.0, 0.0, out=out).clamp_(PROB_LOG_FLOOR, 0.0).exp_().mul_(valid)
+
+
+def _fused_token_statistics(
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int
+) -> Stats:
+    """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop."""
+    f64, dtype = torch.float64, trainer.dtype
+    d = trainer - rollout
+    ok = mask & ((d - d) == 0)
+    r = torch.where(ok, d, 0.0)
+    rc = r.clamp(-clamp, clamp)
+    ar = r.abs()
+
+    # Each expression holding an exp is rebuilt at every use: on CPU, inductor stores a reused exp result
+    # to memory (an extra pass over the tokens), while the copies inside one fused loop are computed once.
+    def w() -> Tensor:
+        return torch.where(ok, torch.exp(rc), 0.0)
+
+    def p() -> Tensor:
+        return torch.where(ok, torch.exp(trainer.clamp(PROB_LOG_FLOOR, 0.0)), 0.0)
+
+    def q() -> Tensor:
+        return torch.where(ok, torch.exp(rollout.clamp(PROB_LOG_FLOOR, 0.0)), 0.0)
+
+    def apq() -> Tensor:
+        return (p() - q()).abs()
+
+    row_sums = torch.stack([
+        ok.to(dtype).sum(-1), rc.sum(-1), w().sum(-1), (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1),
+        p().sum(-1), q().sum(-1), apq().sum(-1),
+    ])
+    products = torch.stack([
+        (rc * rc).sum(-1), (w() * w()).sum(-1), (p() * p()).sum(-1), (q() * q()).sum(-1), (p() * q()).sum(-1),
+    ]).sum(-1, dtype=f64)
+    lanes = _HIST_LANES
+    idx = ((rc + clamp) * (bins / (2.0 * clamp))).to(torch.int64)
+    idx = idx + (torch.arange(trainer.shape[-1], device=trainer.device) % lanes) * (bins + 1)
+    hist = torch.zeros(lanes * (bins + 1), dtype=dtype, device=trainer.device)
+    hist = hist.index_put_((idx,), ok.to(dtype), accumulate=True).view(lanes, bins + 1).sum(0, dtype=f64)
+    return _assemble_statistics(
+        row_sums, products, r.sum(-1, dtype=f64), ar.sum(-1, dtype=f64), mask.sum(-1),
+        torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(),
+        apq().amax(-1).amax(), hist, clamp, bins,
+    )
+
+
+def _assemble_statistics(
+    row_sums: Tensor, products: Tensor, seq_r: Tensor, seq_abs_r: Tensor, seq_mask_n: Tensor,
+    min_r: Tensor, max_r: Tensor, max_abs_pq: Tensor, hist: Tensor, clamp: float, bins: int,
+) -> Stats:
+    """The statistics dict from the per-sequence and per-batch partial results of either kernel.
+
+    Sequences are ``[B]``-sized, so float64 throughout. A sequence counts if it has a valid token and
+    no masked token with a non-finite log ratio.
+    """
+    f64 = torch.float64
+    totals = row_sums.sum(-1, dtype=f64)
+    out = {name: totals[i] for i, name in enumerate(_ROW_SUMS)}
+    out.update({name: products[i] for i, name in enumerate(_PRODUCT_SUMS)})
+    n = out["n"]
+    seq_n = row_sums[0].to(f64)
+    seq_ok = ((seq_n > 0) & (seq_n == seq_mask_n.to(f64))).to(f64)
+    s = seq_r * seq_ok
     geo = s / seq_n.clamp_min(1.0)
     ws = torch.exp(s.clamp(-clamp, clamp)) * seq_ok
     dseq = -geo  # d_i = mean rollout logp - mean trainer logp
+    inf = torch.full((), math.inf, dtype=f64, device=n.device)
     return {
-        "n": n,
-        "n_mask": seq_mask_n.sum(),
-        "sum_r": sum_r,
-        **token,
-        "min_r": torch.where(n > 0, lo.to(f64), -neg_inf64),
-        "max_r": torch.where(n > 0, hi.to(f64), neg_inf64),
-        "sum_p": sum_p,
-        "sum_q": sum_q,
-        "sum_pp": sum_pp,
-        "sum_qq": sum_qq,
-        "sum_pq": 0.5 * (sum_pp + sum_qq - sum_dd),
-        "sum_abs_pq": apq.sum().to(f64),
-        "max_abs_pq": apq.amax().to(f64),
+        **out,
+        "n_mask": seq_mask_n.sum().to(f64),
+        "sum_r": seq_r.sum(),
+        "sum_abs_r": seq_abs_r.sum(),
+        "min_r": torch.where(n > 0, min_r.to(f64), inf),
+        "max_r": torch.where(n > 0, max_r.to(f64), -inf),
+        "max_abs_pq": max_abs_pq.to(f64),
         "num_seqs": seq_ok.sum(),
         "sum_s": s.sum(),
         "sum_abs_s": s.abs().sum(),
-        "max_abs_s": torch.where(seq_ok > 0, s.abs(), neg_inf64).amax(),
+        "max_abs_s": torch.where(seq_ok > 0, s.abs(), -inf).amax(),
         "sum_geo": geo.sum(),
         "sum_ws": ws.sum(),
         "sum_ws2": (ws * ws).sum(),
@@ -205,24 +286,9 @@ def token_statistics(
         "sum_abs_d": dseq.abs().sum(),
         # A sentinel (-9999, finfo.min) can make d_i thousands of nats: capped where exp stays finite.
         "sum_exp_d": (torch.exp(dseq.clamp(max=PPL_LOG_CAP)) * seq_ok).sum(),
-        "hist": hist.to(f64),
+        # Tokens at rc = C land one past the last bin: the last bin includes its upper edge.
+        "hist": torch.cat((hist[: bins - 1], hist[bins - 1 : bins] + hist[bins:])).to(f64),
     }
-
-
-def _log_weight_histogram(rc: Tensor, invalid: Tensor, clamp: float, bins: int, out: Tensor | None = None) -> Tensor:
-    """Token counts of clamped log-weights in ``bins`` equal bins over ``[-C, C]``; invalid tokens left out.
-
-    Eager: ``histc`` (one native pass; with an explicit range it sizes its output from ``bins`` alone,
-    so no host sync on any device), with invalid tokens pushed out of range. Under ``torch.compile``: an
-    index computation and an accumulating ``index_put_`` that inductor fuses into the token loop
-    (``histc`` would stay an opaque extra pass). Both put a value on a bin edge in the upper bin.
-    """
-    if torch.compiler.is_compiling():
-        idx = ((rc + clamp) * (bins / (2.0 * clamp))).to(torch.int64).clamp(max=bins - 1)
-        idx = (idx + (invalid * bins).to(torch.int64)).clamp(max=bins).reshape(-1)  # invalid -> bin `bins`
-        ones = torch.ones_like(rc).reshape(-1)
-        return torch.zeros(bins + 1, dtype=rc.dtype, device=rc.device).index_put_((idx,), ones, accumulate=True)[:bins]
-    return torch.histc(torch.addcmul(rc, invalid, invalid, value=4.0 * clamp, out=out), bins, -clamp, clamp)
 
 
 def _empty_statistics(bins: int, device: torch.device) -> Stats:
@@ -240,7 +306,9 @@ _COMPILED: dict[str, Any] = {}
 def compiled_token_statistics() -> Any:
     """:func:`token_statistics` under ``torch.compile(fullgraph=True)``, built on first use."""
     if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(token_statistics, fullgraph=True, dynamic=None)
+        # Inductor's CPU backend fuses at most 16 reductions into one loop by default; the kernel has 21.
+        options = {"cpp.max_horizontal_fusion_size": 32}
+        _COMPILED["fn"] = torch.compile(token_statistics, fullgraph=True, dynamic=None, options=options)
     return _COMPILED["fn"]
 
 
