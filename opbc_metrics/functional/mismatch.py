@@ -5,9 +5,10 @@ Notation (per valid token t, i.e. ``response_mask = 1`` and both logprobs finite
 ``C`` (20 by default), ``N`` the number of valid tokens. Per sequence i: ``s_i = sum_t r_t``,
 ``n_i`` its valid tokens.
 
-One fused kernel, :func:`token_statistics`, computes every token-level sufficient statistic of the
-section in one sweep (``torch.compile`` turns it into a few fused loops); :func:`batch_statistics`
-caches it on the batch's :class:`~opbc_metrics.batch.BatchView`, so a collection pays for it once.
+One kernel, :func:`token_statistics`, computes every token-level sufficient statistic of the section
+in one sweep (eager: cache-sized blocks of in-place ops; under ``torch.compile``: one fused loop over
+the tokens plus one for the histogram); :func:`batch_statistics` caches it on the batch's
+:class:`~opbc_metrics.batch.BatchView`, so a collection pays for it once.
 Each metric then comes as a pair ``_x_update(stats) -> dict of its statistics`` and
 ``_x_compute(**stats) -> value``; the stateful classes in :mod:`opbc_metrics.mismatch` sum (or
 max/min) the statistics over updates and ranks and call the same ``_x_compute``, so the functional
@@ -58,11 +59,18 @@ def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Per-sequence sums both kernels produce, one row each of ``row_sums`` ([len(_ROW_SUMS), B]); every
 # feature is 0 on invalid tokens, so plain sums over tokens are the statistics.
-_ROW_SUMS = ("n", "sum_rc", "sum_w", "clipped", "vetoed", "sum_p", "sum_q", "sum_abs_pq")
+_ROW_SUMS = (
+    "n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_w", "clipped", "vetoed", "sum_p", "sum_q", "sum_abs_pq",
+)
+# Sums of r and |r| are taken on r * 2^-64 and scaled back in float64: a float32 sentinel such as finfo.min
+# (a masked_fill value) is a finite r of 3.4e38, two of which overflow a float32 sum, while power-of-two
+# scaling is exact (tokens with |r| < 2^-62 nats lose relative precision: at most 2^-62 nats each).
+_R_SCALE = 2.0**-64
+_SCALED_SUMS = ("sum_r", "sum_abs_r")
 # Token-level sums of products, [len(_PRODUCT_SUMS)].
 _PRODUCT_SUMS = ("sum_rc2", "sum_w2", "sum_pp", "sum_qq", "sum_pq")
 _SCALAR_STATS = (
-    *_ROW_SUMS, *_PRODUCT_SUMS, "n_mask", "sum_r", "sum_abs_r", "min_r", "max_r", "max_abs_pq",
+    *_ROW_SUMS, *_PRODUCT_SUMS, "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_ws", "sum_ws2", "sum_d", "sum_abs_d", "sum_exp_d",
 )
 # Eager CPU work goes in blocks of about this many tokens: the dozen [rows, T] intermediates of a block
@@ -139,52 +147,49 @@ def _blocked_token_statistics(
     """Eager kernel: blocks of whole sequences, ~40 in-place ops per block on cache-resident buffers.
 
     Float arithmetic only: on CPU, ``where``, bool outputs and bool-to-float casts cost 5-20x a multiply.
+    Ops that read the inputs come first, while the block's inputs are still in cache.
     """
     f64, dtype, device = torch.float64, trainer.dtype, trainer.device
     b, t = trainer.shape
     rows = max(1, min(b, _BLOCK_TOKENS // max(t, 1))) if device.type == "cpu" else b
     blocks = -(-b // rows)
     row_sums = torch.empty(len(_ROW_SUMS), b, dtype=dtype, device=device)
-    seq_r = torch.empty(b, dtype=f64, device=device)
-    seq_abs_r = torch.empty(b, dtype=f64, device=device)
     products = torch.empty(blocks, len(_PRODUCT_SUMS), dtype=dtype, device=device)
     extremes = torch.empty(blocks, 3, dtype=dtype, device=device)  # min r, max r, max |p - q|
     hist = torch.zeros(bins + 1, dtype=f64, device=device)
     features = _buffer("features", (len(_ROW_SUMS), rows, t), dtype, device)
     scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
     mask_bytes = mask.view(torch.uint8)  # a uint8 -> float copy is ~6x faster than bool -> float
+    f = {name: i for i, name in enumerate(_ROW_SUMS)}
     for i in range(blocks):
         lo, hi = i * rows, min(b, (i + 1) * rows)
         tr, ro, x = trainer[lo:hi], rollout[lo:hi], features[:, : hi - lo]
         d = torch.sub(tr, ro, out=_buffer("d", (rows, t), dtype, device)[: hi - lo])
         a = _buffer("a", (rows, t), dtype, device)[: hi - lo]
-        m = _buffer("m", (rows, t), dtype, device)[: hi - lo].copy_(mask_bytes[lo:hi])
+        m = x[f["n_mask"]].copy_(mask_bytes[lo:hi])
         # d - d is 0 where d is finite and NaN where it is not: valid = mask * (d - d == 0).
-        valid = torch.eq(torch.sub(d, d, out=a), 0.0, out=x[0]).mul_(m)
+        valid = torch.eq(torch.sub(d, d, out=a), 0.0, out=x[f["n"]]).mul_(m)
+        p = _probabilities(tr, valid, out=x[f["sum_p"]])
+        q = _probabilities(ro, valid, out=x[f["sum_q"]])
+        torch.dot(p.view(-1), p.view(-1), out=products[i, 2])
+        torch.dot(q.view(-1), q.view(-1), out=products[i, 3])
+        torch.dot(p.view(-1), q.view(-1), out=products[i, 4])
+        apq = torch.sub(p, q, out=x[f["sum_abs_pq"]]).abs_()
+        torch.amax(apq, (0, 1), out=extremes[i, 2])
         r = d.nan_to_num_(0.0, 0.0, 0.0).mul_(valid)
-        # Sums of r in float64: a float32 sentinel such as finfo.min (a masked_fill value) is a finite r of
-        # 3.4e38, and two of them overflow a float32 sum.
-        torch.sum(r, -1, dtype=f64, out=seq_r[lo:hi])
-        ar = torch.abs(r, out=a)
-        torch.sum(ar, -1, dtype=f64, out=seq_abs_r[lo:hi])
-        torch.gt(ar, clamp, out=x[3])
-        torch.gt(ar, veto, out=x[4])
-        rc = torch.clamp(r, -clamp, clamp, out=x[1])
-        w = torch.exp(rc, out=x[2]).mul_(valid)
+        ar = torch.abs(torch.mul(r, _R_SCALE, out=x[f["sum_r"]]), out=x[f["sum_abs_r"]])
+        torch.gt(ar, clamp * _R_SCALE, out=x[f["clipped"]])
+        torch.gt(ar, veto * _R_SCALE, out=x[f["vetoed"]])
+        rc = torch.clamp(r, -clamp, clamp, out=x[f["sum_rc"]])
+        w = torch.exp(rc, out=x[f["sum_w"]]).mul_(valid)
         # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
         torch.dot(rc.view(-1), rc.view(-1), out=products[i, 0])
         torch.dot(w.view(-1), w.view(-1), out=products[i, 1])
         # Extremes over valid tokens: the others move to the far end of the finite range.
-        invalid = torch.eq(valid, 0.0, out=m)
-        torch.amin(torch.add(r, invalid, alpha=big, out=a), (0, 1), out=extremes[i, 0])
-        torch.amax(torch.add(r, invalid, alpha=-big, out=a), (0, 1), out=extremes[i, 1])
-        p = _probabilities(tr, valid, out=x[5])
-        q = _probabilities(ro, valid, out=x[6])
-        torch.dot(p.view(-1), p.view(-1), out=products[i, 2])
-        torch.dot(q.view(-1), q.view(-1), out=products[i, 3])
-        torch.dot(p.view(-1), q.view(-1), out=products[i, 4])
-        apq = torch.sub(p, q, out=x[7]).abs_()
-        torch.amax(apq, (0, 1), out=extremes[i, 2])
+        invalid = torch.eq(valid, 0.0, out=a)
+        e = _buffer("e", (rows, t), dtype, device)[: hi - lo]
+        torch.amin(torch.add(r, invalid, alpha=big, out=e), (0, 1), out=extremes[i, 0])
+        torch.amax(torch.add(r, invalid, alpha=-big, out=e), (0, 1), out=extremes[i, 1])
         torch.sum(x, -1, out=row_sums[:, lo:hi])  # every per-sequence sum of the block in one op
         # Histogram: bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking).
         idx = _buffer("idx", (rows, t), torch.int64, device)[: hi - lo].copy_(torch.add(rc, clamp, out=a).mul_(scale))
@@ -192,8 +197,7 @@ def _blocked_token_statistics(
         hist.add_(block_hist.scatter_add_(0, idx.view(-1), valid.view(-1)))
     top = extremes.amax(0)
     return _assemble_statistics(
-        row_sums, products.sum(0, dtype=f64), seq_r, seq_abs_r, mask.sum(-1), extremes[:, 0].amin(), top[1], top[2],
-        hist, clamp, bins,
+        row_sums, products.sum(0, dtype=f64), extremes[:, 0].amin(), top[1], top[2], hist, clamp, bins
     )
 
 
@@ -227,9 +231,10 @@ def _fused_token_statistics(
     def apq() -> Tensor:
         return (p() - q()).abs()
 
+    rs = r * _R_SCALE
     row_sums = torch.stack([
-        ok.to(dtype).sum(-1), rc.sum(-1), w().sum(-1), (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1),
-        p().sum(-1), q().sum(-1), apq().sum(-1),
+        ok.to(dtype).sum(-1), mask.to(dtype).sum(-1), rs.sum(-1), rs.abs().sum(-1), rc.sum(-1), w().sum(-1),
+        (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1), p().sum(-1), q().sum(-1), apq().sum(-1),
     ])
     products = torch.stack([
         (rc * rc).sum(-1), (w() * w()).sum(-1), (p() * p()).sum(-1), (q() * q()).sum(-1), (p() * q()).sum(-1),
@@ -240,15 +245,14 @@ def _fused_token_statistics(
     hist = torch.zeros(lanes * (bins + 1), dtype=dtype, device=trainer.device)
     hist = hist.index_put_((idx,), ok.to(dtype), accumulate=True).view(lanes, bins + 1).sum(0, dtype=f64)
     return _assemble_statistics(
-        row_sums, products, r.sum(-1, dtype=f64), ar.sum(-1, dtype=f64), mask.sum(-1),
-        torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(),
+        row_sums, products, torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(),
         apq().amax(-1).amax(), hist, clamp, bins,
     )
 
 
 def _assemble_statistics(
-    row_sums: Tensor, products: Tensor, seq_r: Tensor, seq_abs_r: Tensor, seq_mask_n: Tensor,
-    min_r: Tensor, max_r: Tensor, max_abs_pq: Tensor, hist: Tensor, clamp: float, bins: int,
+    row_sums: Tensor, products: Tensor, min_r: Tensor, max_r: Tensor, max_abs_pq: Tensor, hist: Tensor,
+    clamp: float, bins: int,
 ) -> Stats:
     """The statistics dict from the per-sequence and per-batch partial results of either kernel.
 
@@ -256,12 +260,14 @@ def _assemble_statistics(
     no masked token with a non-finite log ratio.
     """
     f64 = torch.float64
-    totals = row_sums.sum(-1, dtype=f64)
+    unscale = [1.0 / _R_SCALE if name in _SCALED_SUMS else 1.0 for name in _ROW_SUMS]
+    row_sums = row_sums.to(f64) * torch.tensor(unscale, dtype=f64, device=row_sums.device)[:, None]
+    totals = row_sums.sum(-1)
     out = {name: totals[i] for i, name in enumerate(_ROW_SUMS)}
     out.update({name: products[i] for i, name in enumerate(_PRODUCT_SUMS)})
+    seq_n, seq_mask_n, seq_r = (row_sums[_ROW_SUMS.index(name)] for name in ("n", "n_mask", "sum_r"))
     n = out["n"]
-    seq_n = row_sums[0].to(f64)
-    seq_ok = ((seq_n > 0) & (seq_n == seq_mask_n.to(f64))).to(f64)
+    seq_ok = ((seq_n > 0) & (seq_n == seq_mask_n)).to(f64)
     s = seq_r * seq_ok
     geo = s / seq_n.clamp_min(1.0)
     ws = torch.exp(s.clamp(-clamp, clamp)) * seq_ok
@@ -269,9 +275,6 @@ def _assemble_statistics(
     inf = torch.full((), math.inf, dtype=f64, device=n.device)
     return {
         **out,
-        "n_mask": seq_mask_n.sum().to(f64),
-        "sum_r": seq_r.sum(),
-        "sum_abs_r": seq_abs_r.sum(),
         "min_r": torch.where(n > 0, min_r.to(f64), inf),
         "max_r": torch.where(n > 0, max_r.to(f64), -inf),
         "max_abs_pq": max_abs_pq.to(f64),
@@ -851,8 +854,10 @@ def probability_diff(
     r"""``opbc/prob/*`` on probabilities :math:`p = e^{\log p}`: mean and max :math:`|p_{train} - p_{roll}|`, Pearson.
 
     Pearson's correlation of the two probability vectors over valid tokens; with zero variance it is
-    1 if the probabilities are identical, else 0. Logprobs above 0 (invalid) are read as 0. Pearson
-    is computed from mergeable raw moments accumulated in float64, so its rounding error is about
+    1 if the probabilities are identical, else 0. Logprobs above 0 (invalid) are read as 0 and below
+    -80 as -80 (``e^-80 ~ 1.8e-35``: immaterial to every sum, and it keeps CPU exp off its slow path). Pearson
+    is computed from mergeable raw moments (partial sums in the input dtype over a sequence or a block of
+    at most 64K tokens, accumulated in float64), so its rounding error is about
     ``eps * E[p^2] / Var(p)`` (eps of the input dtype): negligible for real token probabilities,
     visible only when one side's probabilities are all nearly equal.
 
