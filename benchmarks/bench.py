@@ -188,9 +188,10 @@ def bench_memory(quick: bool) -> None:
         metrics.update(x)
     print(f"state bytes after 1 update: {one}; after 1000 updates: {state_bytes(metrics)}")
     b, t = (32, 1024) if quick else (256, 8192)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peak_memory.py"), str(b), str(t)],
-                         capture_output=True, text=True, timeout=600)
-    print(out.stdout.strip() or out.stderr[-3000:])
+    for sections in (["mismatch"], []):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peak_memory.py"), str(b), str(t),
+                              *sections], capture_output=True, text=True, timeout=600)
+        print(out.stdout.strip() or out.stderr[-3000:])
 
 
 def bench_sketch(shapes: list[tuple[int, int]], repeats: int) -> None:

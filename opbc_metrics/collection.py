@@ -13,7 +13,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 from opbc_metrics.agent import agent_section
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
 from opbc_metrics.endpoint import endpoint_section
-from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
+from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS, request_statistic_groups
 from opbc_metrics.metric import OPBCMetric
 from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
@@ -129,7 +129,11 @@ class OPBCCollection(MetricCollection):
         return [k for m in self.members() for k in m.keys]
 
     def _active(self, view: BatchView) -> list[OPBCMetric]:
-        return [m for m in self.members() if m.accepts(view)]
+        active = [m for m in self.members() if m.accepts(view)]
+        # One mismatch kernel call serves every member: it computes the union of the groups they read.
+        groups = set().union(*(getattr(m, "statistic_groups", ()) for m in active))
+        request_statistic_groups(view, groups)
+        return active
 
     def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]
         """Accumulate one batch (a mapping, dataclass, or keyword fields with the batch-schema names)."""

@@ -109,7 +109,8 @@ def release_workspaces() -> None:
 
 
 def token_statistics(
-    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int,
+    prob: bool = True, hist: bool = True,
 ) -> Stats:
     """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
 
@@ -126,6 +127,8 @@ def token_statistics(
         clamp: C, the log-ratio clamp.
         veto: the veto threshold.
         bins: bins of the top-1% sketch's log-weight histogram over ``[-C, C]``.
+        prob: compute the probability statistics (``sum_p`` ... ``max_abs_pq``; else 0).
+        hist: compute the log-weight histogram (else zeros).
 
     Returns:
         float64 0-dim tensors named in ``_SCALAR_STATS`` and ``hist`` (``[bins]`` token counts).
@@ -138,11 +141,11 @@ def token_statistics(
         (2.0, 1.0, 1.0, 2)
     """
     kernel = _fused_token_statistics if torch.compiler.is_compiling() else _blocked_token_statistics
-    return kernel(trainer, rollout, mask, clamp, veto, bins)
+    return kernel(trainer, rollout, mask, clamp, veto, bins, prob, hist)
 
 
 def _blocked_token_statistics(
-    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool
 ) -> Stats:
     """Eager kernel: blocks of whole sequences, ~40 in-place ops per block on cache-resident buffers.
 
@@ -153,10 +156,12 @@ def _blocked_token_statistics(
     b, t = trainer.shape
     rows = max(1, min(b, _BLOCK_TOKENS // max(t, 1))) if device.type == "cpu" else b
     blocks = -(-b // rows)
-    row_sums = torch.empty(len(_ROW_SUMS), b, dtype=dtype, device=device)
-    products = torch.empty(blocks, len(_PRODUCT_SUMS), dtype=dtype, device=device)
-    extremes = torch.empty(blocks, 3, dtype=dtype, device=device)  # min r, max r, max |p - q|
-    hist = torch.zeros(bins + 1, dtype=f64, device=device)
+    # Skipped groups leave zeros: their rows come last in the feature buffer and are not summed.
+    summed = len(_ROW_SUMS) if prob else _ROW_SUMS.index("sum_p")
+    row_sums = torch.zeros(len(_ROW_SUMS), b, dtype=dtype, device=device)
+    products = torch.zeros(blocks, len(_PRODUCT_SUMS), dtype=dtype, device=device)
+    extremes = torch.zeros(blocks, 3, dtype=dtype, device=device)  # min r, max r, max |p - q|
+    counts = torch.zeros(bins + 1, dtype=f64, device=device)
     features = _buffer("features", (len(_ROW_SUMS), rows, t), dtype, device)
     scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
     mask_bytes = mask.view(torch.uint8)  # a uint8 -> float copy is ~6x faster than bool -> float
@@ -169,13 +174,14 @@ def _blocked_token_statistics(
         m = x[f["n_mask"]].copy_(mask_bytes[lo:hi])
         # d - d is 0 where d is finite and NaN where it is not: valid = mask * (d - d == 0).
         valid = torch.eq(torch.sub(d, d, out=a), 0.0, out=x[f["n"]]).mul_(m)
-        p = _probabilities(tr, valid, out=x[f["sum_p"]])
-        q = _probabilities(ro, valid, out=x[f["sum_q"]])
-        torch.dot(p.view(-1), p.view(-1), out=products[i, 2])
-        torch.dot(q.view(-1), q.view(-1), out=products[i, 3])
-        torch.dot(p.view(-1), q.view(-1), out=products[i, 4])
-        apq = torch.sub(p, q, out=x[f["sum_abs_pq"]]).abs_()
-        torch.amax(apq, (0, 1), out=extremes[i, 2])
+        if prob:
+            p = _probabilities(tr, valid, out=x[f["sum_p"]])
+            q = _probabilities(ro, valid, out=x[f["sum_q"]])
+            torch.dot(p.view(-1), p.view(-1), out=products[i, 2])
+            torch.dot(q.view(-1), q.view(-1), out=products[i, 3])
+            torch.dot(p.view(-1), q.view(-1), out=products[i, 4])
+            apq = torch.sub(p, q, out=x[f["sum_abs_pq"]]).abs_()
+            torch.amax(apq, (0, 1), out=extremes[i, 2])
         r = d.nan_to_num_(0.0, 0.0, 0.0).mul_(valid)
         ar = torch.abs(torch.mul(r, _R_SCALE, out=x[f["sum_r"]]), out=x[f["sum_abs_r"]])
         torch.gt(ar, clamp * _R_SCALE, out=x[f["clipped"]])
@@ -190,14 +196,16 @@ def _blocked_token_statistics(
         e = _buffer("e", (rows, t), dtype, device)[: hi - lo]
         torch.amin(torch.add(r, invalid, alpha=big, out=e), (0, 1), out=extremes[i, 0])
         torch.amax(torch.add(r, invalid, alpha=-big, out=e), (0, 1), out=extremes[i, 1])
-        torch.sum(x, -1, out=row_sums[:, lo:hi])  # every per-sequence sum of the block in one op
-        # Histogram: bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking).
-        idx = _buffer("idx", (rows, t), torch.int64, device)[: hi - lo].copy_(torch.add(rc, clamp, out=a).mul_(scale))
-        block_hist = _buffer("hist", (bins + 1,), dtype, device).zero_()
-        hist.add_(block_hist.scatter_add_(0, idx.view(-1), valid.view(-1)))
+        torch.sum(x[:summed], -1, out=row_sums[:summed, lo:hi])  # every per-sequence sum of the block at once
+        if hist:
+            # Bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking).
+            idx = _buffer("idx", (rows, t), torch.int64, device)[: hi - lo]
+            idx.copy_(torch.add(rc, clamp, out=a).mul_(scale))
+            block_counts = _buffer("counts", (bins + 1,), dtype, device).zero_()
+            counts.add_(block_counts.scatter_add_(0, idx.view(-1), valid.view(-1)))
     top = extremes.amax(0)
     return _assemble_statistics(
-        row_sums, products.sum(0, dtype=f64), extremes[:, 0].amin(), top[1], top[2], hist, clamp, bins
+        row_sums, products.sum(0, dtype=f64), extremes[:, 0].amin(), top[1], top[2], counts, clamp, bins
     )
 
 
@@ -207,7 +215,7 @@ def _probabilities(logprobs: Tensor, valid: Tensor, out: Tensor) -> Tensor:
 
 
 def _fused_token_statistics(
-    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop."""
     f64, dtype = torch.float64, trainer.dtype
@@ -232,21 +240,28 @@ def _fused_token_statistics(
         return (p() - q()).abs()
 
     rs = r * _R_SCALE
+    if prob:
+        prob_rows = [p().sum(-1), q().sum(-1), apq().sum(-1)]
+        prob_products = [(p() * p()).sum(-1), (q() * q()).sum(-1), (p() * q()).sum(-1)]
+        max_abs_pq = apq().amax(-1).amax()
+    else:
+        prob_rows = prob_products = [torch.zeros(trainer.shape[0], dtype=dtype, device=trainer.device)] * 3
+        max_abs_pq = torch.zeros((), dtype=dtype, device=trainer.device)
     row_sums = torch.stack([
         ok.to(dtype).sum(-1), mask.to(dtype).sum(-1), rs.sum(-1), rs.abs().sum(-1), rc.sum(-1), w().sum(-1),
-        (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1), p().sum(-1), q().sum(-1), apq().sum(-1),
+        (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1), *prob_rows,
     ])
-    products = torch.stack([
-        (rc * rc).sum(-1), (w() * w()).sum(-1), (p() * p()).sum(-1), (q() * q()).sum(-1), (p() * q()).sum(-1),
-    ]).sum(-1, dtype=f64)
-    lanes = _HIST_LANES
-    idx = ((rc + clamp) * (bins / (2.0 * clamp))).to(torch.int64)
-    idx = idx + (torch.arange(trainer.shape[-1], device=trainer.device) % lanes) * (bins + 1)
-    hist = torch.zeros(lanes * (bins + 1), dtype=dtype, device=trainer.device)
-    hist = hist.index_put_((idx,), ok.to(dtype), accumulate=True).view(lanes, bins + 1).sum(0, dtype=f64)
+    products = torch.stack([(rc * rc).sum(-1), (w() * w()).sum(-1), *prob_products]).sum(-1, dtype=f64)
+    counts = torch.zeros(bins + 1, dtype=f64, device=trainer.device)
+    if hist:
+        lanes = _HIST_LANES
+        idx = ((rc + clamp) * (bins / (2.0 * clamp))).to(torch.int64)
+        idx = idx + (torch.arange(trainer.shape[-1], device=trainer.device) % lanes) * (bins + 1)
+        counts = torch.zeros(lanes * (bins + 1), dtype=dtype, device=trainer.device)
+        counts = counts.index_put_((idx,), ok.to(dtype), accumulate=True).view(lanes, bins + 1).sum(0, dtype=f64)
     return _assemble_statistics(
         row_sums, products, torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(),
-        apq().amax(-1).amax(), hist, clamp, bins,
+        max_abs_pq, counts, clamp, bins,
     )
 
 
@@ -315,23 +330,40 @@ def compiled_token_statistics() -> Any:
     return _COMPILED["fn"]
 
 
+# Statistic groups beyond the core that every metric reads: the probability statistics (two of the
+# three exps per token) and the top-1% histogram. A metric names the groups it reads; a collection asks
+# for the union before its members update, so one kernel call serves them all.
+STATISTIC_GROUPS = frozenset({"prob", "hist"})
+
+
+def request_statistic_groups(view: BatchView, groups: frozenset[str] | set[str]) -> None:
+    """Record on ``view`` the groups every metric sharing it reads (call before the first update)."""
+    view._cached("mismatch_statistic_groups", lambda: frozenset(groups))
+
+
 def batch_statistics(
     view: BatchView,
     clamp: float = DEFAULT_CLAMP,
     veto: float = DEFAULT_VETO,
     bins: int = DEFAULT_TOP_MASS_BINS,
     compiled: bool = False,
+    groups: frozenset[str] = STATISTIC_GROUPS,
 ) -> Stats:
-    """:func:`token_statistics` of a view, computed once per (clamp, veto, bins) and shared by all metrics."""
+    """:func:`token_statistics` of a view, computed once per settings and shared by all metrics.
+
+    ``groups`` (a subset of :data:`STATISTIC_GROUPS`) is what the caller reads; the view's requested
+    groups (:func:`request_statistic_groups`) are added, so metrics of one collection share one call.
+    """
+    groups = frozenset(groups) | view._cached("mismatch_statistic_groups", frozenset)
 
     def make() -> Stats:
         trainer, rollout, mask = view.token_inputs
         if trainer.numel() == 0:  # shape metadata, not data: no sync
             return _empty_statistics(bins, trainer.device)
         fn = compiled_token_statistics() if compiled else token_statistics
-        return fn(trainer, rollout, mask, float(clamp), float(veto), int(bins))
+        return fn(trainer, rollout, mask, float(clamp), float(veto), int(bins), "prob" in groups, "hist" in groups)
 
-    return view._cached(("mismatch_statistics", float(clamp), float(veto), int(bins)), make)
+    return view._cached(("mismatch_statistics", float(clamp), float(veto), int(bins), groups), make)
 
 
 def _pick(stats: Stats, *names: str) -> Stats:

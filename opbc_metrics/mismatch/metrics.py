@@ -32,7 +32,8 @@ class _MismatchMetric(OPBCMetric):
 
     Every metric of the section takes the section's settings (``clamp`` C, ``veto``, ``top_mass_bins``
     and ``compiled``, which runs the fused kernel under ``torch.compile``), so that members of a
-    collection share one fused computation per batch.
+    collection share one fused computation per batch. ``statistic_groups`` names the optional parts of
+    that computation a metric reads (probabilities, the histogram): a metric used alone skips the rest.
     """
 
     section = "mismatch"
@@ -53,10 +54,14 @@ class _MismatchMetric(OPBCMetric):
             raise ValueError(f"`top_mass_bins` must be an integer >= 2, got {top_mass_bins!r}")
         self.top_mass_bins = top_mass_bins
         self.compiled = bool(compiled)
+        # The optional statistic groups this metric reads (F.STATISTIC_GROUPS): only the core by default.
+        self.statistic_groups: frozenset[str] = frozenset()
 
     def _stats(self, view: BatchView) -> F.Stats:
         """The section's fused statistics of this batch, shared through the view's cache."""
-        return F.batch_statistics(view, self.clamp, self.veto, self.top_mass_bins, self.compiled)
+        return F.batch_statistics(
+            view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups
+        )
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
@@ -267,6 +272,7 @@ class TopGradientMass(_MismatchMetric):
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"`fraction` must be in (0, 1], got {fraction}")
         self.bins, self.fraction, self.exact = self.top_mass_bins, float(fraction), bool(exact)
+        self.statistic_groups = frozenset() if self.exact else frozenset({"hist"})
         if self.exact:
             self.add_state("weights", default=[], dist_reduce_fx="cat", persistent=True)
             self.add_sum("count")
@@ -631,6 +637,7 @@ class ProbabilityDiff(_MismatchMetric):
         for name in ("sum_p", "sum_q", "sum_pp", "sum_qq", "sum_pq", "sum_abs_pq", "n"):
             self.add_sum(name)
         self.add_max("max_abs_pq")
+        self.statistic_groups = frozenset({"prob"})
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**F._prob_update(self._stats(view)))
