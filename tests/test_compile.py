@@ -53,7 +53,8 @@ def test_router_and_round_kernels_compile_fullgraph():
 
 
 def test_compiled_collection_equals_eager_collection():
-    batches = [make_batch(batch=5, seq=30, seed=s) for s in range(2)]
+    # Three shapes: dynamo recompiles with dynamic B and T after the first change.
+    batches = [make_batch(batch=b, seq=t, seed=s) for s, (b, t) in enumerate([(5, 30), (3, 17), (6, 41)])]
     eager, compiled = OPBCCollection(sections=["mismatch"]), OPBCCollection(sections=["mismatch"], compiled=True)
     for b in batches:
         eager.update(b)
