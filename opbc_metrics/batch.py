@@ -50,6 +50,11 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def as_bool_mask(mask: Tensor) -> Tensor:
+    """``mask != 0`` as a bool tensor; a bool mask is returned as is (``!=`` on bools costs a full pass)."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
 def check_positive(name: str, value: float) -> float:
     """Validate a positive, finite threshold given to a constructor."""
     value = float(value)
@@ -147,7 +152,7 @@ class BatchView:
                 )
             if mask.is_complex():
                 raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
-            mask = mask != 0
+            mask = as_bool_mask(mask)
         dtype = compute_dtype(trainer, rollout)
         return trainer.to(dtype), rollout.to(dtype), mask
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import RESPONSE_MASK, BatchView
+from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
 
 ROLLOUT_EXPERTS = "rollout_experts"
 TRAINER_EXPERTS = "trainer_experts"
@@ -204,7 +204,7 @@ def _resolve(view: BatchView, top_k: int | None) -> tuple[Tensor, Tensor, Tensor
             raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{r_name}` is on {rollout.device}")
         if mask.is_complex():
             raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
-        mask = mask != 0
+        mask = as_bool_mask(mask)
     else:
         mask = torch.ones((b, t), dtype=torch.bool, device=rollout.device)
     return rollout, trainer, mask

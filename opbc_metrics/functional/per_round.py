@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import BatchView, as_bool_mask
 
 # 16 rounds cover the 8-turn GUI-agent trajectories verl's PR was tested on with room to spare; longer
 # agents pool into the overflow bucket (or raise ``capacity``).
@@ -99,7 +99,7 @@ def round_index(response_mask: Tensor) -> Tensor:
     if not isinstance(response_mask, Tensor) or response_mask.ndim != 2:
         shape = tuple(response_mask.shape) if isinstance(response_mask, Tensor) else type(response_mask).__name__
         raise ValueError(f"batch field `response_mask` must be a [B, T] tensor, got {shape}")
-    on = response_mask != 0
+    on = as_bool_mask(response_mask)
     b, t = on.shape
     before = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=on.device), on], dim=1)[:, :t]
     starts = on & ~before

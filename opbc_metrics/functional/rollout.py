@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, BatchView
+from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, BatchView, as_bool_mask
 
 Stats = dict[str, Tensor]
 F64 = torch.float64
@@ -153,7 +153,7 @@ def _token_mask(view: BatchView, name: str, t: Tensor) -> Tensor:
         )
     if mask.device != t.device:
         raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{name}` is on {t.device}")
-    return mask != 0
+    return as_bool_mask(mask)
 
 
 def _per_sample(view: BatchView, name: str, reduce: str) -> tuple[Tensor, Tensor]:

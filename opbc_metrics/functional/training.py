@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import RESPONSE_MASK, BatchView
+from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
 
 Stats = dict[str, Tensor]
 F64 = torch.float64
@@ -158,7 +158,7 @@ def response_mask_for(view: BatchView, shape: torch.Size, device: torch.device, 
         raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
     if mask.device != device:
         raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{like}` is on {device}")
-    return mask != 0
+    return as_bool_mask(mask)
 
 
 def raise_if_invalid(name: str | Sequence[str], count: Tensor, what: str) -> None:

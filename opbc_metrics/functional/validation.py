@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import BatchView, as_bool_mask
 from opbc_metrics.functional.training import (
     F64,
     Stats,
@@ -150,7 +150,7 @@ def _samples(view: BatchView, name: str, n_samples: int) -> tuple[Tensor, Tensor
         if m.shape != x.shape:
             raise ValueError(f"batch field `{VAL_MASK}` has shape {tuple(m.shape)} but `{name}` has {tuple(x.shape)}")
         check_same_device(VAL_MASK, m, name, x)
-        valid = m != 0
+        valid = as_bool_mask(m)
     x = x.to(F64)
     finite = torch.isfinite(x)
     nonfinite = (valid & ~finite).to(F64).sum()
@@ -363,7 +363,7 @@ def _val_turns_update(view: BatchView) -> Stats:
             raise ValueError(f"batch field `{VAL_MASK}` has shape {tuple(m.shape)} but `{VAL_NUM_TURNS}` has "
                              f"{tuple(x.shape)}")
         check_same_device(VAL_MASK, m, VAL_NUM_TURNS, x)
-        valid = m != 0
+        valid = as_bool_mask(m)
     ok = torch.isfinite(x) & (x >= 0)
     zero = torch.zeros((), dtype=F64, device=x.device)
     inf = torch.full((), float("inf"), dtype=F64, device=x.device)
