@@ -58,7 +58,8 @@ def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
 # The kernels: every token-level sufficient statistic of the section in one sweep
 # ---------------------------------------------------------------------------------------------
 # Per-sequence sums both kernels produce, one row each of ``row_sums`` ([len(_ROW_SUMS), B]); every
-# feature is 0 on invalid tokens, so plain sums over tokens are the statistics.
+# feature is 0 on invalid tokens, so plain sums over tokens are the statistics. The eager kernel reads the
+# adjacent rows (sum_rc, sum_w) and (sum_p, sum_q) as matrices, and skips the probability rows, which come last.
 _ROW_SUMS = (
     "n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_w", "clipped", "vetoed", "sum_p", "sum_q", "sum_abs_pq",
 )
@@ -159,7 +160,8 @@ def _blocked_token_statistics(
     # Skipped groups leave zeros: their rows come last in the feature buffer and are not summed.
     summed = len(_ROW_SUMS) if prob else _ROW_SUMS.index("sum_p")
     row_sums = torch.zeros(len(_ROW_SUMS), b, dtype=dtype, device=device)
-    products = torch.zeros(blocks, len(_PRODUCT_SUMS), dtype=dtype, device=device)
+    # Gram matrices of the feature pairs (rc, w) and (p, q): sums of rc^2, w^2, p^2, q^2 and p*q, two matmuls.
+    grams = torch.zeros(blocks, 2, 2, 2, dtype=dtype, device=device)
     extremes = torch.zeros(blocks, 3, dtype=dtype, device=device)  # min r, max r, max |p - q|
     counts = torch.zeros(bins + 1, dtype=f64, device=device)
     features = _buffer("features", (len(_ROW_SUMS), rows, t), dtype, device)
@@ -177,9 +179,8 @@ def _blocked_token_statistics(
         if prob:
             p = _probabilities(tr, valid, out=x[f["sum_p"]])
             q = _probabilities(ro, valid, out=x[f["sum_q"]])
-            torch.dot(p.view(-1), p.view(-1), out=products[i, 2])
-            torch.dot(q.view(-1), q.view(-1), out=products[i, 3])
-            torch.dot(p.view(-1), q.view(-1), out=products[i, 4])
+            pq = x[f["sum_p"] : f["sum_q"] + 1].flatten(1)
+            torch.mm(pq, pq.t(), out=grams[i, 1])
             apq = torch.sub(p, q, out=x[f["sum_abs_pq"]]).abs_()
             torch.amax(apq, (0, 1), out=extremes[i, 2])
         r = d.nan_to_num_(0.0, 0.0, 0.0).mul_(valid)
@@ -187,10 +188,10 @@ def _blocked_token_statistics(
         torch.gt(ar, clamp * _R_SCALE, out=x[f["clipped"]])
         torch.gt(ar, veto * _R_SCALE, out=x[f["vetoed"]])
         rc = torch.clamp(r, -clamp, clamp, out=x[f["sum_rc"]])
-        w = torch.exp(rc, out=x[f["sum_w"]]).mul_(valid)
+        torch.exp(rc, out=x[f["sum_w"]]).mul_(valid)
         # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
-        torch.dot(rc.view(-1), rc.view(-1), out=products[i, 0])
-        torch.dot(w.view(-1), w.view(-1), out=products[i, 1])
+        rcw = x[f["sum_rc"] : f["sum_w"] + 1].flatten(1)
+        torch.mm(rcw, rcw.t(), out=grams[i, 0])
         # Extremes over valid tokens: the others move to the far end of the finite range.
         invalid = torch.eq(valid, 0.0, out=a)
         e = _buffer("e", (rows, t), dtype, device)[: hi - lo]
@@ -204,8 +205,10 @@ def _blocked_token_statistics(
             block_counts = _buffer("counts", (bins + 1,), dtype, device).zero_()
             counts.add_(block_counts.scatter_add_(0, idx.view(-1), valid.view(-1)))
     top = extremes.amax(0)
+    g = grams.sum(0, dtype=f64)
+    products = torch.stack((g[0, 0, 0], g[0, 1, 1], g[1, 0, 0], g[1, 1, 1], g[1, 0, 1]))  # _PRODUCT_SUMS order
     return _assemble_statistics(
-        row_sums, products.sum(0, dtype=f64), extremes[:, 0].amin(), top[1], top[2], counts, clamp, bins
+        row_sums, products, extremes[:, 0].amin(), top[1], top[2], counts, clamp, bins
     )
 
 
