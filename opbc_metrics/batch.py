@@ -51,7 +51,13 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
 
 
 def as_bool_mask(mask: Tensor) -> Tensor:
-    """``mask != 0`` as a bool tensor; a bool mask is returned as is (``!=`` on bools costs a full pass)."""
+    """``mask != 0`` as a bool tensor; a bool mask is returned as is (``!=`` on bools costs a full pass).
+
+    Example:
+        >>> m = torch.tensor([[True, False]])
+        >>> as_bool_mask(m) is m, as_bool_mask(torch.tensor([[1.0, 0.0]])).tolist()
+        (True, [[True, False]])
+    """
     return mask if mask.dtype == torch.bool else mask != 0
 
 
