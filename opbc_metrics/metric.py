@@ -95,24 +95,35 @@ class OPBCMetric(Metric):
         accelerator than the states raise a ``ValueError``: moving them would be a hidden device-to-host
         copy (a sync), and adding them in place would fail inside torch (or, on ``meta``, do nothing).
         """
-        for name, value in stats.items():  # check every statistic first: no partial update on refusal
-            state = getattr(self, name)
+        # Runs once per metric per batch, 15+ times per collection update: one pass over the states,
+        # checked before any is touched (no partial update on refusal), then folded in.
+        pairs = [(getattr(self, name), value, self._reductions[name]) for name, value in stats.items()]
+        for state, value, _ in pairs:
             if value.device != state.device and value.device.type != "cpu":
                 fields = ", ".join(f"`{f}`" for f in self.required_fields) or "the batch"
                 raise ValueError(
                     f"batch field(s) {fields} are on {value.device} but the states of {type(self).__name__} "
                     f"are on {state.device}; move the metric to the batch's device (metric.to(device))"
                 )
-        for name, value in stats.items():
-            state = getattr(self, name)
-            value = value.to(device=state.device, dtype=state.dtype)
-            fx = self._reductions[name]
+        for state, value, fx in pairs:
+            if value.dtype != state.dtype or value.device != state.device:
+                value = value.to(device=state.device, dtype=state.dtype)
             if fx is dim_zero_sum:
                 state.add_(value)
             elif fx is dim_zero_max:
                 torch.maximum(state, value, out=state)
             else:
                 torch.minimum(state, value, out=state)
+
+    # torchmetrics' update wrapper sets these two plain attributes on every update; nn.Module's
+    # __setattr__ (parameter/buffer/module bookkeeping) costs ~3 us each, 30 calls per collection update.
+    _PLAIN_ATTRIBUTES: ClassVar[frozenset[str]] = frozenset({"_computed", "_update_count"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in OPBCMetric._PLAIN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     # -- update / compute -----------------------------------------------------------------
     def update(self, batch: Any = None, **fields: Any) -> None:
