@@ -193,8 +193,15 @@ def _blocked_token_statistics(
     # Gram matrices of the feature pairs (rc, w) and (p, q): sums of rc^2, w^2, p^2, q^2 and p*q, two matmuls.
     grams = torch.zeros(2, blocks, 2, 2, dtype=dtype, device=device)
     extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
-    counts = torch.zeros(bins + 1, dtype=f64, device=device)
+    # Histogram counts accumulate in the features' dtype while that is exact (float32: below 2^24 tokens in
+    # all), else per block into float64.
+    exact_counts = dtype == f64 or b * t <= 2**24
+    counts = torch.zeros(bins + 1, dtype=dtype if exact_counts else f64, device=device)
     scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
+    # Comparison operands as tensors of the features' dtype: a Python scalar costs a conversion per call.
+    zero, clip_at, veto_at = (
+        torch.full((), v, dtype=dtype, device=device) for v in (0.0, clamp * _R_SCALE, veto * _R_SCALE)
+    )
     # One C++ call per list instead of a Python-level view per block. The mask goes as uint8: a uint8 -> float
     # copy is ~6x faster than bool -> float.
     block_views = zip(
@@ -208,7 +215,7 @@ def _blocked_token_statistics(
         torch.sub(tr, ro, out=d)
         x.m.copy_(mb)
         # d - d is 0 where d is finite and NaN where it is not: valid = mask * (d - d == 0).
-        torch.eq(torch.sub(d, d, out=a), 0.0, out=valid).mul_(x.m)
+        torch.eq(torch.sub(d, d, out=a), zero, out=valid).mul_(x.m)
         if prob:
             _probabilities(tr, valid, out=x.p)
             _probabilities(ro, valid, out=x.q)
@@ -216,21 +223,24 @@ def _blocked_token_statistics(
             torch.amax(torch.sub(x.p, x.q, out=x.apq).abs_(), (0, 1), out=hi_pq)
         r = d.nan_to_num_(0.0, 0.0, 0.0).mul_(valid)
         ar = torch.abs(torch.mul(r, _R_SCALE, out=x.rs), out=x.ars)
-        torch.gt(ar, clamp * _R_SCALE, out=x.clipped)
-        torch.gt(ar, veto * _R_SCALE, out=x.vetoed)
+        torch.gt(ar, clip_at, out=x.clipped)
+        torch.gt(ar, veto_at, out=x.vetoed)
         rc = torch.clamp(r, -clamp, clamp, out=x.rc)
         torch.exp(rc, out=x.w).mul_(valid)
         # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
         torch.mm(x.rcw, x.rcw_t, out=g_rcw)
         # Extremes over valid tokens: the others move to the far end of the finite range.
-        invalid = torch.eq(valid, 0.0, out=a)
+        invalid = torch.eq(valid, zero, out=a)
         torch.amin(torch.add(r, invalid, alpha=big, out=e), (0, 1), out=lo_r)
         torch.amax(torch.add(r, invalid, alpha=-big, out=e), (0, 1), out=hi_r)
         torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         if hist:
             # Bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking).
             x.idx.copy_(torch.add(rc, clamp, out=a).mul_(scale))
-            counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
+            if exact_counts:
+                counts.scatter_add_(0, x.idx_flat, x.valid_flat)
+            else:
+                counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
     g = grams.sum(1, dtype=f64)
     products = torch.stack((g[0, 0, 0], g[0, 1, 1], g[1, 0, 0], g[1, 1, 1], g[1, 0, 1]))  # _PRODUCT_SUMS order
     return _assemble_statistics(
