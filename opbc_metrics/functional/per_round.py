@@ -84,8 +84,9 @@ def check_capacity(capacity: int) -> int:
     return capacity
 
 
-def round_index(response_mask: Tensor) -> Tensor:
-    """``[B, T]`` int64: the 0-based round of each response token, -1 outside rounds.
+def round_index(response_mask: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
+    """``[B, T]`` integer tensor (``dtype``, int64 by default): the 0-based round of each response token,
+    -1 outside rounds.
 
     A round is a contiguous run of nonzero mask values. Vectorised: starts where the mask is on and
     the previous token's is off, then a cumulative sum.
@@ -103,28 +104,41 @@ def round_index(response_mask: Tensor) -> Tensor:
     b, t = on.shape
     before = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=on.device), on], dim=1)[:, :t]
     starts = on & ~before
-    idx = torch.cumsum(starts, dim=1) - 1
-    return torch.where(on, idx, torch.full_like(idx, -1))
+    idx = torch.cumsum(starts, dim=1, dtype=dtype).sub_(1)
+    return idx.masked_fill_(~on, -1)
+
+
+# The update goes through the batch in chunks of about this many tokens, so that its [B, T]-sized
+# temporaries (round indices, float64 copies of the summed values) stay a few MiB whatever the batch
+# (measured at 256 x 8192: 118 MiB peak extra memory for the whole batch at once).
+_CHUNK_TOKENS = 1 << 18
 
 
 def _per_round_update(view: BatchView, capacity: int) -> Stats:
-    _, _, mask = view.token_inputs
-    rounds = view._cached("round_index", lambda: round_index(mask))
+    trainer, rollout, mask = view.token_inputs
     b, t = mask.shape
-    bucket = rounds.clamp(0, capacity).reshape(-1)  # tokens outside rounds add 0 to bucket 0
-    device = mask.device
-
-    def binned(values: Tensor) -> Tensor:
-        out = torch.zeros(capacity + 1, dtype=torch.float64, device=device)
-        return out.index_add_(0, bucket, values.reshape(-1).to(torch.float64))
-
-    per_seq = rounds.amax(dim=1) + 1 if t else torch.zeros(b, dtype=torch.int64, device=device)
-    most = per_seq.amax() if b else torch.full((), float("-inf"), dtype=torch.float64, device=device)
+    device, f64 = mask.device, torch.float64
+    # Rows: sum of |r| over valid tokens, valid tokens, response tokens; columns: rounds 0 .. capacity.
+    sums = torch.zeros(3, capacity + 1, dtype=f64, device=device)
+    per_seq = torch.zeros(b, dtype=torch.int32, device=device)  # rounds per sequence
+    rows = max(1, _CHUNK_TOKENS // max(t, 1))
+    for lo in range(0, b if t else 0, rows):
+        hi = min(b, lo + rows)
+        m = mask[lo:hi]
+        rounds = round_index(m, dtype=torch.int32)
+        per_seq[lo:hi] = rounds.amax(dim=1) + 1
+        d = trainer[lo:hi] - rollout[lo:hi]
+        valid = m & torch.isfinite(d)
+        bucket = rounds.clamp_(0, capacity).view(-1)  # tokens outside rounds (-1) add 0 to bucket 0
+        # One 1-D index_add_ per row: along dim 1 of the [3, capacity + 1] block it is 2-3x slower on CPU.
+        for row, value in zip(sums, (torch.where(valid, d, 0.0).abs_(), valid, m)):
+            row.index_add_(0, bucket, value.view(-1).to(f64))
+    most = per_seq.amax() if b else torch.full((), float("-inf"), dtype=f64, device=device)
     return {
-        "sum_abs": binned(view.abs_log_ratio),  # 0 on masked and non-finite tokens
-        "valid_count": binned(view.valid_f),
-        "token_count": binned(mask),
-        "max_rounds": most.to(torch.float64),
+        "sum_abs": sums[0],  # 0 on masked and non-finite tokens
+        "valid_count": sums[1],
+        "token_count": sums[2],
+        "max_rounds": most.to(f64),
     }
 
 
