@@ -340,3 +340,49 @@ def test_one_kernel_call_per_batch_with_the_groups_its_metrics_read(monkeypatch)
         assert calls == [expected], cls.__name__
         for key, value in alone.as_dict(alone.compute()).items():
             torch.testing.assert_close(value, collection.compute()[key], msg=key)
+
+
+def _kernel_inputs(batch):
+    return batch["trainer_logprobs"], batch["rollout_logprobs"], batch["response_mask"].bool()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_eager_blocks_and_cached_plans_give_the_statistics_of_one_block(monkeypatch, dtype):
+    """Blocks of 3 rows (a partial last block: two block shapes, two cached plans), run twice so the plans are
+    reused, and with the optional groups toggled (a plan per group set): the statistics of one whole-batch block."""
+    import opbc_metrics.functional.mismatch as fm
+
+    batch = make_batch(batch=7, seq=50, seed=4, dtype=dtype, heavy_tail=True, drift=2.0)
+    batch["trainer_logprobs"][2, 3] = float("nan")
+    batch["rollout_logprobs"][5, 0] = float("-inf")
+    args = (*_kernel_inputs(batch), 20.0, 30.0, 64)
+    one_block = fm.token_statistics(*args)
+    monkeypatch.setattr(fm, "_BLOCK_TOKENS", 150)
+    fm.release_workspaces()
+    for prob, hist in ((True, True), (True, True), (False, False), (True, True)):
+        blocked = fm.token_statistics(*args, prob=prob, hist=hist)
+        for key, value in one_block.items():
+            if (key in ("sum_p", "sum_q", "sum_abs_pq", "sum_pp", "sum_qq", "sum_pq", "max_abs_pq") and not prob) or (
+                key == "hist" and not hist
+            ):
+                continue
+            # Per-sequence sums and extremes do not depend on the blocking; block partial sums of products do.
+            torch.testing.assert_close(blocked[key], value, rtol=1e-6, atol=0.0, msg=key)
+        if hist:
+            assert torch.equal(blocked["hist"], one_block["hist"])
+    fm.release_workspaces()
+    assert not fm._WORKSPACES.plans
+
+
+def test_histogram_counts_in_float64_past_float32s_exact_range(monkeypatch):
+    """Batches over 2^24 tokens count per block into float64: same counts as the direct float32 path."""
+    import opbc_metrics.functional.mismatch as fm
+
+    batch = make_batch(batch=9, seq=40, seed=8, heavy_tail=True, drift=2.0)
+    args = (*_kernel_inputs(batch), 20.0, 30.0, 128)
+    direct = fm.token_statistics(*args)["hist"]
+    monkeypatch.setattr(fm, "_BLOCK_TOKENS", 80)
+    monkeypatch.setattr(fm, "_FLOAT32_EXACT_TOKENS", 10)
+    per_block = fm.token_statistics(*args)["hist"]
+    assert torch.equal(per_block, direct)
+    assert per_block.sum().item() == batch["response_mask"].sum().item()

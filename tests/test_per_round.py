@@ -378,3 +378,18 @@ def test_bad_arguments():
             PerRoundMismatch(capacity=bad)
     with pytest.raises(ValueError, match="response_mask"):
         F.round_index(torch.ones(4))
+
+
+def test_chunks_give_the_statistics_of_the_whole_batch(monkeypatch):
+    """The update goes in row chunks (here 2 rows, a partial last chunk): the same sums, in the same order."""
+    import opbc_metrics.functional.per_round as fpr
+    from opbc_metrics.batch import as_view
+
+    batch = multi_turn_batch(seed=5, batch=5, seq=30)
+    batch["trainer_logprobs"][1, 2] = float("nan")
+    whole = fpr._per_round_update(as_view(batch), 3)
+    monkeypatch.setattr(fpr, "_CHUNK_TOKENS", 60)
+    chunked = fpr._per_round_update(as_view(batch), 3)
+    assert set(chunked) == set(whole)
+    for key, value in whole.items():
+        assert torch.equal(chunked[key], value), key

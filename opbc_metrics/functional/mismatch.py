@@ -79,6 +79,8 @@ _SCALAR_STATS = (
 # through memory once per op (measured: 2-3x fewer CPU cycles per op at 64K tokens than at 2M; with the
 # views made once per block shape, 32K-token blocks are 2-5% faster than 64K at 1M-2M tokens).
 _BLOCK_TOKENS = 1 << 15
+# float32 counts every integer up to 2^24 exactly: a batch of at most this many tokens is counted in float32.
+_FLOAT32_EXACT_TOKENS = 2**24
 # The compiled kernel spreads its histogram over this many copies (by token position): consecutive
 # tokens, mostly in the same few central bins, then update different memory and do not wait on each other.
 _HIST_LANES = 4
@@ -194,9 +196,8 @@ def _blocked_token_statistics(
     # Gram matrices of the feature pairs (rc, w) and (p, q): sums of rc^2, w^2, p^2, q^2 and p*q, two matmuls.
     grams = torch.zeros(2, blocks, 2, 2, dtype=dtype, device=device)
     extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
-    # Histogram counts accumulate in the features' dtype while that is exact (float32: below 2^24 tokens in
-    # all), else per block into float64.
-    exact_counts = dtype == f64 or b * t <= 2**24
+    # Histogram counts accumulate in the features' dtype while that is exact, else per block into float64.
+    exact_counts = dtype == f64 or b * t <= _FLOAT32_EXACT_TOKENS
     counts = torch.zeros(bins + 1, dtype=dtype if exact_counts else f64, device=device)
     scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
     # Comparison operands as tensors of the features' dtype: a Python scalar costs a conversion per call.
