@@ -3,10 +3,16 @@
 Run: ``python benchmarks/peak_memory.py B T [SECTION ...]`` (default sections when none are named).
 Linux only: resets the process's peak RSS (``/proc/self/clear_refs``) after the inputs exist, runs
 one update, and reads ``VmHWM``. One collection per process, so the peaks do not mix.
+
+With glibc, every allocation of 128 KiB or more is mapped fresh and unmapped when freed (a fixed
+``M_MMAP_THRESHOLD``), and freed heap is trimmed before the measurement: otherwise an update's
+temporaries reuse memory the process already holds and the peak RSS misses them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import sys
 
 import torch
@@ -22,7 +28,18 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def main() -> None:
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so large blocks are never kept for reuse
     b, t = int(sys.argv[1]), int(sys.argv[2])
     g = torch.Generator().manual_seed(0)
     trainer = -torch.rand(b, t, generator=g) * 3.0
@@ -32,6 +49,8 @@ def main() -> None:
     metrics = OPBCCollection(sections=sections) if sections else OPBCCollection()
     metrics.update(trainer_logprobs=trainer[:2], rollout_logprobs=rollout[:2], response_mask=mask[:2])  # warm-up
     input_bytes = sum(x.numel() * x.element_size() for x in (trainer, rollout, mask))
+    if libc is not None:
+        libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak RSS to the current RSS
     before = _status_kb("VmRSS")
