@@ -129,10 +129,10 @@ def _per_round_update(view: BatchView, capacity: int) -> Stats:
         per_seq[lo:hi] = rounds.amax(dim=1) + 1
         d = trainer[lo:hi] - rollout[lo:hi]
         valid = m & torch.isfinite(d)
-        bucket = rounds.clamp_(0, capacity).view(-1)  # tokens outside rounds (-1) add 0 to bucket 0
+        bucket = rounds.clamp_(0, capacity).reshape(-1)  # tokens outside rounds (-1) add 0 to bucket 0
         # One 1-D index_add_ per row: along dim 1 of the [3, capacity + 1] block it is 2-3x slower on CPU.
         for row, value in zip(sums, (torch.where(valid, d, 0.0).abs_(), valid, m)):
-            row.index_add_(0, bucket, value.view(-1).to(f64))
+            row.index_add_(0, bucket, value.reshape(-1).to(f64))
     most = per_seq.amax() if b else torch.full((), float("-inf"), dtype=f64, device=device)
     return {
         "sum_abs": sums[0],  # 0 on masked and non-finite tokens
