@@ -354,7 +354,8 @@ def _loosen(policy: OPBCPolicy, name: str, fraction: float) -> OPBCPolicy:
     value = getattr(policy, name)
     if name in LOOSEN_DOWN:
         low = policy.min_ess if name == "replay_ess" else 0.0
-        return policy.replace(**{name: value - fraction * (value - low)})
+        # max(): value - (value - low) can round below a tiny low (1.0 - 1e-38 == 1.0 in floats).
+        return policy.replace(**{name: max(low, value - fraction * (value - low))})
     high = {"veto": 3 * value + 1, "max_lag": value + 10, "replay_lag": policy.max_lag, "alignment_gap": value + 5}
     return policy.replace(**{name: value + fraction * (high.get(name, 1.0) - value)})
 
@@ -379,3 +380,9 @@ def test_reason_codes_are_ordered_by_action_precedence():
     assert [a for a, n in FC._REASON_RUNS for _ in range(n)] == codes
     assert [r.value for r in Reason] == list(FC.REASON_NAMES)
     assert [a.value for a in Action] == list(FC.ACTIONS)
+
+
+def test_loosening_replay_ess_all_the_way_stays_valid_next_to_a_tiny_min_ess():
+    """Regression (found by hypothesis): 1.0 - (1.0 - 1.2e-38) is 0.0 in floats, below min_ess."""
+    policy = OPBCPolicy().replace(min_ess=1.175494351e-38, replay_ess=1.0)
+    assert _loosen(policy, "replay_ess", 1.0).replay_ess == policy.min_ess
