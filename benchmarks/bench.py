@@ -14,6 +14,7 @@ Sections:
   sync     2-process gloo: the collection's packed sync against torchmetrics' per-state sync
   memory   state bytes after 1 and 1000 updates; peak memory of one update against its inputs
   sketch   the top-1% histogram sketch: cost and error against an exact sort
+  sections the default collection's update and each default section's alone, against the floor
 """
 
 from __future__ import annotations
@@ -218,10 +219,27 @@ def bench_sketch(shapes: list[tuple[int, int]], repeats: int) -> None:
               flush=True)
 
 
+def bench_sections(shapes: list[tuple[int, int]], repeats: int) -> None:
+    from opbc_metrics.collection import DEFAULT_SECTIONS
+
+    print("\n## update() of the default collection and of each default section alone, eager (median ms;"
+          " x the compiled floor)")
+    print(f"{'shape':>12} {'floor':>8} {'default':>14} " + " ".join(f"{s:>14}" for s in DEFAULT_SECTIONS))
+    for b, t in shapes:
+        x = make_inputs(b, t)
+        tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
+        collections = {"default": OPBCCollection(), **{s: OPBCCollection(sections=[s]) for s in DEFAULT_SECTIONS}}
+        fns: dict[str, Callable[[], object]] = {"floor": lambda: _floor_compiled(tr, ro, m)}  # noqa: B023
+        fns.update({name: (lambda c=c: c.update(x)) for name, c in collections.items()})  # noqa: B023
+        med = interleaved(fns, repeats)
+        cells = " ".join(f"{med[k] * 1e3:>7.2f} {med[k] / med['floor']:>5.1f}x" for k in collections)
+        print(f"{b:>5}x{t:<6} {med['floor'] * 1e3:>8.3f} {cells}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke run)")
-    parser.add_argument("--only", default="update,naive,sync,memory,sketch")
+    parser.add_argument("--only", default="update,naive,sync,memory,sketch,sections")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--wall", action="store_true", help="time wall-clock instead of process CPU time")
@@ -246,6 +264,8 @@ def main() -> None:
         bench_memory(args.quick)
     if "sketch" in only:
         bench_sketch(shapes, repeats)
+    if "sections" in only:
+        bench_sections(shapes, 5 if args.quick else 7)
     gc.collect()
 
 

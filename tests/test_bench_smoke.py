@@ -12,10 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_script_runs_quick():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--no-compile",
-         "--only", "update,naive,memory,sketch"],
+         "--only", "update,naive,memory,sketch,sections"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    for section in ("## update()", "## one step", "## memory", "## top-1% gradient mass"):
+    for section in ("## update()", "## one step", "## memory", "## top-1% gradient mass", "## update() of the default"):
         assert section in out.stdout
     assert "after 1 update" in out.stdout
