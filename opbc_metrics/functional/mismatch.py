@@ -130,7 +130,7 @@ def _plan(rows: int, t: int, dtype: torch.dtype, device: torch.device, bins: int
     key = (rows, t, dtype, bins, summed)
     plan = _WORKSPACES.plans.get(key)
     if plan is None:
-        # Keep the plans of the last few shapes only: each holds ~16 x 64K elements.
+        # Keep the plans of the last few shapes only: each holds ~16 x max(32K, T) elements.
         if len(_WORKSPACES.plans) >= 4:
             _WORKSPACES.plans.pop(next(iter(_WORKSPACES.plans)))
         plan = _WORKSPACES.plans[key] = _BlockPlan(rows, t, dtype, device, bins, summed)
@@ -138,7 +138,7 @@ def _plan(rows: int, t: int, dtype: torch.dtype, device: torch.device, bins: int
 
 
 def release_workspaces() -> None:
-    """Free this thread's workspace buffers (about 16 x ``max(65536, T)`` elements per cached block shape)."""
+    """Free this thread's workspace buffers (about 16 x ``max(32768, T)`` elements per cached block shape)."""
     _WORKSPACES.plans.clear()
 
 
@@ -149,7 +149,7 @@ def token_statistics(
     """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
 
     A token is valid when ``mask`` is set and ``r = trainer - rollout`` is finite (so both logprobs
-    are). Eager, the batch goes through in blocks of about 64K tokens with in-place ops on cached
+    are). Eager, the batch goes through in blocks of about 32K tokens with in-place ops on cached
     buffers (:func:`_blocked_token_statistics`); under ``torch.compile`` the same statistics come from
     pure expressions that inductor fuses into one loop over the tokens plus one for the histogram
     (:func:`_fused_token_statistics`, ``fullgraph=True``). Both feed :func:`_assemble_statistics`.
@@ -941,7 +941,7 @@ def probability_diff(
     1 if the probabilities are identical, else 0. Logprobs above 0 (invalid) are read as 0 and below
     -80 as -80 (``e^-80 ~ 1.8e-35``: immaterial to every sum, and it keeps CPU exp off its slow path). Pearson
     is computed from mergeable raw moments (partial sums in the input dtype over a sequence or a block of
-    at most 64K tokens, accumulated in float64), so its rounding error is about
+    at most 32K tokens, accumulated in float64), so its rounding error is about
     ``eps * E[p^2] / Var(p)`` (eps of the input dtype): negligible for real token probabilities,
     visible only when one side's probabilities are all nearly equal.
 
