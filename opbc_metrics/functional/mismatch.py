@@ -7,7 +7,7 @@ Notation (per valid token t, i.e. ``response_mask = 1`` and both logprobs finite
 
 One kernel, :func:`token_statistics`, computes every token-level sufficient statistic of the section
 in one sweep (eager: cache-sized blocks of in-place ops; under ``torch.compile``: one fused loop over
-the tokens plus one for the histogram); :func:`batch_statistics` caches it on the batch's
+the tokens, the histogram's scatter included); :func:`batch_statistics` caches it on the batch's
 :class:`~opbc_metrics.batch.BatchView`, so a collection pays for it once.
 Each metric then comes as a pair ``_x_update(stats) -> dict of its statistics`` and
 ``_x_compute(**stats) -> value``; the stateful classes in :mod:`opbc_metrics.mismatch` sum (or
@@ -151,7 +151,7 @@ def token_statistics(
     A token is valid when ``mask`` is set and ``r = trainer - rollout`` is finite (so both logprobs
     are). Eager, the batch goes through in blocks of about 32K tokens with in-place ops on cached
     buffers (:func:`_blocked_token_statistics`); under ``torch.compile`` the same statistics come from
-    pure expressions that inductor fuses into one loop over the tokens plus one for the histogram
+    pure expressions that inductor fuses into one loop over the tokens, the histogram's scatter included
     (:func:`_fused_token_statistics`, ``fullgraph=True``). Both feed :func:`_assemble_statistics`.
 
     Args:
