@@ -84,9 +84,8 @@ def check_capacity(capacity: int) -> int:
     return capacity
 
 
-def round_index(response_mask: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
-    """``[B, T]`` integer tensor (``dtype``, int64 by default): the 0-based round of each response token,
-    -1 outside rounds.
+def round_index(response_mask: Tensor) -> Tensor:
+    """``[B, T]`` int64: the 0-based round of each response token, -1 outside rounds.
 
     A round is a contiguous run of nonzero mask values. Vectorised: starts where the mask is on and
     the previous token's is off, then a cumulative sum.
@@ -101,11 +100,14 @@ def round_index(response_mask: Tensor, dtype: torch.dtype = torch.int64) -> Tens
         shape = tuple(response_mask.shape) if isinstance(response_mask, Tensor) else type(response_mask).__name__
         raise ValueError(f"batch field `response_mask` must be a [B, T] tensor, got {shape}")
     on = as_bool_mask(response_mask)
+    return _rounds_started(on, torch.int64).sub_(1).masked_fill_(~on, -1)
+
+
+def _rounds_started(on: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[B, T]``: rounds started up to and including each token of a bool ``[B, T]`` mask (non-decreasing)."""
     b, t = on.shape
     before = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=on.device), on], dim=1)[:, :t]
-    starts = on & ~before
-    idx = torch.cumsum(starts, dim=1, dtype=dtype).sub_(1)
-    return idx.masked_fill_(~on, -1)
+    return torch.cumsum(on & ~before, dim=1, dtype=dtype)
 
 
 # The update goes through the batch in chunks of about this many tokens, so that its [B, T]-sized
@@ -135,8 +137,7 @@ def _per_round_update(view: BatchView, capacity: int) -> Stats:
         hi = min(b, lo + rows)
         m, n = mask[lo:hi], hi - lo
         zero_column = torch.zeros((n, 1), dtype=torch.int64, device=device)
-        before = torch.cat([zero_column.bool(), m[:, :-1]], dim=1)
-        started = torch.cumsum(m & ~before, dim=1, dtype=i32)  # rounds started up to each token
+        started = _rounds_started(m, i32)
         per_seq[lo:hi] = started[:, -1]
         segment = started.sub_(1).clamp_(max=capacity).contiguous()  # -1 before the first round; non-decreasing
         ends = torch.searchsorted(segment, segment_ids.expand(n, k).contiguous(), right=True)  # [n, k]
