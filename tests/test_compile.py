@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opbc_metrics import OPBCCollection
-from opbc_metrics.functional.mismatch import token_statistics
+from opbc_metrics.functional.mismatch import _reduction_pieces, token_statistics
 from opbc_metrics.functional.moe import router_set_disagreement, router_top1_flips
 from opbc_metrics.functional.per_round import round_index
 from tests.data import make_batch
@@ -41,6 +41,22 @@ def test_compiled_kernel_matches_eager_on_long_rows():
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-5, atol=1e-6, msg=key)
     assert torch.equal(compiled["hist"], eager["hist"])  # the same bin formula in both kernels
+
+
+def test_compiled_kernel_sums_long_rows_in_pieces():
+    """T = 12288 goes as 4 pieces of 3072 per row: per-sequence statistics must be reassembled per sequence."""
+    assert [_reduction_pieces(t) for t in (40, 4096, 5001, 8000, 8192, 8198, 12288, 49152)] == [1, 1, 1, 2, 2, 1, 4, 16]
+    b = make_batch(batch=3, seq=12288, seed=7)
+    b["trainer_logprobs"][0, 9000] = float("nan")  # masked in: sequence 0 drops out of the sequence statistics
+    b["response_mask"][0, 9000] = 1
+    b["response_mask"][1, 6000:] = 0  # sequence 1 ends in its second piece
+    args = (b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool(), 20.0, 30.0, 8192)
+    eager = token_statistics(*args)
+    assert eager["num_seqs"] == 2
+    compiled = torch.compile(token_statistics, fullgraph=True, dynamic=False)(*args)
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert torch.equal(compiled["hist"], eager["hist"])
 
 
 def test_router_and_round_kernels_compile_fullgraph():

@@ -301,8 +301,11 @@ def test_bad_constructor_arguments():
             ImportanceSamplingESS(clamp=bad)
         with pytest.raises(ValueError, match="veto"):
             VetoFraction(veto=bad)
-    with pytest.raises(ValueError, match="bins"):
-        TopGradientMass(bins=1)
+    for bad in (1, 2**24 + 1, 2.5, True):
+        with pytest.raises(ValueError, match="bins"):
+            TopGradientMass(bins=bad)
+        with pytest.raises(ValueError, match="bins"):
+            F.top_gradient_mass(torch.zeros(1, 2), torch.zeros(1, 2), bins=bad)
     with pytest.raises(ValueError, match="sections"):
         OPBCCollection(sections=["nope"])
 

@@ -50,9 +50,7 @@ class _MismatchMetric(OPBCMetric):
         super().__init__(**kwargs)
         self.clamp = check_positive("clamp", clamp)
         self.veto = check_positive("veto", veto)
-        if not isinstance(top_mass_bins, int) or top_mass_bins < 2:
-            raise ValueError(f"`top_mass_bins` must be an integer >= 2, got {top_mass_bins!r}")
-        self.top_mass_bins = top_mass_bins
+        self.top_mass_bins = F.check_bins(top_mass_bins)
         self.compiled = bool(compiled)
         # The optional statistic groups this metric reads (F.STATISTIC_GROUPS): only the core by default.
         self.statistic_groups: frozenset[str] = frozenset()
