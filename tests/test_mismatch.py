@@ -362,19 +362,26 @@ def test_eager_blocks_and_cached_plans_give_the_statistics_of_one_block(monkeypa
     one_block = fm.token_statistics(*args)
     monkeypatch.setattr(fm, "_BLOCK_TOKENS", 150)
     fm.release_workspaces()
+    prob_keys = ("sum_p", "sum_q", "sum_abs_pq", "sum_pp", "sum_qq", "sum_pq", "max_abs_pq")
+    results = []
     for prob, hist in ((True, True), (True, True), (False, False), (True, True)):
         blocked = fm.token_statistics(*args, prob=prob, hist=hist)
+        results.append((blocked, {key: value.clone() for key, value in blocked.items()}))
         for key, value in one_block.items():
-            if (key in ("sum_p", "sum_q", "sum_abs_pq", "sum_pp", "sum_qq", "sum_pq", "max_abs_pq") and not prob) or (
-                key == "hist" and not hist
-            ):
+            if (key in prob_keys and not prob) or (key == "hist" and not hist):
+                assert torch.all(blocked[key] == 0), key  # skipped groups read 0
                 continue
             # Per-sequence sums and extremes do not depend on the blocking; block partial sums of products do.
             torch.testing.assert_close(blocked[key], value, rtol=1e-6, atol=0.0, msg=key)
         if hist:
             assert torch.equal(blocked["hist"], one_block["hist"])
+    # Another batch of the same shape reuses the per-call buffers: earlier results must not change.
+    fm.token_statistics(args[1], args[0], *args[2:])
+    for returned, kept in results:
+        for key, value in kept.items():
+            torch.testing.assert_close(returned[key], value, rtol=0.0, atol=0.0, equal_nan=True, msg=key)
     fm.release_workspaces()
-    assert not fm._WORKSPACES.plans
+    assert not fm._WORKSPACES.plans and not fm._WORKSPACES.calls
 
 
 def test_histogram_counts_in_float64_past_float32s_exact_range(monkeypatch):
