@@ -130,7 +130,7 @@ class _BlockPlan:
         # Free once the sums are taken: the p row as scratch, the p and q rows as int64 bin indices.
         self.e = self.p
         self.idx_flat = (self.pq if dtype == torch.float32 else self.p).reshape(-1).view(torch.int64)
-        self.valid_flat = self.valid.view(-1)
+        self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
         self.block_counts = torch.empty(bins + 1, dtype=dtype, device=device)
         # Bin offsets for invalid tokens (weight 0, any bin will do), 16 distinct ones in a row: a run of
         # padding in one bin is a chain of dependent read-modify-writes (measured: the block's scatter
@@ -267,7 +267,8 @@ def _blocked_token_statistics(
         if hist:
             # Bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking); invalid
             # tokens (rc = 0, `a` = 1) move off the middle bin by their spread offset, valid ones by exactly 0.
-            x.idx_flat.copy_(torch.add(rc, shift, out=x.rs).mul_(scale_t).addcmul_(invalid, x.spread).view(-1))
+            torch.add(rc, shift, out=x.rs).mul_(scale_t).addcmul_(invalid, x.spread)
+            x.idx_flat.copy_(x.rs_flat)
             if exact_counts:
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
