@@ -247,8 +247,10 @@ def _blocked_token_statistics(
         # d - d is 0 where d is finite and NaN where it is not: valid = mask * (d - d == 0).
         torch.eq(torch.sub(d, d, out=a), zero, out=valid).mul_(x.m)
         if prob:
-            _probabilities(tr, valid, out=x.p)
-            _probabilities(ro, valid, out=x.q)
+            # p and q: exp(clamp(logp, PROB_LOG_FLOOR, 0)) on valid tokens, 0 elsewhere; both rows at once.
+            torch.nan_to_num(tr, 0.0, 0.0, 0.0, out=x.p)
+            torch.nan_to_num(ro, 0.0, 0.0, 0.0, out=x.q)
+            x.pq.clamp_(PROB_LOG_FLOOR, 0.0).exp_().mul_(x.valid_flat)
             torch.mm(x.pq, x.pq_t, out=g_pq)
             torch.amax(torch.sub(x.p, x.q, out=x.apq).abs_(), (0, 1), out=hi_pq)
         r = d.nan_to_num_(0.0, 0.0, 0.0).mul_(valid)
@@ -279,11 +281,6 @@ def _blocked_token_statistics(
         call.row_sums, products, call.extremes[0].amin(), call.extremes[1].amax(), call.extremes[2].amax(),
         counts, clamp, bins,
     )
-
-
-def _probabilities(logprobs: Tensor, valid: Tensor, out: Tensor) -> Tensor:
-    """``exp(clamp(logp, PROB_LOG_FLOOR, 0))`` on valid tokens, 0 elsewhere (eager, into ``out``)."""
-    return torch.nan_to_num(logprobs, 0.0, 0.0, 0.0, out=out).clamp_(PROB_LOG_FLOOR, 0.0).exp_().mul_(valid)
 
 
 def _fused_token_statistics(
