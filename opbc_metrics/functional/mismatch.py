@@ -70,7 +70,7 @@ _ROW_SUMS = (
 # (a masked_fill value) is a finite r of 3.4e38, two of which overflow a float32 sum, while power-of-two
 # scaling is exact (tokens with |r| < 2^-62 nats lose relative precision: at most 2^-62 nats each).
 _R_SCALE = 2.0**-64
-_SCALED_SUMS = ("sum_r", "sum_abs_r")
+_SCALED_ROWS = slice(_ROW_SUMS.index("sum_r"), _ROW_SUMS.index("sum_abs_r") + 1)
 # Token-level sums of products, [len(_PRODUCT_SUMS)].
 _PRODUCT_SUMS = ("sum_rc2", "sum_w2", "sum_pp", "sum_qq", "sum_pq")
 _SCALAR_STATS = (
@@ -131,6 +131,7 @@ class _BlockPlan:
         self.e = self.p
         self.idx_flat = (self.pq if dtype == torch.float32 else self.p).reshape(-1).view(torch.int64)
         self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
+        self.idx32_flat = self.ars.reshape(-1).view(torch.int32)[: rows * t]  # int32 indices in the |r| row
         self.block_counts = torch.empty(bins + 1, dtype=dtype, device=device)
         # Bin offsets for invalid tokens (weight 0, any bin will do), 16 distinct ones in a row: a run of
         # padding in one bin is a chain of dependent read-modify-writes (measured: the block's scatter
@@ -152,6 +153,8 @@ class _CallPlan:
         # Gram matrices of the feature pairs (rc, w) and (p, q): sums of rc^2, w^2, p^2, q^2 and p*q.
         self.grams = torch.zeros(2, blocks, 2, 2, dtype=dtype, device=device)
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
+        # _PRODUCT_SUMS in the flattened [2, 2, 2] sum of the Gram matrices: rc^2, w^2, p^2, q^2, p*q.
+        self.product_index = torch.tensor([0, 3, 4, 7, 5], device=device)
         self.outputs = list(zip(
             self.row_sums[:summed].split(rows, dim=1), self.grams[0].unbind(0), self.grams[1].unbind(0),
             *self.extremes.unbind(0),
@@ -243,9 +246,11 @@ def _blocked_token_statistics(
         x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed)
         d, a, valid = x.d, x.a, x.valid
         torch.sub(tr, ro, out=d)
-        x.m.copy_(mb)
-        # d - d is 0 where d is finite and NaN where it is not: valid = mask * (d - d == 0).
-        torch.eq(torch.sub(d, d, out=a), zero, out=valid).mul_(x.m)
+        # d / mask is d where the mask is set and inf or NaN where it is not: a token is valid where that
+        # quotient is finite, i.e. where nan_to_num leaves it unchanged; r is that quotient's nan_to_num.
+        d.div_(x.m.copy_(mb))
+        r = torch.nan_to_num(d, 0.0, 0.0, 0.0, out=a)
+        torch.eq(d, r, out=valid)
         if prob:
             # p and q: exp(clamp(logp, PROB_LOG_FLOOR, 0)) on valid tokens, 0 elsewhere; both rows at once.
             torch.nan_to_num(tr, 0.0, 0.0, 0.0, out=x.p)
@@ -253,7 +258,6 @@ def _blocked_token_statistics(
             x.pq.clamp_(PROB_LOG_FLOOR, 0.0).exp_().mul_(x.valid_flat)
             torch.mm(x.pq, x.pq_t, out=g_pq)
             torch.amax(torch.sub(x.p, x.q, out=x.apq).abs_(), (0, 1), out=hi_pq)
-        r = d.nan_to_num_(0.0, 0.0, 0.0).mul_(valid)
         ar = torch.abs(torch.mul(r, r_scale, out=x.rs), out=x.ars)
         torch.gt(ar, clip_at, out=x.clipped)
         torch.gt(ar, veto_at, out=x.vetoed)
@@ -263,24 +267,21 @@ def _blocked_token_statistics(
         torch.mm(x.rcw, x.rcw_t, out=g_rcw)
         torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         # Extremes over valid tokens: the others move to the far end of the finite range.
-        invalid = torch.eq(valid, zero, out=a)
+        invalid = torch.eq(valid, zero, out=d)
         torch.amin(torch.add(r, invalid, alpha=big, out=x.e), (0, 1), out=lo_r)
         torch.amax(torch.add(r, invalid, alpha=-big, out=x.e), (0, 1), out=hi_r)
         if hist:
             # Bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking); invalid
             # tokens (rc = 0, `a` = 1) move off the middle bin by their spread offset, valid ones by exactly 0.
             torch.add(rc, shift, out=x.rs).mul_(scale_t).addcmul_(invalid, x.spread)
-            x.idx_flat.copy_(x.rs_flat)
+            x.idx_flat.copy_(x.idx32_flat.copy_(x.rs_flat))  # via int32: two copies 11 us, direct 16 us
             if exact_counts:
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
                 counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
-    g = call.grams.sum(1, dtype=f64)
-    products = torch.stack((g[0, 0, 0], g[0, 1, 1], g[1, 0, 0], g[1, 1, 1], g[1, 0, 1]))  # _PRODUCT_SUMS order
-    return _assemble_statistics(
-        call.row_sums, products, call.extremes[0].amin(), call.extremes[1].amax(), call.extremes[2].amax(),
-        counts, clamp, bins,
-    )
+    products = call.grams.sum(1, dtype=f64).view(-1).take(call.product_index)
+    extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
+    return _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
 
 
 def _fused_token_statistics(
@@ -342,10 +343,10 @@ def _fused_token_statistics(
         one = torch.ones((), dtype=i32, device=trainer.device)
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
-    return _assemble_statistics(
-        row_sums, products, torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(),
-        max_abs_pq, counts, clamp, bins,
-    )
+    extremes = torch.stack([
+        torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
+    ])
+    return _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
 
 
 # Inductor's CPU code sums float32 over more than this many elements with a cascade helper: per-element
@@ -366,49 +367,55 @@ def _reduction_pieces(t: int) -> int:
 
 
 def _assemble_statistics(
-    row_sums: Tensor, products: Tensor, min_r: Tensor, max_r: Tensor, max_abs_pq: Tensor, hist: Tensor,
-    clamp: float, bins: int,
+    row_sums: Tensor, products: Tensor, extremes: Tensor, hist: Tensor, clamp: float, bins: int
 ) -> Stats:
     """The statistics dict from the per-sequence and per-batch partial results of either kernel.
 
-    Sequences are ``[B]``-sized, so float64 throughout. A sequence counts if it has a valid token and
-    no masked token with a non-finite log ratio.
+    ``extremes`` is ``[min r, max r, max |p - q|]``. Sequences are ``[B]``-sized, so float64 throughout.
+    A sequence counts if it has a valid token and no masked token with a non-finite log ratio. Per-sequence
+    terms are stacked and summed at once, results unbound from one tensor: ~25 small ops per call.
     """
     f64 = torch.float64
-    unscale = [1.0 / _R_SCALE if name in _SCALED_SUMS else 1.0 for name in _ROW_SUMS]
-    row_sums = row_sums.to(f64) * torch.tensor(unscale, dtype=f64, device=row_sums.device)[:, None]
-    totals = row_sums.sum(-1)
-    out = {name: totals[i] for i, name in enumerate(_ROW_SUMS)}
-    out.update({name: products[i] for i, name in enumerate(_PRODUCT_SUMS)})
-    seq_n, seq_mask_n, seq_r = (row_sums[_ROW_SUMS.index(name)] for name in ("n", "n_mask", "sum_r"))
-    n = out["n"]
-    seq_ok = ((seq_n > 0) & (seq_n == seq_mask_n)).to(f64)
+    rows = row_sums.to(f64, copy=True)
+    rows[_SCALED_ROWS].mul_(1.0 / _R_SCALE)
+    totals = dict(zip(_ROW_SUMS, rows.sum(-1).unbind(0)))
+    seq_n, seq_mask_n, seq_r = rows[:3].unbind(0)  # n, n_mask, sum_r come first in _ROW_SUMS
+    has_tokens = totals["n"] > 0
+    seq_counts = (seq_n > 0) & (seq_n == seq_mask_n)
+    seq_ok = seq_counts.to(f64)
     s = seq_r * seq_ok
+    abs_s = s.abs()
     geo = s / seq_n.clamp_min(1.0)
     ws = torch.exp(s.clamp(-clamp, clamp)) * seq_ok
-    dseq = -geo  # d_i = mean rollout logp - mean trainer logp
-    inf = torch.full((), math.inf, dtype=f64, device=n.device)
+    # d_i = mean rollout logp - mean trainer logp = -geo_i. A sentinel (-9999, finfo.min) can make d_i
+    # thousands of nats: capped where exp stays finite.
+    exp_d = torch.exp(geo.neg().clamp(max=PPL_LOG_CAP)) * seq_ok
+    per_seq = torch.stack((seq_ok, s, abs_s, geo, ws, ws * ws, geo.abs(), exp_d)).sum(-1)
+    num_seqs, sum_s, sum_abs_s, sum_geo, sum_ws, sum_ws2, sum_abs_d, sum_exp_d = per_seq.unbind(0)
+    min_r, max_r, max_abs_pq = extremes.to(f64).unbind(0)
+    # Tokens at rc = C land one past the last bin: the last bin includes its upper edge.
+    counts = hist[:bins].to(f64, copy=True)
+    counts[-1:] += hist[bins:]
     return {
-        # Tokens at rc = C land one past the last bin: the last bin includes its upper edge.
         # The histogram comes first: in this output order inductor schedules the compiled kernel's histogram
         # scatter ahead of the reductions and fuses the two into one loop over the tokens (measured: in the
         # other order the scatter is a second loop that reads the inputs from memory again).
-        "hist": torch.cat((hist[: bins - 1], hist[bins - 1 : bins] + hist[bins:])).to(f64),
-        **out,
-        "min_r": torch.where(n > 0, min_r.to(f64), inf),
-        "max_r": torch.where(n > 0, max_r.to(f64), -inf),
-        "max_abs_pq": max_abs_pq.to(f64),
-        "num_seqs": seq_ok.sum(),
-        "sum_s": s.sum(),
-        "sum_abs_s": s.abs().sum(),
-        "max_abs_s": torch.where(seq_ok > 0, s.abs(), -inf).amax(),
-        "sum_geo": geo.sum(),
-        "sum_ws": ws.sum(),
-        "sum_ws2": (ws * ws).sum(),
-        "sum_d": dseq.sum(),
-        "sum_abs_d": dseq.abs().sum(),
-        # A sentinel (-9999, finfo.min) can make d_i thousands of nats: capped where exp stays finite.
-        "sum_exp_d": (torch.exp(dseq.clamp(max=PPL_LOG_CAP)) * seq_ok).sum(),
+        "hist": counts,
+        **totals,
+        **dict(zip(_PRODUCT_SUMS, products.unbind(0))),
+        "min_r": torch.where(has_tokens, min_r, math.inf),
+        "max_r": torch.where(has_tokens, max_r, -math.inf),
+        "max_abs_pq": max_abs_pq,
+        "num_seqs": num_seqs,
+        "sum_s": sum_s,
+        "sum_abs_s": sum_abs_s,
+        "max_abs_s": torch.where(seq_counts, abs_s, -math.inf).amax(),
+        "sum_geo": sum_geo,
+        "sum_ws": sum_ws,
+        "sum_ws2": sum_ws2,
+        "sum_d": -sum_geo,
+        "sum_abs_d": sum_abs_d,
+        "sum_exp_d": sum_exp_d,
     }
 
 
