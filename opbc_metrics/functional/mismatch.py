@@ -114,6 +114,7 @@ class _BlockPlan:
 
     def __init__(self, rows: int, t: int, dtype: torch.dtype, bins: int, device: torch.device, summed: int) -> None:
         f = {name: i for i, name in enumerate(_ROW_SUMS)}
+        self.rows = rows
         self.features = x = torch.empty(len(_ROW_SUMS), rows, t, dtype=dtype, device=device)
         self.d, self.a = torch.empty(2, rows, t, dtype=dtype, device=device).unbind(0)
         rows_of = dict(zip(_ROW_SUMS, x.unbind(0)))
@@ -242,8 +243,10 @@ def _blocked_token_statistics(
     # One C++ call per input instead of a Python-level view per block. The mask goes as uint8: a uint8 -> float
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
+    x = None
     for tr, ro, mb, (sums, g_rcw, g_pq, lo_r, hi_r, hi_pq) in block_views:
-        x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed)
+        if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
+            x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed)
         d, a, valid = x.d, x.a, x.valid
         torch.sub(tr, ro, out=d)
         # d / mask is d where the mask is set and inf or NaN where it is not: a token is valid where that
