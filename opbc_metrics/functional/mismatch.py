@@ -127,6 +127,13 @@ class _BlockPlan:
         self.rc, self.w = rows_of["sum_rc"], rows_of["sum_w"]
         self.rcw = x[f["sum_rc"] : f["sum_w"] + 1].flatten(1)
         self.rcw_t = self.rcw.t()
+        # (rc, w) and (p, q) as one batch of two [2, tokens] matrices, for one bmm of both Gram matrices.
+        n, gap = rows * t, f["sum_p"] - f["sum_rc"]
+        self.pairs = x.view(-1).as_strided((2, 2, n), (gap * n, n, 1), f["sum_rc"] * n)
+        self.pairs_t = self.pairs.transpose(1, 2)
+        # |r| * 2^-64 as one row against both thresholds, into the adjacent clipped and vetoed rows.
+        self.flags = x[f["clipped"] : f["vetoed"] + 1].flatten(1)
+        self.ars_row = self.ars.view(1, -1)
         self.summed = x[:summed]
         # Free once the sums are taken: the p row as scratch, the p and q rows as int64 bin indices.
         self.e = self.p
@@ -152,13 +159,12 @@ class _CallPlan:
         # Skipped groups leave zeros: their rows come last and are never written.
         self.row_sums = torch.zeros(len(_ROW_SUMS), b, dtype=dtype, device=device)
         # Gram matrices of the feature pairs (rc, w) and (p, q): sums of rc^2, w^2, p^2, q^2 and p*q.
-        self.grams = torch.zeros(2, blocks, 2, 2, dtype=dtype, device=device)
+        self.grams = torch.zeros(blocks, 2, 2, 2, dtype=dtype, device=device)
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
         # _PRODUCT_SUMS in the flattened [2, 2, 2] sum of the Gram matrices: rc^2, w^2, p^2, q^2, p*q.
         self.product_index = torch.tensor([0, 3, 4, 7, 5], device=device)
         self.outputs = list(zip(
-            self.row_sums[:summed].split(rows, dim=1), self.grams[0].unbind(0), self.grams[1].unbind(0),
-            *self.extremes.unbind(0),
+            self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0)
         ))
 
 
@@ -236,15 +242,15 @@ def _blocked_token_statistics(
     counts = torch.zeros(bins + 1, dtype=dtype if exact_counts else f64, device=device)
     scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
     # Operands as 0-dim tensors of the features' dtype: a Python scalar costs a conversion per call.
-    zero, clip_at, veto_at, r_scale, shift, scale_t = (
-        torch.full((), v, dtype=dtype, device=device)
-        for v in (0.0, clamp * _R_SCALE, veto * _R_SCALE, _R_SCALE, clamp, scale)
+    zero, r_scale, shift, scale_t = (
+        torch.full((), v, dtype=dtype, device=device) for v in (0.0, _R_SCALE, clamp, scale)
     )
+    thresholds = torch.tensor([[clamp * _R_SCALE], [veto * _R_SCALE]], dtype=dtype, device=device)
     # One C++ call per input instead of a Python-level view per block. The mask goes as uint8: a uint8 -> float
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, g_rcw, g_pq, lo_r, hi_r, hi_pq) in block_views:
+    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed)
         d, a, valid = x.d, x.a, x.valid
@@ -259,15 +265,16 @@ def _blocked_token_statistics(
             torch.nan_to_num(tr, 0.0, 0.0, 0.0, out=x.p)
             torch.nan_to_num(ro, 0.0, 0.0, 0.0, out=x.q)
             x.pq.clamp_(PROB_LOG_FLOOR, 0.0).exp_().mul_(x.valid_flat)
-            torch.mm(x.pq, x.pq_t, out=g_pq)
             torch.amax(torch.sub(x.p, x.q, out=x.apq).abs_(), (0, 1), out=hi_pq)
-        ar = torch.abs(torch.mul(r, r_scale, out=x.rs), out=x.ars)
-        torch.gt(ar, clip_at, out=x.clipped)
-        torch.gt(ar, veto_at, out=x.vetoed)
+        torch.abs(torch.mul(r, r_scale, out=x.rs), out=x.ars)
+        torch.gt(x.ars_row, thresholds, out=x.flags)
         rc = torch.clamp(r, -clamp, clamp, out=x.rc)
         torch.exp(rc, out=x.w).mul_(valid)
         # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
-        torch.mm(x.rcw, x.rcw_t, out=g_rcw)
+        if prob:
+            torch.bmm(x.pairs, x.pairs_t, out=grams)  # both Gram matrices in one call
+        else:
+            torch.mm(x.rcw, x.rcw_t, out=grams[0])
         torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         # Extremes over valid tokens: the others move to the far end of the finite range.
         invalid = torch.eq(valid, zero, out=d)
@@ -282,7 +289,7 @@ def _blocked_token_statistics(
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
                 counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
-    products = call.grams.sum(1, dtype=f64).view(-1).take(call.product_index)
+    products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
     extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
     return _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
 
