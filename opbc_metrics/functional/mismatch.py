@@ -135,7 +135,8 @@ class _BlockPlan:
         self.flags = x[f["clipped"] : f["vetoed"] + 1].flatten(1)
         self.ars_row = self.ars.view(1, -1)
         self.summed = x[:summed]
-        # Free once the sums are taken: the p row as scratch, the p and q rows as int64 bin indices.
+        # Free once the sums are taken: the p row as scratch, the p and q rows as int64 bin indices (converted
+        # via int32 in the |r| row).
         self.e = self.p
         self.idx_flat = (self.pq if dtype == torch.float32 else self.p).reshape(-1).view(torch.int64)
         self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
@@ -226,7 +227,7 @@ def token_statistics(
 def _blocked_token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool
 ) -> Stats:
-    """Eager kernel: blocks of whole sequences, ~40 in-place ops per block on cache-resident buffers.
+    """Eager kernel: blocks of whole sequences, ~32 in-place ops per block on cache-resident buffers.
 
     Float arithmetic only: on CPU, ``where``, bool outputs and bool-to-float casts cost 5-20x a multiply.
     Ops that read the inputs come first, while the block's inputs are still in cache.
