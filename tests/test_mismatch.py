@@ -266,6 +266,22 @@ def test_nonfinite_tokens_are_counted_and_excluded():
     _assert_matches_reference(out, ref, 1e-9, 1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_tokens_never_count_whatever_their_logprobs(dtype):
+    """Validity is mask set and r finite: masked tokens with r = 0 (0 / 0 in the eager kernel), r = +-8,
+    NaN or a masked-in -inf must not reach the counts, sums or extremes (values worked out by hand)."""
+    inf, nan = float("inf"), float("nan")
+    trainer = torch.tensor([[-1.0, -0.5, -1.0, -1.0, -9.0, nan, -inf, -2.0], [-1.0] * 8], dtype=dtype)
+    rollout = torch.tensor([[-1.0, -2.5, -1.0, -9.0, -1.0, -1.0, -1.0, -1.5], [-1.25] * 8], dtype=dtype)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 1, 1], [1] * 8], dtype=torch.bool)
+    s = F.mismatch.token_statistics(trainer, rollout, mask, 20.0, 30.0, 64)
+    got = {k: s[k].item() for k in ("n", "n_mask", "sum_r", "sum_abs_r", "min_r", "max_r", "num_seqs", "sum_s")}
+    # Row 0: valid r = 0, 2, -0.5; its masked -inf makes it no valid sequence. Row 1: eight r = 0.25.
+    assert got == {"n": 11, "n_mask": 12, "sum_r": 3.5, "sum_abs_r": 4.5, "min_r": -0.5, "max_r": 2.0,
+                   "num_seqs": 1, "sum_s": 2.0}
+    assert s["hist"].sum().item() == 11
+
+
 def test_mask_defaults_to_all_ones_and_accepts_float_and_bool():
     b = make_batch(seed=7, dtype=torch.float64)
     full = {k: v for k, v in b.items() if k != "response_mask"}
