@@ -121,7 +121,6 @@ class _BlockPlan:
         self.valid, self.m = rows_of["n"], rows_of["n_mask"]
         self.p, self.q, self.apq = rows_of["sum_p"], rows_of["sum_q"], rows_of["sum_abs_pq"]
         self.pq = x[f["sum_p"] : f["sum_q"] + 1].flatten(1)  # adjacent rows as a [2, tokens] matrix
-        self.pq_t = self.pq.t()
         self.rs, self.ars = rows_of["sum_r"], rows_of["sum_abs_r"]
         self.clipped, self.vetoed = rows_of["clipped"], rows_of["vetoed"]
         self.rc, self.w = rows_of["sum_rc"], rows_of["sum_w"]
@@ -283,7 +282,7 @@ def _blocked_token_statistics(
         torch.amax(torch.add(r, invalid, alpha=-big, out=x.e), (0, 1), out=hi_r)
         if hist:
             # Bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking); invalid
-            # tokens (rc = 0, `a` = 1) move off the middle bin by their spread offset, valid ones by exactly 0.
+            # tokens (rc = 0, `invalid` = 1) move off the middle bin by their spread offset, valid ones by exactly 0.
             torch.add(rc, shift, out=x.rs).mul_(scale_t).addcmul_(invalid, x.spread)
             x.idx_flat.copy_(x.idx32_flat.copy_(x.rs_flat))  # via int32: two copies 11 us, direct 16 us
             if exact_counts:
