@@ -122,7 +122,6 @@ class _BlockPlan:
         self.p, self.q, self.apq = rows_of["sum_p"], rows_of["sum_q"], rows_of["sum_abs_pq"]
         self.pq = x[f["sum_p"] : f["sum_q"] + 1].flatten(1)  # adjacent rows as a [2, tokens] matrix
         self.rs, self.ars = rows_of["sum_r"], rows_of["sum_abs_r"]
-        self.clipped, self.vetoed = rows_of["clipped"], rows_of["vetoed"]
         self.rc, self.w = rows_of["sum_rc"], rows_of["sum_w"]
         self.rcw = x[f["sum_rc"] : f["sum_w"] + 1].flatten(1)
         self.rcw_t = self.rcw.t()
