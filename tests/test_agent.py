@@ -45,7 +45,10 @@ KEYS = [
     *(f"agent/trajectory/divergence_kind/{k}" for k in KINDS),
     "agent/trajectory/num_pairs",
     "agent/answer/match_rate",
+    "agent/answer/soft_match_mean",
     "agent/steps/tool_choice_disagreement_rate",
+    "agent/steps/rollout_mean",
+    "agent/steps/reference_mean",
 ]
 
 
@@ -97,13 +100,14 @@ def ref_pair(rollout, reference):
             div = (i, "tool_choice")
         elif [c[1] for c in sa[i][1]] != [c[1] for c in sb[i][1]]:
             div = (i, "tool_arguments")
-        elif ref_norm(sa[i][0]) != ref_norm(sb[i][0]):
+        elif not sa[i][1] and ref_norm(sa[i][0]) != ref_norm(sb[i][0]):  # text is the action without tools
             div = (i, "content")
         if div:
             break
     if div is None and len(sa) != len(sb):
         div = (min(len(sa), len(sb)), "length")
-    match = ref_norm(ans_a) == ref_norm(ans_b)
+    match = ref_norm(ans_a) != "" and ref_norm(ans_a) == ref_norm(ans_b)  # no answer on both sides: no match
+    soft = ref_token_f1(ref_norm(ans_a), ref_norm(ans_b))
     disagree = either = 0
     for i in range(max(len(sa), len(sb))):
         names_a = [c[0] for c in sa[i][1]] if i < len(sa) else []
@@ -112,7 +116,21 @@ def ref_pair(rollout, reference):
             either += 1
             if names_a != names_b:
                 disagree += 1
-    return jac, div, match, disagree, either
+    return jac, div, match, disagree, either, soft, len(sa), len(sb)
+
+
+def ref_token_f1(a, b):
+    """SQuAD's token F1 of two normalised answers, counted token by token."""
+    ta, tb = a.split(), b.split()
+    rest, common = list(tb), 0
+    for tok in ta:
+        if tok in rest:
+            rest.remove(tok)
+            common += 1
+    if common == 0:
+        return 0.0
+    p, r = common / len(ta), common / len(tb)
+    return 2 * p * r / (p + r)
 
 
 def ref_window(pairs):
@@ -130,6 +148,9 @@ def ref_window(pairs):
         "agent/trajectory/num_pairs": float(n),
         "agent/answer/match_rate": sum(r[2] for r in rows) / n if n else 1.0,
         "agent/steps/tool_choice_disagreement_rate": sum(r[3] for r in rows) / either if either else 0.0,
+        "agent/answer/soft_match_mean": sum(r[5] for r in rows) / n if n else 1.0,
+        "agent/steps/rollout_mean": sum(r[6] for r in rows) / n if n else 0.0,
+        "agent/steps/reference_mean": sum(r[7] for r in rows) / n if n else 0.0,
     }
     for kind in KINDS:
         out[f"agent/trajectory/divergence_kind/{kind}"] = sum(d[1] == kind for d in diverged) / n if n else 0.0
@@ -224,11 +245,12 @@ def test_collection_matches_reference(seed):
 def test_functional_matches_reference(pairs):
     assert_window(FA.agent_metrics(pairs), ref_window(pairs))
     for a, b in pairs:
-        jac, div, match, disagree, either = ref_pair(a, b)
+        jac, div, match, disagree, either, soft, _, _ = ref_pair(a, b)
         assert FA.tool_call_jaccard(a, b) == pytest.approx(jac, rel=1e-15)
         assert FA.first_divergence(a, b) == (None if div is None else FA.Divergence(*div))
         assert FA.answer_match(a, b) is match
         assert FA.tool_choice_disagreement(a, b) == (disagree, either)
+        assert FA.answer_soft_match(a, b) == pytest.approx(soft, rel=1e-15)
 
 
 def test_hand_computed_window():
@@ -275,6 +297,36 @@ def test_divergence_kinds_in_order_of_precedence():
     assert FA.tool_call_jaccard(two, traj(("", [("g", "{}"), ("f", "{}")]))) == 1.0
 
 
+def test_text_beside_the_same_tool_calls_is_not_a_divergence():
+    def traj(*steps):
+        return Trajectory([Step(c, calls) for c, calls in steps])
+
+    a = traj(("Let me search for it.", [("search", '{"q": "x"}')]), ("It is 4", []))
+    b = traj(("I will look this up", [("search", '{ "q":"x" }')]), ("it is  4", []))
+    assert FA.first_divergence(a, b) is None
+    # Without tool calls the text is the action (the final answer).
+    assert FA.first_divergence(a, traj(("whatever", [("search", '{"q": "x"}')]), ("It is 5", []))) == (1, "content")
+
+
+def test_answer_match_and_soft_match_by_hand():
+    def answered(text):
+        return [{"role": "assistant", "content": text}]
+
+    stopped = [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert not FA.answer_match(stopped, stopped)  # both stopped at the step limit
+    assert FA.answer_soft_match(stopped, stopped) == 0.0
+    assert FA.answer_soft_match(answered("the answer is 42"), answered("42")) == pytest.approx(0.4)  # 2*1/(4+1)
+    assert FA.answer_soft_match(answered("a a b"), answered("a b b")) == pytest.approx(2 / 3)  # overlap {a, b}
+    assert FA.answer_soft_match(answered("Paris"), answered(" paris ")) == 1.0
+    m = OPBCCollection(sections=["agent"])
+    m.update(trajectory_pairs=[(answered("the answer is 42"), answered("42")), (stopped, stopped)])
+    out = m.compute()
+    assert out["agent/answer/match_rate"].item() == 0.0
+    assert out["agent/answer/soft_match_mean"].item() == pytest.approx(0.2)
+    assert out["agent/steps/rollout_mean"].item() == 1.0 and out["agent/steps/reference_mean"].item() == 1.0
+
+
 # --- the data model --------------------------------------------------------------------------------
 def test_canonical_arguments_and_stable_hash():
     a = ToolCall("search", '{"q": "cats", "k": 3}')
@@ -318,7 +370,8 @@ def test_from_messages_reads_content_parts_function_call_and_skips_environment()
     open_ended = Trajectory.from_messages([{"role": "assistant", "content": "x", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
     assert open_ended.final_answer is None
-    assert FA.answer_match(open_ended, Trajectory([Step("")], final_answer="  "))
+    # Neither side answered: they did not reach the same answer.
+    assert not FA.answer_match(open_ended, Trajectory([Step("")], final_answer="  "))
     # An explicit final answer wins.
     assert Trajectory.from_messages([{"role": "assistant", "content": "x"}], final_answer="y").final_answer == "y"
 
@@ -346,6 +399,8 @@ def test_jaccard_bounded_and_symmetric(a, b):
     assert j == FA.tool_call_jaccard(b, a)
     assert FA.first_divergence(a, b) == FA.first_divergence(b, a)
     assert FA.answer_match(a, b) == FA.answer_match(b, a)
+    assert FA.answer_soft_match(a, b) == pytest.approx(FA.answer_soft_match(b, a), rel=1e-15)
+    assert FA.answer_match(a, b) <= (FA.answer_soft_match(a, b) == 1.0)
     assert FA.tool_choice_disagreement(a, b) == FA.tool_choice_disagreement(b, a)
 
 
@@ -355,8 +410,11 @@ def test_identical_trajectories_agree_completely(trajs):
     assert out["agent/trajectory/tool_call_jaccard"] == 1.0
     assert out["agent/trajectory/diverged_fraction"] == 0.0
     assert out["agent/trajectory/first_divergence_step_mean"] == -1.0
-    assert out["agent/answer/match_rate"] == 1.0
+    answered = [ref_norm(ref_parse(t)[1]) != "" for t in trajs]  # a trajectory without an answer matches none
+    assert out["agent/answer/match_rate"] == pytest.approx(sum(answered) / len(trajs))
+    assert out["agent/answer/soft_match_mean"] == pytest.approx(sum(answered) / len(trajs))
     assert out["agent/steps/tool_choice_disagreement_rate"] == 0.0
+    assert out["agent/steps/rollout_mean"] == out["agent/steps/reference_mean"]
     for t in trajs:
         assert FA.first_divergence(t, t) is None
 
@@ -385,7 +443,7 @@ def test_permuting_pairs_changes_nothing(pairs, rnd):
 def test_bounds_and_consistency(pairs):
     out = {k: v.item() for k, v in FA.agent_metrics(pairs).items()}
     for key in ("agent/trajectory/tool_call_jaccard", "agent/trajectory/diverged_fraction", "agent/answer/match_rate",
-                "agent/steps/tool_choice_disagreement_rate"):
+                "agent/answer/soft_match_mean", "agent/steps/tool_choice_disagreement_rate"):
         assert 0.0 <= out[key] <= 1.0, key
     kinds = sum(out[f"agent/trajectory/divergence_kind/{k}"] for k in KINDS)
     assert kinds == pytest.approx(out["agent/trajectory/diverged_fraction"], abs=1e-12)

@@ -272,6 +272,30 @@ def test_contract_failures_reject_only_their_group(corrupt, reason):
     assert out[1].action is Action.REJECT and out[1].primary_reason is reason
 
 
+def _reference_missing_groups(batch):
+    """The origin's check, per sequence: response logprobs all exactly 0.0 on one side and not on the other."""
+    groups = set()
+    for i, g in enumerate(batch["group_ids"].tolist()):
+        mask = batch["response_mask"][i].tolist()
+        sides = [[v for v, m in zip(batch[k][i].tolist(), mask) if m] for k in ("rollout_logprobs", "trainer_logprobs")]
+        if sides[0] and (all(v == 0.0 for v in sides[0]) != all(v == 0.0 for v in sides[1])):
+            groups.add(g)
+    return groups
+
+
+@pytest.mark.parametrize("side", ["rollout_logprobs", "trainer_logprobs"])
+def test_one_sequence_without_logprobs_rejects_its_group(side):
+    b = _clean()
+    b[side][3].zero_()  # one of group 1's two sequences has no logprobs; its neighbour has them
+    assert _reference_missing_groups(b) == {1}
+    out = _decide(b)
+    assert out[0].action is Action.TRAIN
+    assert out[1].action is Action.REJECT and out[1].primary_reason is Reason.LOGPROBS_MISSING
+    b["trainer_logprobs" if side == "rollout_logprobs" else "rollout_logprobs"][3].zero_()  # both sides zero agree
+    assert _reference_missing_groups(b) == set()
+    assert Reason.LOGPROBS_MISSING not in _decide(b)[1].reasons
+
+
 def test_logprobs_present_on_masked_positions_only_is_misaligned():
     b = _clean()
     b["response_mask"][2:] = torch.tensor([0, 0, 1, 1, 1])

@@ -147,7 +147,8 @@ class AnswerMatchRate(_AgentMetric):
     """Share of pairs whose final answers match, ``agent/answer/match_rate``.
 
     Answers are compared after folding whitespace runs to one space, stripping and lower-casing; a
-    missing final answer counts as the empty string. Empty window: 1.0.
+    missing final answer counts as the empty string, and two empty answers (neither side answered, e.g.
+    both stopped at the step limit) are no match. Empty window: 1.0.
 
     Example:
         >>> roll = [{"role": "assistant", "content": "The answer is  42."}]
@@ -165,7 +166,8 @@ class AnswerMatchRate(_AgentMetric):
     glossary = GlossaryEntry(
         name="answer_match",
         what="Whether the rollout engine and reference engine reached the same final assistant answer "
-        "(normalised whitespace + case), as a rate over all comparisons (answer_match_rate): the "
+        "(normalised whitespace + case; when neither side reached an answer they did not reach the same "
+        "one: no match), as a rate over all comparisons (answer_match_rate): the "
         "fraction of tasks where rollout and reference produced the same final answer. The headline "
         "trajectory metric: small per-token drift can compound into a different answer over multi-step "
         "tool use.",
@@ -178,6 +180,75 @@ class AnswerMatchRate(_AgentMetric):
 
     def compute(self) -> Tensor:
         return F._answer_compute(self.matches, self.pairs)
+
+
+class SoftAnswerMatch(_AgentMetric):
+    r"""Mean token-overlap F1 of the final answers, ``agent/answer/soft_match_mean``.
+
+    Per pair, with the answers normalised as for ``answer_match`` and split on whitespace, ``c`` the
+    size of the multiset intersection of the two token lists: :math:`F_1 = 2c / (|a| + |b|)` (SQuAD's
+    token F1; 0 when either answer is empty). Partial credit where ``answer_match`` is all or nothing:
+    "the answer is 42" against "42" scores 0.4. Mean over pairs. Empty window: 1.0.
+
+    Example:
+        >>> roll = [{"role": "assistant", "content": "The capital is Paris"}]
+        >>> ref = [{"role": "assistant", "content": "paris"}]
+        >>> metric = SoftAnswerMatch()
+        >>> metric.update(trajectory_pairs=[(roll, ref), (ref, ref)])
+        >>> metric.compute()  # (0.4 + 1) / 2
+        tensor(0.7000, dtype=torch.float64)
+    """
+
+    keys = (F.SOFT_ANSWER_KEY,)
+    higher_is_better = True
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+    glossary = GlossaryEntry(
+        name="answer_soft_match",
+        what="Soft answer match: token-overlap F1 of the normalised final answers of the rollout and reference "
+        "trajectories (SQuAD's F1 over whitespace tokens, multiset overlap; 0 when either side has no "
+        "answer), averaged over pairs. The trajectory lab's partial-credit counterpart of answer_match.",
+        unit=_PAIRS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("soft_answer_match", "answer_f1"),
+    )
+    _sums = ("soft_sum", "pairs")
+
+    def compute(self) -> Tensor:
+        return F._soft_answer_compute(self.soft_sum, self.pairs)
+
+
+class TrajectoryStepCounts(_AgentMetric):
+    """Mean assistant steps per trajectory, ``agent/steps/{rollout_mean, reference_mean}``.
+
+    The number of assistant steps of each side of a pair, averaged over pairs: a rollout that takes more
+    steps than the reference to finish (or runs to the step limit) shows here. Empty window: 0.
+
+    Example:
+        >>> from opbc_metrics.agent import Step, Trajectory
+        >>> a = Trajectory([Step(tool_calls=[("search", "{}")]), Step("done")])
+        >>> metric = TrajectoryStepCounts()
+        >>> metric.update(trajectory_pairs=[(a, Trajectory([Step("done")])), (a, a)])
+        >>> [v.item() for v in metric.compute().values()]
+        [2.0, 1.5]
+    """
+
+    keys = F.STEP_COUNT_KEYS
+    higher_is_better = None
+    glossary = GlossaryEntry(
+        name="trajectory_step_count",
+        what="Mean number of assistant steps of the rollout trajectories and of the reference trajectories "
+        "(the trajectory lab's step counts), over pairs.",
+        unit=_PAIRS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+        aliases=("rollout_steps", "reference_steps", "num_steps"),
+    )
+    _sums = ("rollout_steps", "reference_steps", "pairs")
+
+    def compute(self) -> dict[str, Tensor]:
+        return F._step_count_compute(self.rollout_steps, self.reference_steps, self.pairs)
 
 
 class ToolChoiceDisagreementRate(_AgentMetric):
@@ -223,7 +294,9 @@ AGENT_METRICS: tuple[type[_AgentMetric], ...] = (
     ToolCallJaccard,
     FirstDivergenceStep,
     AnswerMatchRate,
+    SoftAnswerMatch,
     ToolChoiceDisagreementRate,
+    TrajectoryStepCounts,
 )
 
 

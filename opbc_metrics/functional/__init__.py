@@ -3,6 +3,7 @@
 from opbc_metrics.functional.agent import (
     agent_metrics,
     answer_match,
+    answer_soft_match,
     first_divergence,
     normalize_text,
     tool_call_jaccard,
@@ -86,6 +87,7 @@ __all__ = [
     "advantage_stats",
     "agent_metrics",
     "answer_match",
+    "answer_soft_match",
     "best_at_k",
     "chi_square",
     "clipped_fraction",

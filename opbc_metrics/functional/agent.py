@@ -8,12 +8,22 @@ or an OpenAI-style chat message list (converted with ``Trajectory.from_messages`
   ``(tool name, sha256 of canonical JSON arguments)`` of all the tool calls of each side; 1.0 when
   neither side calls a tool.
 * ``first_divergence``: walking the assistant steps in order, the first step ``i`` (0-based) where
-  the ordered tool-name lists differ (kind ``tool_choice``), else the ordered canonical argument
-  lists differ (``tool_arguments``), else the normalised contents differ (``content``); if one side
-  runs out of steps first, it diverges at its end, step ``min(len_a, len_b)`` (``length``);
-  ``None`` when the steps are identical. The final answer is not part of it (see ``answer_match``).
-* ``answer_match``: the final answers are equal after :func:`normalize_text` (whitespace runs folded
-  to one space, ends stripped, lower-cased); a missing final answer counts as ``""``.
+  the two sides took a different action: the ordered tool-name lists differ (kind ``tool_choice``),
+  else the ordered canonical argument lists differ (``tool_arguments``), else, on a step where
+  neither side calls a tool (its text is the action, e.g. the final answer), the normalised contents
+  differ (``content``). On a step with tool calls the action is the calls: the same tools with the same
+  arguments are the same action whatever text accompanies them. If one side runs out of steps first,
+  it diverges at its end, step ``min(len_a, len_b)`` (``length``); ``None`` when no step differs. The
+  final answer is not part of it (see ``answer_match``).
+* ``answer_match``: both sides reached a final answer and the answers are equal after
+  :func:`normalize_text` (whitespace runs folded to one space, ends stripped, lower-cased). A missing
+  final answer counts as ``""``, and two empty answers (neither side answered, e.g. both stopped at
+  the step limit) did not reach the same answer: no match.
+* ``answer_soft_match``: the token-overlap F1 of the two normalised answers (SQuAD's F1): with ``c``
+  the size of the multiset intersection of their whitespace tokens, precision ``c / len(a)``, recall
+  ``c / len(b)``, F1 ``2 p r / (p + r)``; 0 when either side is empty or nothing overlaps, 1 for equal
+  non-empty answers. Partial credit for answers that differ in a few words.
+* step counts: the number of assistant steps of the rollout and of the reference trajectory.
 * ``tool_choice_disagreement``: over step indices ``0 .. max(len_a, len_b) - 1`` (a side without
   that step has an empty tool list), ``(steps whose tool-name lists differ, steps where either side
   calls a tool)``.
@@ -31,6 +41,9 @@ agent/trajectory/divergence_kind/<kind>           pairs diverging by <kind> / pa
                                                   kinds sum to diverged_fraction
 agent/trajectory/num_pairs                        pairs compared (0)
 agent/answer/match_rate                           pairs whose answers match / pairs (1.0)
+agent/answer/soft_match_mean                      mean per-pair token-overlap F1 of the answers (1.0)
+agent/steps/rollout_mean                          mean assistant steps of the rollout sides (0)
+agent/steps/reference_mean                        mean assistant steps of the reference sides (0)
 agent/steps/tool_choice_disagreement_rate         sum of disagreeing steps / sum of steps where either
                                                   side calls a tool (0)
 ================================================  ==================================================
@@ -45,6 +58,7 @@ tensors (sums, and a min for the earliest step), so the stateful classes in
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -70,8 +84,10 @@ DIVERGENCE_KEYS = (
     "agent/trajectory/num_pairs",
 )
 ANSWER_KEY = "agent/answer/match_rate"
+SOFT_ANSWER_KEY = "agent/answer/soft_match_mean"
+STEP_COUNT_KEYS = ("agent/steps/rollout_mean", "agent/steps/reference_mean")
 TOOL_CHOICE_KEY = "agent/steps/tool_choice_disagreement_rate"
-AGENT_KEYS = (JACCARD_KEY, *DIVERGENCE_KEYS, ANSWER_KEY, TOOL_CHOICE_KEY)
+AGENT_KEYS = (JACCARD_KEY, *DIVERGENCE_KEYS, ANSWER_KEY, SOFT_ANSWER_KEY, TOOL_CHOICE_KEY, *STEP_COUNT_KEYS)
 
 # The divergence step reported when no pair diverged.
 NO_DIVERGENCE = -1.0
@@ -124,7 +140,8 @@ def _divergence(a: Trajectory, b: Trajectory) -> Divergence | None:
             return Divergence(i, "tool_choice")
         if tuple(c.arguments for c in sa.tool_calls) != tuple(c.arguments for c in sb.tool_calls):
             return Divergence(i, "tool_arguments")
-        if normalize_text(sa.content) != normalize_text(sb.content):
+        # Equal tool names: both sides call tools (the calls are the action) or neither does (the text is).
+        if not sa.tool_calls and normalize_text(sa.content) != normalize_text(sb.content):
             return Divergence(i, "content")
     if len(a.steps) != len(b.steps):
         return Divergence(min(len(a.steps), len(b.steps)), "length")
@@ -132,7 +149,18 @@ def _divergence(a: Trajectory, b: Trajectory) -> Divergence | None:
 
 
 def _answer_match(a: Trajectory, b: Trajectory) -> bool:
-    return normalize_text(a.final_answer) == normalize_text(b.final_answer)
+    answer = normalize_text(a.final_answer)
+    return answer != "" and answer == normalize_text(b.final_answer)
+
+
+def _soft_answer_match(a: Trajectory, b: Trajectory) -> float:
+    tokens_a = normalize_text(a.final_answer).split()
+    tokens_b = normalize_text(b.final_answer).split()
+    common = sum((Counter(tokens_a) & Counter(tokens_b)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(tokens_a), common / len(tokens_b)
+    return 2.0 * precision * recall / (precision + recall)
 
 
 def _tool_choice(a: Trajectory, b: Trajectory) -> tuple[int, int]:
@@ -182,14 +210,30 @@ def first_divergence(rollout: AnyTrajectory, reference: AnyTrajectory) -> Diverg
 
 
 def answer_match(rollout: AnyTrajectory, reference: AnyTrajectory) -> bool:
-    """Whether the final answers agree after whitespace folding and lower-casing.
+    """Whether both sides gave a final answer and the answers agree after whitespace folding and lower-casing.
 
     Example:
         >>> answer_match([{"role": "assistant", "content": "Paris "}],
         ...              [{"role": "assistant", "content": " paris"}])
         True
+        >>> answer_match([{"role": "assistant", "content": ""}], [{"role": "assistant", "content": " "}])
+        False
     """
     return _answer_match(*_pair(rollout, reference))
+
+
+def answer_soft_match(rollout: AnyTrajectory, reference: AnyTrajectory) -> float:
+    r"""Token-overlap F1 of the normalised final answers (SQuAD's F1; 0 when either is empty).
+
+    .. math:: c = |\mathrm{tok}(a) \cap \mathrm{tok}(b)|_{\text{multiset}}, \quad
+              F_1 = \frac{2 c}{|\mathrm{tok}(a)| + |\mathrm{tok}(b)|}
+
+    Example:
+        >>> answer_soft_match([{"role": "assistant", "content": "The capital is Paris"}],
+        ...                   [{"role": "assistant", "content": "paris"}])
+        0.4
+    """
+    return _soft_answer_match(*_pair(rollout, reference))
 
 
 def tool_choice_disagreement(rollout: AnyTrajectory, reference: AnyTrajectory) -> tuple[int, int]:
@@ -239,7 +283,8 @@ def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
 
 
 def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
-    n = jaccard_sum = diverged = step_sum = matches = disagree = tool_steps = 0.0
+    n = jaccard_sum = diverged = step_sum = matches = soft_sum = disagree = tool_steps = 0.0
+    rollout_steps = reference_steps = 0.0
     step_min = float("inf")
     kinds = dict.fromkeys(DIVERGENCE_KINDS, 0.0)
     for a, b in pairs:
@@ -252,6 +297,9 @@ def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
             step_min = min(step_min, float(div.step))
             kinds[div.kind] += 1
         matches += _answer_match(a, b)
+        soft_sum += _soft_answer_match(a, b)
+        rollout_steps += len(a.steps)
+        reference_steps += len(b.steps)
         d, e = _tool_choice(a, b)
         disagree += d
         tool_steps += e
@@ -263,6 +311,9 @@ def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
         "step_min": step_min,
         **{f"kind_{k}": v for k, v in kinds.items()},
         "matches": matches,
+        "soft_sum": soft_sum,
+        "rollout_steps": rollout_steps,
+        "reference_steps": reference_steps,
         "disagree": disagree,
         "tool_steps": tool_steps,
     }
@@ -303,6 +354,15 @@ def _answer_compute(matches: Tensor, pairs: Tensor) -> Tensor:
     return _safe_div(matches, pairs, 1.0)
 
 
+def _soft_answer_compute(soft_sum: Tensor, pairs: Tensor) -> Tensor:
+    return _safe_div(soft_sum, pairs, 1.0)
+
+
+def _step_count_compute(rollout_steps: Tensor, reference_steps: Tensor, pairs: Tensor) -> dict[str, Tensor]:
+    return dict(zip(STEP_COUNT_KEYS, (_safe_div(rollout_steps, pairs, 0.0), _safe_div(reference_steps, pairs, 0.0)),
+                    strict=True))
+
+
 def _tool_choice_compute(disagree: Tensor, tool_steps: Tensor) -> Tensor:
     return _safe_div(disagree, tool_steps, 0.0)
 
@@ -315,7 +375,9 @@ def _all_compute(s: Stats) -> dict[str, Tensor]:
             *(s[f"kind_{k}"] for k in DIVERGENCE_KINDS),
         ),
         ANSWER_KEY: _answer_compute(s["matches"], s["pairs"]),
+        SOFT_ANSWER_KEY: _soft_answer_compute(s["soft_sum"], s["pairs"]),
         TOOL_CHOICE_KEY: _tool_choice_compute(s["disagree"], s["tool_steps"]),
+        **_step_count_compute(s["rollout_steps"], s["reference_steps"], s["pairs"]),
     }
 
 
@@ -334,6 +396,7 @@ def agent_metrics(pairs: Sequence[tuple[AnyTrajectory, AnyTrajectory]]) -> dict[
          'trajectory/diverged_fraction': 0.5,
          'trajectory/divergence_kind/tool_choice': 0.5, 'trajectory/divergence_kind/tool_arguments': 0.0,
          'trajectory/divergence_kind/content': 0.0, 'trajectory/divergence_kind/length': 0.0,
-         'trajectory/num_pairs': 2.0, 'answer/match_rate': 1.0, 'steps/tool_choice_disagreement_rate': 1.0}
+         'trajectory/num_pairs': 2.0, 'answer/match_rate': 1.0, 'answer/soft_match_mean': 1.0,
+         'steps/tool_choice_disagreement_rate': 1.0, 'steps/rollout_mean': 1.5, 'steps/reference_mean': 1.0}
     """
     return _all_compute(_pair_stats(trajectory_pairs(pairs)))

@@ -323,9 +323,10 @@ def _contract_flags(
 ) -> dict[str, Tensor]:
     """Per-group contract failures (``[capacity]`` bool each), on the group's response tokens (mask = 1).
 
-    * ``logprobs_missing``: one side's logprobs are exactly 0.0 on every response token of the group while
-      the other side's are not (an engine that returned no logprobs fills zeros). Both sides all-zero agree
-      and are not flagged.
+    * ``logprobs_missing`` (the origin's ``missing_logprobs``): some sequence of the group has one side's
+      logprobs exactly 0.0 on every one of its response tokens while the other side's are not (an engine
+      that returned no logprobs fills zeros). The check is per sequence: one such sequence rejects its
+      group. A sequence with both sides all-zero agrees and is not flagged.
     * ``no_response_tokens``: the group has no response token at all.
     * ``logprobs_misaligned``: (a) a response token where one side is exactly 0.0 (probability 1, the usual
       fill value) while the other side gives the token a probability below ``exp(-alignment_gap)``
@@ -350,9 +351,9 @@ def _contract_flags(
     trainer_zero, rollout_zero = trainer_raw == 0, rollout_raw == 0
     t_zero_rows = (mask & trainer_zero).sum(dim=1).to(dt)
     r_zero_rows = (mask & rollout_zero).sum(dim=1).to(dt)
-    t_zero_g = _segment_sum(t_zero_rows, index)
-    r_zero_g = _segment_sum(r_zero_rows, index)
-    out["logprobs_missing"] = (resp_g > 0) & ((t_zero_g == resp_g) != (r_zero_g == resp_g))
+    # Per sequence, as the origin checks it: one sequence without logprobs rejects its whole group.
+    missing_rows = (resp > 0) & ((t_zero_rows == resp) != (r_zero_rows == resp))
+    out["logprobs_missing"] = _segment_sum(missing_rows, index) > 0
     out["no_response_tokens"] = resp_g == 0
 
     threshold = -float(alignment_gap)
