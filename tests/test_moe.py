@@ -27,8 +27,9 @@ WORST_RATE = "moe/router/worst_layer_flip_rate"
 
 
 # --- independent reference (NumPy + plain loops, written from the design text) ----------------------
-def router_reference(rollout, trainer, mask=None, num_layers=None) -> dict[str, float]:
-    """Loops over tokens and layers; Python sets for the top-K comparison."""
+def router_reference(rollout, trainer, mask=None, num_layers=None, configured=True) -> dict[str, float]:
+    """Loops over tokens and layers; Python sets for the top-K comparison. ``configured=False``: the
+    capacity ``num_layers`` is the default one, not the model's, so only observed layers get a key."""
     rollout, trainer = np.asarray(rollout), np.asarray(trainer)
     b, t, n_layers, _ = rollout.shape
     mask = np.ones((b, t), dtype=bool) if mask is None else np.asarray(mask) != 0
@@ -62,9 +63,11 @@ def router_reference(rollout, trainer, mask=None, num_layers=None) -> dict[str, 
             worst, worst_rate = k, rates[k]
     out[WORST] = float(worst)
     out[WORST_RATE] = worst_rate
-    for k in range(cap):
-        out[f"moe/router/layer_{k}/flip_rate"] = rates[k]
-    out["moe/router/layer_overflow/flip_rate"] = rates[cap]
+    for k in range(cap):  # layers that exist: configured, or seen with a valid token
+        if (configured and num_layers is not None and k < num_layers) or pairs[k]:
+            out[f"moe/router/layer_{k}/flip_rate"] = rates[k]
+    if pairs[cap]:  # something overflowed the capacity
+        out["moe/router/layer_overflow/flip_rate"] = rates[cap]
     return out
 
 
@@ -136,7 +139,30 @@ def test_matches_reference(layers, num_layers, k):
     want = router_reference(*_numpy(concat_padded(batches)), num_layers=num_layers)
     assert want[FLIP] > 0 and want[SET] > 0
     _assert_close(got, want)
-    assert set(got) == {*flip_rate_keys(num_layers), SET}
+    overflow = set() if layers > num_layers else {"moe/router/layer_overflow/flip_rate"}
+    assert set(got) == {*flip_rate_keys(num_layers), SET} - overflow
+
+
+def test_per_layer_keys_only_for_layers_that_exist():
+    b = make_router_batch(layers=48, k=2, seed=2)
+    default = RouterFlipRate()  # capacity 64, not configured: the 48 observed layers
+    default.update(b)
+    layers = [k for k in default.compute_dict() if k.startswith("moe/router/layer_")]
+    assert layers == [f"moe/router/layer_{i}/flip_rate" for i in range(48)]  # nothing overflowed
+    configured = RouterFlipRate(num_layers=50)  # configured: every layer of the model
+    configured.update(b)
+    assert sum(k.startswith("moe/router/layer_") for k in configured.compute_dict()) == 50
+    small = RouterFlipRate(num_layers=40)
+    small.update(b)
+    assert "moe/router/layer_overflow/flip_rate" in small.compute_dict()
+
+
+def test_repeated_ids_in_a_row_count_once():
+    r = torch.tensor([[[[1, 1, 2]], [[3, 4, 5]]]])  # B=1, T=2, L=1, K=3
+    t = torch.tensor([[[[2, 1, 2]], [[3, 4, 4]]]])  # token 0: {1, 2} both sides; token 1: {3, 4, 5} vs {3, 4}
+    want = router_reference(r.numpy(), t.numpy())[SET]
+    assert want == 0.5
+    assert F.router_topk_disagreement_rate(r, t).item() == want
 
 
 def test_overflow_layers_pool_and_can_be_the_worst():
@@ -200,7 +226,7 @@ def test_functional_equals_class_after_one_update():
     args = (b["rollout_experts"], b["trainer_experts"], b["response_mask"])
     got = _values(_router_metrics(5), b)
     func = F.router_flip_rate(*args)  # num_layers defaults to L
-    assert set(func) == set(flip_rate_keys(5))
+    assert set(func) == set(flip_rate_keys(5)) - {"moe/router/layer_overflow/flip_rate"}
     for key, v in func.items():
         assert v.item() == got[key], key
     assert F.router_topk_disagreement_rate(*args).item() == got[SET]
@@ -242,7 +268,7 @@ def test_default_collection_includes_router_members_with_optional_inputs():
     with pytest.warns(UserWarning, match="before the ``update``"):
         empty = alone.compute_dict()
     assert empty[FLIP].item() == 0.0 and empty[WORST].item() == -1.0
-    assert sum(k.startswith("moe/router/layer_") for k in empty) == DEFAULT_MOE_LAYERS + 1
+    assert not any(k.startswith("moe/router/layer_") for k in empty)  # no layer seen, none configured
 
     router = make_router_batch(batch=6, seq=20, layers=5, seed=7)
     both = dict(logprobs_only, rollout_experts=router["rollout_experts"], trainer_experts=router["trainer_experts"])
@@ -250,7 +276,7 @@ def test_default_collection_includes_router_members_with_optional_inputs():
     metrics.update(both)
     metrics.update(logprobs_only)
     want = router_reference(router["rollout_experts"].numpy(), router["trainer_experts"].numpy(),
-                            logprobs_only["response_mask"].numpy(), num_layers=DEFAULT_MOE_LAYERS)
+                            logprobs_only["response_mask"].numpy(), num_layers=DEFAULT_MOE_LAYERS, configured=False)
     _assert_close({k: v.item() for k, v in metrics.compute().items()}, want)
 
 
@@ -337,7 +363,7 @@ def test_ddp_sync_equals_single_process_on_concatenated_data():
     results = run_distributed(_ddp_worker, world_size=2)
     for scenario, shards in SHARDS.items():
         cat = concat_padded([b for specs in shards for b in _full_batches(specs)])
-        want_default = router_reference(*_numpy(cat), num_layers=DEFAULT_MOE_LAYERS)
+        want_default = router_reference(*_numpy(cat), num_layers=DEFAULT_MOE_LAYERS, configured=False)
         want_small = router_reference(*_numpy(cat), num_layers=4)
         assert want_default[FLIP] > 0
         for per_rank in results:

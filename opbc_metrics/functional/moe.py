@@ -20,12 +20,14 @@ are not in the tensor).
 
 * ``moe/router/flip_rate``: top-1 expert differs, over valid (token, layer) pairs.
 * ``moe/router/topk_disagreement_rate``: share of valid tokens whose top-K expert *set* differs in at
-  least one layer. Sets are compared by sorting the K ids of each (token, layer) and comparing
-  elementwise (fixed shapes). Routed experts of one token and layer are distinct in real routers; if
-  an input repeats an id, the comparison is of multisets.
+  least one layer. The sets are compared as sets: every id of one side occurs among the other side's
+  ids and vice versa (K x K comparisons of each (token, layer), fixed shapes), so the order within the
+  top-K does not matter and an id repeated in a row counts once.
 * ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
   capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
-  ``moe/router/layer_overflow/flip_rate``.
+  ``moe/router/layer_overflow/flip_rate``. The stateful metric reports a layer's key only for layers
+  that exist: configured (``num_layers`` given) or observed (the layer saw a valid token in the
+  window); the overflow key only when layers beyond the capacity were observed.
 * ``moe/router/worst_layer`` / ``worst_layer_flip_rate``: the layer with the highest flip rate among
   the layers that saw a valid token (the first one on ties), and its rate. The pooled overflow bucket
   competes as index ``num_layers``, read "a layer >= num_layers": raise ``num_layers`` to resolve it.
@@ -228,8 +230,13 @@ def _top1_flips(rollout: Tensor, trainer: Tensor) -> Tensor:
 
 
 def _set_differs(rollout: Tensor, trainer: Tensor) -> Tensor:
-    """``[B, T, L]``: the top-K sets differ (sort along K, compare elementwise; fixed shapes)."""
-    return (torch.sort(rollout, dim=-1).values != torch.sort(trainer, dim=-1).values).any(dim=-1)
+    """``[B, T, L]``: the top-K sets differ: some id of one side is not among the other side's ids.
+
+    ``equal[..., i, j]`` = rollout id i equals trainer id j; a set contains the other when each of its
+    rows (columns) has a match. Repeated ids count once, as in a set.
+    """
+    equal = rollout.unsqueeze(-1) == trainer.unsqueeze(-2)
+    return ~(equal.any(dim=-1).all(dim=-1) & equal.any(dim=-2).all(dim=-1))
 
 
 def router_top1_flips(rollout_experts: Tensor, trainer_experts: Tensor) -> Tensor:
@@ -252,7 +259,7 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
     """``[B, T]`` bool: the top-K expert set differs in at least one layer.
 
     The order within the top-K does not matter (a swap of the top two experts is a top-1 flip but not
-    a set disagreement). No mask is applied.
+    a set disagreement), and an id repeated in a row counts once. No mask is applied.
 
     Example:
         >>> import torch
@@ -261,6 +268,8 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
         tensor([[False]])
         >>> router_set_disagreement(r, torch.tensor([[[[2, 1], [3, 5]]]]))
         tensor([[True]])
+        >>> router_set_disagreement(torch.tensor([[[[1, 1, 2]]]]), torch.tensor([[[[1, 2, 2]]]]))  # both {1, 2}
+        tensor([[False]])
     """
     _check_pair(rollout_experts, trainer_experts)
     return _set_differs(rollout_experts, trainer_experts).any(dim=-1)
@@ -288,7 +297,9 @@ def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None
     return {"layer_flips": layer_flips, "layer_pairs": layer_pairs}
 
 
-def _flip_rate_compute(layer_flips: Tensor, layer_pairs: Tensor) -> dict[str, Tensor]:
+def _flip_rate_compute(layer_flips: Tensor, layer_pairs: Tensor, configured_layers: int = 0) -> dict[str, Tensor]:
+    """The flip-rate keys: of the layers below ``configured_layers`` and of the layers observed (one host
+    read); the overflow key when layers beyond the capacity were observed."""
     num_layers = layer_flips.shape[0] - 1
     rates = _safe_div(layer_flips, layer_pairs, 0.0)
     observed = layer_pairs > 0
@@ -299,9 +310,13 @@ def _flip_rate_compute(layer_flips: Tensor, layer_pairs: Tensor) -> dict[str, Te
         WORST_LAYER_KEY: torch.where(any_observed, worst.to(rates.dtype), torch.full_like(rates[0], -1.0)),
         WORST_LAYER_RATE_KEY: torch.where(any_observed, rates[worst], torch.zeros_like(rates[0])),
     }
+    seen = observed.tolist()
+    shown = [i < configured_layers or seen[i] for i in range(num_layers)] + [seen[num_layers]]
     for i in range(num_layers):
-        out[layer_key(i)] = rates[i]
-    out[LAYER_OVERFLOW_KEY] = rates[num_layers]
+        if shown[i]:
+            out[layer_key(i)] = rates[i]
+    if shown[num_layers]:
+        out[LAYER_OVERFLOW_KEY] = rates[num_layers]
     return out
 
 
@@ -334,7 +349,7 @@ def router_flip_rate(
         trainer: the trainer's, in either form.
         response_mask: ``[B, T]``; all ones when absent.
         num_layers: per-layer keys for layers ``0 .. num_layers - 1``; deeper layers pool into
-            ``layer_overflow`` (default: ``L``, every layer).
+            ``layer_overflow`` (default: ``L``, a key for every layer that saw a valid token).
         top_k: K for router logits (required with logits).
 
     Example:
@@ -350,9 +365,9 @@ def router_flip_rate(
     """
     view = _view_of(rollout, trainer, response_mask)
     top_k = check_top_k(top_k)
-    if num_layers is None:
-        num_layers = router_inputs(view, top_k)[0].shape[2]
-    return _flip_rate_compute(**_flip_rate_update(view, check_num_layers(num_layers), top_k))
+    configured = 0 if num_layers is None else check_num_layers(num_layers)
+    capacity = configured or router_inputs(view, top_k)[0].shape[2]
+    return _flip_rate_compute(**_flip_rate_update(view, capacity, top_k), configured_layers=configured)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,17 +61,19 @@ class RouterFlipRate(_RouterMetric):
     so DDP sync is exact and the size does not depend on the model. Keys:
 
     * ``moe/router/flip_rate``: over all layers (the overflow included).
-    * ``moe/router/layer_{l}/flip_rate`` for ``l < num_layers``, ``moe/router/layer_overflow/flip_rate``
-      for the pooled deeper layers (0 when the model has at most ``num_layers`` MoE layers).
+    * ``moe/router/layer_{l}/flip_rate`` for the layers that exist: ``l < num_layers`` when
+      ``num_layers`` is given, else the layers that saw a valid token in the window (a 48-layer model
+      gets 48 keys). ``moe/router/layer_overflow/flip_rate`` for the pooled layers ``>= num_layers``,
+      only when such layers were seen.
     * ``moe/router/worst_layer``: the layer with the highest rate among the layers that saw a valid
       token, the first one on ties; ``num_layers`` stands for the pooled overflow bucket ("some layer
       >= num_layers"); -1 over an empty window. ``moe/router/worst_layer_flip_rate``: its rate.
 
-    Over an empty window every rate is 0. Layers a model does not have report 0.
+    Over an empty window every rate is 0.
 
     Args:
-        num_layers: per-layer capacity (64: the default :class:`~opbc_metrics.collection.OPBCCollection`
-            uses this; set it to the model's number of MoE layers for exactly one key per layer).
+        num_layers: the model's number of MoE layers: one key per layer, always (the per-layer
+            capacity). ``None`` (the default): a capacity of 64 and keys for the observed layers.
         top_k: the number of routed experts, needed to read router logits (top-1 uses the first).
         kwargs: torchmetrics ``Metric`` arguments.
 
@@ -89,7 +91,6 @@ class RouterFlipRate(_RouterMetric):
         moe/router/worst_layer_flip_rate 0.6667
         moe/router/layer_0/flip_rate 0.3333
         moe/router/layer_1/flip_rate 0.6667
-        moe/router/layer_overflow/flip_rate 0.0
     """
 
     keys = F.flip_rate_keys(F.DEFAULT_MOE_LAYERS)
@@ -109,9 +110,10 @@ class RouterFlipRate(_RouterMetric):
         aliases=("top-1 flip rate", "top1_flip_rate"),
     )
 
-    def __init__(self, num_layers: int = F.DEFAULT_MOE_LAYERS, top_k: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, num_layers: int | None = None, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
-        self.num_layers = F.check_num_layers(num_layers)
+        self.configured_layers = 0 if num_layers is None else F.check_num_layers(num_layers)
+        self.num_layers = self.configured_layers or F.DEFAULT_MOE_LAYERS
         self.keys = F.flip_rate_keys(self.num_layers)
         self.add_sum("layer_flips", (self.num_layers + 1,))
         self.add_sum("layer_pairs", (self.num_layers + 1,))
@@ -120,7 +122,7 @@ class RouterFlipRate(_RouterMetric):
         self.accumulate(**F._flip_rate_update(view, self.num_layers, self.top_k))
 
     def compute(self) -> dict[str, Tensor]:
-        return F._flip_rate_compute(self.layer_flips, self.layer_pairs)
+        return F._flip_rate_compute(self.layer_flips, self.layer_pairs, self.configured_layers)
 
 
 class RouterSetDisagreement(_RouterMetric):
@@ -180,7 +182,7 @@ def moe_section(
     clamp: float = 0.0,
     veto: float = 0.0,
     top_mass_bins: int = 0,
-    num_layers: int = F.DEFAULT_MOE_LAYERS,
+    num_layers: int | None = None,
     top_k: int | None = None,
     **kwargs: Any,
 ) -> list[OPBCMetric]:
