@@ -15,10 +15,13 @@ from opbc_metrics import OPBCCollection
 from opbc_metrics.functional import rollout as R
 from opbc_metrics.rollout import (
     ROLLOUT_METRICS,
+    CompletionLengthCV,
     CompletionLengthGini,
     CompletionLengthMaxMedianRatio,
     CompletionTokenStats,
     DiscardedRollouts,
+    DiscardedRolloutStats,
+    OffPolicySteps,
     PromptTokenStats,
     RolloutAdvantageStats,
     RolloutRewardGini,
@@ -66,6 +69,7 @@ def make_rollouts(groups: int = 4, seed: int = 0, first_id: int = 0, tokens: boo
     if missing:
         fmt[rng.random(b) < 0.3] = np.nan  # not reported by some samples
     out["sample_metrics"] = {"tool_calls": torch.tensor(tool_calls), "format": torch.tensor(fmt)}
+    out["policy_lag"] = torch.tensor(rng.integers(0, 5, b))
     if tokens:
         mask = (np.arange(t)[None, :] < rng.integers(0, t + 1, b)[:, None]).astype(np.int64)
         out["response_mask"] = torch.tensor(mask)
@@ -148,7 +152,7 @@ def test_token_level_fields_are_reduced_per_sample():
     adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, 4.0, 100.0], [7.0, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
     r = R.reward_stats(rewards, mask)
-    assert [v.item() for v in r.values()] == pytest.approx([1.0, math.sqrt(2 / 3), 0.0, 2.0])  # sums 1, 2, 0
+    assert [v.item() for v in r.values()] == pytest.approx([1.0, 1.0, 0.0, 2.0])  # sums 1, 2, 0; sample std
     a = R.advantage_stats(adv, mask)  # means 1, 1; the empty third row is left out
     assert [v.item() for v in a.values()] == [1.0, 0.0, 1.0, 1.0]
     # without a mask every token counts
@@ -162,14 +166,18 @@ def test_functional_equals_class_after_one_update():
     checks = {
         **R.reward_stats(b["rewards"]),
         **R.advantage_stats(b["advantages"]),
-        **R.token_stats(b["prompt_lengths"], b["response_lengths"]),
-        **R.discarded_counts(b["discard_reasons"]),
+        **R.token_stats(b["prompt_lengths"], b["response_lengths"], gid),
+        **R.discarded_counts(b["discard_reasons"], b["rewards"]),
+        **R.discarded_rollout_stats(b["discard_reasons"], b["response_lengths"], gid, b["stop_reasons"]),
+        **R.off_policy_steps(b["policy_lag"]),
+        "rollout/tokens_completion/group_cv_mean": R.group_length_cv(b["response_lengths"], gid),
         **R.sample_metric_stats(b["sample_metrics"], gid),
         "rollout/reward/group_gini_mean": R.group_gini(b["rewards"], gid),
         "rollout/tokens_completion/group_gini_mean": R.group_gini(b["response_lengths"].double(), gid),
         "rollout/tokens_completion/group_max_median_ratio_mean": R.group_max_median_ratio(b["response_lengths"], gid),
         "rollout/stop_reason/length_pct": R.stop_reason_length_pct(b["stop_reasons"]),
     }
+    assert set(checks) == set(out)
     for k, v in checks.items():
         assert v.item() == pytest.approx(out[k].item(), rel=1e-12, abs=1e-15), k
 
@@ -196,12 +204,26 @@ def test_group_ids_are_arbitrary():
         assert R.group_max_median_ratio(x, ids).item() == pytest.approx(group_max_median_mean(compact.tolist(), x))
 
 
-def test_max_median_ratio_floors_lengths_at_one_token():
+def test_max_median_ratio_as_telescope_without_a_floor():
+    # [0, 2]: median 1, ratio 2 (a 1-token floor would give 2 / 1.5)
+    assert R.group_max_median_ratio(torch.tensor([0, 2]), torch.zeros(2, dtype=torch.long)).item() == 2.0
     ids = torch.tensor([0, 0, 0, 1, 1])
-    # group 0: [0, 0, 6] -> floored [1, 1, 6], median 1 -> 6; group 1: [0, 0] -> 1
-    assert R.group_max_median_ratio(torch.tensor([0, 0, 6, 0, 0]), ids).item() == 3.5
+    # group 0: [0, 0, 6] has median 0: no ratio, left out (a floor would give 6); group 1: [3, 3] -> 1
+    assert R.group_max_median_ratio(torch.tensor([0, 0, 6, 3, 3]), ids).item() == 1.0
+    assert group_max_median_mean(ids.tolist(), [0, 0, 6, 3, 3]) == 1.0
     # even-sized group: median is the mean of the two middle values, (2 + 4) / 2
     assert R.group_max_median_ratio(torch.tensor([1, 2, 4, 9]), torch.zeros(4, dtype=torch.long)).item() == 3.0
+
+
+def test_telescope_examples_by_hand():
+    # prompt groups of 2 and 1 with prompts of 55 and 329 tokens: each prompt once, mean 192
+    metric = PromptTokenStats()
+    metric.update(prompt_lengths=torch.tensor([55, 55, 329]), group_ids=["a", "a", "b"])
+    assert metric.compute()["rollout/tokens_prompt/mean"].item() == 192.0
+    # CV per group: [10, 30] -> sample std 14.142 / 20; [5] has none; [0, 0] has mean 0: left out
+    cv = CompletionLengthCV()
+    cv.update(response_lengths=torch.tensor([10, 30, 5, 0, 0]), group_ids=torch.tensor([1, 1, 2, 3, 3]))
+    assert cv.compute().item() == pytest.approx(math.sqrt(200) / 20)
 
 
 def test_split_group_counts_as_two_groups():
@@ -224,9 +246,17 @@ def test_zero_advantage_mask_and_discard_reasons():
         r = rng.integers(0, 2, b).astype(np.float64)
         got = R.zero_advantage_mask(torch.tensor(r), torch.tensor(ids))
         assert got.tolist() == zero_advantage_reference(r, ids.tolist())
+        adv = rng.choice([0.0, 1e-10, 5e-10, 2e-9, 0.5], size=b)  # around the 1e-9 tolerance
+        got = R.zero_advantage_mask(torch.tensor(r), torch.tensor(ids), advantages=torch.tensor(adv))
+        assert got.tolist() == zero_advantage_reference(r, ids.tolist(), adv.tolist())
+    # a group of one is never discarded for zero advantage
     codes = R.discard_reasons(torch.tensor([1.0, 1.0, 0.0, 1.0, 3.0]), ["a", "a", "b", "b", "c"],
                               policy_lag=torch.tensor([0, 9, 9, 0, 0]), max_off_policy_steps=4)
-    assert codes.tolist() == [2, 1, 1, 0, 2]
+    assert codes.tolist() == [2, 1, 1, 0, 0]
+    # advantages decide when given: equal rewards with different advantages are kept
+    codes = R.discard_reasons(torch.tensor([1.0, 1.0, 0.0, 1.0]), [0, 0, 1, 1],
+                              advantages=torch.tensor([0.1, -0.1, 0.0, 0.0]))
+    assert codes.tolist() == [0, 0, 2, 2]
     codes = R.discard_reasons(torch.tensor([1.0, 1.0]), [0, 0], discard_group_zero_advantage=False)
     assert codes.tolist() == [0, 0]
     # [B, T] rewards are summed under the mask first: both sums are 1 -> zero advantage
@@ -293,7 +323,7 @@ def _batch_of(groups, order=None) -> dict:
         "group_ids": torch.tensor([g for g, _ in rows], dtype=torch.long),
         "rewards": torch.tensor([s[0] for _, s in rows], dtype=torch.float64),
         "advantages": torch.tensor([s[0] - 1.0 for _, s in rows], dtype=torch.float64),
-        "prompt_lengths": torch.tensor([3 * s[1] % 17 for _, s in rows], dtype=torch.long),
+        "prompt_lengths": torch.tensor([abs(g) % 17 for g, _ in rows], dtype=torch.long),  # one prompt per group
         "response_lengths": torch.tensor([s[1] for _, s in rows], dtype=torch.long),
         "stop_reasons": [s[2] for _, s in rows],
         "discard_reasons": torch.tensor([s[3] for _, s in rows], dtype=torch.long),
@@ -342,17 +372,46 @@ def test_matches_reference_and_bounds(groups):
         assert 0.0 <= out[key].item() < 1.0, key
     assert out["rollout/tokens_completion/group_max_median_ratio_mean"].item() >= 1.0
     for prefix in ("rollout/reward", "rollout/advantage", "rollout/tokens_total", "sample_metrics/format"):
-        lo, mean, hi, std = (out[f"{prefix}/{s}"].item() for s in ("min", "mean", "max", "std"))
-        assert lo - 1e-12 <= mean <= hi + 1e-12 and 0.0 <= std <= (hi - lo) / 2 + 1e-9
+        lo, mean, hi = (out[f"{prefix}/{s}"].item() for s in ("min", "mean", "max"))
+        assert lo - 1e-12 <= mean <= hi + 1e-12
+        if f"{prefix}/std" in out:  # the sample std of values in [lo, hi] is at most (hi - lo) / sqrt(2)
+            assert 0.0 <= out[f"{prefix}/std"].item() <= (hi - lo) / math.sqrt(2) + 1e-9
+    # keys exist where the reference has data, std only over two samples or more
+    std_keys = {k for k in out if k.endswith("/std")}
+    assert std_keys == {k for k in rollout_reference(batch, NAMES) if k.endswith("/std")}
 
 
-@given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=30), st.floats(-1e6, 1e6))
+@given(st.lists(st.floats(-1e3, 1e3), min_size=2, max_size=30), st.floats(-1e6, 1e6))
 def test_std_of_shifted_data(values, shift):
-    """Population std from raw moments: within the documented rounding resolution of numpy's std."""
+    """Sample std from raw moments: within the documented rounding resolution of numpy's std."""
     x = np.asarray(values) + shift
     got = R.reward_stats(torch.tensor(x))["rollout/reward/std"].item()
     rms = float(np.sqrt((x * x).mean()))
-    assert abs(got - x.std()) <= 1e-6 * rms + 1e-12
+    assert abs(got - x.std(ddof=1)) <= 2e-6 * rms + 1e-12
+
+
+@pytest.mark.parametrize("scale", [1e150, 1e200, 1e300, 1e307])
+def test_large_values_give_finite_statistics(scale):
+    x = np.array([1.0, 3.0, 2.0, 0.5, -1.0]) * scale
+    metric = RolloutRewardStats()
+    metric.update(rewards=torch.tensor(x[:2]))
+    metric.update(rewards=torch.tensor(x[2:]))
+    out = metric.compute()
+    assert all(math.isfinite(v.item()) for v in out.values())
+    scaled = x / scale  # the reference on scaled data, scaled back
+    assert out["rollout/reward/mean"].item() == pytest.approx(scaled.mean() * scale, rel=1e-12)
+    assert out["rollout/reward/std"].item() == pytest.approx(scaled.std(ddof=1) * scale, rel=1e-12)
+    assert out["rollout/reward/max"].item() == 3.0 * scale
+
+
+def test_one_sample_has_no_std_key():
+    metric = RolloutRewardStats()
+    metric.update(rewards=torch.tensor([0.5]))
+    assert set(metric.compute()) == {"rollout/reward/mean", "rollout/reward/min", "rollout/reward/max"}
+    metric.update(rewards=torch.tensor([1.5]))
+    assert metric.compute()["rollout/reward/std"].item() == pytest.approx(math.sqrt(0.5))
+    out = R.sample_metric_stats({"once": torch.tensor([1.0, float("nan")]), "twice": torch.tensor([1.0, 2.0])})
+    assert "sample_metrics/once/std" not in out and "sample_metrics/twice/std" in out
 
 
 def test_constant_values_have_zero_std():
@@ -479,7 +538,7 @@ def test_chart_ranges_declared_and_observed():
     metrics = collection(reward_min=-1.0, reward_max=None, metrics_ranges={"format": (0.0, 1.0)})
     assert chart_ranges(metrics) == {
         **{f"sample_metrics/format/{s}": (0.0, 1.0) for s in ("mean", "min", "max", "group_gini_mean")},
-        "sample_metrics/format/std": (0.0, 0.5),
+        "sample_metrics/format/std": (0.0, 1 / math.sqrt(2)),
     }
     metrics.update(make_rollouts(groups=3, seed=4, missing=False))
     metrics.compute()
@@ -496,7 +555,7 @@ def test_chart_ranges_declared_and_observed():
     assert ranges["sample_metrics/tool_calls/max"] == (calls.min().item(), calls.max().item())
     assert ranges["sample_metrics/format/max"] == (0.0, 1.0)
     lengths = torch.cat([a["response_lengths"], b2["response_lengths"]]).double()
-    assert ranges["rollout/tokens_completion/std"] == (0.0, (lengths.max() - lengths.min()).item() / 2)
+    assert ranges["rollout/tokens_completion/std"] == (0.0, (lengths.max() - lengths.min()).item() / math.sqrt(2))
     assert "rollout/advantage/mean" in ranges and "rollout/stop_reason/length_pct" not in ranges
     assert metrics["RolloutRewardStats"].reward_min == -1.0
 
@@ -596,13 +655,16 @@ def test_each_class_alone():
         (RolloutRewardStats(), ("rewards",)),
         (RolloutRewardGini(), ("rewards", "group_ids")),
         (RolloutAdvantageStats(), ("advantages",)),
-        (PromptTokenStats(), ("prompt_lengths",)),
+        (PromptTokenStats(), ("prompt_lengths", "group_ids")),
         (CompletionTokenStats(), ("response_lengths",)),
         (TotalTokenStats(), ("prompt_lengths", "response_lengths")),
         (CompletionLengthGini(), ("response_lengths", "group_ids")),
         (CompletionLengthMaxMedianRatio(), ("response_lengths", "group_ids")),
+        (CompletionLengthCV(), ("response_lengths", "group_ids")),
+        (OffPolicySteps(), ("policy_lag",)),
+        (DiscardedRolloutStats(), ("discard_reasons", "response_lengths", "group_ids", "stop_reasons")),
         (StopReasonLengthPct(), ("stop_reasons",)),
-        (DiscardedRollouts(), ("discard_reasons",)),
+        (DiscardedRollouts(), ("discard_reasons", "rewards")),
         (SampleMetricStats(NAMES), ("sample_metrics", "group_ids")),
     ):
         m.update(**{f: b[f] for f in fields})

@@ -1,7 +1,7 @@
 """An independent reference for the rollout-group metrics, written from the design text alone, and its self-checks.
 
-Deliberately naive: Python loops over groups, boolean indexing, ``np.median``, ``np.std`` (population,
-ddof=0). Gini comes in two independent forms: the pairwise definition
+Deliberately naive: Python loops over groups, boolean indexing, ``np.median``, ``np.std`` (sample,
+ddof=1, as Telescope: no std for a single sample). Gini comes in two independent forms: the pairwise definition
 ``sum_i sum_j |x_i - x_j| / (2 n^2 mean)`` and the sorted-rank form
 ``2 sum_i i x_(i) / (n sum x) - (n + 1) / n``. Every value in float64.
 """
@@ -40,8 +40,11 @@ def gini_sorted_rank(values) -> float:
 def describe(values) -> dict[str, float]:
     x = np.asarray(values, dtype=np.float64)
     if x.size == 0:
-        return dict.fromkeys(STATS, 0.0)
-    return {"mean": float(x.mean()), "std": float(x.std()), "min": float(x.min()), "max": float(x.max())}
+        return {"mean": 0.0, "min": 0.0, "max": 0.0}
+    out = {"mean": float(x.mean()), "min": float(x.min()), "max": float(x.max())}
+    if x.size > 1:
+        out["std"] = float(x.std(ddof=1))
+    return out
 
 
 def groups_of(group_ids, values) -> list[np.ndarray]:
@@ -59,15 +62,31 @@ def group_gini_mean(group_ids, values, form=gini_pairwise) -> float:
     return float(np.mean([form(g) for g in gs])) if gs else 0.0
 
 
-def group_max_median_mean(group_ids, lengths) -> float:
-    gs = groups_of(group_ids, lengths)
-    if not gs:
-        return 1.0
+def group_max_median_mean(group_ids, lengths, keep=None) -> float:
+    """Telescope: max / median per group, no floor; a group with median 0 has no ratio (left out)."""
+    keep = np.ones(len(lengths), dtype=bool) if keep is None else np.asarray(keep, dtype=bool)
     ratios = []
-    for g in gs:
-        g = np.maximum(g, 1.0)
-        ratios.append(g.max() / np.median(g))
-    return float(np.mean(ratios))
+    for g, k in zip(groups_of(group_ids, lengths), groups_of(group_ids, keep)):
+        g = g[k.astype(bool)]
+        if g.size and np.median(g) > 0:
+            ratios.append(g.max() / np.median(g))
+    return float(np.mean(ratios)) if ratios else 1.0
+
+
+def group_cv_mean(group_ids, lengths) -> float:
+    """Telescope: stddev_samp / avg of the lengths per group; groups of one or with mean 0 left out."""
+    cvs = [float(np.std(g, ddof=1) / np.mean(g)) for g in groups_of(group_ids, lengths) if g.size > 1 and g.mean() > 0]
+    return float(np.mean(cvs)) if cvs else 0.0
+
+
+def first_of_each_group(group_ids) -> list[int]:
+    seen: set = set()
+    out = []
+    for i, g in enumerate(group_ids):
+        if g not in seen:
+            seen.add(g)
+            out.append(i)
+    return out
 
 
 def per_sample(values, mask, how):
@@ -104,12 +123,14 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
     p = np.asarray(batch["prompt_lengths"], dtype=np.float64) if "prompt_lengths" in batch else None
     c = np.asarray(batch["response_lengths"], dtype=np.float64) if "response_lengths" in batch else None
     if p is not None:
-        out.update({f"rollout/tokens_prompt/{k}": v for k, v in describe(p).items()})
+        prompts = p if gid is None else p[first_of_each_group(gid)]  # one prompt per group
+        out.update({f"rollout/tokens_prompt/{k}": v for k, v in describe(prompts).items()})
     if c is not None:
         out.update({f"rollout/tokens_completion/{k}": v for k, v in describe(c).items()})
         if gid is not None:
             out["rollout/tokens_completion/group_gini_mean"] = group_gini_mean(gid, c)
             out["rollout/tokens_completion/group_max_median_ratio_mean"] = group_max_median_mean(gid, c)
+            out["rollout/tokens_completion/group_cv_mean"] = group_cv_mean(gid, c)
     if p is not None and c is not None:
         out.update({f"rollout/tokens_total/{k}": v for k, v in describe(p + c).items()})
     if "stop_reasons" in batch:
@@ -124,6 +145,38 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
         out["rollout/discarded/zero_advantage"] = float(n_zero)
         out["rollout/discarded/total"] = float(n_async + n_zero)
         out["rollout/discarded/pct"] = 100.0 * (n_async + n_zero) / len(codes) if codes else 0.0
+        if n_async + n_zero:
+            out["rollout/discarded/max_async_pct"] = 100.0 * n_async / (n_async + n_zero)
+            out["rollout/discarded/zero_advantage_pct"] = 100.0 * n_zero / (n_async + n_zero)
+        if "rewards" in batch:
+            r, _ = per_sample(batch["rewards"], mask, "sum")
+            zr = [float(x) for x, code in zip(r, codes) if code == 2]
+            out["rollout/discarded/zero_advantage_all_zero"] = float(sum(x == 0 for x in zr))
+            out["rollout/discarded/zero_advantage_all_positive"] = float(sum(x > 0 for x in zr))
+            if zr:
+                out["rollout/discarded/zero_advantage_reward_mean"] = sum(zr) / len(zr)
+        if c is not None:
+            gone = [code in (1, 2) for code in codes]
+            lengths = c[np.array(gone, dtype=bool)]
+            if lengths.size:
+                out.update({f"rollout/discarded/tokens_completion/{k}": v for k, v in describe(lengths).items()})
+            if gid is not None:
+                ginis = [gini_pairwise(g[k.astype(bool)]) for g, k in zip(groups_of(gid, c), groups_of(gid, gone))
+                         if k.any()]
+                if ginis:
+                    out["rollout/discarded/tokens_completion/group_gini_mean"] = float(np.mean(ginis))
+                ratio = group_max_median_mean(gid, c, gone)
+                ratios_exist = any(np.median(g[k.astype(bool)]) > 0 for g, k in
+                                   zip(groups_of(gid, c), groups_of(gid, gone)) if k.any())
+                if ratios_exist:
+                    out["rollout/discarded/tokens_completion/group_max_median_ratio_mean"] = ratio
+            if "stop_reasons" in batch and any(gone):
+                hit = [s == "length" or (not isinstance(s, str) and s is not None and int(s) == 1)
+                       for s in batch["stop_reasons"]]
+                out["rollout/discarded/stop_reason/length_pct"] = (
+                    100.0 * sum(h and g for h, g in zip(hit, gone)) / sum(gone))
+    if "policy_lag" in batch:
+        out.update({f"rollout/off_policy_steps/{k}": v for k, v in describe(batch["policy_lag"]).items()})
     if sample_names:
         sm = batch["sample_metrics"]
         for name in sample_names:
@@ -136,9 +189,21 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
     return out
 
 
-def zero_advantage_reference(rewards, group_ids) -> list[bool]:
+def zero_advantage_reference(rewards, group_ids, advantages=None) -> list[bool]:
+    """Telescope: groups of two or more whose rewards are all equal, or, with advantages, whose advantages
+    are all within 1e-9 of the group's first one."""
     r = np.asarray(rewards, dtype=np.float64)
-    return [len({float(x) for x, h in zip(r, group_ids) if h == g}) == 1 for g in group_ids]
+    out = []
+    for g in group_ids:
+        members = [i for i, h in enumerate(group_ids) if h == g]
+        if len(members) < 2:
+            out.append(False)
+        elif advantages is not None:
+            a0 = float(advantages[members[0]])
+            out.append(all(abs(float(advantages[i]) - a0) < 1e-9 for i in members))
+        else:
+            out.append(len({float(r[i]) for i in members}) == 1)
+    return out
 
 
 # --- self-checks of the reference -------------------------------------------------------------------

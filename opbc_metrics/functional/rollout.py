@@ -15,12 +15,19 @@ that value; for GAE it is the sequence's mean advantage). A sample without respo
 ``response_lengths`` are ``[B]`` token counts; total tokens are their sum.
 
 **Statistics per step.** "Per step" is the window since the last ``reset()``: all updates, all ranks.
-Mean, **population** standard deviation (divide by n, not n - 1), min and max come from the mergeable
+Mean, **sample** standard deviation (divide by n - 1, as Telescope; undefined for one sample, so the
+std key is left out while the window holds fewer than two), min and max come from the mergeable
 float64 sums ``(n, sum x, sum x^2)`` and the extremes, so the synced value equals the value on the
-concatenated data (never a mean of per-rank stds). The variance ``E[x^2] - E[x]^2`` is exact for
-integer counts (sums below 2^53) and otherwise carries a rounding error of a few ulps of ``E[x^2]``;
-a variance below ``1e-13 E[x^2]`` (a std below ~3.2e-7 of the root mean square, under that rounding
-resolution) is reported as 0, so a constant quantity has std exactly 0.
+concatenated data (never a mean of per-rank stds). A second set of sums of ``x * 2^-600`` is used
+where the plain sums overflow (values beyond ~1e154), so finite inputs up to the float64 limit give
+finite statistics. The variance ``E[x^2] - E[x]^2`` is exact for integer counts (sums below 2^53) and
+otherwise carries a rounding error of a few ulps of ``E[x^2]``; a variance below ``1e-13 E[x^2]`` (a
+std below ~3.2e-7 of the root mean square, under that rounding resolution) is reported as 0, so a
+constant quantity has std exactly 0: values that differ only in their last 7 significant digits (say
+1e200 and 1e200 * (1 + 1e-8)) get std 0, a documented limit of the mergeable raw moments.
+
+**Prompt tokens** count each prompt group's prompt once (its first sample's length) when
+``group_ids`` are given: all samples of a group share the prompt, and Telescope counts it once.
 
 **Gini per prompt group.** For the n values of one group (``group_ids``, arbitrary integers or, as a
 list, any hashable ids such as verl's ``uid`` strings), the population Gini coefficient
@@ -35,7 +42,9 @@ into fixed ``[B]`` buffers. Time O(B log B), memory O(B) per quantity.
 The mean over groups is merged as ``(sum of per-group Gini, number of groups)``, which is exact only
 if **a prompt group lives in one update on one rank** (true in GRPO, where a group is generated and
 scored together): a group split across updates or ranks counts as two groups, each with its own
-Gini. Per-group max/median length ratios are merged the same way.
+Gini. Per-group max/median length ratios (a group whose median length is 0 is left out, lengths are
+not floored) and coefficients of variation (sample std / mean; groups of one or with mean 0 left out)
+are merged the same way.
 
 **Bad values.** Shapes, dtypes and devices are checked in ``update()`` (host metadata only). Values
 cannot be inspected there without a host sync, so negative or non-finite token counts, non-finite
@@ -43,8 +52,8 @@ rewards/advantages, infinite sample metrics and unknown int codes are counted by
 raise a ``ValueError`` naming the field at ``compute()`` (after sync, so on every rank alike); the
 public functions below raise at once.
 
-Empty windows: mean/std/min/max, Gini means, the stop-reason percentage and the discard counts are
-0; the max/median ratio mean is 1 (equal lengths).
+Empty windows: mean/min/max, Gini and CV means, the stop-reason percentage and the discard counts
+are 0; the max/median ratio mean is 1 (equal lengths); there is no std key.
 """
 
 from __future__ import annotations
@@ -113,6 +122,25 @@ DISCARD_KEYS = (
     "rollout/discarded/total",
     "rollout/discarded/pct",
 )
+#: Shares of the discarded rollouts by reason (percent of ``total``); only when something was discarded.
+DISCARD_SHARE_KEYS = ("rollout/discarded/max_async_pct", "rollout/discarded/zero_advantage_pct")
+#: The zero-advantage discards split by their (common) reward; only when ``rewards`` came with the codes.
+ZERO_ADVANTAGE_SPLIT_KEYS = (
+    "rollout/discarded/zero_advantage_all_zero",
+    "rollout/discarded/zero_advantage_all_positive",
+    "rollout/discarded/zero_advantage_reward_mean",
+)
+DISCARDED_PREFIX = "rollout/discarded"
+DISCARDED_TOKEN_KEYS = stat_keys(f"{DISCARDED_PREFIX}/tokens_completion")
+DISCARDED_GROUP_KEYS = (
+    f"{DISCARDED_PREFIX}/tokens_completion/group_gini_mean",
+    f"{DISCARDED_PREFIX}/tokens_completion/group_max_median_ratio_mean",
+)
+DISCARDED_STOP_KEY = f"{DISCARDED_PREFIX}/stop_reason/length_pct"
+LENGTH_CV_KEY = "rollout/tokens_completion/group_cv_mean"
+POLICY_LAG = "policy_lag"
+OFF_POLICY_PREFIX = "rollout/off_policy_steps"
+OFF_POLICY_KEYS = stat_keys(OFF_POLICY_PREFIX)
 SAMPLE_METRICS_SECTION = "sample_metrics"
 
 
@@ -334,25 +362,59 @@ def _mean_over_groups(total: Tensor, groups: Tensor, empty: float) -> Tensor:
     return torch.where(groups > 0, total / groups.clamp_min(1.0), torch.full_like(total, empty))
 
 
-def _max_median_update(segs: GroupSegments, lengths: Tensor) -> Stats:
-    """Sum over groups of max/median completion length, lengths floored at 1 token."""
-    x = lengths.clamp_min(1.0)[:, None]
-    xs = _sort_within_groups(segs, x, torch.ones_like(x, dtype=torch.bool))[0][:, 0]
-    seg = segs.seg
-    n = torch.zeros_like(seg).scatter_add_(0, seg, torch.ones_like(seg))[seg]
+def _max_median_update(segs: GroupSegments, lengths: Tensor, valid: Tensor | None = None) -> Stats:
+    """Sum over groups of max/median completion length (over the ``valid`` samples), and the number of
+    groups counted: a group whose median is 0 has no ratio and is left out."""
+    x = lengths[:, None]
+    ok = torch.ones_like(x, dtype=torch.bool) if valid is None else valid[:, None]
+    xs, vs, _ = _sort_within_groups(segs, x, ok)
+    xs = xs[:, 0]
+    n = _segment_sum(segs, vs.to(F64))[:, 0].to(torch.long)  # valid values per group, sorted first
     start = segs.start
-    lo = torch.gather(xs, 0, start + torch.div(n - 1, 2, rounding_mode="floor"))
-    hi = torch.gather(xs, 0, start + torch.div(n, 2, rounding_mode="floor"))
-    top = torch.gather(xs, 0, start + n - 1)
-    ratio = top / ((lo + hi) / 2.0)
-    return {"value_sum": torch.where(segs.is_start, ratio, 0.0).sum(), "groups": segs.is_start.to(F64).sum()}
+    last = xs.shape[0] - 1
+    lo = torch.gather(xs, 0, (start + torch.div(n - 1, 2, rounding_mode="floor")).clamp(0, last))
+    hi = torch.gather(xs, 0, (start + torch.div(n, 2, rounding_mode="floor")).clamp(0, last))
+    top = torch.gather(xs, 0, (start + n - 1).clamp(0, last))
+    median = (lo + hi) / 2.0
+    counted = segs.is_start & (n > 0) & (median > 0)
+    ratio = top / torch.where(counted, median, 1.0)
+    return {"value_sum": torch.where(counted, ratio, 0.0).sum(), "groups": counted.to(F64).sum()}
+
+
+def _cv_update(segs: GroupSegments, lengths: Tensor) -> Stats:
+    """Sum over groups of the coefficient of variation (sample std / mean) of the lengths, and the number of
+    groups counted: groups of two samples or more with a positive mean."""
+    x = lengths[segs.order]
+    ones = torch.ones_like(x)
+    n = _segment_sum(segs, ones[:, None])[:, 0]
+    mean = _segment_sum(segs, x[:, None])[:, 0] / n
+    sq = _segment_sum(segs, ((x - mean) ** 2)[:, None])[:, 0]
+    counted = segs.is_start & (n > 1) & (mean > 0)
+    cv = (sq / (n - 1.0).clamp_min(1.0)).sqrt() / torch.where(counted, mean, 1.0)
+    return {"value_sum": torch.where(counted, cv, 0.0).sum(), "groups": counted.to(F64).sum()}
+
+
+def _first_of_group(segs: GroupSegments) -> Tensor:
+    """``[B]`` float64, 1 on the first sample (in batch order) of each group: a stable sort keeps it first."""
+    return torch.zeros(segs.order.shape, dtype=F64, device=segs.order.device).scatter_(
+        0, segs.order, segs.is_start.to(F64)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
-# moments: mean / population std / min / max
+# moments: mean / sample std / min / max
 # ---------------------------------------------------------------------------------------------
+#: Scale of the second set of sums, used when the plain sums overflow (values beyond ~1e154): with
+#: |x| <= 1.8e308, (x * 2^-600)^2 <= 1e255, so sums stay finite for any realistic count.
+_SCALE = 2.0**-600
+
+
 def _moments_update(x: Tensor, w: Tensor, invalid: Tensor) -> Stats:
-    """Sufficient statistics of ``x`` (``[B]`` or ``[B, F]``) over the samples with weight ``w = 1``."""
+    """Sufficient statistics of ``x`` (``[B]`` or ``[B, F]``) over the samples with weight ``w = 1``.
+
+    Two sets of sums: plain (``total``, ``total_sq``) and scaled by 2^-600 (``total_hi``,
+    ``total_sq_hi``), which stay finite for values up to the float64 limit.
+    """
     has = w > 0
     inf = torch.full(x.shape[1:], float("inf"), dtype=F64, device=x.device)
     if x.shape[0] == 0:
@@ -361,29 +423,42 @@ def _moments_update(x: Tensor, w: Tensor, invalid: Tensor) -> Stats:
         lo = torch.where(has, x, float("inf")).amin(dim=0)
         hi = torch.where(has, x, float("-inf")).amax(dim=0)
     xw = x * w
-    return {"count": w.sum(dim=0), "total": xw.sum(dim=0), "total_sq": (xw * x).sum(dim=0), "min": lo, "max": hi,
-            "invalid": invalid}
+    xs = xw * _SCALE
+    return {"count": w.sum(dim=0), "total": xw.sum(dim=0), "total_sq": (xw * x).sum(dim=0),
+            "total_hi": xs.sum(dim=0), "total_sq_hi": (xs * xs).sum(dim=0), "min": lo, "max": hi, "invalid": invalid}
 
 
-def _moments_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor) -> tuple[Tensor, ...]:
-    """``(mean, population std, min, max)``; 0 each over an empty window."""
+def _moments_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor, total_hi: Tensor,
+                     total_sq_hi: Tensor) -> tuple[Tensor, ...]:
+    """``(mean, sample std, min, max)``; 0 each over an empty window, std NaN for fewer than two samples.
+
+    The sample variance ``n / (n - 1) (E[x^2] - E[x]^2)``, from the plain sums, or from the scaled ones
+    where a plain sum overflowed (then rescaled), so finite inputs give finite statistics.
+    """
     n = count.clamp_min(1.0)
-    mean = total / n
-    mean_sq = total_sq / n
+    big = ~(torch.isfinite(total) & torch.isfinite(total_sq))
+    mean = torch.where(big, total_hi / n, total / n)
+    mean_sq = torch.where(big, total_sq_hi / n, total_sq / n)
     var = mean_sq - mean * mean
-    var = torch.where(var > STD_RESOLUTION * mean_sq, var, 0.0)
+    var = torch.where(var > STD_RESOLUTION * mean_sq, var, 0.0) * (n / (n - 1.0).clamp_min(1.0))
+    scale = torch.where(big, torch.full_like(mean, 1.0 / _SCALE), torch.ones_like(mean))
+    mean = torch.minimum(torch.maximum(mean * scale, min), max)  # never outside the data by rounding
     nonempty = count > 0
     zero = torch.zeros_like(mean)
     return (
         torch.where(nonempty, mean, zero),
-        torch.where(nonempty, var.sqrt(), zero),
+        torch.where(count > 1, var.sqrt() * scale, torch.full_like(mean, float("nan"))),
         torch.where(nonempty, min, zero),
         torch.where(nonempty, max, zero),
     )
 
 
 def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
-    return dict(zip(keys, _moments_compute(**stats), strict=True))
+    """``keys`` = (mean, std, min, max) keys; the std key only over two samples or more (one host read)."""
+    out = dict(zip(keys, _moments_compute(**stats), strict=True))
+    if not bool(stats["count"] > 1):
+        del out[keys[1]]
+    return out
 
 
 def raise_if_invalid(invalid: Tensor, field: str, what: str) -> None:
@@ -424,6 +499,13 @@ def _length_stats_update(view: BatchView, name: str) -> Stats:
     return _moments_update(x, torch.ones_like(x), invalid)
 
 
+def _prompt_token_stats_update(view: BatchView) -> Stats:
+    """Prompt lengths, each prompt group's prompt counted once (its first sample) when ``group_ids`` are given."""
+    x, invalid = _lengths(view, PROMPT_LENGTHS)
+    w = _first_of_group(_segments(view, PROMPT_LENGTHS, x)) if view.has(GROUP_IDS) else torch.ones_like(x)
+    return _moments_update(x, w, invalid)
+
+
 def _total_tokens(view: BatchView) -> tuple[Tensor, Tensor]:
     prompt, bad_p = _lengths(view, PROMPT_LENGTHS)
     response, bad_r = _lengths(view, RESPONSE_LENGTHS)
@@ -444,13 +526,15 @@ def _checked(stats: Stats, field: str, what: str) -> Stats:
 def reward_stats(rewards: Tensor, response_mask: Tensor | None = None) -> dict[str, Tensor]:
     r"""``rollout/reward/{mean,std,min,max}`` of one batch; ``[B, T]`` rewards are summed per sample.
 
-    Std is the population std (divide by n).
+    Std is the sample std (divide by n - 1, as Telescope); a single sample has no std key.
 
     Example:
         >>> import torch
         >>> out = reward_stats(torch.tensor([1.0, 0.0, 0.0, 1.0]))
         >>> {k.split('/')[-1]: v.item() for k, v in out.items()}
-        {'mean': 0.5, 'std': 0.5, 'min': 0.0, 'max': 1.0}
+        {'mean': 0.5, 'std': 0.5773502691896257, 'min': 0.0, 'max': 1.0}
+        >>> reward_stats(torch.tensor([3.0]))  # one sample: no std key
+        {'rollout/reward/mean': tensor(3., dtype=torch.float64), 'rollout/reward/min': tensor(3., dtype=torch.float64), 'rollout/reward/max': tensor(3., dtype=torch.float64)}
         >>> reward_stats(torch.tensor([[0.0, 2.0], [0.0, 5.0]]), torch.tensor([[1, 1], [1, 0]]))['rollout/reward/max']
         tensor(2., dtype=torch.float64)
     """
@@ -465,25 +549,30 @@ def advantage_stats(advantages: Tensor, response_mask: Tensor | None = None) -> 
         >>> import torch
         >>> adv = torch.tensor([[1.0, 1.0, 9.0], [-1.0, -1.0, -1.0]])
         >>> out = advantage_stats(adv, torch.tensor([[1, 1, 0], [1, 1, 1]]))
-        >>> [v.item() for v in out.values()]
-        [0.0, 1.0, -1.0, 1.0]
+        >>> [round(v.item(), 4) for v in out.values()]
+        [0.0, 1.4142, -1.0, 1.0]
     """
     view = BatchView(advantages=advantages, response_mask=response_mask)
     return _moments_dict(ADVANTAGE_KEYS, **_checked(_advantage_stats_update(view), ADVANTAGES, NONFINITE))
 
 
-def token_stats(prompt_lengths: Tensor, response_lengths: Tensor) -> dict[str, Tensor]:
+def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any = None) -> dict[str, Tensor]:
     r"""``rollout/tokens_{prompt,completion,total}/{mean,std,min,max}`` of one batch.
+
+    With ``group_ids``, each prompt group's prompt counts once in the prompt statistics (all samples of a
+    group share the prompt; its first sample's length is taken). Completion and total tokens are per sample.
 
     Example:
         >>> import torch
         >>> out = token_stats(torch.tensor([10, 20]), torch.tensor([5, 15]))
-        >>> [out[f"rollout/tokens_{k}/{s}"].item() for k in ("prompt", "total") for s in ("mean", "std")]
-        [15.0, 5.0, 25.0, 10.0]
+        >>> [round(out[f"rollout/tokens_{k}/{s}"].item(), 4) for k in ("prompt", "total") for s in ("mean", "std")]
+        [15.0, 7.0711, 25.0, 14.1421]
+        >>> token_stats(torch.tensor([55, 55, 329]), torch.tensor([1, 2, 3]), torch.tensor([0, 0, 1]))[
+        ...     "rollout/tokens_prompt/mean"].item()
+        192.0
     """
-    view = BatchView(prompt_lengths=prompt_lengths, response_lengths=response_lengths)
-    out = _moments_dict(PROMPT_TOKEN_KEYS, **_checked(_length_stats_update(view, PROMPT_LENGTHS), PROMPT_LENGTHS,
-                                                       BAD_COUNTS))
+    view = BatchView(prompt_lengths=prompt_lengths, response_lengths=response_lengths, group_ids=group_ids)
+    out = _moments_dict(PROMPT_TOKEN_KEYS, **_checked(_prompt_token_stats_update(view), PROMPT_LENGTHS, BAD_COUNTS))
     out.update(_moments_dict(COMPLETION_TOKEN_KEYS, **_checked(_length_stats_update(view, RESPONSE_LENGTHS),
                                                                RESPONSE_LENGTHS, BAD_COUNTS)))
     out.update(_moments_dict(TOTAL_TOKEN_KEYS, **_checked(_total_token_stats_update(view), PROMPT_LENGTHS,
@@ -519,6 +608,30 @@ def _length_ratio_update(view: BatchView) -> Stats:
 
 def _ratio_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
     return _mean_over_groups(value_sum, groups, 1.0)
+
+
+def _cv_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
+    return _mean_over_groups(value_sum, groups, 0.0)
+
+
+def _length_cv_update(view: BatchView) -> Stats:
+    x, invalid = _lengths(view, RESPONSE_LENGTHS)
+    return {**_cv_update(_segments(view, RESPONSE_LENGTHS, x), x), "invalid": invalid}
+
+
+def group_length_cv(response_lengths: Tensor, group_ids: Any) -> Tensor:
+    r"""Mean over prompt groups of the coefficient of variation of completion lengths (``group_length_cv_mean``).
+
+    Per group, sample std (n - 1) / mean of its completion lengths; groups of one sample or with mean 0
+    have no CV and are left out (0 when no group has one).
+
+    Example:
+        >>> import torch
+        >>> group_length_cv(torch.tensor([10, 30, 20, 20, 7]), torch.tensor([0, 0, 1, 1, 2]))  # (0.7071 + 0) / 2
+        tensor(0.3536, dtype=torch.float64)
+    """
+    view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
+    return _cv_compute(**_checked(_length_cv_update(view), RESPONSE_LENGTHS, BAD_COUNTS))
 
 
 def gini(values: Tensor) -> Tensor:
@@ -564,42 +677,63 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
 def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
     r"""Mean over prompt groups of max / median completion length (``group_length_max_median_ratio_mean``).
 
-    Lengths are floored at 1 token (a median of 0 tokens counts as 1); the median of an even-sized
-    group is the mean of its two middle values. 1 means equal lengths; large values flag stragglers.
+    The median of an even-sized group is the mean of its two middle values; a group whose median is 0
+    has no ratio and is left out of the mean (as Telescope, which does not floor lengths). 1 means
+    equal lengths; large values flag stragglers.
 
     Example:
         >>> import torch
         >>> group_max_median_ratio(torch.tensor([10, 20, 30, 5, 5]), torch.tensor([0, 0, 0, 1, 1]))
         tensor(1.2500, dtype=torch.float64)
+        >>> group_max_median_ratio(torch.tensor([0, 2, 0, 0, 5]), torch.tensor([0, 0, 1, 1, 1]))  # [0, 0, 5] left out
+        tensor(2., dtype=torch.float64)
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
     return _ratio_compute(**_checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS))
 
 
 def zero_advantage_mask(
-    rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0
+    rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0,
+    advantages: Tensor | None = None, advantage_atol: float = 1e-9,
 ) -> Tensor:
-    r"""``[B]`` bool: samples whose whole prompt group got the same reward (max - min <= ``atol``).
+    r"""``[B]`` bool: samples of a prompt group of two or more whose advantage is zero for the whole group.
 
     GRPO's group-normalised advantage is then 0 for every sample of the group, so it carries no
-    gradient (``discard_group_zero_advantage``). A group of one is zero-advantage. ``[B, T]`` rewards are
-    summed per sample first. Vectorised (a sort by group and reward; no host sync). A NaN reward makes
-    its group non-zero-advantage.
+    gradient (``discard_group_zero_advantage``). As Telescope judges it: when ``advantages`` are given,
+    every sample's advantage is within ``advantage_atol`` (1e-9, strictly) of the group's first sample's;
+    otherwise every sample got the same reward (max - min <= ``atol``). A group of one is never
+    zero-advantage (there is nothing to compare). ``[B, T]`` rewards are summed per sample first, ``[B, T]``
+    advantages averaged over the response. Vectorised (a sort by group; no host sync). A NaN makes its
+    group non-zero-advantage.
 
     Example:
         >>> import torch
         >>> zero_advantage_mask(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5]), torch.tensor([4, 4, 2, 2, 9]))
-        tensor([ True,  True, False, False,  True])
+        tensor([ True,  True, False, False, False])
+        >>> zero_advantage_mask(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([4, 4, 2, 2]),
+        ...                     advantages=torch.tensor([0.0, 0.0, 0.5, -0.5]))  # advantages decide
+        tensor([ True,  True, False, False])
     """
-    view = BatchView(rewards=rewards, group_ids=group_ids, response_mask=response_mask)
+    view = BatchView(rewards=rewards, group_ids=group_ids, response_mask=response_mask, advantages=advantages)
     x, _ = _per_sample(view, REWARDS, "sum")
     segs = _segments(view, REWARDS, x)
-    xs, _, perm = _sort_within_groups(segs, x[:, None], torch.ones_like(x, dtype=torch.bool)[:, None])
-    xs = xs[:, 0]
-    n = torch.zeros_like(segs.seg).scatter_add_(0, segs.seg, torch.ones_like(segs.seg))[segs.seg]
-    spread = torch.gather(xs, 0, segs.start + n - 1) - torch.gather(xs, 0, segs.start)
-    flat = spread <= atol
-    return torch.empty_like(flat).scatter_(0, perm[:, 0], flat)
+    ones = torch.ones_like(x)
+    n = _segment_sum(segs, ones[:, None])[:, 0]  # group size, per sorted position
+    if advantages is not None:
+        a, _ = _per_sample(view, ADVANTAGES, "mean")
+        _check_same_batch(ADVANTAGES, a, REWARDS, x)
+        a_sorted = a[segs.order]
+        first = torch.gather(a_sorted, 0, segs.start)  # a stable sort keeps each group's first sample first
+        off = ~((a_sorted - first).abs() < advantage_atol)  # NaN counts as off
+        flat = _segment_sum(segs, off.to(F64)[:, None])[:, 0] == 0
+    else:
+        xs, _, _ = _sort_within_groups(segs, x[:, None], torch.ones_like(x, dtype=torch.bool)[:, None])
+        xs = xs[:, 0]
+        last = (segs.start + n.to(torch.long) - 1)
+        spread = torch.gather(xs, 0, last) - torch.gather(xs, 0, segs.start)
+        flat = spread <= atol
+    flat = flat & (n > 1)
+    return torch.empty_like(flat).scatter_(0, segs.order, flat)
 
 
 def discard_reasons(
@@ -611,12 +745,14 @@ def discard_reasons(
     discard_group_zero_advantage: bool = True,
     response_mask: Tensor | None = None,
     atol: float = 0.0,
+    advantages: Tensor | None = None,
 ) -> Tensor:
     r"""``[B]`` int codes of :data:`DISCARD_REASON_CODES`: 0 kept, 1 ``max_async``, 2 ``zero_advantage``.
 
     ``max_async``: ``policy_lag > max_off_policy_steps`` (the rollout's weights are too many steps
     behind); it takes precedence. ``zero_advantage``: the sample's group got one reward for all its
-    samples (:func:`zero_advantage_mask`), when ``discard_group_zero_advantage``. Feed the codes to
+    samples, or all the same advantage when ``advantages`` are given; never a group of one
+    (:func:`zero_advantage_mask`), when ``discard_group_zero_advantage``. Feed the codes to
     :class:`~opbc_metrics.rollout.DiscardedRollouts` as ``discard_reasons``.
 
     Example:
@@ -627,7 +763,7 @@ def discard_reasons(
     """
     codes = torch.zeros(len(rewards), dtype=torch.long, device=rewards.device)
     if discard_group_zero_advantage:
-        flat = zero_advantage_mask(rewards, group_ids, response_mask, atol)
+        flat = zero_advantage_mask(rewards, group_ids, response_mask, atol, advantages=advantages)
         codes = torch.where(flat, DISCARD_REASON_CODES["zero_advantage"], codes)
     if policy_lag is not None:
         if max_off_policy_steps is None:
@@ -694,7 +830,8 @@ def _stop_update(view: BatchView, length_code: int, device: torch.device | str =
     codes = _code_tensor(view, STOP_REASONS, {"length": length_code}, not_length, not_length, device,
                          allow_bool=True)
     hit = codes if codes.dtype == torch.bool else codes == length_code
-    return {"length": hit.to(F64).sum(), "count": torch.full((), float(hit.shape[0]), dtype=F64, device=hit.device)}
+    return {"length": hit.to(F64).sum(), "count": torch.full((), float(hit.shape[0]), dtype=F64, device=hit.device),
+            "hits": hit}
 
 
 def _stop_compute(length: Tensor, count: Tensor) -> Tensor:
@@ -715,41 +852,166 @@ def stop_reason_length_pct(stop_reasons: Any, length_code: int = LENGTH_CODE) ->
         >>> stop_reason_length_pct(torch.tensor([0, 1, 2, 0]))
         tensor(25., dtype=torch.float64)
     """
-    return _stop_compute(**_stop_update(BatchView(stop_reasons=stop_reasons), length_code))
+    stats = _stop_update(BatchView(stop_reasons=stop_reasons), length_code)
+    return _stop_compute(stats["length"], stats["count"])
+
+
+def _discard_codes(view: BatchView, device: torch.device | str) -> Tensor:
+    return _code_tensor(view, DISCARD_REASONS, {**DISCARD_REASON_CODES, "": 0}, 0, None, device, allow_bool=False)
 
 
 def _discard_update(view: BatchView, device: torch.device | str = "cpu") -> Stats:
-    codes = _code_tensor(view, DISCARD_REASONS, {**DISCARD_REASON_CODES, "": 0}, 0, None, device, allow_bool=False)
-    return {
+    codes = _discard_codes(view, device)
+    zero = codes == DISCARD_REASON_CODES["zero_advantage"]
+    stats = {
         "max_async": (codes == DISCARD_REASON_CODES["max_async"]).to(F64).sum(),
-        "zero_advantage": (codes == DISCARD_REASON_CODES["zero_advantage"]).to(F64).sum(),
+        "zero_advantage": zero.to(F64).sum(),
         "seen": torch.full((), float(codes.shape[0]), dtype=F64, device=codes.device),
         "invalid": ((codes < 0) | (codes > 2)).to(F64).sum(),
     }
+    if view.has(REWARDS):  # the split of the zero-advantage discards by their reward
+        x, w = _per_sample(view, REWARDS, "sum")
+        _check_same_batch(REWARDS, x, DISCARD_REASONS, codes)
+        ok = zero & (w > 0) & torch.isfinite(x)
+        stats.update(
+            rewarded=torch.full((), float(codes.shape[0]), dtype=F64, device=codes.device),
+            za_rewarded=ok.to(F64).sum(),
+            za_all_zero=(ok & (x == 0)).to(F64).sum(),
+            za_all_positive=(ok & (x > 0)).to(F64).sum(),
+            za_reward_sum=torch.where(ok, x, 0.0).sum(),
+        )
+    return stats
 
 
-def _discard_compute(max_async: Tensor, zero_advantage: Tensor, seen: Tensor) -> dict[str, Tensor]:
+def _discard_compute(max_async: Tensor, zero_advantage: Tensor, seen: Tensor, rewarded: Tensor | None = None,
+                     za_rewarded: Tensor | None = None, za_all_zero: Tensor | None = None,
+                     za_all_positive: Tensor | None = None, za_reward_sum: Tensor | None = None) -> dict[str, Tensor]:
+    """The discard keys; the shares only when something was discarded, the split only when rewards came
+    with the codes, its reward mean only over zero-advantage discards with a reward (host reads)."""
     total = max_async + zero_advantage
     pct = torch.where(seen > 0, 100.0 * total / seen.clamp_min(1.0), torch.zeros_like(total))
-    return dict(zip(DISCARD_KEYS, (max_async, zero_advantage, total, pct), strict=True))
+    out = dict(zip(DISCARD_KEYS, (max_async, zero_advantage, total, pct), strict=True))
+    if bool(total > 0):
+        out.update(zip(DISCARD_SHARE_KEYS, (100.0 * max_async / total, 100.0 * zero_advantage / total), strict=True))
+    if rewarded is not None and bool(rewarded > 0):
+        out[ZERO_ADVANTAGE_SPLIT_KEYS[0]] = za_all_zero
+        out[ZERO_ADVANTAGE_SPLIT_KEYS[1]] = za_all_positive
+        if bool(za_rewarded > 0):
+            out[ZERO_ADVANTAGE_SPLIT_KEYS[2]] = za_reward_sum / za_rewarded
+    return out
 
 
-def discarded_counts(discard_reasons: Any) -> dict[str, Tensor]:
-    r"""``rollout/discarded/{max_async, zero_advantage, total, pct}`` from per-rollout reason codes.
+def discarded_counts(discard_reasons: Any, rewards: Tensor | None = None) -> dict[str, Tensor]:
+    r"""``rollout/discarded/*`` counts from per-rollout reason codes.
 
     ``discard_reasons``: a ``[B]`` int tensor of :data:`DISCARD_REASON_CODES` (0 kept, 1 max_async,
     2 zero_advantage) or a list of ``"max_async"`` / ``"zero_advantage"`` / ``None`` (kept), one entry per
     generated rollout, kept ones included, so that ``pct`` (discarded share of all rollouts, 0-100) is
-    meaningful. Counts are rollouts (samples), not groups.
+    meaningful. Counts are rollouts (samples), not groups. When something was discarded,
+    ``max_async_pct`` / ``zero_advantage_pct`` are each reason's share of the discarded (0-100). With
+    ``rewards`` (``[B]`` or ``[B, T]``, summed per sample), the zero-advantage discards are split by their
+    reward: ``zero_advantage_all_zero`` (reward 0: the whole group failed), ``zero_advantage_all_positive``
+    (a positive reward: the whole group succeeded), ``zero_advantage_reward_mean``.
 
     Example:
+        >>> import torch
         >>> out = discarded_counts(["max_async", None, "zero_advantage", "zero_advantage"])
-        >>> [v.item() for v in out.values()]
-        [1.0, 2.0, 3.0, 75.0]
+        >>> [round(v.item(), 2) for v in out.values()]
+        [1.0, 2.0, 3.0, 75.0, 33.33, 66.67]
+        >>> out = discarded_counts(["zero_advantage"] * 3 + [None], rewards=torch.tensor([0.0, 0.0, 1.0, 0.5]))
+        >>> [out[f"rollout/discarded/zero_advantage_{k}"].item() for k in ("all_zero", "all_positive", "reward_mean")]
+        [2.0, 1.0, 0.3333333333333333]
     """
-    stats = _discard_update(BatchView(discard_reasons=discard_reasons))
+    stats = _discard_update(BatchView(discard_reasons=discard_reasons, rewards=rewards))
     raise_if_invalid(stats.pop("invalid"), DISCARD_REASONS, "codes outside {0, 1, 2}")
     return _discard_compute(**stats)
+
+
+def _discarded_stats_update(view: BatchView, length_code: int, device: torch.device | str = "cpu") -> Stats:
+    """Completion-length moments, per-group Gini and max/median, and the truncated count of the discarded
+    rollouts (codes 1 and 2) of one batch; the group and stop-reason parts when their fields are given."""
+    codes = _discard_codes(view, device)
+    x, invalid = _lengths(view, RESPONSE_LENGTHS)
+    _check_same_batch(RESPONSE_LENGTHS, x, DISCARD_REASONS, codes)
+    gone = (codes == DISCARD_REASON_CODES["max_async"]) | (codes == DISCARD_REASON_CODES["zero_advantage"])
+    stats = _moments_update(x, gone.to(F64), invalid + ((codes < 0) | (codes > 2)).to(F64).sum())
+    if view.has(GROUP_IDS):
+        segs = _segments(view, RESPONSE_LENGTHS, x)
+        gini = _gini_update(segs, x[:, None], gone[:, None])
+        ratio = _max_median_update(segs, x, gone)
+        stats.update(gini_sum=gini["gini_sum"][0], gini_groups=gini["groups"][0], ratio_sum=ratio["value_sum"],
+                     ratio_groups=ratio["groups"])
+    if view.has(STOP_REASONS):
+        stop = _stop_update(view, length_code, device)
+        hit = stop["hits"]
+        _check_same_batch(STOP_REASONS, hit, DISCARD_REASONS, codes)
+        stats.update(stop_length=(hit & gone).to(F64).sum(), stop_count=gone.to(F64).sum())
+    return stats
+
+
+def _discarded_stats_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor,
+                             total_hi: Tensor, total_sq_hi: Tensor, gini_sum: Tensor, gini_groups: Tensor,
+                             ratio_sum: Tensor, ratio_groups: Tensor, stop_length: Tensor, stop_count: Tensor,
+                             ) -> dict[str, Tensor]:
+    """The keys that have data: token moments over the discarded, group keys over groups with a discarded
+    rollout, the truncated share over discarded rollouts with a stop reason (host reads)."""
+    out: dict[str, Tensor] = {}
+    if bool(count > 0):
+        out.update(_moments_dict(DISCARDED_TOKEN_KEYS, count=count, total=total, total_sq=total_sq, min=min, max=max,
+                                 total_hi=total_hi, total_sq_hi=total_sq_hi))
+    if bool(gini_groups > 0):
+        out[DISCARDED_GROUP_KEYS[0]] = gini_sum / gini_groups
+    if bool(ratio_groups > 0):
+        out[DISCARDED_GROUP_KEYS[1]] = ratio_sum / ratio_groups
+    if bool(stop_count > 0):
+        out[DISCARDED_STOP_KEY] = _stop_compute(stop_length, stop_count)
+    return out
+
+
+def discarded_rollout_stats(
+    discard_reasons: Any, response_lengths: Tensor, group_ids: Any = None, stop_reasons: Any = None,
+    length_code: int = LENGTH_CODE,
+) -> dict[str, Tensor]:
+    r"""What the discarded rollouts (codes 1 and 2) looked like: ``rollout/discarded/tokens_completion/
+    {mean,std,min,max}``, ``.../group_gini_mean`` and ``.../group_max_median_ratio_mean`` (over the
+    discarded rollouts of each group, with ``group_ids``), ``rollout/discarded/stop_reason/length_pct``
+    (with ``stop_reasons``). The same definitions as the keys of all rollouts; keys without data are left out.
+
+    Example:
+        >>> import torch
+        >>> out = discarded_rollout_stats(torch.tensor([2, 2, 0, 1]), torch.tensor([10, 30, 500, 20]),
+        ...                               torch.tensor([0, 0, 1, 1]), ["stop", "length", "length", "stop"])
+        >>> {k.removeprefix("rollout/discarded/"): round(v.item(), 4) for k, v in out.items()}
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'tokens_completion/mean': 20.0, 'tokens_completion/std': 10.0, 'tokens_completion/min': 10.0,
+         'tokens_completion/max': 30.0, 'tokens_completion/group_gini_mean': 0.125,
+         'tokens_completion/group_max_median_ratio_mean': 1.25, 'stop_reason/length_pct': 33.3333}
+    """
+    view = BatchView(discard_reasons=discard_reasons, response_lengths=response_lengths, group_ids=group_ids,
+                     stop_reasons=stop_reasons)
+    stats = _discarded_stats_update(view, length_code)
+    raise_if_invalid(stats.pop("invalid"), RESPONSE_LENGTHS, BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+    zero = torch.zeros((), dtype=F64)
+    for name in ("gini_sum", "gini_groups", "ratio_sum", "ratio_groups", "stop_length", "stop_count"):
+        stats.setdefault(name, zero)
+    return _discarded_stats_compute(**stats)
+
+
+def _off_policy_update(view: BatchView) -> Stats:
+    x, invalid = _lengths(view, POLICY_LAG)
+    return _moments_update(x, torch.ones_like(x), invalid)
+
+
+def off_policy_steps(policy_lag: Tensor) -> dict[str, Tensor]:
+    r"""``rollout/off_policy_steps/{mean,std,min,max}``: how many trainer steps behind each rollout's weights were.
+
+    Example:
+        >>> import torch
+        >>> [v.item() for v in off_policy_steps(torch.tensor([0, 1, 2])).values()]
+        [1.0, 1.0, 0.0, 2.0]
+    """
+    view = BatchView(policy_lag=policy_lag)
+    return _moments_dict(OFF_POLICY_KEYS, **_checked(_off_policy_update(view), POLICY_LAG, BAD_COUNTS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -856,14 +1118,16 @@ def _sample_update(view: BatchView, names: tuple[str, ...], group_gini: bool, de
 
 
 def _sample_compute(names: tuple[str, ...], count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor,
-                    max: Tensor, gini_sum: Tensor | None = None, groups: Tensor | None = None) -> dict[str, Tensor]:
-    mean, std, lo, hi = _moments_compute(count, total, total_sq, min, max)
+                    max: Tensor, total_hi: Tensor, total_sq_hi: Tensor, gini_sum: Tensor | None = None,
+                    groups: Tensor | None = None) -> dict[str, Tensor]:
+    mean, std, lo, hi = _moments_compute(count, total, total_sq, min, max, total_hi, total_sq_hi)
     gini_mean = None if gini_sum is None or groups is None else _mean_over_groups(gini_sum, groups, 0.0)
+    has_std = (count > 1).tolist()
     out: dict[str, Tensor] = {}
     for k, n in enumerate(names):
         keys = sample_metric_keys(n)
         values = [mean[k], std[k], lo[k], hi[k]] + ([gini_mean[k]] if gini_mean is not None else [])
-        out.update(zip(keys, values, strict=False))
+        out.update((key, v) for key, v in zip(keys, values, strict=False) if has_std[k] or key != keys[1])
     return out
 
 
@@ -881,7 +1145,7 @@ def sample_metric_stats(sample_metrics: Any, group_ids: Any = None) -> dict[str,
         >>> out = sample_metric_stats({"tool_calls": torch.tensor([0.0, 2.0, 1.0, 1.0])},
         ...                           group_ids=torch.tensor([0, 0, 1, 1]))
         >>> {k.split('/')[-1]: round(v.item(), 4) for k, v in out.items()}
-        {'mean': 1.0, 'std': 0.7071, 'min': 0.0, 'max': 2.0, 'group_gini_mean': 0.25}
+        {'mean': 1.0, 'std': 0.8165, 'min': 0.0, 'max': 2.0, 'group_gini_mean': 0.25}
     """
     raw = sample_metrics
     if isinstance(raw, Mapping):

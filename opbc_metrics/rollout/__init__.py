@@ -14,9 +14,15 @@ quantity, then the statistic.
 | Tokens (Total): mean, std, min, max | ``rollout/tokens_total/{mean,std,min,max}`` |
 | ``group_length_gini_mean`` | ``rollout/tokens_completion/group_gini_mean`` |
 | ``group_length_max_median_ratio_mean`` | ``rollout/tokens_completion/group_max_median_ratio_mean`` |
+| ``group_length_cv_mean`` | ``rollout/tokens_completion/group_cv_mean`` |
+| off-policy steps (``policy_lag``): mean, std, min, max | ``rollout/off_policy_steps/{mean,std,min,max}`` |
 | ``stop_reason_length_pct`` | ``rollout/stop_reason/length_pct`` |
 | Discarded rollouts ``max_async``, ``zero_advantage`` | ``rollout/discarded/{max_async,zero_advantage}`` |
 | (their sum, and share of all rollouts in %) | ``rollout/discarded/{total,pct}`` |
+| discarded by reason, as shares of the discarded (%) | ``rollout/discarded/{max_async_pct,zero_advantage_pct}`` |
+| zero-advantage split: all-zero, all-positive reward, mean reward | ``rollout/discarded/zero_advantage_{all_zero,all_positive,reward_mean}`` |
+| discarded rollouts' tokens, Gini, max/median | ``rollout/discarded/tokens_completion/*`` |
+| discarded rollouts' stop_reason_length_pct | ``rollout/discarded/stop_reason/length_pct`` |
 | ``sample_metrics``, per name: mean, std, min, max | ``sample_metrics/<name>/{mean,std,min,max}`` |
 | ``sample_metrics``, per name: Gini per prompt group | ``sample_metrics/<name>/group_gini_mean`` |
 | ``reward_min`` / ``reward_max``, ``metrics_ranges`` | no key: chart metadata, ``chart_ranges()`` |
@@ -43,8 +49,11 @@ quantity, then the statistic.
 | ``rollout/tokens_total/{mean,std,min,max}`` | :class:`TotalTokenStats` |
 | ``rollout/tokens_completion/group_gini_mean`` | :class:`CompletionLengthGini` |
 | ``rollout/tokens_completion/group_max_median_ratio_mean`` | :class:`CompletionLengthMaxMedianRatio` |
+| ``rollout/tokens_completion/group_cv_mean`` | :class:`CompletionLengthCV` |
+| ``rollout/off_policy_steps/*`` | :class:`OffPolicySteps` |
 | ``rollout/stop_reason/length_pct`` | :class:`StopReasonLengthPct` |
-| ``rollout/discarded/*`` | :class:`DiscardedRollouts` |
+| ``rollout/discarded/{max_async,zero_advantage,total,pct,...}`` | :class:`DiscardedRollouts` |
+| ``rollout/discarded/{tokens_completion,stop_reason}/*`` | :class:`DiscardedRolloutStats` |
 | ``sample_metrics/<name>/*`` | :class:`SampleMetricStats` |
 
 Batch fields (the design's schema, plus three of this section): ``rewards``, ``advantages`` ([B] or
@@ -53,10 +62,13 @@ Batch fields (the design's schema, plus three of this section): ``rewards``, ``a
 ids, or a list of hashable ids such as verl's ``uid`` strings), ``stop_reasons`` ([B] int codes 0 stop,
 1 length, 2 abort; a [B] bool tensor; or a list of strings where ``"length"`` marks truncation),
 ``discard_reasons`` ([B] int codes 0 kept, 1 max_async, 2 zero_advantage, or a list of strings/None),
-``sample_metrics`` (a mapping ``name -> [B]`` or a list of per-sample mappings).
+``sample_metrics`` (a mapping ``name -> [B]`` or a list of per-sample mappings), ``policy_lag`` ([B]
+trainer steps behind, for the off-policy steps).
 
 "Per step" is torchmetrics' window: ``update()`` every batch of the step, ``compute()``, ``reset()``.
-Std is the **population** std, exact from mergeable float64 sums. Per-group values (Gini, max/median)
+Std is the **sample** std (n - 1, as Telescope; no std key while the window holds one sample), exact
+from mergeable float64 sums (a second set of sums scaled by 2^-600 keeps values up to the float64 limit
+finite). Prompt tokens count each prompt group's prompt once when ``group_ids`` are given. Per-group values (Gini, max/median)
 are merged as (sum over groups, number of groups): **a prompt group must arrive whole in one update on
 one rank** (GRPO generates and scores a group together); a group split across updates or ranks counts
 as two groups.
@@ -89,10 +101,13 @@ Example:
 
 from opbc_metrics.rollout.metrics import (
     ROLLOUT_METRICS,
+    CompletionLengthCV,
     CompletionLengthGini,
     CompletionLengthMaxMedianRatio,
     CompletionTokenStats,
     DiscardedRollouts,
+    DiscardedRolloutStats,
+    OffPolicySteps,
     PromptTokenStats,
     RolloutAdvantageStats,
     RolloutRewardGini,
@@ -107,10 +122,13 @@ from opbc_metrics.rollout.metrics import (
 
 __all__ = [
     "ROLLOUT_METRICS",
+    "CompletionLengthCV",
     "CompletionLengthGini",
     "CompletionLengthMaxMedianRatio",
     "CompletionTokenStats",
     "DiscardedRollouts",
+    "DiscardedRolloutStats",
+    "OffPolicySteps",
     "PromptTokenStats",
     "RolloutAdvantageStats",
     "RolloutRewardGini",

@@ -55,7 +55,7 @@ def _resolve(declared: Range, seen_lo: float, seen_hi: float) -> tuple[float, fl
 def _stat_ranges(prefix: str, rng: tuple[float, float], gini: bool = False) -> dict[str, tuple[float, float]]:
     lo, hi = rng
     out = {f"{prefix}/{s}": (lo, hi) for s in ("mean", "min", "max")}
-    out[f"{prefix}/std"] = (0.0, (hi - lo) / 2.0)  # the largest population std of values in [lo, hi]
+    out[f"{prefix}/std"] = (0.0, (hi - lo) / math.sqrt(2.0))  # the largest sample std of values in [lo, hi]
     if gini and lo >= 0.0:
         out[f"{prefix}/group_gini_mean"] = (0.0, 1.0)
     return out
@@ -85,7 +85,10 @@ class _ObservedRange(OPBCMetric):
 
 
 class _MomentStats(_RolloutMetric, _ObservedRange):
-    """Mean, population std, min and max of one per-sample quantity (keys ``<prefix>/{mean,std,min,max}``)."""
+    """Mean, sample std (n - 1), min and max of one per-sample quantity (keys ``<prefix>/{mean,std,min,max}``).
+
+    The std key is left out while the window holds fewer than two samples (the sample std is undefined).
+    """
 
     prefix: ClassVar[str] = ""
     invalid_field: ClassVar[str] = ""
@@ -93,7 +96,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
 
     def __init__(self, value_range: Range = (None, None), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("count", "total", "total_sq", "invalid"):
+        for name in ("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid"):
             self.add_sum(name)
         self.add_min("min")
         self.add_max("max")
@@ -110,13 +113,14 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
         F.raise_if_invalid(self.invalid, self.invalid_field, self.invalid_what)
         self._observe(self.min, self.max)
         return F._moments_dict(
-            self.keys, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max
+            self.keys, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max,
+            total_hi=self.total_hi, total_sq_hi=self.total_sq_hi,
         )
 
     def chart_ranges(self) -> dict[str, tuple[float, float]]:
         """``{key: (lo, hi)}`` for the charts: the declared range, else the run's observed min/max.
 
-        ``std`` gets ``(0, (hi - lo) / 2)``. Empty until a bound is known (declared or observed by a
+        ``std`` gets ``(0, (hi - lo) / sqrt(2))``. Empty until a bound is known (declared or observed by a
         ``compute()``). Reads two scalars to the host: call it when logging, not in the training step.
         """
         rng = _resolve(self.declared_range, float(self.observed_min), float(self.observed_max))
@@ -126,7 +130,8 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
 class RolloutRewardStats(_MomentStats):
     r"""Per-step reward statistics ``rollout/reward/{mean,std,min,max}`` (the UI's Reward tab).
 
-    Over the samples of the window: mean, population std (divide by n), min and max of the total
+    Over the samples of the window: mean, sample std (divide by n - 1, as Telescope; no std key for a
+    single sample), min and max of the total
     reward per sample. ``rewards`` is ``[B]``, or ``[B, T]`` token-level rewards summed per sample over
     the response tokens. ``reward_min`` / ``reward_max`` are the environment's declared reward range:
     metadata for the charts (:meth:`chart_ranges`), never used in the values; an undeclared bound is
@@ -144,9 +149,9 @@ class RolloutRewardStats(_MomentStats):
         >>> metric.update(rewards=torch.tensor([1.0, 0.0]))
         >>> metric.update(rewards=torch.tensor([0.0, 1.0]))
         >>> {k.split('/')[-1]: v.item() for k, v in metric.compute().items()}
-        {'mean': 0.5, 'std': 0.5, 'min': 0.0, 'max': 1.0}
+        {'mean': 0.5, 'std': 0.5773502691896257, 'min': 0.0, 'max': 1.0}
         >>> metric.chart_ranges()["rollout/reward/mean"], metric.chart_ranges()["rollout/reward/std"]
-        ((0.0, 1.0), (0.0, 0.5))
+        ((0.0, 1.0), (0.0, 0.7071067811865475))
     """
 
     keys = F.REWARD_KEYS
@@ -156,7 +161,7 @@ class RolloutRewardStats(_MomentStats):
     higher_is_better = True
     glossary = GlossaryEntry(
         name="Reward (rollout)",
-        what="Per-step statistics (mean, population std, min, max) of the total reward each sample received "
+        what="Per-step statistics (mean, sample std (n - 1), min, max) of the total reward each sample received "
         "from the environment (RewardResult.total_reward). Declared reward_min/reward_max only normalise "
         "the charts.",
         unit=_SAMPLES,
@@ -185,8 +190,8 @@ class RolloutAdvantageStats(_MomentStats):
         >>> metric = RolloutAdvantageStats()
         >>> metric.update(advantages=torch.tensor([[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5]]),
         ...               response_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
-        >>> [v.item() for v in metric.compute().values()]
-        [0.0, 0.5, -0.5, 0.5]
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [0.0, 0.7071, -0.5, 0.5]
     """
 
     keys = F.ADVANTAGE_KEYS
@@ -195,7 +200,7 @@ class RolloutAdvantageStats(_MomentStats):
     invalid_field = F.ADVANTAGES
     glossary = GlossaryEntry(
         name="Advantage (rollout)",
-        what="Per-step statistics (mean, population std, min, max) of the per-sample advantage. A std near 0 "
+        what="Per-step statistics (mean, sample std (n - 1), min, max) of the per-sample advantage. A std near 0 "
         "means most groups carry no learning signal.",
         unit=_SAMPLES + " (a [B, T] field is averaged over each sample's response tokens)",
         cap=_DIAGNOSTIC,
@@ -211,14 +216,16 @@ class PromptTokenStats(_MomentStats):
     r"""Prompt token counts per step, ``rollout/tokens_prompt/{mean,std,min,max}`` (Tokens (Prompt)).
 
     ``prompt_lengths`` is a ``[B]`` tensor of token counts; negative or non-finite counts raise a
-    ``ValueError`` naming the field at ``compute()``.
+    ``ValueError`` naming the field at ``compute()``. With ``group_ids``, each prompt group's prompt is
+    counted once (the samples of a group share one prompt; the group's first sample gives its length),
+    as Telescope counts prompts; without them, every sample counts.
 
     Example:
         >>> import torch
         >>> metric = PromptTokenStats()
-        >>> metric.update(prompt_lengths=torch.tensor([100, 300]))
-        >>> [v.item() for v in metric.compute().values()]
-        [200.0, 100.0, 100.0, 300.0]
+        >>> metric.update(prompt_lengths=torch.tensor([55, 55, 329]), group_ids=torch.tensor([0, 0, 1]))
+        >>> [round(v.item(), 4) for v in metric.compute().values()]  # two prompts: 55 and 329
+        [192.0, 193.7473, 55.0, 329.0]
     """
 
     keys = F.PROMPT_TOKEN_KEYS
@@ -228,14 +235,15 @@ class PromptTokenStats(_MomentStats):
     invalid_what = F.BAD_COUNTS
     glossary = GlossaryEntry(
         name="Tokens (Prompt)",
-        what="Distribution of prompt token counts in the step: mean, population std, min, max.",
+        what="Distribution of prompt token counts in the step: mean, sample std (n - 1), min, max; each "
+        "prompt group's prompt counted once when group_ids are given (Telescope).",
         unit=_SAMPLES,
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
 
     def _stats(self, view: BatchView) -> dict[str, Tensor]:
-        return F._length_stats_update(view, F.PROMPT_LENGTHS)
+        return F._prompt_token_stats_update(view)
 
 
 class CompletionTokenStats(_MomentStats):
@@ -249,7 +257,7 @@ class CompletionTokenStats(_MomentStats):
         >>> metric = CompletionTokenStats()
         >>> metric.update(response_lengths=torch.tensor([10, 20, 30, 40]))
         >>> [round(v.item(), 4) for v in metric.compute().values()]
-        [25.0, 11.1803, 10.0, 40.0]
+        [25.0, 12.9099, 10.0, 40.0]
     """
 
     keys = F.COMPLETION_TOKEN_KEYS
@@ -260,7 +268,7 @@ class CompletionTokenStats(_MomentStats):
     glossary = GlossaryEntry(
         name="Tokens (Completion)",
         what="Distribution of completion token counts in the step (summed across turns for multi-turn): "
-        "mean, population std, min, max.",
+        "mean, sample std (n - 1), min, max.",
         unit=_SAMPLES,
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
@@ -277,8 +285,8 @@ class TotalTokenStats(_MomentStats):
         >>> import torch
         >>> metric = TotalTokenStats()
         >>> metric.update(prompt_lengths=torch.tensor([100, 300]), response_lengths=torch.tensor([10, 30]))
-        >>> [v.item() for v in metric.compute().values()]
-        [220.0, 110.0, 110.0, 330.0]
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [220.0, 155.5635, 110.0, 330.0]
     """
 
     keys = F.TOTAL_TOKEN_KEYS
@@ -288,8 +296,8 @@ class TotalTokenStats(_MomentStats):
     invalid_what = F.BAD_COUNTS
     glossary = GlossaryEntry(
         name="Tokens (Total)",
-        what="Distribution of total tokens per sample (prompt + completion) in the step: mean, population "
-        "std, min, max.",
+        what="Distribution of total tokens per sample (prompt + completion) in the step: mean, sample std "
+        "(n - 1), min, max.",
         unit=_SAMPLES,
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
@@ -424,6 +432,77 @@ class CompletionLengthMaxMedianRatio(_GroupMean):
         return F._length_ratio_update(view)
 
 
+class CompletionLengthCV(_GroupMean):
+    r"""``group_length_cv_mean``: coefficient of variation of completion lengths within prompt groups, averaged.
+
+    Key ``rollout/tokens_completion/group_cv_mean``. Per group, the sample std (n - 1) of its completion
+    lengths over their mean (Telescope's definition); a group of one sample or with mean 0 has no CV and is
+    left out of the mean. Scale-free, unlike the std: 0.5 means a group's lengths typically differ from
+    their mean by half of it. Empty window (or no group with a CV): 0.
+
+    Example:
+        >>> import torch
+        >>> metric = CompletionLengthCV()
+        >>> metric.update(response_lengths=torch.tensor([10, 30, 20, 20, 7]), group_ids=torch.tensor([0, 0, 1, 1, 2]))
+        >>> metric.compute()  # group 0: 14.14 / 20; group 1: 0; group 2 (one sample): left out
+        tensor(0.3536, dtype=torch.float64)
+    """
+
+    keys = (F.LENGTH_CV_KEY,)
+    required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
+    invalid_field = F.RESPONSE_LENGTHS
+    invalid_what = F.BAD_COUNTS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="group_length_cv_mean",
+        what="Coefficient of variation (sample std / mean) of completion lengths within prompt groups, "
+        "averaged across groups (Telescope); groups of one sample or with mean length 0 are left out. "
+        "Within-group length spread, independent of the typical length.",
+        unit=_GROUPS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._length_cv_update(view)
+
+
+class OffPolicySteps(_MomentStats):
+    r"""How far behind the rollouts' weights were, ``rollout/off_policy_steps/{mean,std,min,max}``.
+
+    ``policy_lag`` is ``[B]``: the number of trainer steps between the weights that generated each
+    rollout and the weights being trained (0 on-policy). Statistics over the rollouts of the window, with
+    the sample std (n - 1). A negative or non-finite lag raises a ``ValueError`` naming ``policy_lag`` at
+    ``compute()``.
+
+    Example:
+        >>> import torch
+        >>> metric = OffPolicySteps()
+        >>> metric.update(policy_lag=torch.tensor([0, 1, 2, 1]))
+        >>> [round(v.item(), 4) for v in metric.compute().values()]
+        [1.0, 0.8165, 0.0, 2.0]
+    """
+
+    keys = F.OFF_POLICY_KEYS
+    prefix = F.OFF_POLICY_PREFIX
+    required_fields = (F.POLICY_LAG,)
+    invalid_field = F.POLICY_LAG
+    invalid_what = F.BAD_COUNTS
+    higher_is_better = False
+    glossary = GlossaryEntry(
+        name="off_policy_steps",
+        what="Off-policy steps per rollout: trainer steps between the weights that generated the rollout and "
+        "the weights being trained (policy_lag); mean, sample std (n - 1), min, max over the step's rollouts.",
+        unit=_SAMPLES,
+        cap="rollouts with lag > max_off_policy_steps are discarded (rollout/discarded/max_async)",
+        action=_NO_ACTION,
+        aliases=("policy_lag", "off_policy_steps_mean", "async_level"),
+    )
+
+    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+        return F._off_policy_update(view)
+
+
 class StopReasonLengthPct(_RolloutMetric):
     r"""``stop_reason_length_pct``: percentage (0-100) of samples that hit the token length limit.
 
@@ -467,7 +546,8 @@ class StopReasonLengthPct(_RolloutMetric):
         self.add_sum("count")
 
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._stop_update(view, self.length_code, self.device))
+        stats = F._stop_update(view, self.length_code, self.device)
+        self.accumulate(length=stats["length"], count=stats["count"])
 
     def compute(self) -> Tensor:
         return F._stop_compute(self.length, self.count)
@@ -482,23 +562,35 @@ class DiscardedRollouts(_RolloutMetric):
     generated rollout, kept ones included: a ``[B]`` int tensor (0 kept, 1 max_async, 2 zero_advantage;
     :func:`~opbc_metrics.functional.rollout.discard_reasons` computes it from rewards, group ids and the
     policy lag) or a list of ``"max_async"`` / ``"zero_advantage"`` / ``None``. Counts are rollouts
-    summed over the window; ``pct`` is the discarded share of all rollouts seen, in percent. Other int
-    codes raise a ``ValueError`` naming ``discard_reasons`` at ``compute()``. Empty window: 0 everywhere.
+    summed over the window; ``pct`` is the discarded share of all rollouts seen, in percent. When
+    something was discarded, ``max_async_pct`` and ``zero_advantage_pct`` give each reason's share of the
+    discarded rollouts (percent; they sum to 100). With ``rewards`` in the batch, the zero-advantage
+    discards are split by their reward (every sample of such a group got the same one):
+    ``zero_advantage_all_zero`` (reward 0: the whole group failed), ``zero_advantage_all_positive`` (a
+    positive reward: the whole group succeeded), and ``zero_advantage_reward_mean`` over them. Other int
+    codes raise a ``ValueError`` naming ``discard_reasons`` at ``compute()``. Empty window: 0 for the counts.
 
     Example:
+        >>> import torch
         >>> metric = DiscardedRollouts()
-        >>> metric.update(discard_reasons=["max_async", None, "zero_advantage", "zero_advantage"])
-        >>> {k.split('/')[-1]: v.item() for k, v in metric.compute().items()}
-        {'max_async': 1.0, 'zero_advantage': 2.0, 'total': 3.0, 'pct': 75.0}
+        >>> metric.update(discard_reasons=["max_async", None, "zero_advantage", "zero_advantage"],
+        ...               rewards=torch.tensor([0.5, 1.0, 1.0, 1.0]))
+        >>> {k.split('/')[-1]: round(v.item(), 2) for k, v in metric.compute().items()}  # doctest: +NORMALIZE_WHITESPACE
+        {'max_async': 1.0, 'zero_advantage': 2.0, 'total': 3.0, 'pct': 75.0, 'max_async_pct': 33.33,
+         'zero_advantage_pct': 66.67, 'zero_advantage_all_zero': 0.0, 'zero_advantage_all_positive': 2.0,
+         'zero_advantage_reward_mean': 1.0}
     """
 
-    keys = F.DISCARD_KEYS
+    keys = (*F.DISCARD_KEYS, *F.DISCARD_SHARE_KEYS, *F.ZERO_ADVANTAGE_SPLIT_KEYS)
     required_fields = (F.DISCARD_REASONS,)
     higher_is_better = False
     glossary = GlossaryEntry(
         name="Discarded rollouts",
         what="Rollouts discarded and not used for training, counted by reason: max_async (generated with "
-        "weights too many steps behind) and zero_advantage (every sample of the group got the same reward).",
+        "weights too many steps behind) and zero_advantage (every sample of the group got the same reward, or "
+        "the same advantage within 1e-9; never a group of one), their total and share of all rollouts (pct), "
+        "each reason's share of the discarded (max_async_pct, zero_advantage_pct), and the zero-advantage "
+        "discards split into all-zero and all-positive reward with their mean reward (Telescope).",
         unit="generated rollouts (samples, not groups), summed over the window and all ranks",
         cap="policy lag > max_off_policy_steps (max_async); a group with all-equal rewards when "
         "discard_group_zero_advantage is set (zero_advantage)",
@@ -506,9 +598,11 @@ class DiscardedRollouts(_RolloutMetric):
         aliases=("max_async", "zero_advantage", "discarded"),
     )
 
+    _SPLIT = ("rewarded", "za_rewarded", "za_all_zero", "za_all_positive", "za_reward_sum")
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("max_async", "zero_advantage", "seen", "invalid"):
+        for name in ("max_async", "zero_advantage", "seen", "invalid", *self._SPLIT):
             self.add_sum(name)
 
     def _update_view(self, view: BatchView) -> None:
@@ -516,14 +610,75 @@ class DiscardedRollouts(_RolloutMetric):
 
     def compute(self) -> dict[str, Tensor]:
         F.raise_if_invalid(self.invalid, F.DISCARD_REASONS, "codes outside {0, 1, 2}")
-        return F._discard_compute(self.max_async, self.zero_advantage, self.seen)
+        split = {name: getattr(self, name) for name in self._SPLIT}
+        return F._discard_compute(self.max_async, self.zero_advantage, self.seen, **split)
+
+
+class DiscardedRolloutStats(_RolloutMetric):
+    r"""What the discarded rollouts looked like: ``rollout/discarded/tokens_completion/{mean,std,min,max,
+    group_gini_mean,group_max_median_ratio_mean}`` and ``rollout/discarded/stop_reason/length_pct``.
+
+    The completion-length statistics, the per-group length Gini and max/median ratio, and the truncated
+    share of the rollouts discarded in the window (``discard_reasons`` 1 max_async or 2 zero_advantage),
+    with the definitions of the same keys over all rollouts: sample std, Gini and max/median over each
+    group's discarded rollouts (needs ``group_ids``), length share over the discarded rollouts' stop
+    reasons (needs ``stop_reasons``). A key without data in the window (nothing discarded, no groups, no
+    stop reasons) is left out.
+
+    Args:
+        length_code: the int stop-reason code that marks truncation (1).
+        kwargs: torchmetrics ``Metric`` arguments.
+
+    Example:
+        >>> import torch
+        >>> metric = DiscardedRolloutStats()
+        >>> metric.update(discard_reasons=torch.tensor([2, 2, 0, 1]), response_lengths=torch.tensor([10, 30, 500, 20]),
+        ...               group_ids=torch.tensor([0, 0, 1, 1]), stop_reasons=["stop", "length", "length", "stop"])
+        >>> out = metric.compute()
+        >>> [round(out[f"rollout/discarded/{k}"].item(), 4) for k in ("tokens_completion/mean",
+        ...  "tokens_completion/group_max_median_ratio_mean", "stop_reason/length_pct")]
+        [20.0, 1.25, 33.3333]
+    """
+
+    keys = (*F.DISCARDED_TOKEN_KEYS, *F.DISCARDED_GROUP_KEYS, F.DISCARDED_STOP_KEY)
+    required_fields = (F.DISCARD_REASONS, F.RESPONSE_LENGTHS)
+    higher_is_better = None
+    glossary = GlossaryEntry(
+        name="Discarded rollout statistics",
+        what="Token (completion length mean, sample std, min, max), per-group length Gini and max/median "
+        "ratio, and stop-reason (length_pct) statistics of the rollouts discarded in the step (max_async or "
+        "zero_advantage), with the definitions of the same statistics over all rollouts (Telescope).",
+        unit="discarded rollouts (and their prompt groups), over the window and all ranks",
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+    _STATES = ("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid", "gini_sum", "gini_groups",
+               "ratio_sum", "ratio_groups", "stop_length", "stop_count")
+
+    def __init__(self, length_code: int = F.LENGTH_CODE, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(length_code, int) or isinstance(length_code, bool):
+            raise ValueError(f"`length_code` must be an int, got {length_code!r}")
+        self.length_code = length_code
+        for name in self._STATES:
+            self.add_sum(name)
+        self.add_min("min")
+        self.add_max("max")
+
+    def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**F._discarded_stats_update(view, self.length_code, self.device))
+
+    def compute(self) -> dict[str, Tensor]:
+        F.raise_if_invalid(self.invalid, F.RESPONSE_LENGTHS, F.BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+        states = {name: getattr(self, name) for name in self._STATES if name != "invalid"}
+        return F._discarded_stats_compute(min=self.min, max=self.max, **states)
 
 
 class SampleMetricStats(_RolloutMetric, _ObservedRange):
     r"""Per-sample environment metrics: ``sample_metrics/<name>/{mean,std,min,max,group_gini_mean}``.
 
     The environment returns any per-sample numbers (reward components, tool-call counts, reasoning
-    steps, ...) in ``sample_metrics``; per step they are aggregated into mean, population std, min and
+    steps, ...) in ``sample_metrics``; per step they are aggregated into mean, sample std (n - 1), min and
     max, plus the population Gini within each prompt group averaged over groups (how concentrated the
     metric is within groups). **The names are fixed at construction** so that the state has a fixed
     size (five sums and two extremes per name); a batch holding an undeclared name raises a
@@ -550,9 +705,9 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         ...               group_ids=torch.tensor([0, 0, 1, 1]))
         >>> out = metric.compute()
         >>> [round(out[f"sample_metrics/tool_calls/{s}"].item(), 4) for s in ("mean", "std", "group_gini_mean")]
-        [1.0, 0.7071, 0.25]
+        [1.0, 0.8165, 0.25]
         >>> [round(out[f"sample_metrics/format/{s}"].item(), 4) for s in ("mean", "std", "group_gini_mean")]
-        [0.75, 0.433, 0.25]
+        [0.75, 0.5, 0.25]
         >>> metric.chart_ranges()["sample_metrics/format/mean"], metric.chart_ranges()["sample_metrics/tool_calls/max"]
         ((0.0, 1.0), (0.0, 2.0))
     """
@@ -562,7 +717,7 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
     glossary = GlossaryEntry(
         name="Sample metrics",
         what="Any per-sample metric the environment returns (reward components, response length, reasoning "
-        "steps, tool-call counts, ...), aggregated per step into mean, population std, min and max, plus a "
+        "steps, tool-call counts, ...), aggregated per step into mean, sample std (n - 1), min and max, plus a "
         "Gini coefficient per prompt group averaged over groups (how concentrated the metric is within groups).",
         unit=_SAMPLES + " that reported the metric; the Gini over " + _GROUPS,
         cap=_DIAGNOSTIC,
@@ -589,7 +744,7 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
             raise ValueError(f"`metrics_ranges` names {unknown} are not among the metric names {list(self.names)}")
         self.metrics_ranges = {n: _check_range(f"metrics_ranges[{n!r}]", r) for n, r in ranges.items()}
         k = (len(self.names),)
-        for name in ("count", "total", "total_sq", "invalid"):
+        for name in ("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid"):
             self.add_sum(name, k)
         self.add_min("min", k)
         self.add_max("max", k)
@@ -609,13 +764,14 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         self._observe(self.min, self.max)
         gini = dict(gini_sum=self.gini_sum, groups=self.groups) if self.group_gini else {}
         return F._sample_compute(
-            self.names, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max, **gini
+            self.names, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max,
+            total_hi=self.total_hi, total_sq_hi=self.total_sq_hi, **gini
         )
 
     def chart_ranges(self) -> dict[str, tuple[float, float]]:
         """``{key: (lo, hi)}`` per metric: ``metrics_ranges`` where declared, else the run's observed range.
 
-        ``std`` gets ``(0, (hi - lo) / 2)`` and ``group_gini_mean`` ``(0, 1)`` when the range is non-negative.
+        ``std`` gets ``(0, (hi - lo) / sqrt(2))`` and ``group_gini_mean`` ``(0, 1)`` when the range is non-negative.
         Reads the observed extremes to the host: call it when logging.
         """
         out: dict[str, tuple[float, float]] = {}
@@ -636,8 +792,11 @@ ROLLOUT_METRICS: tuple[type[OPBCMetric], ...] = (
     TotalTokenStats,
     CompletionLengthGini,
     CompletionLengthMaxMedianRatio,
+    CompletionLengthCV,
     StopReasonLengthPct,
     DiscardedRollouts,
+    DiscardedRolloutStats,
+    OffPolicySteps,
 )
 
 
@@ -659,14 +818,14 @@ def rollout_metrics(
         >>> from opbc_metrics import OPBCCollection
         >>> metrics = OPBCCollection(rollout_metrics(["tool_calls"], reward_min=0.0, reward_max=1.0))
         >>> len(metrics.keys_produced)
-        33
+        50
     """
     out: list[OPBCMetric] = []
     for cls in ROLLOUT_METRICS:
         if cls is RolloutRewardStats:
             out.append(RolloutRewardStats(reward_min=reward_min, reward_max=reward_max, **kwargs))
-        elif cls is StopReasonLengthPct:
-            out.append(StopReasonLengthPct(length_code=length_code, **kwargs))
+        elif cls in (StopReasonLengthPct, DiscardedRolloutStats):
+            out.append(cls(length_code=length_code, **kwargs))
         else:
             out.append(cls(**kwargs))
     if sample_metric_names:
