@@ -20,7 +20,7 @@ quantity, then the statistic.
 | Discarded rollouts ``max_async``, ``zero_advantage`` | ``rollout/discarded/{max_async,zero_advantage}`` |
 | (their sum, and share of all rollouts in %) | ``rollout/discarded/{total,pct}`` |
 | discarded by reason, as shares of the discarded (%) | ``rollout/discarded/{max_async_pct,zero_advantage_pct}`` |
-| zero-advantage split: all-zero, all-positive reward, mean reward | ``rollout/discarded/zero_advantage_{all_zero,all_positive,reward_mean}`` |
+| zero-advantage split (all-zero, all-positive, mean reward) | ``rollout/discarded/zero_advantage_*`` |
 | discarded rollouts' tokens, Gini, max/median | ``rollout/discarded/tokens_completion/*`` |
 | discarded rollouts' stop_reason_length_pct | ``rollout/discarded/stop_reason/length_pct`` |
 | ``sample_metrics``, per name: mean, std, min, max | ``sample_metrics/<name>/{mean,std,min,max}`` |
@@ -68,10 +68,10 @@ trainer steps behind, for the off-policy steps).
 "Per step" is torchmetrics' window: ``update()`` every batch of the step, ``compute()``, ``reset()``.
 Std is the **sample** std (n - 1, as Telescope; no std key while the window holds one sample), exact
 from mergeable float64 sums (a second set of sums scaled by 2^-600 keeps values up to the float64 limit
-finite). Prompt tokens count each prompt group's prompt once when ``group_ids`` are given. Per-group values (Gini, max/median)
-are merged as (sum over groups, number of groups): **a prompt group must arrive whole in one update on
-one rank** (GRPO generates and scores a group together); a group split across updates or ranks counts
-as two groups.
+finite). Prompt tokens count each prompt group's prompt once when ``group_ids`` are given. Per-group
+values (Gini, max/median, CV) are merged as (sum over groups, number of groups): **a prompt group must
+arrive whole in one update on one rank** (GRPO generates and scores a group together); a group split
+across updates or ranks counts as two groups.
 
 In an :class:`~opbc_metrics.collection.OPBCCollection`, ask for ``sections=("mismatch", "rollout")`` (or
 pass :func:`rollout_metrics`, which also takes the sample-metric names and the declared ranges). Every
@@ -126,8 +126,8 @@ __all__ = [
     "CompletionLengthGini",
     "CompletionLengthMaxMedianRatio",
     "CompletionTokenStats",
-    "DiscardedRollouts",
     "DiscardedRolloutStats",
+    "DiscardedRollouts",
     "OffPolicySteps",
     "PromptTokenStats",
     "RolloutAdvantageStats",

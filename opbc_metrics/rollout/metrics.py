@@ -575,7 +575,8 @@ class DiscardedRollouts(_RolloutMetric):
         >>> metric = DiscardedRollouts()
         >>> metric.update(discard_reasons=["max_async", None, "zero_advantage", "zero_advantage"],
         ...               rewards=torch.tensor([0.5, 1.0, 1.0, 1.0]))
-        >>> {k.split('/')[-1]: round(v.item(), 2) for k, v in metric.compute().items()}  # doctest: +NORMALIZE_WHITESPACE
+        >>> {k.split('/')[-1]: round(v.item(), 2) for k, v in metric.compute().items()}
+        ... # doctest: +NORMALIZE_WHITESPACE
         {'max_async': 1.0, 'zero_advantage': 2.0, 'total': 3.0, 'pct': 75.0, 'max_async_pct': 33.33,
          'zero_advantage_pct': 66.67, 'zero_advantage_all_zero': 0.0, 'zero_advantage_all_positive': 2.0,
          'zero_advantage_reward_mean': 1.0}
