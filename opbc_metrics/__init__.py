@@ -3,9 +3,11 @@
 from opbc_metrics.agent import (
     AnswerMatchRate,
     FirstDivergenceStep,
+    SoftAnswerMatch,
     ToolCallJaccard,
     ToolChoiceDisagreementRate,
     Trajectory,
+    TrajectoryStepCounts,
 )
 from opbc_metrics.batch import BatchView
 from opbc_metrics.collection import OPBCCollection
@@ -52,10 +54,13 @@ from opbc_metrics.moe import RouterFlipRate, RouterSetDisagreement
 from opbc_metrics.naming import make_key, parse_key
 from opbc_metrics.per_round import PerRoundMismatch
 from opbc_metrics.rollout import (
+    CompletionLengthCV,
     CompletionLengthGini,
     CompletionLengthMaxMedianRatio,
     CompletionTokenStats,
     DiscardedRollouts,
+    DiscardedRolloutStats,
+    OffPolicySteps,
     PromptTokenStats,
     RolloutAdvantageStats,
     RolloutRewardGini,
@@ -124,6 +129,7 @@ __all__ = [
     "BatchView",
     "ChiSquare",
     "ClippedFraction",
+    "CompletionLengthCV",
     "CompletionLengthGini",
     "CompletionLengthMaxMedianRatio",
     "CompletionTokenStats",
@@ -134,6 +140,7 @@ __all__ = [
     "DecisionGroupShare",
     "DecisionReasonCount",
     "DecisionTokenShare",
+    "DiscardedRolloutStats",
     "DiscardedRollouts",
     "EndpointResponseCount",
     "EntropyLoss",
@@ -159,6 +166,7 @@ __all__ = [
     "OPBCController",
     "OPBCMetric",
     "OPBCPolicy",
+    "OffPolicySteps",
     "PerRoundMismatch",
     "PerplexityGap",
     "PolicyClipFraction",
@@ -184,6 +192,7 @@ __all__ = [
     "SeedSupportCoverage",
     "SequenceESS",
     "SequenceLogRatio",
+    "SoftAnswerMatch",
     "StageTimer",
     "StageTiming",
     "StopReasonLengthPct",
@@ -195,6 +204,7 @@ __all__ = [
     "TopLogprobsCoverage",
     "TotalTokenStats",
     "Trajectory",
+    "TrajectoryStepCounts",
     "ValidationAccuracy",
     "ValidationReward",
     "ValidationTurns",

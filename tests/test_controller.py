@@ -397,6 +397,25 @@ def test_policy_lag_forms_agree():
     assert all(d.action is Action.QUARANTINE for d in scalar.values())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_invalid_policy_lag_rejects_its_group_with_its_own_reason(bad):
+    b = _clean()
+    out = _decide(dict(b, policy_lag=torch.tensor([0.0, 1.0, bad, 2.0])))
+    assert out[0].action is Action.TRAIN
+    assert out[1].action is Action.REJECT and out[1].primary_reason is Reason.INVALID_POLICY_LAG
+    mapped = _decide(dict(b, policy_lag={0: 1, 1: bad}))
+    assert mapped[1].primary_reason is Reason.INVALID_POLICY_LAG and mapped[0].action is Action.TRAIN
+
+
+def test_step_outputs_are_detached():
+    b = _clean()
+    b["trainer_logprobs"] = b["trainer_logprobs"].clone().requires_grad_(True)
+    out = OPBCController().step(b)
+    tensors = [out.weights, out.loss_mask, out.action, *out.values.values(), *out.counts.values()]
+    assert not any(t.requires_grad for t in tensors)
+    assert out.decisions[0].report.ess > 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # What the trainer consumes
 # ---------------------------------------------------------------------------------------------------

@@ -203,6 +203,10 @@ def tensor_targets() -> list[Target]:
         Target("RolloutRewardGini", m.RolloutRewardGini, ("rewards", "group_ids"), ("response_mask",)),
         Target("CompletionLengthGini", m.CompletionLengthGini, ("response_lengths", "group_ids")),
         Target("CompletionLengthMaxMedianRatio", m.CompletionLengthMaxMedianRatio, ("response_lengths", "group_ids")),
+        Target("CompletionLengthCV", m.CompletionLengthCV, ("response_lengths", "group_ids")),
+        Target("OffPolicySteps", m.OffPolicySteps, ("policy_lag",)),
+        Target("DiscardedRolloutStats", m.DiscardedRolloutStats, ("discard_reasons", "response_lengths"),
+               ("group_ids", "stop_reasons")),
         Target("StopReasonLengthPct", m.StopReasonLengthPct, ("stop_reasons",)),
         Target("DiscardedRollouts", m.DiscardedRollouts, ("discard_reasons",)),
         Target("SampleMetricStats", lambda: m.SampleMetricStats(["format", "tool_calls"]),
@@ -252,7 +256,8 @@ def tensor_targets() -> list[Target]:
 TENSOR_TARGETS = tensor_targets()
 HOST_DATA_CLASSES = {  # fuzzed with their own strategies below
     opbc_metrics.ToolCallJaccard, opbc_metrics.FirstDivergenceStep, opbc_metrics.AnswerMatchRate,
-    opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.TokenIdsCoverage, opbc_metrics.SampledLogprobsCoverage,
+    opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.SoftAnswerMatch, opbc_metrics.TrajectoryStepCounts,
+    opbc_metrics.TokenIdsCoverage, opbc_metrics.SampledLogprobsCoverage,
     opbc_metrics.TopLogprobsCoverage, opbc_metrics.SeedSupportCoverage, opbc_metrics.EndpointResponseCount,
 }
 MAPPING_CLASSES = {opbc_metrics.LRSchedulerState}  # a mapping field: fuzzed in test_fuzz_lr_scheduler_state
@@ -606,7 +611,8 @@ def test_fuzz_trl_adapter_into_collection(data: st.DataObject, num_generations: 
 # host-data metrics: agent trajectories and endpoint responses
 # ---------------------------------------------------------------------------------------------------------
 AGENT_CLASSES = (opbc_metrics.ToolCallJaccard, opbc_metrics.FirstDivergenceStep, opbc_metrics.AnswerMatchRate,
-                 opbc_metrics.ToolChoiceDisagreementRate)
+                 opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.SoftAnswerMatch,
+                 opbc_metrics.TrajectoryStepCounts)
 ENDPOINT_CLASSES = (opbc_metrics.TokenIdsCoverage, opbc_metrics.SampledLogprobsCoverage,
                     opbc_metrics.TopLogprobsCoverage, opbc_metrics.SeedSupportCoverage,
                     opbc_metrics.EndpointResponseCount)
@@ -631,7 +637,8 @@ def _host_outcome(target: str, classes: tuple[type[OPBCMetric], ...], batch: dic
             continue
         assert_finite(out, target)
         for key, value in out.items():
-            if not key.endswith(("num_pairs", "num_responses", "_step_mean", "_step_min")):
+            if not key.endswith(("num_pairs", "num_responses", "_step_mean", "_step_min", "rollout_mean",
+                                 "reference_mean")):
                 assert 0.0 <= value.item() <= 1.0, (key, value)
         outcomes.append("ok")
     assert len(set(outcomes)) == 1, f"{target}: members disagree: {outcomes}"

@@ -210,7 +210,10 @@ class OPBCController:
 
     def evaluate(self, batch: Any = None, **fields: Any) -> BatchDecisions:
         """Decide every group of a batch (no budget update, no host sync unless ``policy_lag`` is a mapping)."""
-        view = as_view(batch, **fields)
+        with torch.no_grad():  # decisions, weights and statistics never carry the trainer's graph
+            return self._evaluate(as_view(batch, **fields))
+
+    def _evaluate(self, view: BatchView) -> BatchDecisions:
         view, index, batch_reasons, flips, lag_rows, token_ids = _prepare(view)
         policy = self.policy
         values = FC._group_compute(
@@ -223,8 +226,9 @@ class OPBCController:
             none = torch.zeros(index.capacity, dtype=torch.bool, device=view.device)
             contract = {name: none for name in FC.CONTRACT_REASONS}
             contract.update({name: index.present for name in batch_reasons})
+            contract["invalid_policy_lag"] = FC.invalid_lag_groups(lag_rows, index)
         else:
-            contract = FC._contract_flags(view, index, policy.alignment_gap, token_ids)
+            contract = FC._contract_flags(view, index, policy.alignment_gap, token_ids, lag_rows)
         action, reasons = FC.decide(values, contract, index.present, policy)
         row_action = action[index.row_group]
         corr = FC._correction(view, row_action, policy)

@@ -97,6 +97,7 @@ class Reason(str, Enum):
     LOGPROBS_MISALIGNED = "logprobs_misaligned"
     NON_FINITE = "non_finite"
     TOKEN_IDS_MISMATCH = "token_ids_mismatch"
+    INVALID_POLICY_LAG = "invalid_policy_lag"
     VETO = "veto"
     LAG_ABOVE_MAX = "lag_above_max"
     ESS_BELOW_MIN = "ess_below_min"

@@ -55,6 +55,7 @@ REASONS: tuple[tuple[str, int], ...] = (
     ("logprobs_misaligned", REJECT),
     ("non_finite", REJECT),
     ("token_ids_mismatch", REJECT),
+    ("invalid_policy_lag", REJECT),
     ("veto", QUARANTINE),
     ("lag_above_max", QUARANTINE),
     ("ess_below_min", QUARANTINE),
@@ -320,6 +321,7 @@ def _contract_flags(
     index: GroupIndex,
     alignment_gap: float,
     token_ids: tuple[Tensor, Tensor] | None = None,
+    lag_rows: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-group contract failures (``[capacity]`` bool each), on the group's response tokens (mask = 1).
 
@@ -338,6 +340,8 @@ def _contract_flags(
       compute dtype, see :attr:`~opbc_metrics.batch.BatchView.finite`).
     * ``token_ids_mismatch``: rollout and trainer token ids differ on a response token (only when both
       are given).
+    * ``invalid_policy_lag``: a sequence of the group has a policy lag that is NaN, infinite or negative
+      (only when ``policy_lag`` is given): the lag rules cannot judge the group.
     """
     trainer_raw = view.tensor("trainer_logprobs")
     rollout_raw = view.tensor("rollout_logprobs")
@@ -375,7 +379,16 @@ def _contract_flags(
         out["token_ids_mismatch"] = _segment_sum(differ, index) > 0
     else:
         out["token_ids_mismatch"] = torch.zeros_like(out["non_finite"])
+    out["invalid_policy_lag"] = invalid_lag_groups(lag_rows, index)
     return out
+
+
+def invalid_lag_groups(lag_rows: Tensor | None, index: GroupIndex) -> Tensor:
+    """``[capacity]`` bool: groups with a NaN, infinite or negative per-sequence lag (none without lags)."""
+    if lag_rows is None:
+        return torch.zeros(index.capacity, dtype=torch.bool, device=index.row_group.device)
+    bad = ~(torch.isfinite(lag_rows) & (lag_rows >= 0))
+    return _segment_sum(bad, index) > 0
 
 
 # -- rules --------------------------------------------------------------------------------------------
