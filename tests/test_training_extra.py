@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import opbc_metrics
+import opbc_metrics.functional
 from opbc_metrics import AgentLoopSlowest, LRSchedulerState, OPBCCollection
 from opbc_metrics.testing import assert_no_host_sync
 from tests.ddp import run_distributed
@@ -122,3 +125,23 @@ def test_slowest_and_lr_sync_exactly_over_two_ranks():
         assert [out[f"timing_s/agent_loop/slowest/{k}"] for k in
                 ("generate_sequences", "tool_calls", "prompt_length", "response_length")] == want
         assert out["lr_scheduler/last_lr"] == pytest.approx(sum(lrs) / len(lrs))
+
+
+@pytest.mark.parametrize("scale", [1e150, 1e200, 1e300])
+def test_critic_statistics_of_huge_finite_values_are_finite(scale):
+    base = np.array([1.0, -2.0, 3.0, 0.5, 1.5])
+    adv = torch.tensor(base * scale)[None, :]
+    metric = opbc_metrics.AdvantageStats()
+    metric.update(advantages=adv[:, :2], response_mask=torch.ones(1, 2))
+    metric.update(advantages=adv[:, 2:], response_mask=torch.ones(1, 3))
+    out = metric.compute()
+    assert out["critic/advantages/mean"].item() == pytest.approx(base.mean() * scale, rel=1e-12)
+    assert out["critic/advantages/std"].item() == pytest.approx(base.std() * scale, rel=1e-12)  # population, as verl
+    rewards = opbc_metrics.RewardStats()
+    rewards.update(rewards=torch.tensor(base * scale))
+    assert rewards.compute()["critic/rewards/mean"].item() == pytest.approx(base.mean() * scale, rel=1e-12)
+    returns = torch.tensor(base * scale)[None, :]
+    values = torch.tensor((base + np.array([0.1, -0.1, 0.0, 0.2, -0.2])) * scale)[None, :]
+    ev = opbc_metrics.functional.explained_variance(values, returns)
+    d = base - (base + np.array([0.1, -0.1, 0.0, 0.2, -0.2]))
+    assert ev.item() == pytest.approx(1 - d.var() / base.var(), rel=1e-9)

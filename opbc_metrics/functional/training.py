@@ -190,18 +190,31 @@ def _zero(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=F64, device=device)
 
 
-def _masked_moments(x: Tensor, valid: Tensor) -> Stats:
-    """Sum, sum of squares, max, min and count of ``x`` (float64) over ``valid``; invalid values ignored."""
+#: Scale of the second set of sums kept beside the plain ones where values may be huge: with |x| up to
+#: the float64 limit, (x * 2^-600)^2 <= 1e255, so those sums stay finite where the plain ones overflow.
+_SCALE = 2.0**-600
+
+
+def _masked_moments(x: Tensor, valid: Tensor, scaled: bool = False) -> Stats:
+    """Sum, sum of squares, max, min and count of ``x`` (float64) over ``valid``; invalid values ignored.
+
+    ``scaled``: also the sums of ``x * 2^-600`` and its square (``sum_hi``, ``sum_sq_hi``), which
+    :func:`_mean_var` uses where the plain sums overflow.
+    """
     zero = torch.zeros((), dtype=F64, device=x.device)
     inf = torch.full((), float("inf"), dtype=F64, device=x.device)
     xv = torch.where(valid, x, zero)
-    return {
+    out = {
         "sum": xv.sum(),
         "sum_sq": (xv * xv).sum(),
         "max": _amax(torch.where(valid, x, -inf)),
         "min": _amin(torch.where(valid, x, inf)),
         "count": valid.to(F64).sum(),
     }
+    if scaled:
+        xs = xv * _SCALE
+        out["sum_hi"], out["sum_sq_hi"] = xs.sum(), (xs * xs).sum()
+    return out
 
 
 def _mean(total: Tensor, count: Tensor) -> Tensor:
@@ -219,6 +232,16 @@ def _variance(sum_: Tensor, sum_sq: Tensor, count: Tensor) -> Tensor:
     second = sum_sq / n
     var = (second - mean * mean).clamp_min(0.0)
     return torch.where((count > 0) & (var > 1e-12 * second), var, torch.zeros_like(var))
+
+
+def _mean_std(sum_: Tensor, sum_sq: Tensor, count: Tensor, sum_hi: Tensor, sum_sq_hi: Tensor) -> tuple[Tensor, Tensor]:
+    """``(mean, population std)`` from the plain sums, or from the 2^-600-scaled ones (then rescaled) where
+    a plain sum overflowed: finite for finite values up to the float64 limit."""
+    big = ~(torch.isfinite(sum_) & torch.isfinite(sum_sq))
+    scale = torch.where(big, torch.full_like(sum_, 1.0 / _SCALE), torch.ones_like(sum_))
+    mean = torch.where(big, _mean(sum_hi, count), _mean(sum_, count)) * scale
+    std = torch.where(big, _variance(sum_hi, sum_sq_hi, count), _variance(sum_, sum_sq, count)).sqrt() * scale
+    return mean, std
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,7 +573,7 @@ CRITIC_STAT_KEYS = {
 
 def _token_stats_update(view: BatchView, name: str) -> Stats:
     x, valid, bad = _token_values(view, name)
-    stats = _masked_moments(x, valid)
+    stats = _masked_moments(x, valid, scaled=True)
     stats["nonfinite"] = bad.to(F64).sum()
     return stats
 
@@ -573,18 +596,19 @@ def _sequence_sum_update(view: BatchView, name: str) -> Stats:
         check_same_device(RESPONSE_MASK, mask_t, name, x)
         keep = (mask_t != 0).any(dim=1)
     finite = torch.isfinite(x)
-    stats = _masked_moments(x, keep & finite)
+    stats = _masked_moments(x, keep & finite, scaled=True)
     stats["nonfinite"] = (keep & ~finite).to(F64).sum()
     return stats
 
 
 def _critic_stats_compute(name: str, sum: Tensor, sum_sq: Tensor, max: Tensor, min: Tensor, count: Tensor,
-                          nonfinite: Tensor | None = None) -> dict[str, Tensor]:
+                          sum_hi: Tensor, sum_sq_hi: Tensor, nonfinite: Tensor | None = None) -> dict[str, Tensor]:
     keys = CRITIC_STAT_KEYS[name]
     prefix = keys[0].rsplit("/", 1)[0]
-    out = {f"{prefix}/mean": _mean(sum, count)}
+    mean, std = _mean_std(sum, sum_sq, count, sum_hi, sum_sq_hi)
+    out = {f"{prefix}/mean": mean}
     if f"{prefix}/std" in keys:
-        out[f"{prefix}/std"] = _variance(sum, sum_sq, count).sqrt()
+        out[f"{prefix}/std"] = std
     out[f"{prefix}/max"] = _extreme(max, count)
     out[f"{prefix}/min"] = _extreme(min, count)
     return out
@@ -623,21 +647,30 @@ def _explained_var_update(view: BatchView) -> Stats:
     valid = valid_r & valid_v
     zero = _zero(r.device)
     rv = torch.where(valid, r, zero)
-    d = torch.where(valid, r - v, zero)
+    d = torch.where(valid, r - v, zero)  # r - v may overflow for finite r, v near the limit: scale first
+    d_hi = torch.where(valid, r * _SCALE - v * _SCALE, zero)
+    r_hi = rv * _SCALE
     return {
         "sum_r": rv.sum(),
         "sum_r2": (rv * rv).sum(),
         "sum_d": d.sum(),
         "sum_d2": (d * d).sum(),
+        "sum_r_hi": r_hi.sum(),
+        "sum_r2_hi": (r_hi * r_hi).sum(),
+        "sum_d_hi": d_hi.sum(),
+        "sum_d2_hi": (d_hi * d_hi).sum(),
         "count": valid.to(F64).sum(),
         "nonfinite": (bad_r | bad_v).to(F64).sum(),
     }
 
 
 def _explained_var_compute(sum_r: Tensor, sum_r2: Tensor, sum_d: Tensor, sum_d2: Tensor, count: Tensor,
+                           sum_r_hi: Tensor, sum_r2_hi: Tensor, sum_d_hi: Tensor, sum_d2_hi: Tensor,
                            nonfinite: Tensor | None = None) -> Tensor:
-    var_r = _variance(sum_r, sum_r2, count)
-    var_d = _variance(sum_d, sum_d2, count)
+    # Both variances on one scale: the scaled sums when any plain sum overflowed (the ratio is scale-free).
+    big = ~torch.isfinite(torch.stack([sum_r, sum_r2, sum_d, sum_d2])).all()
+    var_r = torch.where(big, _variance(sum_r_hi, sum_r2_hi, count), _variance(sum_r, sum_r2, count))
+    var_d = torch.where(big, _variance(sum_d_hi, sum_d2_hi, count), _variance(sum_d, sum_d2, count))
     ev = 1.0 - var_d / var_r.clamp_min(torch.finfo(F64).tiny)
     # Var(returns) = 0: 1 if the values are exact too, else 0 (scikit-learn's force_finite convention).
     degenerate = torch.where(var_d > 0, torch.zeros_like(ev), torch.ones_like(ev))

@@ -78,6 +78,8 @@ class _FieldStats(_TrainingMetric):
         super().__init__(**kwargs)
         self.add_sum("sum")
         self.add_sum("sum_sq")
+        self.add_sum("sum_hi")
+        self.add_sum("sum_sq_hi")
         self.add_max("max")
         self.add_min("min")
         self.add_sum("count")
@@ -89,7 +91,8 @@ class _FieldStats(_TrainingMetric):
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return F._critic_stats_compute(self.stat_field, self.sum, self.sum_sq, self.max, self.min, self.count)
+        return F._critic_stats_compute(self.stat_field, self.sum, self.sum_sq, self.max, self.min, self.count,
+                                       self.sum_hi, self.sum_sq_hi)
 
 
 class ValueStats(_FieldStats):
@@ -258,7 +261,8 @@ class ExplainedVariance(_TrainingMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("sum_r", "sum_r2", "sum_d", "sum_d2", "count", "nonfinite"):
+        for name in ("sum_r", "sum_r2", "sum_d", "sum_d2", "sum_r_hi", "sum_r2_hi", "sum_d_hi", "sum_d2_hi", "count",
+                     "nonfinite"):
             self.add_sum(name)
 
     def _update_view(self, view: BatchView) -> None:
@@ -266,4 +270,5 @@ class ExplainedVariance(_TrainingMetric):
 
     def compute(self) -> Tensor:
         self.check_deferred()
-        return F._explained_var_compute(self.sum_r, self.sum_r2, self.sum_d, self.sum_d2, self.count)
+        return F._explained_var_compute(self.sum_r, self.sum_r2, self.sum_d, self.sum_d2, self.count, self.sum_r_hi,
+                                        self.sum_r2_hi, self.sum_d_hi, self.sum_d2_hi)
