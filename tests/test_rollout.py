@@ -226,6 +226,16 @@ def test_telescope_examples_by_hand():
     assert cv.compute().item() == pytest.approx(math.sqrt(200) / 20)
 
 
+@pytest.mark.parametrize("field", ["rewards", "advantages", "response_lengths", "policy_lag"])
+def test_per_sample_field_of_another_length_than_the_sequences_names_it(field):
+    b = make_rollouts(groups=3, seed=2)
+    n = len(b["group_ids"])
+    batch = {**b, "trainer_logprobs": torch.zeros(n, 4), "rollout_logprobs": torch.zeros(n, 4)}
+    batch[field] = torch.cat([b[field], b[field][:1]])  # B + 1 entries against B sequences
+    with pytest.raises(ValueError, match=f"`{field}` has {n + 1} entries but `trainer_logprobs` has {n}"):
+        collection()(batch)
+
+
 def test_split_group_counts_as_two_groups():
     """The documented assumption: a group must arrive whole in one update. A split group is two groups."""
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
@@ -495,8 +505,8 @@ def test_empty_window_values():
 
 
 def test_section_in_collection_and_optional_inputs():
-    b = make_batch(seed=1, dtype=torch.float64)  # logprobs and group_ids, no rollout fields
     r = make_rollouts(groups=3, seed=1)
+    b = make_batch(batch=len(r["group_ids"]), seed=1, dtype=torch.float64)  # logprobs and group_ids, no rollout fields
     both = OPBCCollection(sections=("mismatch", "rollout"))
     mismatch_only = OPBCCollection(sections=("mismatch",))
     both.update(b)  # no rollout fields: every rollout member skips the batch

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, BatchView, as_bool_mask
+from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_bool_mask
 
 Stats = dict[str, Tensor]
 F64 = torch.float64
@@ -171,6 +171,17 @@ def _check_same_batch(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
         raise ValueError(f"batch field `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
 
 
+def _check_batch_size(view: BatchView, name: str, t: Tensor) -> None:
+    """A per-sample field must have one entry per sequence of the batch's token-level fields (host metadata)."""
+    for ref in (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK):
+        other = view.data.get(ref)
+        if isinstance(other, Tensor) and other.ndim >= 1 and other.shape[0] != t.shape[0]:
+            raise ValueError(
+                f"batch field `{name}` has {t.shape[0]} entries but `{ref}` has {other.shape[0]} sequences; give "
+                f"one `{name}` value per sequence"
+            )
+
+
 def _token_mask(view: BatchView, name: str, t: Tensor) -> Tensor:
     if not view.has(RESPONSE_MASK):
         return torch.ones(t.shape, dtype=torch.bool, device=t.device)
@@ -192,6 +203,7 @@ def _per_sample(view: BatchView, name: str, reduce: str) -> tuple[Tensor, Tensor
 
     def make() -> tuple[Tensor, Tensor]:
         t = _real_tensor(view, name)
+        _check_batch_size(view, name, t)
         if t.ndim == 1:
             x = t.to(F64)
             return x, torch.ones_like(x)
@@ -221,6 +233,7 @@ def _lengths(view: BatchView, name: str) -> tuple[Tensor, Tensor]:
         t = _real_tensor(view, name)
         if t.ndim != 1:
             raise ValueError(f"batch field `{name}` must have shape [B] (token counts), got {tuple(t.shape)}")
+        _check_batch_size(view, name, t)
         x = t.to(F64)
         bad = ~torch.isfinite(x) | (x < 0)
         return torch.where(bad, 0.0, x), bad.to(F64).sum()
