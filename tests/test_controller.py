@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from opbc_metrics import OPBCCollection
 from opbc_metrics import functional as F
+from opbc_metrics.batch import BatchView
 from opbc_metrics.controller import (
     Action,
     BatchDecisions,
@@ -199,6 +200,38 @@ def test_top_mass_per_group_is_exact_with_ties_and_many_tokens(dtype):
         assert d.report.num_tokens >= 400
         want = ref[d.group_id]["top_1pct_gradient_mass"]
         assert d.report.top_1pct_gradient_mass == pytest.approx(want, rel=1e-12 if dtype == torch.float64 else 1e-6)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1000, 2400])
+def test_large_batches_in_chunks_give_the_same_decisions(monkeypatch, chunk_tokens):
+    """A batch larger than one chunk is processed chunk by chunk: the same statistics, checks, weights and
+    decisions; the top-1% mass from the per-group histogram, within the sketch's documented bound."""
+    g = torch.Generator().manual_seed(5)
+    trainer = -torch.rand(12, 500, generator=g, dtype=torch.float64) * 3
+    rollout = trainer - torch.randn(12, 500, generator=g, dtype=torch.float64) * 0.5
+    rollout[3, :] = 0.0  # one sequence without rollout logprobs
+    trainer[7, 10] = float("nan")
+    rollout[9, 4] = trainer[9, 4] + 40.0  # vetoed
+    mask = torch.rand(12, 500, generator=g) < 0.9
+    b = {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask,
+         "group_ids": torch.tensor([5, 5, 2, 2, 2, 8, 8, 1, 1, 3, 3, 3]),
+         "policy_lag": torch.tensor([0, 1, 0, 0, 2, 5, 0, 0, 0, 1, 1, 9])}
+    ref = reference_group_stats(b)
+    whole = OPBCController("truncated_is", track_budget=False).step(b)
+    monkeypatch.setattr(FC, "CHUNK_TOKENS", chunk_tokens)
+    assert len(FC.row_chunks(BatchView(b))) > 1
+    chunked = OPBCController("truncated_is").step(b)
+    assert torch.equal(whole.loss_mask, chunked.loss_mask) and torch.equal(whole.weights, chunked.weights)
+    assert torch.equal(whole.action, chunked.action) and torch.equal(whole.reasons, chunked.reasons)
+    bound = F.sketch_relative_error_bound(20.0, FC.group_top_mass_bins(12))
+    for d, e in zip(whole.decisions, chunked.decisions, strict=True):
+        for name, value in vars(d.report).items():
+            if name == "top_1pct_gradient_mass":
+                assert value == pytest.approx(ref[d.group_id][name], rel=1e-12)  # one chunk: exact
+                assert getattr(e.report, name) == pytest.approx(value, rel=bound)
+            elif isinstance(value, float):
+                assert getattr(e.report, name) == pytest.approx(value, rel=1e-12, abs=1e-15, nan_ok=True), name
+    assert {k: v.item() for k, v in whole.counts.items()} == {k: v.item() for k, v in chunked.counts.items()}
 
 
 def test_functional_group_statistics_and_empty_groups():

@@ -216,8 +216,11 @@ class OPBCController:
     def _evaluate(self, view: BatchView) -> BatchDecisions:
         view, index, batch_reasons, flips, lag_rows, token_ids = _prepare(view)
         policy = self.policy
+        # A large batch is processed in chunks of rows (statistics, checks, then correction), so that the
+        # per-token temporaries are those of one chunk; see FC.row_chunks.
+        chunks = FC.row_chunks(view)
         values = FC._group_compute(
-            FC._group_update(view, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows)
+            FC.chunked_group_update(view, chunks, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows)
         )
         if batch_reasons:
             declared = view._cache.get("declared_response_tokens")
@@ -228,11 +231,30 @@ class OPBCController:
             contract.update({name: index.present for name in batch_reasons})
             contract["invalid_policy_lag"] = FC.invalid_lag_groups(lag_rows, index)
         else:
-            contract = FC._contract_flags(view, index, policy.alignment_gap, token_ids, lag_rows)
+            parts = [
+                FC._contract_rows(FC.chunk_view(view, i, j), policy.alignment_gap,
+                                  None if token_ids is None else (token_ids[0][i:j], token_ids[1][i:j]))
+                for i, j in chunks
+            ]
+            rows = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+            contract = FC._contract_from_rows(rows, index, lag_rows)
         action, reasons = FC.decide(values, contract, index.present, policy)
         row_action = action[index.row_group]
-        corr = FC._correction(view, row_action, policy)
-        counts = {k: corr[k] for k in ("trained_tokens", "corrected_tokens", "truncated_tokens", "masked_tokens")}
+        if len(chunks) == 1:
+            corr = FC._correction(view, row_action, policy)
+            loss_mask, weights = corr["loss_mask"], corr["weights"]
+            counts = {k: corr[k] for k in _CORRECTION_COUNTS}
+        else:
+            _, _, mask = view.token_inputs
+            loss_mask = torch.empty(mask.shape, dtype=torch.bool, device=view.device)
+            weights = torch.empty(mask.shape, dtype=view.dtype, device=view.device)
+            counts = {k: torch.zeros((), dtype=view.dtype, device=view.device) for k in _CORRECTION_COUNTS}
+            for i, j in chunks:
+                corr = FC._correction(FC.chunk_view(view, i, j), row_action[i:j], policy)
+                loss_mask[i:j] = corr["loss_mask"]
+                weights[i:j] = corr["weights"]
+                for k in _CORRECTION_COUNTS:
+                    counts[k] += corr[k]
         return BatchDecisions(
             policy=policy,
             index=index,
@@ -240,8 +262,8 @@ class OPBCController:
             action=action,
             reasons=reasons,
             row_action=row_action,
-            loss_mask=corr["loss_mask"],
-            weights=corr["weights"],
+            loss_mask=loss_mask,
+            weights=weights,
             counts=counts,
         )
 
@@ -269,6 +291,9 @@ class OPBCController:
         if self.budget is not None:
             self.budget.to(device)
         return self
+
+
+_CORRECTION_COUNTS = ("trained_tokens", "corrected_tokens", "truncated_tokens", "masked_tokens")
 
 
 # -- batch-level validation ---------------------------------------------------------------------------

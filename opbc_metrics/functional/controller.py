@@ -200,6 +200,58 @@ def _group_top_mass_sum(weights: Tensor, index: GroupIndex, count: Tensor, fract
     return top.index_add_(0, g_sorted, w_sorted.to(torch.float64) * take)
 
 
+# The stats reduced by max over a group's rows; every other row statistic is summed.
+_MAX_ROW_STATS = ("max_abs", "max_abs_s")
+
+
+def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None = None) -> Stats:
+    """Per-row (``[b]``) statistics of the rows of ``view``: all the per-token work of the group statistics."""
+    _, _, mask = view.token_inputs
+    valid = view.valid
+    w = view.weights(clamp)
+    abs_r = view.abs_log_ratio  # 0 on invalid tokens, so comparisons with positive thresholds need no mask
+    s = view.seq_log_ratio
+    ws = view.seq_weights(clamp)
+    rows: Stats = {
+        "num_response_tokens": mask.sum(dim=1),
+        "count": view.seq_lengths,
+        "nonfinite": (mask & ~view.finite).sum(dim=1),
+        "sum_w": w.sum(dim=1),
+        "sum_w2": (w * w).sum(dim=1),
+        "clipped": (abs_r > clamp).sum(dim=1),
+        "vetoed": (abs_r > veto).sum(dim=1),
+        "max_abs": _row_amax(abs_r, valid),
+        "sum_s": s,
+        "sum_abs_s": s.abs(),
+        "max_abs_s": torch.where(view.seq_valid, s.abs(), torch.full_like(s, float("-inf"))),
+        "sum_geo": view.seq_mean_log_ratio,
+        "seq_count": view.seq_valid_f,
+        "sum_ws": ws,
+        "sum_ws2": ws * ws,
+    }
+    if flips is not None:
+        # As moe/router/flip_rate: over response tokens x layers (routing exists whatever the logprobs).
+        rows["flips"] = (flips & mask[..., None]).sum(dim=(1, 2))
+    return rows
+
+
+def _group_from_rows(rows: Stats, index: GroupIndex, layers: int | None = None, lag_rows: Tensor | None = None
+                     ) -> Stats:
+    """Per-group sufficient statistics (``[capacity]`` float64 each) from per-row ones; ``layers``: the MoE
+    layers of the flips (router statistics only when given)."""
+    b = index.row_group.shape[0]
+    stats: Stats = {"num_sequences": _segment_sum(torch.ones(b, device=index.row_group.device), index)}
+    for name, value in rows.items():
+        stats[name] = _segment_max(value, index) if name in _MAX_ROW_STATS else _segment_sum(value, index)
+    nan = torch.full((index.capacity,), float("nan"), dtype=torch.float64, device=index.row_group.device)
+    if layers is not None:
+        stats["flip_den"] = stats["num_response_tokens"] * float(layers)
+    else:
+        stats["flips"], stats["flip_den"] = nan, nan
+    stats["lag"] = _segment_max(lag_rows, index) if lag_rows is not None else nan
+    return stats
+
+
 def _group_update(
     view: BatchView,
     index: GroupIndex,
@@ -209,44 +261,99 @@ def _group_update(
     flips: Tensor | None = None,
     lag_rows: Tensor | None = None,
 ) -> Stats:
-    """Per-group sufficient statistics (``[capacity]`` float64 each) of one batch."""
+    """Per-group sufficient statistics (``[capacity]`` float64 each) of one batch, top-1% mass exact."""
+    layers = None if flips is None else flips.shape[-1]
+    stats = _group_from_rows(_row_update(view, clamp, veto, flips), index, layers, lag_rows)
+    stats["top_sum"] = _group_top_mass_sum(view.weights(clamp), index, stats["count"], fraction)
+    return stats
+
+
+# -- the same in bounded memory: rows in chunks, the top-1% mass from a per-group histogram ------------
+#: Tokens per chunk of rows. A batch larger than one chunk is processed chunk by chunk, so its per-token
+#: temporaries are those of one chunk, and its top-1% mass comes from the per-group histogram sketch.
+CHUNK_TOKENS = 2**16
+#: Bins of the per-group log-weight histogram over [-C, C] (fewer for many groups, to bound its memory).
+GROUP_TOP_MASS_BINS = 8192
+_GROUP_HIST_ENTRIES = 2**20
+
+
+def row_chunks(view: BatchView, chunk_tokens: int | None = None) -> list[tuple[int, int]]:
+    """Row ranges ``(first, end)`` covering the batch, about ``chunk_tokens`` tokens each (one range when it
+    fits in one chunk). Host metadata only."""
     _, _, mask = view.token_inputs
-    valid = view.valid
-    w = view.weights(clamp)
-    abs_r = view.abs_log_ratio  # 0 on invalid tokens, so comparisons with positive thresholds need no mask
-    s = view.seq_log_ratio
-    seq_valid_f = view.seq_valid_f
-    ws = view.seq_weights(clamp)
-    count_rows = view.seq_lengths
-    stats: Stats = {
-        "num_sequences": _segment_sum(torch.ones_like(count_rows), index),
-        "num_response_tokens": _segment_sum(mask.sum(dim=1), index),
-        "count": _segment_sum(count_rows, index),
-        "nonfinite": _segment_sum((mask & ~view.finite).sum(dim=1), index),
-        "sum_w": _segment_sum(w.sum(dim=1), index),
-        "sum_w2": _segment_sum((w * w).sum(dim=1), index),
-        "clipped": _segment_sum((abs_r > clamp).sum(dim=1), index),
-        "vetoed": _segment_sum((abs_r > veto).sum(dim=1), index),
-        "max_abs": _segment_max(_row_amax(abs_r, valid), index),
-        "sum_s": _segment_sum(s, index),
-        "sum_abs_s": _segment_sum(s.abs(), index),
-        "max_abs_s": _segment_max(torch.where(view.seq_valid, s.abs(), torch.full_like(s, float("-inf"))), index),
-        "sum_geo": _segment_sum(view.seq_mean_log_ratio, index),
-        "seq_count": _segment_sum(seq_valid_f, index),
-        "sum_ws": _segment_sum(ws, index),
-        "sum_ws2": _segment_sum(ws * ws, index),
-    }
-    stats["top_sum"] = _group_top_mass_sum(w, index, stats["count"], fraction)
-    nan = torch.full((index.capacity,), float("nan"), dtype=torch.float64, device=view.device)
-    if flips is not None:
-        # As moe/router/flip_rate: over response tokens x layers (routing exists whatever the logprobs).
-        layers = flips.shape[-1]
-        row_flips = (flips & mask[..., None]).sum(dim=(1, 2))
-        stats["flips"] = _segment_sum(row_flips, index)
-        stats["flip_den"] = stats["num_response_tokens"] * float(layers)
-    else:
-        stats["flips"], stats["flip_den"] = nan, nan
-    stats["lag"] = _segment_max(lag_rows, index) if lag_rows is not None else nan
+    b, t = mask.shape
+    rows = max(1, (CHUNK_TOKENS if chunk_tokens is None else chunk_tokens) // max(t, 1))
+    return [(i, min(i + rows, b)) for i in range(0, max(b, 1), rows)]
+
+
+def chunk_view(view: BatchView, first: int, end: int) -> BatchView:
+    """The rows ``first:end`` of ``view`` as a view of their own (``view`` itself when that is every row).
+
+    A fresh view per chunk: its cached per-token quantities are freed with it, after the chunk's work.
+    """
+    trainer, rollout, mask = view.token_inputs
+    if first == 0 and end >= mask.shape[0]:
+        return view
+    return BatchView(trainer_logprobs=trainer[first:end], rollout_logprobs=rollout[first:end],
+                     response_mask=mask[first:end])
+
+
+def group_top_mass_bins(capacity: int) -> int:
+    """Bins of the per-group top-1% histogram: 8192, fewer when the groups' capacity is large (>= 256)."""
+    return max(256, min(GROUP_TOP_MASS_BINS, _GROUP_HIST_ENTRIES // max(capacity, 1)))
+
+
+def _group_hist_update(view: BatchView, row_group: Tensor, capacity: int, clamp: float, bins: int,
+                       hist: Tensor | None) -> Tensor:
+    """Add the valid tokens of ``view`` to the ``[capacity * bins]`` per-group histogram of clamped log-weights."""
+    lw = view.clamped_log_ratio(clamp)
+    slot = ((lw + clamp) * (bins / (2.0 * clamp))).to(torch.int64).clamp_(0, bins - 1)
+    slot += (row_group * bins)[:, None]
+    if hist is None:
+        hist = torch.zeros(capacity * bins, dtype=torch.float64, device=lw.device)
+    return hist.index_add_(0, slot.reshape(-1), view.valid_f.reshape(-1).to(torch.float64))
+
+
+def _group_top_mass_sketch(hist: Tensor, count: Tensor, clamp: float, fraction: float = M.DEFAULT_TOP_FRACTION
+                           ) -> Tensor:
+    """Per group, the sum of its ``k_g`` largest weights from its histogram (walked from the top bin, tokens
+    valued at their bin centre): within a factor ``e^{+-C/bins}`` of the exact sum (the core sketch's bound)."""
+    counts = hist.view(count.shape[0], -1).flip(-1)
+    bins = counts.shape[1]
+    width = 2.0 * clamp / bins
+    centres = -clamp + width * (torch.arange(bins, dtype=torch.float64, device=hist.device) + 0.5)
+    k = M.top_k_count(count, fraction)[:, None]
+    before = torch.cumsum(counts, dim=1) - counts
+    take = torch.minimum((k - before).clamp_min(0.0), counts)
+    return (take * torch.exp(centres).flip(0)).sum(dim=1)
+
+
+def chunked_group_update(
+    view: BatchView,
+    chunks: list[tuple[int, int]],
+    index: GroupIndex,
+    clamp: float,
+    veto: float,
+    fraction: float = M.DEFAULT_TOP_FRACTION,
+    flips: Tensor | None = None,
+    lag_rows: Tensor | None = None,
+    top_mass_bins: int | None = None,
+) -> Stats:
+    """:func:`_group_update` over row chunks: the same sums and extremes (exactly), and the top-1% mass from
+    a per-group histogram when there is more than one chunk (within the sketch's bound ``e^{C/bins} - 1``)."""
+    if len(chunks) == 1:
+        return _group_update(view, index, clamp, veto, fraction, flips, lag_rows)
+    bins = top_mass_bins or group_top_mass_bins(index.capacity)
+    parts: list[Stats] = []
+    hist = None
+    for i, j in chunks:
+        sub = chunk_view(view, i, j)
+        parts.append(_row_update(sub, clamp, veto, None if flips is None else flips[i:j]))
+        hist = _group_hist_update(sub, index.row_group[i:j], index.capacity, clamp, bins, hist)
+    rows = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+    stats = _group_from_rows(rows, index, None if flips is None else flips.shape[-1], lag_rows)
+    assert hist is not None
+    stats["top_sum"] = _group_top_mass_sketch(hist, stats["count"], clamp, fraction)
     return stats
 
 
@@ -343,22 +450,22 @@ def _contract_flags(
     * ``invalid_policy_lag``: a sequence of the group has a policy lag that is NaN, infinite or negative
       (only when ``policy_lag`` is given): the lag rules cannot judge the group.
     """
+    rows = _contract_rows(view, alignment_gap, token_ids)
+    return _contract_from_rows(rows, index, lag_rows)
+
+
+def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tensor, Tensor] | None = None) -> Stats:
+    """Per-row (``[b]``) counts behind the contract flags: all the per-token work of the checks."""
     trainer_raw = view.tensor("trainer_logprobs")
     rollout_raw = view.tensor("rollout_logprobs")
     _, _, mask = view.token_inputs
     dt = view.dtype
     resp = mask.sum(dim=1).to(dt)
-    resp_g = _segment_sum(resp, index)
-    # A batch-wide shape mismatch is found before any per-token work (the controller's batch validation).
-    out: dict[str, Tensor] = {"shape_mismatch": torch.zeros_like(resp_g, dtype=torch.bool)}
-
     trainer_zero, rollout_zero = trainer_raw == 0, rollout_raw == 0
     t_zero_rows = (mask & trainer_zero).sum(dim=1).to(dt)
     r_zero_rows = (mask & rollout_zero).sum(dim=1).to(dt)
     # Per sequence, as the origin checks it: one sequence without logprobs rejects its whole group.
     missing_rows = (resp > 0) & ((t_zero_rows == resp) != (r_zero_rows == resp))
-    out["logprobs_missing"] = _segment_sum(missing_rows, index) > 0
-    out["no_response_tokens"] = resp_g == 0
 
     threshold = -float(alignment_gap)
     unfilled = mask & ((trainer_zero & (rollout_raw < threshold)) | (rollout_zero & (trainer_raw < threshold)))
@@ -370,13 +477,29 @@ def _contract_flags(
         present_outside = (outside & ~zero & torch.isfinite(raw)).any(dim=1)
         other_present = ~all_zero_inside[1 - side]
         shifted = shifted | (row_has_resp & all_zero_inside[side] & present_outside & other_present)
-    misaligned_rows = unfilled.sum(dim=1).to(dt) + shifted.to(dt)
-    out["logprobs_misaligned"] = _segment_sum(misaligned_rows, index) > 0
-    out["non_finite"] = _segment_sum((mask & ~view.finite).sum(dim=1), index) > 0
+    rows: Stats = {
+        "resp": resp,
+        "missing": missing_rows,
+        "misaligned": unfilled.sum(dim=1).to(dt) + shifted.to(dt),
+        "non_finite": (mask & ~view.finite).sum(dim=1),
+    }
     if token_ids is not None:
         rollout_ids, trainer_ids = token_ids
-        differ = (mask & (rollout_ids != trainer_ids)).sum(dim=1)
-        out["token_ids_mismatch"] = _segment_sum(differ, index) > 0
+        rows["token_ids_differ"] = (mask & (rollout_ids != trainer_ids)).sum(dim=1)
+    return rows
+
+
+def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None = None) -> dict[str, Tensor]:
+    """The per-group contract flags from :func:`_contract_rows`' per-row counts."""
+    resp_g = _segment_sum(rows["resp"], index)
+    # A batch-wide shape mismatch is found before any per-token work (the controller's batch validation).
+    out: dict[str, Tensor] = {"shape_mismatch": torch.zeros_like(resp_g, dtype=torch.bool)}
+    out["logprobs_missing"] = _segment_sum(rows["missing"], index) > 0
+    out["no_response_tokens"] = resp_g == 0
+    out["logprobs_misaligned"] = _segment_sum(rows["misaligned"], index) > 0
+    out["non_finite"] = _segment_sum(rows["non_finite"], index) > 0
+    if "token_ids_differ" in rows:
+        out["token_ids_mismatch"] = _segment_sum(rows["token_ids_differ"], index) > 0
     else:
         out["token_ids_mismatch"] = torch.zeros_like(out["non_finite"])
     out["invalid_policy_lag"] = invalid_lag_groups(lag_rows, index)

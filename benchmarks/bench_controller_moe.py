@@ -1,0 +1,174 @@
+"""The controller and the MoE section against baselines measured in the same run (ratios).
+
+Run: ``.venv/bin/python benchmarks/bench_controller_moe.py`` (``--quick`` for a smoke run). Times are
+medians of the process's CPU time with one intra-op thread (as ``bench.py``); the peak memory is measured
+as ``peak_memory.py`` measures it, in a fresh process per measurement.
+
+Lines:
+  moe         RouterSetDisagreement.update() against RouterFlipRate.update() on the same expert ids
+  controller  OPBCController.step() against the default OPBCCollection.update() on the same batch
+  memory      peak extra memory of OPBCController.step() in bytes per token (and of the collection's update)
+  top mass    the controller's per-group top-1% gradient mass against an exact sort: largest absolute error
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from opbc_metrics import OPBCCollection, OPBCController, RouterFlipRate, RouterSetDisagreement  # noqa: E402
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median CPU seconds per call of each function, timed in turn within each repeat."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            times[name].append(time.process_time() - start)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+def router_batch(b: int, t: int, layers: int, k: int, experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    rollout = torch.argsort(torch.rand(b, t, layers, experts, generator=g), dim=-1)[..., :k]
+    trainer = rollout.clone()
+    swap = torch.rand(b, t, layers, generator=g) < 0.1
+    trainer[..., 0] = torch.where(swap, rollout[..., 1], rollout[..., 0])
+    trainer[..., 1] = torch.where(swap, rollout[..., 0], rollout[..., 1])
+    new = torch.rand(b, t, layers, generator=g) < 0.05
+    trainer[..., -1] = torch.where(new, (rollout[..., -1] + 1) % experts, rollout[..., -1])
+    mask = torch.ones(b, t, dtype=torch.bool)
+    return {"rollout_experts": rollout, "trainer_experts": trainer, "response_mask": mask}
+
+
+def logprob_batch(b: int, t: int, group_size: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    trainer = -torch.rand(b, t, generator=g) * 3.0
+    rollout = (trainer + 0.05 * torch.randn(b, t, generator=g)).clamp(max=0.0)
+    lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+    groups = torch.arange(b) // group_size
+    return {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask, "group_ids": groups}
+
+
+def bench_moe(quick: bool, repeats: int) -> None:
+    shape = (2, 512, 16, 8, 64) if quick else (4, 2048, 48, 8, 128)
+    batch = router_batch(*shape)
+    flip, sets = RouterFlipRate(), RouterSetDisagreement()
+    times = interleaved({"flip": lambda: flip.update(batch), "set": lambda: sets.update(batch)}, repeats)
+    ids = batch["rollout_experts"].numel()
+    print(f"moe: {ids / 1e6:.1f}M expert ids (B, T, L, K = {shape[:4]}): top-1 flip rate {times['flip'] * 1e3:.1f} ms, "
+          f"set disagreement {times['set'] * 1e3:.1f} ms -> {times['set'] / times['flip']:.2f}x the flip rate "
+          "(target <= 2x)")
+
+
+def bench_controller(quick: bool, repeats: int) -> None:
+    for b, t in ([(16, 1024)] if quick else [(64, 4096), (64, 32768)]):
+        batch = logprob_batch(b, t)
+        controller, collection = OPBCController(), OPBCCollection()
+        reps = max(3, repeats // (4 if t > 8192 else 1))
+        fns = {"collection": lambda c=collection, x=batch: c.update(x), "step": lambda c=controller, x=batch: c.step(x)}
+        times = interleaved(fns, reps)
+        print(f"controller at {b}x{t}: default collection update {times['collection'] * 1e3:.1f} ms, step "
+              f"{times['step'] * 1e3:.1f} ms -> {times['step'] / times['collection']:.2f}x (target <= 3x)")
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _peak_child(what: str, b: int, t: int) -> None:
+    """In a fresh process: the peak extra memory of one controller step (or collection update), per token."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: freed temporaries are unmapped, not reused
+    batch = logprob_batch(b, t)
+    target = OPBCController() if what == "step" else OPBCCollection()
+    run = target.step if what == "step" else target.update
+    run({k: v[:2] for k, v in batch.items()})  # warm-up
+    libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    run(batch)
+    extra = (_status_kb("VmHWM") - before) * 1024
+    print(extra / (b * t))
+
+
+def bench_memory(quick: bool) -> None:
+    if not os.path.exists("/proc/self/clear_refs"):
+        print("memory: skipped (needs Linux /proc)")
+        return
+    b, t = (16, 4096) if quick else (64, 32768)
+    out = {}
+    for what in ("step", "update"):
+        res = subprocess.run([sys.executable, __file__, "--peak-child", what, str(b), str(t)], capture_output=True,
+                             text=True, check=True)
+        out[what] = float(res.stdout.strip().splitlines()[-1])
+    print(f"memory at {b}x{t}: controller step peak extra {out['step']:.1f} bytes/token (target <= 24), default "
+          f"collection update {out['update']:.1f} bytes/token")
+
+
+def bench_top_mass(quick: bool) -> None:
+    from opbc_metrics.functional import controller as FC
+    from opbc_metrics.functional.mismatch import sketch_relative_error_bound
+
+    b, t = (16, 2048) if quick else (64, 8192)
+    batch = logprob_batch(b, t)
+    batch["rollout_logprobs"] = batch["rollout_logprobs"] - 2.0 * torch.rand(b, t) ** 8  # a heavy tail
+    out = OPBCController(track_budget=False).step(batch)
+    got = out.values["top_1pct_gradient_mass"][: int(out.index.num_groups)]
+    r = (batch["trainer_logprobs"] - batch["rollout_logprobs"]).double().clamp(-20, 20)
+    w = torch.where(batch["response_mask"], r.exp(), torch.zeros_like(r))
+    errors, relative = [], []
+    for g in range(int(out.index.num_groups)):
+        rows = w[batch["group_ids"] == g].flatten()
+        n = int(batch["response_mask"][batch["group_ids"] == g].sum())
+        k = max(1, int(0.01 * n))
+        exact = rows.sort(descending=True).values[:k].sum() / rows.sum()
+        errors.append(abs(float(got[g]) - float(exact)))
+        relative.append(errors[-1] / float(exact))
+    bound = sketch_relative_error_bound(20.0, FC.group_top_mass_bins(out.index.capacity))
+    print(f"top mass at {b}x{t}: per-group top-1% mass against an exact sort: largest absolute error "
+          f"{max(errors):.2e}, relative {max(relative):.2e} (documented bound {bound:.2e})")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--peak-child":
+        torch.set_num_threads(1)
+        _peak_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    repeats = 3 if args.quick else args.repeats
+    bench_moe(args.quick, repeats)
+    bench_controller(args.quick, repeats)
+    bench_memory(args.quick)
+    bench_top_mass(args.quick)
+
+
+if __name__ == "__main__":
+    main()
