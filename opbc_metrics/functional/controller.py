@@ -18,9 +18,13 @@ valid tokens. Per group g, over its valid tokens (``N_g`` of them) and its seque
 * ``max_abs_log_ratio`` = :math:`\max |r|`;
 * ``seq_log_ratio_mean``, ``seq_log_ratio_abs_mean``, ``seq_log_ratio_max_abs``, ``geo_log_ratio_mean``: of
   :math:`s_i` (and :math:`s_i / n_i`) over the group's sequences with a valid token and no non-finite token;
-* ``top_1pct_gradient_mass``: exact share of :math:`\sum w` carried by the :math:`k_g = \max(1, \lfloor 0.01
-  N_g \rfloor)` largest weights of the group (all tokens sorted by the composite key (group, -w), then the
-  first :math:`k_g` of each group's segment);
+* ``top_1pct_gradient_mass``: share of :math:`\sum w` carried by the :math:`k_g = \max(1, \lfloor 0.01
+  N_g \rfloor)` largest weights of the group: exact for a batch of at most :data:`CHUNK_TOKENS` tokens (all
+  tokens sorted by the composite key (group, -w), then the first :math:`k_g` of each group's segment);
+  for a larger batch, which is processed in chunks of rows to bound its memory, from a per-group histogram
+  of clamped log-weights (:data:`GROUP_TOP_MASS_BINS` bins over ``[-C, C]``, fewer for batches of more than
+  128 rows: 8 MiB at most), within a relative error of ``e^{C/bins} - 1`` (0.25% at 8192 bins), as the
+  core sketch;
 * ``router_flip_rate`` = top-1 expert flips / (response tokens x layers), when expert ids are given (as
   ``moe/router/flip_rate``: routing does not depend on the logprobs being finite);
 * ``policy_lag`` = the largest lag of the group's sequences, in trainer steps, when given.
@@ -299,7 +303,7 @@ def chunk_view(view: BatchView, first: int, end: int) -> BatchView:
 
 
 def group_top_mass_bins(capacity: int) -> int:
-    """Bins of the per-group top-1% histogram: 8192, fewer when the groups' capacity is large (>= 256)."""
+    """Bins of the per-group top-1% histogram: 8192, fewer for more than 128 rows (at most 2^20 entries)."""
     return max(256, min(GROUP_TOP_MASS_BINS, _GROUP_HIST_ENTRIES // max(capacity, 1)))
 
 
