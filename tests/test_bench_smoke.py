@@ -19,3 +19,13 @@ def test_benchmark_script_runs_quick():
     for section in ("## update()", "## one step", "## memory", "## top-1% gradient mass", "## update() of the default"):
         assert section in out.stdout
     assert "after 1 update" in out.stdout
+
+
+def test_controller_and_moe_benchmark_runs_quick():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_controller_moe.py"), "--quick"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in ("moe:", "controller at", "memory at", "top mass at"):
+        assert line in out.stdout
