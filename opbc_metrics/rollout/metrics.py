@@ -400,10 +400,10 @@ class CompletionLengthGini(_GroupMean):
 class CompletionLengthMaxMedianRatio(_GroupMean):
     r"""``group_length_max_median_ratio_mean``: max/median completion length per group, averaged.
 
-    Key ``rollout/tokens_completion/group_max_median_ratio_mean``. Lengths are floored at 1 token (an
-    empty completion counts as one token, so the ratio is finite); an even-sized group's median is the
-    mean of its two middle lengths. A straggler indicator: values close to 1 mean the completions of a
-    group are roughly equal in length. Empty window: 1.
+    Key ``rollout/tokens_completion/group_max_median_ratio_mean``. As Telescope: lengths are not floored
+    (``[0, 2]`` gives 2), an even-sized group's median is the mean of its two middle lengths, and a group
+    whose median is 0 has no ratio and is left out of the mean. A straggler indicator: values close to 1
+    mean the completions of a group are roughly equal in length. Empty window: 1.
 
     Example:
         >>> import torch
@@ -421,8 +421,9 @@ class CompletionLengthMaxMedianRatio(_GroupMean):
     higher_is_better = False
     glossary = GlossaryEntry(
         name="group_length_max_median_ratio_mean",
-        what="Max/median ratio of completion lengths within prompt groups, averaged across groups: a "
-        "straggler indicator; close to 1 = completions of a group are roughly equal length.",
+        what="Max/median ratio of completion lengths within prompt groups, averaged across groups (Telescope: "
+        "no length floor; a group with median 0 has no ratio and is left out): a straggler indicator; close "
+        "to 1 = completions of a group are roughly equal length.",
         unit=_GROUPS,
         cap=_DIAGNOSTIC,
         action="no OPBC action; high values mean a few long generations hold up each group's step",
