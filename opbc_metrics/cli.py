@@ -345,12 +345,13 @@ class Analysis:
         out: dict[str, Any] = {}
         missing: dict[str, str] = {}
         for m in self.members:
+            produced = any(key in values for key in m.keys)  # a member may leave out keys it has no value for
             for key in m.keys:
                 if m._update_count == 0:
                     missing[key] = "needs " + ", ".join(m.required_fields)
                 elif key in values:
                     out[key] = _jsonable(values[key])
-                else:  # updated, but every batch it saw was empty for it
+                elif not produced:  # updated, but every batch it saw was empty for it
                     missing[key] = "no data in the input"
         for key, value in self.controller.budget().items():
             out.setdefault(key, _jsonable(value))
