@@ -556,8 +556,7 @@ def _array_items(source: str, text: str) -> Iterator[tuple[int, Any]]:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             where = line_of(e.pos)
-            cut = e.pos >= len(text.rstrip())
-            if cut:
+            if not text.rstrip().endswith("]"):  # the array never closes: the file was cut
                 msg = f"truncated JSON array (the file ends inside it: {e.msg})"
             else:
                 msg = f"invalid JSON ({e.msg}, column {e.colno})"
