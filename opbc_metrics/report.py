@@ -20,8 +20,8 @@ What the page holds:
   symmetric log bins, :func:`symlog_edges`) with the clamp and veto thresholds;
 * ``chart-per-layer-*`` / ``chart-per-round-*``: indexed series, when the input had more than one
   layer or round;
-* the worst groups by ESS (:data:`WORST_GROUPS` per stream, with their decision and reasons; every
-  group is in the JSON result), every metric in a folded table, and the input issues.
+* the :data:`WORST_GROUPS` worst groups by ESS over all streams, with their decision and reasons
+  (every group is in the JSON result), every metric in a folded table, and the input issues.
 
 Example:
     >>> hist = FixedHistogram(symlog_edges())
@@ -413,7 +413,7 @@ def step_chart(headline: Headline, series: Mapping[str, tuple[list[float], list[
     ax.set_ylabel(headline.unit)
     ax.xaxis.get_major_locator().set_params(integer=True)
     if len(series) > 1:
-        ax.legend(loc="best")
+        fig.legend(loc="outside upper right", ncol=len(series))
     return _svg(fig, f"chart-step-{_slug(headline.key)}", f"{headline.label} over {_plural(axis)}")
 
 
@@ -512,7 +512,7 @@ def histogram_chart(chart_id: str, title: str, hists: Mapping[str, Mapping[str, 
                   f"{fmt(linthresh)} in the middle bin)")
     ax.set_ylabel(f"share of {what}")
     ax.set_title(title, loc="left")
-    ax.legend(loc="upper left")
+    fig.legend(loc="outside upper right", ncol=len(hists))
     return _svg(fig, chart_id, title)
 
 
@@ -541,7 +541,7 @@ def indexed_chart(chart_id: str, title: str, kind: str, series: Mapping[str, Map
     ax.set_ylim(bottom=0)
     ax.set_title(title, loc="left")
     if len(series) > 1:
-        ax.legend(loc="best")
+        fig.legend(loc="outside upper right", ncol=len(series))
     return _svg(fig, chart_id, title)
 
 
@@ -562,9 +562,10 @@ h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:30px 0 8px;border-bott
 .ok{color:#1b5e20}.warn{color:#e65100}.bad{color:#b71c1c}.chip{font-size:11px}th.num{text-align:right}
 .grid2{display:grid;grid-template-columns:repeat(auto-fill,minmax(480px,1fr));gap:8px}
 figure.fig{margin:6px 0}svg.chart{width:100%;height:auto;display:block}
-table{border-collapse:collapse;width:100%;font-size:13px}td,th{border-bottom:1px solid #eef;padding:3px 6px;
-text-align:left;vertical-align:top}td.num{text-align:right;font-variant-numeric:tabular-nums}
-code{font-size:12px}details summary{cursor:pointer;color:#3f51b5;margin:8px 0}
+table{border-collapse:collapse;width:100%;font-size:13px}
+td,th{border-bottom:1px solid #eef;padding:3px 6px;text-align:left;vertical-align:top}
+td.num{text-align:right;font-variant-numeric:tabular-nums}.nw,th{white-space:nowrap}code{font-size:12px}
+details summary{cursor:pointer;color:#3f51b5;margin:8px 0}
 .issues li{font-family:ui-monospace,Menlo,monospace;font-size:12px}
 """
 
@@ -783,29 +784,29 @@ def worst_groups(groups: Sequence[Mapping[str, Any]], limit: int = WORST_GROUPS)
 
 def _worst_groups(results: Mapping[str, Mapping[str, Any]], colours: Mapping[str, str]) -> str:
     streams = {n: (r.get("controller") or {}).get("groups") or [] for n, r in results.items()}
-    if not any(streams.values()):
+    tagged = [{**g, "_stream": n} for n, groups in streams.items() for g in groups]
+    if not tagged:
         return ""
     head = "".join(f'<th class="num">{_esc(t)}</th>' for _, t in _GROUP_COLUMNS)
-    out = [f"<h2>Worst groups by ESS ({WORST_GROUPS} per stream)</h2>",
-           f'<table id="groups-table"><tr><th>stream</th><th>group</th><th>step</th><th>decision</th><th>reasons</th>'
-           f"{head}</tr>"]
-    more = []
-    for name, groups in streams.items():
-        for g in worst_groups(groups):
-            stats = g.get("stats") or {}
-            reasons = g.get("reasons") or []
-            text = ", ".join(str(x) for x in reasons) if isinstance(reasons, list) else str(reasons)
-            cells = "".join(f'<td class="num">{_esc(_value(stats.get(k)))}</td>' for k, _ in _GROUP_COLUMNS)
-            colour = DECISION_COLOURS.get(str(g.get("decision")), "#607d8b")
-            out.append(f"<tr><td>{_swatch(colours[name])} {_esc(name)}</td><td><code>{_esc(g.get('group'))}</code></td>"
-                       f"<td class=\"num\">{_esc(_value(g.get('step')))}</td>"
-                       f'<td style="color:{colour};font-weight:600">{_esc(g.get("decision"))}</td>'
-                       f"<td>{_esc(text or MISSING)}</td>{cells}</tr>")
-        if len(groups) > WORST_GROUPS:
-            more.append(f"{name}: {len(groups) - WORST_GROUPS} more")
+    total = len(tagged)
+    out = [f"<h2>Worst groups by ESS ({min(WORST_GROUPS, total)} of {total})</h2>",
+           f'<table id="groups-table"><tr><th>stream</th><th>group</th><th class="num">step</th><th>decision</th>'
+           f"<th>reasons</th>{head}</tr>"]
+    for g in worst_groups(tagged):
+        stats = g.get("stats") or {}
+        reasons = g.get("reasons") or []
+        text = ", ".join(str(x) for x in reasons) if isinstance(reasons, list) else str(reasons)
+        cells = "".join(f'<td class="num">{_esc(_value(stats.get(k)))}</td>' for k, _ in _GROUP_COLUMNS)
+        colour = DECISION_COLOURS.get(str(g.get("decision")), "#607d8b")
+        name = g["_stream"]
+        out.append(f'<tr><td class="nw">{_swatch(colours[name])} {_esc(name)}</td>'
+                   f"<td><code>{_esc(g.get('group'))}</code></td><td class=\"num\">{_esc(_value(g.get('step')))}</td>"
+                   f'<td style="color:{colour};font-weight:600">{_esc(g.get("decision"))}</td>'
+                   f"<td>{_esc(text or MISSING)}</td>{cells}</tr>")
     out.append("</table>")
-    if more:
-        out.append(f'<p class="sub">Every group is in the JSON result ({_esc("; ".join(more))}).</p>')
+    if total > WORST_GROUPS:
+        out.append(f'<p class="sub">The other {total - WORST_GROUPS} groups are in the JSON result '
+                   "(<code>controller.groups</code>).</p>")
     return "\n".join(out)
 
 
