@@ -87,6 +87,7 @@ from opbc_metrics.report import (
     DECISIONS,
     STEP_KEYS,
     FixedHistogram,
+    charts_available,
     fmt,
     indexed_series,
     render_report,
@@ -801,6 +802,9 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     except OSError as e:
         _error(f"cannot write to {out_dir}: {e.strerror or e}")
         return 1
+    if not args.no_html and not charts_available():
+        sys.stderr.write('opbc-metrics: note: the report has no charts: they need matplotlib (pip install ".[report]" '
+                         "in a checkout of opbc-metrics)\n")
     lines = []
     for result in results.values():
         lines += [*summary_lines(result), ""]

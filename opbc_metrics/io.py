@@ -698,6 +698,9 @@ def _check_pt_record(record: Any) -> tuple[dict[str, Any], int]:
     out = {k: v for k, v in record.items() if isinstance(k, str) and v is not None}
     for key in ("trainer_logprobs", "rollout_logprobs"):
         if key not in out:
+            hint = framework_hint(out)
+            if hint is not None:
+                raise SampleError(f"`{key}` is required but missing; {hint}")
             raise SampleError(f"`{key}` is required but missing (present: {', '.join(sorted(out)) or 'none'})")
     for key in (*TOKEN_PT_FIELDS, *EXPERT_FIELDS):
         if key in out and not isinstance(out[key], Tensor):

@@ -835,3 +835,18 @@ def test_several_files_make_one_comparison_report(tmp_path):
     assert not (tmp_path / "o" / "result.json").exists()
     status, _, err = run_main("analyze", "-", "/dev/stdin", "--out", str(tmp_path / "p"))
     assert status == 2 and "standard input can be read only once" in err
+
+
+def test_pt_with_verl_field_names_gets_the_hint(tmp_path):
+    path = _pt(tmp_path, "verl.pt", {"old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3)})
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"))
+    assert status == 1 and "`opbc_metrics.integrations.verl.verl_to_batch`" in err, err
+
+
+def test_report_without_matplotlib_says_how_to_get_the_charts(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    status, _, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path))
+    assert status == 0 and 'pip install ".[report]"' in err
+    parser = parse_report((tmp_path / "report.html").read_text())
+    assert not parser.svgs and 'pip install ".[report]"' in "".join(parser.text)
+    assert "groups-table" in (tmp_path / "report.html").read_text()
