@@ -850,3 +850,28 @@ def test_report_without_matplotlib_says_how_to_get_the_charts(tmp_path, monkeypa
     parser = parse_report((tmp_path / "report.html").read_text())
     assert not parser.svgs and 'pip install ".[report]"' in "".join(parser.text)
     assert "groups-table" in (tmp_path / "report.html").read_text()
+
+
+def test_report_shows_a_missing_key_as_not_measured(jsonl_run):
+    """A key a stream did not measure is "—" on its card and has no line in the step chart, never 0 or 1."""
+    _, result, _ = jsonl_run
+    dense = json.loads(json.dumps(result))
+    dense["metrics"].pop("moe/router/flip_rate")
+    for point in dense["steps"]["points"]:
+        point["metrics"].pop("moe/router/flip_rate", None)
+    from opbc_metrics.report import render_report
+
+    html = render_report({"moe": result, "dense": dense})
+    card = html.split('id="card-moe-router-flip_rate"', 1)[1].split('<div class="card"', 1)[0]
+    assert 'data-stream="dense">—</span>' in card
+    assert f'data-stream="moe">{fmt_value(result["metrics"]["moe/router/flip_rate"])}</span>' in card
+    chart = html.split('<svg id="chart-step-moe-router-flip_rate"', 1)[1].split("</svg>", 1)[0]
+    assert 'id="chart-step-moe-router-flip_rate-series-moe"' in chart
+    assert "series-dense" not in chart
+    assert 'id="chart-step-opbc-is-ess-series-dense"' in html
+
+
+def fmt_value(value) -> str:
+    from opbc_metrics.report import fmt
+
+    return fmt(value)
