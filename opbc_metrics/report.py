@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import html
 import io
+import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -245,6 +246,8 @@ STEP_KEYS: tuple[str, ...] = (
     "moe/router/flip_rate",
 )
 WORST_GROUPS = 20
+# Above this many steps the decision mix per step is drawn as filled bands rather than bars.
+MAX_BARS = 150
 MISSING = "—"
 STREAM_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _SEVERITY = {"quarantine": "bad", "reject": "bad", "replay": "warn", "train_with_correction": "warn"}
@@ -456,13 +459,20 @@ def decision_steps_chart(points: Mapping[str, list[dict[str, Any]]], axis: str) 
     axes = fig.subplots(len(names), 1, sharex=True, squeeze=False)[:, 0]
     for ax, name in zip(axes, names):
         xs = [p["x"] for p in points[name] if p.get("decisions")]
+        gap = min((b - a for a, b in itertools.pairwise(xs) if b > a), default=1)
         bottom = [0.0] * len(xs)
         for d in DECISIONS:
             counts = [float((p["decisions"] or {}).get(d, 0)) for p in points[name] if p.get("decisions")]
             if not any(counts):
                 continue
-            ax.bar(xs, counts, bottom=bottom, width=0.85, color=DECISION_COLOURS[d], label=d, gid=f"steps-{name}-{d}")
-            bottom = [a + b for a, b in zip(bottom, counts)]
+            top = [a + b for a, b in zip(bottom, counts)]
+            if len(xs) > MAX_BARS:  # one filled band per decision instead of thousands of bars
+                ax.fill_between(xs, bottom, top, step="mid", color=DECISION_COLOURS[d], lw=0, label=d,
+                                gid=f"steps-{name}-{d}")
+            else:
+                ax.bar(xs, counts, bottom=bottom, width=0.85 * gap, color=DECISION_COLOURS[d], label=d,
+                       gid=f"steps-{name}-{d}")
+            bottom = top
         ax.set_title(name, loc="left", fontsize=9)
         ax.set_ylabel("groups")
         ax.yaxis.get_major_locator().set_params(integer=True)
