@@ -20,9 +20,10 @@ about a minute with the defaults on 2 CPU cores, no download. What happens:
    ``OPBCCollection`` (mismatch, MoE router, per-round, rollout and decision-budget metrics) and logs the
    global values every step to W&B (offline) through ``OPBCWandbLogger``.
 4. One ``OPBCCollection`` per stream (bf16, fp8, async) accumulates over the whole run; at the end the
-   demo prints their key metrics side by side and the decision mix, dumps each stream's rollouts as
-   JSONL in the ``opbc-metrics analyze`` input schema, analyses them with the CLI's API into an HTML
-   report each, and says where the reports and the W&B run are.
+   demo prints their key metrics side by side and the decision mix, writes them to ``demo_summary.md``
+   (the figures README.md quotes), dumps each stream's rollouts as JSONL in the ``opbc-metrics
+   analyze`` input schema (with their step), analyses them with the CLI's API into one HTML report
+   comparing the three streams over the steps, and says where the report and the W&B run are.
 
 Everything is seeded: the same command prints the same numbers.
 """
@@ -74,6 +75,15 @@ KEY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("moe/router/worst_layer_flip_rate", "worst layer flip rate", "{:.4%}"),
 )
 DECISIONS = ("train", "train_with_correction", "replay", "quarantine", "reject")
+# The figures of the summary file (demo_summary.md) that README.md quotes.
+SUMMARY_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("opbc/is/ess", "ESS (token)", "{:.5f}"),
+    ("opbc/is/seq_ess", "ESS (sequence)", "{:.5f}"),
+    ("opbc/logprob/abs_diff_mean", "mean abs Δlogp (nats)", "{:.5f}"),
+    ("opbc/logprob/abs_diff_max", "max abs Δlogp (nats)", "{:.3f}"),
+    ("moe/router/flip_rate", "router top-1 flip rate", "{:.2%}"),
+    ("moe/router/topk_disagreement_rate", "top-k set disagreement", "{:.2%}"),
+)
 
 
 @dataclass
@@ -313,6 +323,7 @@ def _jsonl_records(
         m = part["response_mask"][i]
         out.append(json.dumps({
             "group_id": f"{int(part['group_ids'][i])}@{step}",
+            "step": step,
             "trainer_logprobs": part["trainer_logprobs"][i].tolist(),
             "rollout_logprobs": part["rollout_logprobs"][i].tolist(),
             "response_mask": m.int().tolist(),
@@ -330,25 +341,52 @@ def _jsonl_records(
 # ------------------------------------------------------------------------------------------------------
 # Reports
 # ------------------------------------------------------------------------------------------------------
-def write_reports(dumps: dict[str, list[str]], out_dir: Path, preset: str) -> dict[str, dict[str, Any]]:
-    """Each stream's rollouts as JSONL, analysed with the CLI's API into ``result.json`` + ``report.html``."""
+def write_reports(dumps: dict[str, list[str]], out_dir: Path, preset: str) -> dict[str, Any]:
+    """Each stream's rollouts as JSONL, analysed with the CLI's API (``result-<stream>.json``), and one HTML
+    report comparing the streams (``report.html``), as ``opbc-metrics analyze rollouts-*.jsonl`` writes them."""
     from opbc_metrics.cli import analyze_file
-    from opbc_metrics.report import render_html
+    from opbc_metrics.report import render_report
 
-    reports = {}
+    results, streams = {}, {}
     for name, lines in dumps.items():
         if not lines:
             continue
-        folder = out_dir / f"report-{name}"
-        folder.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"rollouts-{name}.jsonl"
         path.write_text("\n".join(lines) + "\n")
-        result = analyze_file(str(path), preset=preset)
-        (folder / "result.json").write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-        (folder / "report.html").write_text(render_html(result))
-        reports[name] = {"jsonl": str(path), "html": str(folder / "report.html"),
-                         "decision_mix": result["controller"].get("decision_mix")}
-    return reports
+        results[name] = analyze_file(str(path), preset=preset)
+        json_path = out_dir / f"result-{name}.json"
+        json_path.write_text(json.dumps(results[name], indent=1, allow_nan=False) + "\n")
+        streams[name] = {"jsonl": str(path), "json": str(json_path),
+                         "decision_mix": results[name]["controller"].get("decision_mix")}
+    html = out_dir / "report.html"
+    html.write_text(render_report(results))
+    return {"html": str(html), "streams": streams}
+
+
+def summary_markdown(result: dict[str, Any], cfg: DemoConfig) -> str:
+    """The demo's figures as Markdown (what README.md quotes): seeded, so the same for every run."""
+    streams = result["streams"]
+    lines = [
+        f"{cfg.steps} steps x {cfg.groups_per_step} groups x {cfg.group_size} samples, {cfg.response_len} tokens, "
+        f"seed {cfg.seed}, controller preset `{cfg.policy}`.",
+        "",
+        "| metric | " + " | ".join(streams) + " |",
+        "|---|" + "---|" * len(streams),
+    ]
+    for key, label, form in SUMMARY_METRICS:
+        cells = [form.format(result["metrics"][s][key]) if key in result["metrics"][s] else "—" for s in streams]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    mixes = []
+    for s in streams:
+        counts = result["decisions"][s]
+        total = sum(counts.values()) or 1
+        mixes.append(", ".join(f"{a} {counts[a] / total:.0%}" for a in DECISIONS if counts.get(a)))
+    lines.append("| OPBC decisions (groups) | " + " | ".join(mixes) + " |")
+    split = result["abs_diff_by_routing"]
+    ratios = [f"{split[s]['differ'] / split[s]['agree']:.0f}x" if split[s]["agree"] else "—" for s in streams]
+    lines.append("| mean abs Δlogp, top-k sets differ / agree | " + " | ".join(ratios) + " |")
+    lines += ["", f"Reward: first 5 steps {result['reward_first']:.3f}, last 5 steps {result['reward_last']:.3f}."]
+    return "\n".join(lines) + "\n"
 
 
 def _format_table(values: dict[str, dict[str, float]], streams: list[str]) -> list[str]:
@@ -469,14 +507,18 @@ def main(
         "reward_first": reward_first, "reward_last": reward_last, "fit_seconds": fit_s,
         "abs_diff_by_routing": by_routing,
     }
+    summary = summary_markdown(result, cfg)
+    result["summary"] = str(out / "demo_summary.md")
+    (out / "demo_summary.md").write_text(summary)
+    say(f"summary of these figures (quoted in README.md): {result['summary']}")
     if report:
         result["reports"] = write_reports(module.dumps, out, cfg.policy)
         say("")
-        for s, info in result["reports"].items():
+        say(f"HTML report comparing the streams: {result['reports']['html']}")
+        for s, info in result["reports"]["streams"].items():
             offline = {a: n for a, n in (info["decision_mix"] or {}).items() if n}
             same = "same as online" if offline == dict(module.decisions[s]) else f"online: {dict(module.decisions[s])}"
-            say(f"HTML report ({s}): {info['html']}")
-            say(f"    from {info['jsonl']}; decisions re-derived offline: {offline} ({same})")
+            say(f"    {s}: from {info['jsonl']}; decisions re-derived offline: {offline} ({same})")
     if wandb_logger is not None and wandb_logger.run is not None:
         run = wandb_logger.run
         for s in module.streams:

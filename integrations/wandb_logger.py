@@ -480,7 +480,8 @@ def _import_wandb() -> Any:
     try:
         import wandb
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("W&B logging needs the `wandb` package: pip install 'opbc-metrics[wandb]'") from e
+        raise ImportError("W&B logging needs the `wandb` package: `pip install \".[wandb]\"` in a checkout of "
+                          "opbc-metrics (it is not on PyPI), or `pip install wandb`") from e
     return wandb
 
 

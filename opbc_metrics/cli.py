@@ -2,41 +2,50 @@
 
 Usage::
 
-    opbc-metrics analyze FILE [--out DIR] [--clamp C] [--veto V] [--batch-size N] [--on-error skip|fail]
+    opbc-metrics analyze FILE [FILE ...] [--out DIR] [--clamp C] [--veto V] [--batch-size N]
+                         [--on-error skip|fail] [--max-bad-fraction F]
     opbc-metrics glossary [--format md|json]
     python -m opbc_metrics.cli ...
 
-``analyze`` streams a rollout dump (JSONL, one sample per line, or a ``.pt`` dict of tensors loaded
-with ``weights_only=True``; the schema is in :mod:`opbc_metrics.io` and in ``--help``) in batches
-that keep each prompt group's consecutive samples together, through:
+``analyze`` streams each rollout dump (JSONL, one sample per line, or a JSON array, either gzipped or
+not, a file or ``-`` for standard input; or a ``.pt`` dict of tensors loaded with
+``weights_only=True``; the schema is in :mod:`opbc_metrics.io` and in ``--help``) in batches that keep
+each prompt group's consecutive samples together (and each step's samples apart), through:
 
 * an :class:`~opbc_metrics.collection.OPBCCollection`: the collection's default sections plus
   ``rollout`` (rewards, advantages, lengths, stop and discard reasons), or ``--sections``; a member
   whose fields the file lacks is listed under ``not_computed``;
+* the same headline metrics (:data:`opbc_metrics.report.STEP_KEYS`) reset at every step (the
+  ``step`` field; without it, every batch), for the report's time series;
 * the Off-Policy Budget Controller (:class:`opbc_metrics.controller.OPBCController`, when the package
   has it; otherwise the result says so), which decides each group and adds its budget metrics
   (``opbc/decision/*``);
 * fixed-bin histograms of the token and sequence log ratios.
 
 It prints a summary table and writes ``DIR/result.json`` and ``DIR/report.html`` (self-contained, see
-:mod:`opbc_metrics.report`).
+:mod:`opbc_metrics.report`). With several files it writes ``DIR/result-<name>.json`` for each and one
+report comparing them (``<name>``: the file name without extensions).
 
 The JSON result::
 
     {"version", "input": {path, format, samples, batches, groups, rounds_seen, layers_seen,
-                          issues_total, issues: [{where, line, message}, ...]},
+                          issues_total, bad_samples, bad_fraction, issues: [{where, line, message}, ...]},
      "settings": {clamp, veto, batch_size, on_error, sections, preset, limit},
      "metrics": {key: number | list | "inf" | "-inf" | "nan"},   # float(value) always works
      "not_computed": {key: "needs <fields>" | "no data in the input"},
      "histograms": {"token_log_ratio": {edges, counts, total}, "sequence_log_ratio": {...}},
+     "steps": {axis: "step" | "batch", points: [{x, samples, metrics: {key: number}, decisions}]},
      "controller": {available, note, policy, decision_mix: {decision: groups},
-                    groups: [{group, decision, reasons, batches, stats: {ess, clipped_fraction, ...}}]}}
+                    groups: [{group, decision, reasons, batches, step, stats: {ess, clipped_fraction, ...}}]}}
 
-Input problems (malformed JSON on line N, a cut last line, wrong types, trainer/rollout lengths that
-differ) are reported with their line numbers on stderr and in the result, then skipped
-(``--on-error skip``, the default) or fatal (``--on-error fail``). Exit status: 0 success, 1 the
-input could not be analysed (refused or unreadable file, no valid sample, an issue under
-``--on-error fail``), 2 usage errors (unknown option, missing file, unknown extension).
+A key missing from ``metrics`` or from a step's ``metrics`` was not measured (no data for it).
+
+Input problems (malformed JSON on line N, a cut last line, wrong types, invalid values such as a NaN
+reward, trainer/rollout lengths that differ) are reported with their line numbers on stderr and in
+the result, then skipped (``--on-error skip``, the default) or fatal (``--on-error fail``). Exit
+status: 0 success; 1 the input could not be analysed (refused or unreadable file, no valid sample, an
+issue under ``--on-error fail``) or more than ``--max-bad-fraction`` (0.1) of the samples were bad
+(the outputs are written first); 2 usage errors (unknown option, missing file, unknown extension).
 
 Example:
     >>> import io, contextlib
@@ -56,7 +65,6 @@ import json
 import math
 import os
 import sys
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -71,22 +79,35 @@ from opbc_metrics.io import (
     InputFormatError,
     InputIssue,
     detect_format,
+    is_stdin,
     read_batches,
 )
 from opbc_metrics.naming import parse_key
-from opbc_metrics.report import DECISIONS, FixedHistogram, fmt, indexed_series, render_html, symlog_edges
+from opbc_metrics.report import (
+    DECISIONS,
+    STEP_KEYS,
+    FixedHistogram,
+    charts_available,
+    fmt,
+    indexed_series,
+    render_report,
+    symlog_edges,
+)
 
 # Sections run by default besides the collection's defaults: statistics a rollout dump carries (rewards,
 # advantages, lengths, stop and discard reasons), computed only when the file has their fields.
 OFFLINE_SECTIONS = ("rollout",)
 
+# Above this share of bad (skipped) samples, analyze exits with status 1 after writing its outputs.
+DEFAULT_MAX_BAD_FRACTION = 0.1
 # Issues kept in the JSON result (all are counted) and printed on stderr.
 MAX_ISSUES_KEPT = 1000
 DEFAULT_ISSUES_SHOWN = 20
 
 SCHEMA_HELP = """\
 input schema
-  JSONL (.jsonl, .ndjson): one JSON object per line, blank lines ignored, unknown keys ignored.
+  JSONL (.jsonl, .ndjson): one JSON object per line, blank lines ignored, unknown keys ignored; or a JSON
+  array of such objects (.json); either may be gzipped (.gz); - reads standard input.
     trainer_logprobs   list[float] (T)     log pi_trainer per token                      required
     rollout_logprobs   list[float] (T)     log pi_rollout per token (same length)        required
     response_mask      list[0/1] (T)       1 = policy token; runs of 1s are rounds        default all 1
@@ -94,7 +115,8 @@ input schema
     rollout_experts    list[T][L][K] int   routed expert ids, highest weight first        optional (both)
     trainer_experts    list[T][L][K] int
     policy_lag         number >= 0         trainer steps behind the rollout policy        optional
-    reward, advantage  number              scalars per sample                             optional
+    step               int >= 0            training step (x axis of the report's charts)  optional
+    reward, advantage  finite number       scalars per sample                             optional
     prompt_length, response_length  int    token counts                                   optional
     stop_reason        str                 e.g. "length" marks truncation                 optional
     discard_reason     str                 "kept", "max_async" or "zero_advantage"        optional
@@ -103,11 +125,14 @@ input schema
     tensors in the batch schema (trainer_logprobs [B,T], rollout_logprobs [B,T], response_mask [B,T],
     group_ids [B], rollout_experts/trainer_experts [B,T,L,K], policy_lag/rewards/... [B]) or a list of
     such dicts.
+  Fields of verl (old_log_probs, ...) or TRL (old_per_token_logps, ...) batches: convert them with
+    opbc_metrics.integrations.verl.verl_to_batch / opbc_metrics.integrations.trl.trl_to_batch first.
 
 outputs
-  DIR/result.json   every metric key, histograms, decision mix and per-group decisions
-  DIR/report.html   self-contained report (inline SVG charts, no network)
-  exit status 0 ok, 1 input could not be analysed, 2 usage error
+  DIR/result.json   every metric key, per-step series, histograms, decision mix and per-group decisions
+                    (DIR/result-<name>.json per file when several are given)
+  DIR/report.html   self-contained report (inline SVG charts, no network); several files are overlaid
+  exit status 0 ok, 1 input could not be analysed or more than --max-bad-fraction bad samples, 2 usage error
 """
 
 
@@ -119,40 +144,23 @@ class AnalysisError(Exception):
 # Progress
 # ---------------------------------------------------------------------------------------------
 class _Progress:
-    """tqdm when installed (it comes with lightning), else a minimal throttled stderr line."""
+    """A tqdm bar on ``stream`` (bytes of the file when its size is known, else samples), or nothing."""
 
-    def __init__(self, total: int | None, unit: str, enabled: bool, stream: TextIO) -> None:
-        self.enabled, self.stream, self.total, self.unit = enabled, stream, total, unit
-        self.done, self._last, self._bar = 0, 0.0, None
-        if not enabled:
-            return
-        try:
+    def __init__(self, total: int | None, unit: str, enabled: bool, stream: TextIO, desc: str) -> None:
+        self.done, self._bar = 0, None
+        if enabled:
             from tqdm import tqdm
-        except ImportError:
-            return
-        scale = unit == "B"
-        self._bar = tqdm(total=total, unit=unit, unit_scale=scale, file=stream, desc="analyze", leave=False)
+
+            self._bar = tqdm(total=total, unit=unit, unit_scale=unit == "B", file=stream, desc=desc, leave=False)
 
     def advance_to(self, done: int) -> None:
-        if not self.enabled:
-            return
-        step, self.done = done - self.done, done
-        if self._bar is not None:
-            self._bar.update(step)
-            return
-        now = time.monotonic()
-        if now - self._last >= 0.2 or (self.total is not None and done >= self.total):
-            self._last = now
-            share = f" ({100 * done / self.total:.0f}%)" if self.total else ""
-            self.stream.write(f"\ranalyze: {done} {self.unit}{share}")
-            self.stream.flush()
+        if self._bar is not None and done > self.done:
+            self._bar.update(done - self.done)
+            self.done = done
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled and self.done:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,6 +188,7 @@ class ControllerStep:
         self.note = CONTROLLER_MISSING
         self.impl: Any = None
         self.decisions: dict[int, dict[str, Any]] = {}
+        self.window_of: dict[int, int] = {}  # group id -> the step (or batch) it was first decided in
         try:
             module = importlib.import_module("opbc_metrics.controller")
         except ImportError as e:
@@ -208,13 +217,15 @@ class ControllerStep:
         """Decide this batch's groups (pure: no state changes; raises ValueError on bad fields)."""
         return None if self.impl is None else self.impl.evaluate(view)
 
-    def commit(self, out: Any) -> None:
-        """Fold an evaluated batch into the budget metrics and the per-group decisions."""
+    def commit(self, out: Any, window: int) -> None:
+        """Fold an evaluated batch of step (or batch number) ``window`` into the budget metrics and the
+        per-group decisions."""
         if out is None:
             return
         if self.impl.budget is not None:
             self.impl.budget.update({self.module.DECISIONS_FIELD: out})
         for d in out.decisions:
+            self.window_of.setdefault(d.group_id, window)
             report = d.report.to_dict() if d.report is not None else {}
             new = {"decision": d.action.value, "reasons": [r.value for r in d.reasons], "report": report,
                    "batches": 1, "_strictness": d.action.strictness}
@@ -233,6 +244,14 @@ class ControllerStep:
             warnings.simplefilter("ignore")
             return self.impl.compute_budget()
 
+    def mix_per_window(self) -> dict[int, dict[str, int]]:
+        """``{step: {decision: groups}}``, each group counted once, at the step it was first decided in."""
+        out: dict[int, dict[str, int]] = {}
+        for gid, d in self.decisions.items():
+            mix = out.setdefault(self.window_of[gid], dict.fromkeys(DECISIONS, 0))
+            mix[d["decision"]] = mix.get(d["decision"], 0) + 1
+        return out
+
     def result(self, labels: list[str]) -> dict[str, Any]:
         if self.impl is None:
             return {"available": False, "note": self.note, "decision_mix": None, "groups": []}
@@ -242,7 +261,7 @@ class ControllerStep:
             label = labels[gid] if 0 <= gid < len(labels) else str(gid)
             stats = {k: d["report"].get(k) for k in GROUP_STATS if k in d["report"]}
             groups.append({"group": label, "decision": d["decision"], "reasons": d["reasons"], "batches": d["batches"],
-                           "stats": stats})
+                           "step": self.window_of.get(gid), "stats": stats})
         mix = {name: 0 for name in DECISIONS}
         for g in groups:
             mix[g["decision"]] = mix.get(g["decision"], 0) + 1
@@ -270,6 +289,11 @@ class Analysis:
     group_ids_seen: set[int] = field(default_factory=set)
     issues: list[InputIssue] = field(default_factory=list)
     issues_total: int = 0
+    bad_samples: int = 0
+    step_axis: str = "batch"
+    step_points: list[dict[str, Any]] = field(default_factory=list)
+    _window: int | None = None
+    _window_samples: int = 0
 
     def __post_init__(self) -> None:
         from opbc_metrics.collection import DEFAULT_SECTIONS, SECTIONS, OPBCCollection
@@ -288,27 +312,37 @@ class Analysis:
         self.sections = names
         self.collection = OPBCCollection([m for name in names for m in SECTIONS[name](**settings)])
         self.members = self.collection.members()
+        # The headline metrics again, reset at every step: the report's time series.
+        step_members = [m for name in ("mismatch", "moe") for m in SECTIONS[name](**settings)
+                        if set(m.keys) & set(STEP_KEYS)]
+        self.step_collection = OPBCCollection(step_members)
         self.token_hist = FixedHistogram(symlog_edges())
         self.seq_hist = FixedHistogram(symlog_edges())
         self.controller = ControllerStep(self.clamp, self.veto, self.preset)
         self.groups = GroupIndex()
 
-    def add_issue(self, issue: InputIssue) -> None:
+    def add_issue(self, issue: InputIssue, rows: int = 1) -> None:
         self.issues_total += 1
+        self.bad_samples += rows
         if len(self.issues) < MAX_ISSUES_KEPT:
             self.issues.append(issue)
 
     def _snapshot(self) -> list[tuple[Any, dict[str, Tensor], int]]:
-        return [(m, {k: getattr(m, k).clone() for k in m._defaults}, m._update_count) for m in self.members]
+        members = [*self.members, *self.step_collection.members()]
+        return [(m, {k: getattr(m, k).clone() for k in m._defaults}, m._update_count) for m in members]
 
     def update(self, batch: Batch) -> str | None:
         """Fold one batch in; on bad values, roll every member back and return the problem."""
         view = BatchView(batch.tensors)
+        window = batch.step if batch.step is not None else self.batches
+        if window != self._window:
+            self.close_window()
         snapshot = self._snapshot()
         try:
             _ = view.token_inputs  # validate the core fields before touching any state
             decided = self.controller.evaluate(view)  # pure; raises on fields it cannot use
             self.collection.update(view)  # members with optional inputs skip batches lacking their fields
+            self.step_collection.update(view)
         except (ValueError, TypeError) as e:
             # Bad batch values raise a ValueError (or TypeError) naming the field in backticks; anything
             # else is a bug and propagates.
@@ -319,7 +353,11 @@ class Analysis:
                     setattr(m, k, v)
                 m._update_count = count
             return _one_line(e)
-        self.controller.commit(decided)
+        if batch.step is not None:
+            self.step_axis = "step"
+        self._window = window
+        self._window_samples += len(batch.group_labels)
+        self.controller.commit(decided, window)
         self.token_hist.update(view.log_ratio, view.valid)
         self.seq_hist.update(view.seq_log_ratio, view.seq_valid)
         self.samples += len(batch.group_labels)
@@ -333,6 +371,29 @@ class Analysis:
         if isinstance(experts, Tensor) and experts.ndim == 4:
             self.layers_seen = max(self.layers_seen, int(experts.shape[2]))
         return None
+
+    def close_window(self) -> None:
+        """Record the headline metrics of the current step (keys of members without data left out), reset."""
+        if self._window is None or self._window_samples == 0:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                values = self.step_collection.compute()
+            except ValueError:  # bad values the whole-run metrics will report; the step gets no point
+                values = {}
+        seen = {k for m in self.step_collection.members() if m._update_count for k in m.keys}
+        metrics = {k: _jsonable(v) for k, v in values.items() if k in seen and k in STEP_KEYS}
+        self.step_points.append({"x": self._window, "samples": self._window_samples, "metrics": metrics})
+        self.step_collection.reset()
+        self._window, self._window_samples = None, 0
+
+    def steps(self) -> dict[str, Any]:
+        """The per-step series: ``{"axis": "step" | "batch", "points": [{x, samples, metrics, decisions}]}``."""
+        self.close_window()
+        mixes = self.controller.mix_per_window() if self.controller.available else {}
+        points = [{**p, "decisions": mixes.get(p["x"])} if mixes else p for p in self.step_points]
+        return {"axis": self.step_axis, "points": points}
 
     def metrics(self) -> tuple[dict[str, Any], dict[str, str]]:
         """``(metrics, not_computed)``: values of members that saw data; the others with their needs."""
@@ -398,14 +459,15 @@ def analyze_file(
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
     fmt_name = detect_format(path)
     analysis = Analysis(clamp=clamp, veto=veto, sections=sections, preset=preset)
-    size = os.path.getsize(path) if os.path.isfile(path) else None
-    jsonl = fmt_name == "jsonl"
-    bar = _Progress(size if jsonl else None, "B" if jsonl else "samples", progress, sys.stderr)
+    size = os.path.getsize(path) if fmt_name != "pt" and os.path.isfile(path) else None
+    by_bytes = size is not None
+    name = "stdin" if is_stdin(path) else os.path.basename(path)
+    bar = _Progress(size, "B" if by_bytes else "samples", progress, sys.stderr, name)
     shown = 0
 
-    def report(issue: InputIssue) -> None:
+    def report(issue: InputIssue, rows: int = 1) -> None:
         nonlocal shown
-        analysis.add_issue(issue)
+        analysis.add_issue(issue, rows)
         if on_error == "fail":
             raise AnalysisError(f"{issue} (--on-error fail)")
         if issue_stream is not None and shown < issues_shown:
@@ -420,8 +482,8 @@ def analyze_file(
                 continue
             problem = analysis.update(item)
             if problem is not None:
-                report(InputIssue(path, item.where, problem))
-            bar.advance_to(item.num_bytes if jsonl else analysis.samples)
+                report(InputIssue(path, item.where, problem), len(item.group_labels))
+            bar.advance_to(item.num_bytes if by_bytes else analysis.samples)
     except OSError as e:
         raise AnalysisError(f"{path}: cannot read ({e.strerror or e})") from None
     finally:
@@ -448,6 +510,8 @@ def analyze_file(
             "rounds_seen": analysis.rounds_seen,
             "layers_seen": analysis.layers_seen,
             "issues_total": analysis.issues_total,
+            "bad_samples": analysis.bad_samples,
+            "bad_fraction": analysis.bad_samples / (analysis.bad_samples + analysis.samples),
             "issues": [i.as_dict() for i in analysis.issues],
         },
         "settings": {
@@ -465,6 +529,7 @@ def analyze_file(
             "token_log_ratio": analysis.token_hist.as_dict(),
             "sequence_log_ratio": analysis.seq_hist.as_dict(),
         },
+        "steps": analysis.steps(),
         "controller": analysis.controller.result(labels),
     }
 
@@ -558,6 +623,16 @@ def _positive(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -585,8 +660,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=SCHEMA_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    a.add_argument("file", metavar="FILE", help="rollout dump: .jsonl/.ndjson (one sample per line) or .pt/.pth")
-    a.add_argument("--out", metavar="DIR", help="output folder (default: ./opbc-report-<FILE stem>)")
+    a.add_argument("files", nargs="+", metavar="FILE",
+                   help="rollout dump: .jsonl/.ndjson (one sample per line), .json (an array), either with .gz, "
+                   "- for standard input, or .pt/.pth; several files make one comparison report")
+    a.add_argument("--out", metavar="DIR",
+                   help="output folder (default: ./opbc-report-<FILE stem>, or ./opbc-report for several files)")
     a.add_argument("--clamp", type=_positive, default=DEFAULT_CLAMP, metavar="C",
                    help=f"log-ratio clamp C in nats (default {DEFAULT_CLAMP:g})")
     a.add_argument("--veto", type=_positive, default=DEFAULT_VETO, metavar="V",
@@ -594,6 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--batch-size", type=_count, default=64, metavar="N", help="samples per batch (default 64)")
     a.add_argument("--on-error", choices=("skip", "fail"), default="skip",
                    help="bad lines/records: report and skip (default), or stop with exit status 1")
+    a.add_argument("--max-bad-fraction", type=_fraction, default=DEFAULT_MAX_BAD_FRACTION, metavar="F",
+                   help="exit with status 1 (after writing the outputs) when more than this share of the samples "
+                   f"was bad and skipped (default {DEFAULT_MAX_BAD_FRACTION:g})")
     a.add_argument("--sections", metavar="S[,S...]",
                    help="metric sections to run, comma-separated, or 'all' (default: the collection's default "
                    "sections and rollout; a metric runs when the file has its fields)")
@@ -602,7 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--limit", type=_count, metavar="N", help="stop after N samples")
     a.add_argument("--no-html", action="store_true", help="write result.json only")
     a.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="show a progress bar (default: when stderr is a terminal)")
+                   help="show a progress bar (tqdm; default: when stderr is a terminal)")
     a.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
     a.add_argument("--max-issues-shown", type=int, default=DEFAULT_ISSUES_SHOWN, metavar="N",
                    help=f"input issues printed on stderr (default {DEFAULT_ISSUES_SHOWN}; all go to the result)")
@@ -645,54 +726,99 @@ def _cmd_glossary(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream_names(paths: Sequence[str]) -> list[str]:
+    """A short unique name per input: the file name without its extensions (``stdin`` for ``-``).
+
+    Example:
+        >>> stream_names(["runs/bf16.jsonl.gz", "fp8.pt", "-", "other/bf16.jsonl"])
+        ['bf16', 'fp8', 'stdin', 'bf16-2']
+    """
+    names: list[str] = []
+    for path in paths:
+        base = "stdin" if is_stdin(path) else os.path.basename(path)
+        stem = base.split(".")[0] or base
+        name, n = stem, 1
+        while name in names:
+            n += 1
+            name = f"{stem}-{n}"
+        names.append(name)
+    return names
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
     progress = sys.stderr.isatty() if args.progress is None else args.progress
+    files: list[str] = args.files
     try:
-        detect_format(args.file)
-        if not os.path.exists(args.file):
-            raise InputFormatError(f"{args.file}: no such file")
+        if sum(1 for f in files if is_stdin(f)) > 1:
+            raise InputFormatError("standard input can be read only once")
+        for f in files:
+            detect_format(f)
+            if not is_stdin(f) and not os.path.exists(f):
+                raise InputFormatError(f"{f}: no such file")
     except InputFormatError as e:
         _error(str(e))
         return 2
-    try:
-        result = analyze_file(
-            args.file,
-            clamp=args.clamp,
-            veto=args.veto,
-            batch_size=args.batch_size,
-            on_error=args.on_error,
-            sections=sections,
-            preset=args.preset,
-            limit=args.limit,
-            progress=progress,
-            issue_stream=sys.stderr,
-            issues_shown=max(args.max_issues_shown, 0),
-        )
-    except (InputFormatError, AnalysisError) as e:
-        _error(str(e))
+    names = stream_names(files)
+    results: dict[str, dict[str, Any]] = {}
+    status = 0
+    for name, path in zip(names, files):
+        try:
+            results[name] = analyze_file(
+                path,
+                clamp=args.clamp,
+                veto=args.veto,
+                batch_size=args.batch_size,
+                on_error=args.on_error,
+                sections=sections,
+                preset=args.preset,
+                limit=args.limit,
+                progress=progress,
+                issue_stream=sys.stderr,
+                issues_shown=max(args.max_issues_shown, 0),
+            )
+        except (InputFormatError, AnalysisError) as e:
+            _error(str(e))
+            status = 1
+    if not results:
         return 1
-    stem = os.path.splitext(os.path.basename(args.file))[0]
-    out_dir = args.out or f"opbc-report-{stem}"
+    single = len(files) == 1
+    out_dir = args.out or ("opbc-report-" + names[0] if single else "opbc-report")
+    written = []
     try:
         os.makedirs(out_dir, exist_ok=True)
-        json_path = os.path.join(out_dir, "result.json")
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1, allow_nan=False)
-            f.write("\n")
-        written = [json_path]
+        for name, result in results.items():
+            json_path = os.path.join(out_dir, "result.json" if single else f"result-{name}.json")
+            _write(json_path, json.dumps(result, indent=1, allow_nan=False) + "\n")
+            written.append(json_path)
         if not args.no_html:
             html_path = os.path.join(out_dir, "report.html")
-            with open(html_path, "w", encoding="utf-8") as f:
-                f.write(render_html(result))
+            _write(html_path, render_report(results))
             written.append(html_path)
     except OSError as e:
         _error(f"cannot write to {out_dir}: {e.strerror or e}")
         return 1
-    lines = summary_lines(result)
-    lines += ["", *(f"wrote {p}" for p in written)]
+    if not args.no_html and not charts_available():
+        sys.stderr.write('opbc-metrics: note: the report has no charts: they need matplotlib (pip install ".[report]" '
+                         "in a checkout of opbc-metrics)\n")
+    lines = []
+    for result in results.values():
+        lines += [*summary_lines(result), ""]
+    lines += [f"wrote {p}" for p in written]
     sys.stdout.write("\n".join(lines) + "\n")
-    return 0
+    for result in results.values():
+        inp = result["input"]
+        if inp["bad_fraction"] > args.max_bad_fraction:
+            _error(f"{inp['path']}: {inp['bad_samples']} of {inp['bad_samples'] + inp['samples']} samples "
+                   f"({inp['bad_fraction']:.1%}) were bad and skipped, more than --max-bad-fraction "
+                   f"{args.max_bad_fraction:g}; the outputs above hold the rest")
+            status = 1
+    return status
 
 
 def _error(message: str) -> None:

@@ -1,4 +1,4 @@
-"""Readers of rollout dumps for offline analysis: JSONL (one sample per line) and ``.pt`` tensor files.
+"""Readers of rollout dumps for offline analysis: JSONL (one sample per line), JSON arrays and ``.pt`` tensor files.
 
 Both readers turn a file into batches in the design's batch schema (``trainer_logprobs`` [B, T],
 ``rollout_logprobs`` [B, T], ``response_mask`` [B, T], ``group_ids`` [B], ...), ready for
@@ -6,7 +6,12 @@ Both readers turn a file into batches in the design's batch schema (``trainer_lo
 problem becomes an :class:`InputIssue` with the line (JSONL) or record/row range (``.pt``) it came
 from, and the caller decides whether to skip it or stop.
 
-JSONL schema (one JSON object per line; blank lines are ignored; unknown keys are ignored):
+Text dumps are JSONL (``.jsonl``, ``.ndjson``, ``.jsonlines``: one JSON object per line) or a JSON array of
+objects (``.json``, or any text dump whose first character is ``[``), optionally gzip-compressed
+(``.gz``, or recognised by its first bytes), read from a file or from standard input (``-`` or
+``/dev/stdin``). Every sample is reported by the line it starts on.
+
+Sample schema (one JSON object per sample; blank lines are ignored; unknown keys are ignored):
 
 ==================  ==============================  =====================================================
 key                 type                            meaning
@@ -20,8 +25,10 @@ group_id            int or str                      prompt group (GRPO group); `
 rollout_experts     list[T][L][K] of int >= 0       routed expert ids per token and layer, highest
 trainer_experts     list[T][L][K] of int >= 0       routing weight first (both or neither)
 policy_lag          number >= 0                     trainer steps between rollout and training
-reward              number                          scalar reward of the sample (batch field ``rewards``)
-advantage           number                          scalar advantage (batch field ``advantages``)
+step                int >= 0                        training step the sample belongs to (the x axis of the
+                                                    report's charts; default: the batch number)
+reward              finite number                   scalar reward of the sample (batch field ``rewards``)
+advantage           finite number                   scalar advantage (batch field ``advantages``)
 prompt_length       int >= 0                        prompt tokens (batch field ``prompt_lengths``)
 response_length     int >= 0                        response tokens (batch field ``response_lengths``)
 stop_reason         str                             e.g. ``"stop"``, ``"length"`` (``stop_reasons``)
@@ -32,18 +39,21 @@ discard_reason      ``"kept"``, ``"max_async"`` or  why the rollout was not trai
 Logprobs may be ``NaN``, ``Infinity`` or ``-Infinity`` (Python's JSON extension, which rollout engines
 emit for tokens outside top-p) and ``null`` (a missing logprob, read as NaN): such tokens are counted
 in ``opbc/input/nonfinite_count`` and excluded from the other statistics, as everywhere in this
-library. A sample whose logprob lists differ in length, whose fields have the wrong type, or whose line
-is not a JSON object is an issue reported with its line number. A last line cut mid-record (a file
-still being written) is reported as truncated.
+library. A sample whose logprob lists differ in length, whose fields have the wrong type or an invalid
+value (a NaN reward, a negative length), or whose line is not a JSON object is an issue reported with
+its line number. A last line cut mid-record (a file still being written) is reported as truncated. A
+sample that carries verl's or TRL's field names instead of this schema's gets a hint naming the
+adapter that converts them.
 
 ``.pt`` files are read with ``torch.load(path, weights_only=True)`` only: a file that needs pickle to
 load (arbitrary Python objects, hence arbitrary code) is refused. The file holds one dict of tensors in
 the batch schema (``trainer_logprobs`` [B, T] float, ``rollout_logprobs`` [B, T], optional
 ``response_mask`` [B, T], ``group_ids`` [B] int (or a list of int/str), ``rollout_experts`` and
 ``trainer_experts`` [B, T, L, K] int, ``policy_lag``, ``rewards``, ``advantages``, ``prompt_lengths``,
-``response_lengths`` [B], ``stop_reasons``, ``discard_reasons`` [B] int or list[str]), or a list of such dicts (one per
-step). Rows are streamed in slices of the batch size, extended to keep a run of one group's rows
-together (as for JSONL).
+``response_lengths`` [B], ``stop_reasons``, ``discard_reasons`` [B] int or list[str], and ``step`` an int),
+or a list of such dicts (one per step: without ``step``, a record's step is its index). Rows are
+streamed in slices of the batch size, extended to keep a run of one group's rows together (as for
+JSONL).
 
 Example:
     >>> import json, os, tempfile
@@ -63,20 +73,28 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import io
 import json
 import math
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterator, Mapping
+import sys
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
+JSON_SUFFIXES = (".json",)
+GZIP_SUFFIX = ".gz"
 PT_SUFFIXES = (".pt", ".pth")
+STDIN_NAMES = ("-", "/dev/stdin")
 
 # Per-sample JSONL key -> (batch field, kind). Kinds: "float" (any number), "count" (int >= 0),
 # "lag" (number >= 0), "str".
@@ -89,6 +107,8 @@ SCALAR_FIELDS: dict[str, tuple[str, str]] = {
     "stop_reason": ("stop_reasons", "str"),
     "discard_reason": ("discard_reasons", "discard"),
 }
+# Fields of the sample schema (the keys a JSONL sample may carry, besides unknown ones).
+SAMPLE_KEYS = ("trainer_logprobs", "rollout_logprobs", "response_mask", "group_id", "step", *SCALAR_FIELDS)
 DISCARD_REASONS = ("kept", "max_async", "zero_advantage")
 PER_ROW_PT_FIELDS = (
     "group_ids",
@@ -145,13 +165,15 @@ class Batch:
         tensors: batch fields (tensors, or a list of str for ``stop_reasons``).
         group_labels: the group label of each row (``group_ids`` indexes :attr:`GroupIndex.labels`).
         where: the lines or rows it came from, for messages.
-        num_bytes: bytes of the file consumed so far (JSONL) or rows done (``.pt``), for progress.
+        num_bytes: bytes of the file consumed so far (text dumps) or rows done (``.pt``), for progress.
+        step: the training step of every row (``step`` field), or ``None`` when the input has none.
     """
 
     tensors: dict[str, Any]
     group_labels: list[str]
     where: str
     num_bytes: int = 0
+    step: int | None = None
 
 
 @dataclass
@@ -170,22 +192,34 @@ class GroupIndex:
         return self.ids[label]
 
 
+def is_stdin(path: str) -> bool:
+    """Whether ``path`` names standard input (``-`` or ``/dev/stdin``)."""
+    return path in STDIN_NAMES
+
+
 def detect_format(path: str) -> str:
-    """``"jsonl"`` or ``"pt"`` from the file name; :class:`InputFormatError` otherwise.
+    """``"jsonl"``, ``"json"`` or ``"pt"`` from the file name (``.gz`` allowed on text dumps; standard input
+    is read as text); :class:`InputFormatError` otherwise.
 
     Example:
-        >>> detect_format("runs/step_10.jsonl"), detect_format("dump.PT")
-        ('jsonl', 'pt')
+        >>> detect_format("runs/step_10.jsonl"), detect_format("dump.PT"), detect_format("a.json.gz")
+        ('jsonl', 'pt', 'json')
+        >>> detect_format("-")
+        'jsonl'
     """
-    lower = path.lower()
-    if lower.endswith(JSONL_SUFFIXES):
+    if is_stdin(path):
         return "jsonl"
+    lower = path.lower()
+    text = lower[: -len(GZIP_SUFFIX)] if lower.endswith(GZIP_SUFFIX) else lower
+    if text.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if text.endswith(JSON_SUFFIXES):
+        return "json"
     if lower.endswith(PT_SUFFIXES):
         return "pt"
     ext = os.path.splitext(path)[1] or "(none)"
-    raise InputFormatError(
-        f"{path}: unknown file extension {ext}; expected one of {', '.join(JSONL_SUFFIXES + PT_SUFFIXES)}"
-    )
+    known = [*JSONL_SUFFIXES, *JSON_SUFFIXES, *(x + GZIP_SUFFIX for x in JSONL_SUFFIXES + JSON_SUFFIXES), *PT_SUFFIXES]
+    raise InputFormatError(f"{path}: unknown file extension {ext}; expected one of {', '.join(known)} or - (stdin)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +239,7 @@ class Sample:
     group: str | None
     experts: tuple[Tensor, Tensor] | None
     scalars: dict[str, Any]
+    step: int | None = None
 
     @property
     def signature(self) -> tuple[Any, ...]:
@@ -311,12 +346,49 @@ def _scalars(obj: Mapping[str, Any]) -> dict[str, Any]:
                 raise SampleError(f"`{key}` must be one of {', '.join(map(repr, DISCARD_REASONS))}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SampleError(f"`{key}` must be a number, got {_type_name(value)}")
+        elif kind == "float" and not math.isfinite(value):
+            raise SampleError(f"`{key}` must be a finite number, got {value!r}")
         elif kind == "count" and (not isinstance(value, int) or value < 0):
             raise SampleError(f"`{key}` must be a non-negative int, got {value!r}")
         elif kind == "lag" and not (value >= 0 and math.isfinite(value)):
             raise SampleError(f"`{key}` must be a finite number >= 0, got {value!r}")
         out[key] = value
     return out
+
+
+def _step(obj: Mapping[str, Any]) -> int | None:
+    value = obj.get("step")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SampleError(f"`step` must be a non-negative int, got {value!r}")
+    return value
+
+
+def framework_hint(keys: Iterable[str]) -> str | None:
+    """A hint naming the adapter when ``keys`` look like verl's or TRL's batch fields rather than this schema.
+
+    Example:
+        >>> framework_hint(["old_log_probs", "rollout_log_probs", "uid"])  # doctest: +ELLIPSIS
+        "these look like verl's batch fields (old_log_probs, rollout_log_probs): ...verl_to_batch..."
+        >>> framework_hint(["trainer_logprobs"]) is None
+        True
+    """
+    from opbc_metrics.integrations import trl, verl
+
+    frameworks = (
+        ("verl", (verl.VERL_TRAINER_LOGPROBS, verl.VERL_ROLLOUT_LOGPROBS),
+         "opbc_metrics.integrations.verl.verl_to_batch"),
+        ("TRL", (trl.TRL_TRAINER_LOGPROBS, trl.TRL_ROLLOUT_LOGPROBS, trl.TRL_COMPLETION_MASK),
+         "opbc_metrics.integrations.trl.trl_to_batch"),
+    )
+    present = set(keys)
+    for name, fields, adapter in frameworks:
+        found = [f for f in fields if f in present]
+        if found:
+            return (f"these look like {name}'s batch fields ({', '.join(found)}): convert each batch with "
+                    f"`{adapter}` and write its fields in this schema (see --help)")
+    return None
 
 
 def parse_sample(obj: Any) -> Sample:
@@ -333,6 +405,11 @@ def parse_sample(obj: Any) -> Sample:
     """
     if not isinstance(obj, dict):
         raise SampleError(f"expected a JSON object, got {'array' if isinstance(obj, list) else _type_name(obj)}")
+    if "trainer_logprobs" not in obj or "rollout_logprobs" not in obj:
+        hint = framework_hint(obj)
+        if hint is not None:
+            missing = "`trainer_logprobs`" if "trainer_logprobs" not in obj else "`rollout_logprobs`"
+            raise SampleError(f"{missing} is required but missing; {hint}")
     trainer = _logprob_list(obj, "trainer_logprobs")
     rollout = _logprob_list(obj, "rollout_logprobs")
     if len(rollout) != len(trainer):
@@ -346,6 +423,7 @@ def parse_sample(obj: Any) -> Sample:
         group=_group_label(obj),
         experts=_experts(obj, len(trainer)),
         scalars=_scalars(obj),
+        step=_step(obj),
     )
 
 
@@ -391,84 +469,186 @@ def collate(samples: list[Sample], groups: GroupIndex, first_index: int) -> tupl
     return fields, labels
 
 
-def _decode(raw: bytes) -> Any:
-    text = raw.decode("utf-8")
-    return json.loads(text)
+class _Counted(io.RawIOBase):
+    """A read-only binary stream that counts the bytes read from the one it wraps (progress of gzip input)."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw, self.count = raw, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.raw.read(len(buffer))
+        buffer[: len(data)] = data
+        self.count += len(data)
+        return len(data)
+
+
+@contextlib.contextmanager
+def open_text_dump(path: str) -> Iterator[tuple[BinaryIO, Callable[[], int]]]:
+    """The decompressed bytes of a text dump (a file or standard input, gzip recognised by its magic bytes),
+    and a function giving the bytes of the source consumed so far (for a progress bar)."""
+    with contextlib.ExitStack() as stack:
+        if is_stdin(path):
+            source: BinaryIO = sys.stdin.buffer
+        else:
+            source = stack.enter_context(open(path, "rb"))
+        counted = _Counted(source)
+        buffered = io.BufferedReader(counted, buffer_size=1 << 16)
+        if buffered.peek(2)[:2] == b"\x1f\x8b":
+            stream: BinaryIO = stack.enter_context(gzip.GzipFile(fileobj=buffered, mode="rb"))
+        else:
+            stream = buffered
+        yield stream, lambda: counted.count
+
+
+def _json_records(stream: BinaryIO) -> Iterator[tuple[int, bool, bytes]]:
+    """``(line number, ends with a newline, stripped bytes)`` of each non-blank line."""
+    for lineno, raw in enumerate(stream, 1):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        stripped = raw.strip()
+        if stripped:
+            yield lineno, raw.endswith(b"\n"), stripped
+
+
+def _decode_line(source: str, lineno: int, complete: bool, raw: bytes) -> Any:
+    """The decoded JSON value of one line, or the :class:`InputIssue` saying why it cannot be decoded."""
+    where = f"line {lineno}"
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return InputIssue(source, where, f"not valid UTF-8 (byte {e.start})", lineno)
+    except json.JSONDecodeError as e:
+        detail = f"{e.msg}, column {e.colno}"
+        if not complete:
+            msg = f"truncated record at end of file (the last line is cut: {detail})"
+            return InputIssue(source, where, msg, lineno)
+        return InputIssue(source, where, f"invalid JSON ({detail})", lineno)
+    except RecursionError:
+        return InputIssue(source, where, "invalid JSON (nested too deeply)", lineno)
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _array_items(source: str, text: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, value or InputIssue)`` of each element of a JSON array, in order.
+
+    Elements are decoded one at a time (so a bad element is reported with its line and the others are
+    kept); a syntax error outside an element ends the array with an issue.
+    """
+    decoder = json.JSONDecoder()
+    pos = _WHITESPACE.match(text, 1).end()  # after "["
+    line, counted_to = 1, 0
+
+    def line_of(p: int) -> int:
+        nonlocal line, counted_to
+        line += text.count("\n", counted_to, p)
+        counted_to = p
+        return line
+
+    if text.startswith("]", pos):
+        return
+    while True:
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            where = line_of(e.pos)
+            if not text.rstrip().endswith("]"):  # the array never closes: the file was cut
+                msg = f"truncated JSON array (the file ends inside it: {e.msg})"
+            else:
+                msg = f"invalid JSON ({e.msg}, column {e.colno})"
+            yield where, InputIssue(source, f"line {where}", msg, where)
+            return
+        except RecursionError:
+            where = line_of(pos)
+            yield where, InputIssue(source, f"line {where}", "invalid JSON (nested too deeply)", where)
+            return
+        yield line_of(pos), value
+        pos = _WHITESPACE.match(text, end).end()
+        if text.startswith("]", pos):
+            rest = _WHITESPACE.match(text, pos + 1).end()
+            if rest != len(text):
+                where = line_of(rest)
+                yield where, InputIssue(source, f"line {where}", "extra data after the JSON array", where)
+            return
+        if not text.startswith(",", pos):
+            where = line_of(pos)
+            cut = pos >= len(text)
+            msg = "truncated JSON array (the file ends inside it)" if cut else "invalid JSON (expected ',' or ']')"
+            yield where, InputIssue(source, f"line {where}", msg, where)
+            return
+        pos = _WHITESPACE.match(text, pos + 1).end()
 
 
 def read_jsonl(
     path: str, batch_size: int, groups: GroupIndex | None = None, limit: int | None = None
 ) -> Iterator[Batch | InputIssue]:
-    """Stream a JSONL dump as :class:`Batch` es of about ``batch_size`` samples, and :class:`InputIssue` s.
+    """Stream a text dump (JSONL or a JSON array, plain or gzip, a file or ``-``) as :class:`Batch` es of about
+    ``batch_size`` samples, and :class:`InputIssue` s.
 
     A batch is extended past ``batch_size`` (up to ``GROUP_SLACK`` times it) rather than split a run of
     consecutive samples of one group, so that the controller sees whole groups. Consecutive samples
-    carrying different optional fields (or expert shapes) go to different batches, so a field is never
-    padded with made-up values. ``limit`` stops after that many samples.
+    carrying different optional fields (or expert shapes) or different steps go to different batches, so
+    a field is never padded with made-up values and every batch belongs to one step. ``limit`` stops
+    after that many samples.
     """
     groups = groups if groups is not None else GroupIndex()
     max_rows = GROUP_SLACK * batch_size
     pending: list[Sample] = []
-    first_line = 0
-    last_line = 0
-    taken = 0
-    consumed = 0
+    first_line = last_line = taken = 0
 
-    def flush() -> Batch:
+    def flush(consumed: int) -> Batch:
         nonlocal pending
         fields, labels = collate(pending, groups, taken - len(pending))
         where = f"line {first_line}" if first_line == last_line else f"lines {first_line}-{last_line}"
-        pending = []
-        return Batch(fields, labels, where, consumed)
+        step, pending = pending[0].step, []
+        return Batch(fields, labels, where, consumed, step)
 
-    with open(path, "rb") as f:
-        if f.read(2) == b"\x1f\x8b":
-            raise InputFormatError(f"{path}: the file is gzip-compressed; decompress it first (gunzip)")
-        f.seek(0)
-        for lineno, raw in enumerate(f, 1):
-            consumed += len(raw)
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            complete = raw.endswith(b"\n")
-            stripped = raw.strip()
-            if not stripped:
-                continue
-            try:
-                obj = _decode(stripped)
-            except UnicodeDecodeError as e:
-                yield InputIssue(path, f"line {lineno}", f"not valid UTF-8 (byte {e.start})", lineno)
-                continue
-            except json.JSONDecodeError as e:
-                detail = f"{e.msg} at column {e.colno}"
-                if not complete:
-                    msg = f"truncated record at end of file (the last line is cut: {detail})"
-                else:
-                    msg = f"invalid JSON ({detail})"
-                yield InputIssue(path, f"line {lineno}", msg, lineno)
-                continue
-            except RecursionError:
-                yield InputIssue(path, f"line {lineno}", "invalid JSON (nested too deeply)", lineno)
-                continue
-            try:
-                sample = parse_sample(obj)
-            except SampleError as e:
-                yield InputIssue(path, f"line {lineno}", str(e), lineno)
-                continue
-            if pending and (
-                sample.signature != pending[0].signature
-                or len(pending) >= max_rows
-                or (len(pending) >= batch_size and (sample.group is None or sample.group != pending[-1].group))
-            ):
-                yield flush()
-            if not pending:
-                first_line = lineno
-            pending.append(sample)
-            last_line = lineno
-            taken += 1
-            if limit is not None and taken >= limit:
-                break
-    if pending:
-        yield flush()
+    try:
+        with open_text_dump(path) as (stream, consumed):
+            records: Iterator[tuple[int, Any]]
+            first = stream.peek(64).lstrip()[:1] if hasattr(stream, "peek") else b""
+            if first == b"[":
+                try:
+                    text = stream.read().decode("utf-8-sig")
+                except UnicodeDecodeError as e:
+                    yield InputIssue(path, "file", f"not valid UTF-8 (byte {e.start})")
+                    return
+                records = _array_items(path, text.lstrip())
+            else:
+                records = ((n, _decode_line(path, n, complete, raw)) for n, complete, raw in _json_records(stream))
+            for lineno, obj in records:
+                if isinstance(obj, InputIssue):
+                    yield obj
+                    continue
+                try:
+                    sample = parse_sample(obj)
+                except SampleError as e:
+                    yield InputIssue(path, f"line {lineno}", str(e), lineno)
+                    continue
+                if pending and (
+                    sample.signature != pending[0].signature
+                    or sample.step != pending[0].step
+                    or len(pending) >= max_rows
+                    or (len(pending) >= batch_size and (sample.group is None or sample.group != pending[-1].group))
+                ):
+                    yield flush(consumed())
+                if not pending:
+                    first_line = lineno
+                pending.append(sample)
+                last_line = lineno
+                taken += 1
+                if limit is not None and taken >= limit:
+                    break
+            if pending:
+                yield flush(consumed())
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        if pending:
+            yield flush(0)
+        yield InputIssue(path, f"after line {last_line}", f"corrupt or cut gzip stream ({e})", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,6 +698,9 @@ def _check_pt_record(record: Any) -> tuple[dict[str, Any], int]:
     out = {k: v for k, v in record.items() if isinstance(k, str) and v is not None}
     for key in ("trainer_logprobs", "rollout_logprobs"):
         if key not in out:
+            hint = framework_hint(out)
+            if hint is not None:
+                raise SampleError(f"`{key}` is required but missing; {hint}")
             raise SampleError(f"`{key}` is required but missing (present: {', '.join(sorted(out)) or 'none'})")
     for key in (*TOKEN_PT_FIELDS, *EXPERT_FIELDS):
         if key in out and not isinstance(out[key], Tensor):
@@ -569,6 +752,12 @@ def read_pt(
         except SampleError as e:
             yield InputIssue(path, name, str(e))
             continue
+        step = fields.pop("step", r if multi else None)
+        if isinstance(step, Tensor) and step.numel() == 1 and not step.is_floating_point():
+            step = int(step)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            yield InputIssue(path, name, f"`step` must be a non-negative int, got {step!r}")
+            continue
         gids = fields.get("group_ids")
         if gids is None:
             all_labels = [f"#{taken + i}" for i in range(rows)]
@@ -590,7 +779,7 @@ def read_pt(
             where = f"{name} rows {start}-{stop - 1}" if multi else f"rows {start}-{stop - 1}"
             taken += stop - start
             start = stop
-            yield Batch(sliced, labels, where, taken)
+            yield Batch(sliced, labels, where, taken, step)
             if limit is not None and taken >= limit:
                 return
 
@@ -598,7 +787,8 @@ def read_pt(
 def read_batches(
     path: str, batch_size: int = 64, groups: GroupIndex | None = None, limit: int | None = None
 ) -> Iterator[Batch | InputIssue]:
-    """Batches and issues from a JSONL or ``.pt`` dump, chosen by extension.
+    """Batches and issues from a text (JSONL, JSON array; ``-`` for standard input) or ``.pt`` dump, chosen by
+    extension.
 
     Raises :class:`InputFormatError` for an unknown extension or a missing file at once, and while
     iterating for a ``.pt`` file that is unreadable or needs pickle (``OSError`` for an unreadable
@@ -607,9 +797,9 @@ def read_batches(
     fmt = detect_format(path)
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
-    if not os.path.exists(path):
+    if not is_stdin(path) and not os.path.exists(path):
         raise InputFormatError(f"{path}: no such file")
     if os.path.isdir(path):
         raise InputFormatError(f"{path}: is a directory, expected a file")
-    reader: Callable[..., Iterator[Batch | InputIssue]] = read_jsonl if fmt == "jsonl" else read_pt
+    reader: Callable[..., Iterator[Batch | InputIssue]] = read_pt if fmt == "pt" else read_jsonl
     return reader(path, batch_size, groups, limit)

@@ -288,24 +288,14 @@ def test_html_report_has_its_charts(jsonl_run):
     parser = parse_report(html)
     assert_self_contained(parser)
     svgs = parser.svgs
-    for chart in ("chart-token-log-ratio", "chart-sequence-log-ratio"):
+    for chart in ("chart-token-log-ratio", "chart-sequence-log-ratio", "chart-per-layer-moe-router-flip_rate",
+                  "chart-step-opbc-is-ess", "chart-step-moe-router-flip_rate"):
         assert chart in svgs and svgs[chart]["title"], chart
-        assert len(svgs[chart]["rects"]) == len(symlog_edges()) + 1  # one bar per bin
-    layer = [c for c in svgs if c.startswith("chart-per-layer-")]
-    rounds = [c for c in svgs if c.startswith("chart-per-round-")]
-    assert "chart-per-layer-moe-router-flip_rate" in layer
-    assert rounds and all(svgs[c]["title"] for c in layer + rounds)
-    # the per-layer bars are the layers seen, with the JSON values in their tooltips
-    bars = svgs["chart-per-layer-moe-router-flip_rate"]["rect_titles"]
-    assert len(bars) == 3
-    for i, text in enumerate(bars):
-        assert text.startswith(f"layer {i}: ")
-        value = result["metrics"][f"moe/router/layer_{i}/flip_rate"]
-        assert math.isclose(float(text.split(": ")[1]), value, rel_tol=1e-3)
+    # the fixture has no step field: one point per batch, and the page says so
+    assert svgs["chart-step-opbc-is-ess"]["title"] == "ESS (token) over batches"
+    assert "each point is one batch" in "".join(parser.text)
     if result["controller"]["available"]:
-        bars = svgs["chart-decision-mix"]["rect_titles"]
-        assert [t.split(": ")[0] for t in bars] == list(result["controller"]["decision_mix"])
-        assert [int(t.split(": ")[1]) for t in bars] == list(result["controller"]["decision_mix"].values())
+        assert "chart-decision-mix" in svgs and "chart-decision-steps" in svgs
         assert "groups-table" in html
     else:
         assert "chart-decision-mix" not in svgs
@@ -451,13 +441,15 @@ def test_controller_policy_options(tmp_path):
     assert result["controller"]["policy"]["weight_cap"] == 2.0 and result["settings"]["preset"] == "truncated_is"
 
 
-def test_progress_bar_with_tqdm_and_without(tmp_path, monkeypatch):
+def test_progress_bar_is_tqdm_on_request_and_off_without_a_terminal(tmp_path):
     jsonl = str(FIXTURES / "rollouts.jsonl")
+    size = os.path.getsize(jsonl)
     status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "a"), "--progress", "--no-html")
-    assert status == 0 and "analyze" in err
-    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
-    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "b"), "--progress", "--no-html")
-    assert status == 0 and "\ranalyze: " in err and "(100%)" in err
+    assert status == 0
+    # tqdm's bar (it throttles its redraws, so the last state drawn varies): the file name, a percentage,
+    # and the file size as the total in bytes, scaled by tqdm
+    assert err.startswith("\rrollouts.jsonl:") and "%|" in err and f"/{size / 1000:.1f}k [" in err, err
+    assert "B/s]" in err
     status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "c"), "--no-html")  # not a terminal
     assert status == 0 and err == ""
 
@@ -467,8 +459,10 @@ def test_progress_bar_with_tqdm_and_without(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 def test_hostile_jsonl_skip_reports_every_line(tmp_path):
     proc = run_cli("analyze", str(FIXTURES / "hostile.jsonl"), "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
+    # 9 of 13 samples are bad, over --max-bad-fraction 0.1: exit status 1, after writing what it has
+    assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+    assert "9 of 13 samples (69.2%) were bad and skipped, more than --max-bad-fraction 0.1" in proc.stderr
     reported = [line for line in proc.stderr.splitlines() if line.startswith("skipped: hostile.jsonl line ")]
     assert len(reported) == len(GEN.HOSTILE_ISSUES)
     for (line, fragment), text in zip(GEN.HOSTILE_ISSUES.items(), reported):
@@ -486,8 +480,11 @@ def test_hostile_jsonl_skip_reports_every_line(tmp_path):
     assert "moe/router/flip_rate" in result["not_computed"]  # no expert ids in the file
     for key, expected in ref.items():
         assert_close(result["metrics"][key], expected, key)
+    assert result["input"]["bad_samples"] == 9 and math.isclose(result["input"]["bad_fraction"], 9 / 13)
     parser = parse_report((tmp_path / "report.html").read_text())
     assert "line 14" in "".join(parser.text)
+    proc = run_cli("analyze", str(FIXTURES / "hostile.jsonl"), "--out", str(tmp_path / "b"), "--max-bad-fraction", "1")
+    assert proc.returncode == 0 and "max-bad-fraction" not in proc.stderr, proc.stderr
 
 
 def test_hostile_jsonl_fail_stops_at_the_first_bad_line(tmp_path):
@@ -527,9 +524,14 @@ HOSTILE_FILES = {
     "latin1.jsonl": (lambda p: p.write_bytes(b'{"trainer_logprobs": [-1.0], "x": "\xe9"}\n'), 1,
                      "line 1: not valid UTF-8"),
     "deep.jsonl": (lambda p: p.write_text("[" * 100000 + "]" * 100000 + "\n"), 1, "line 1: invalid JSON"),
-    "gz.jsonl": (lambda p: p.write_bytes(gzip.compress(b'{"trainer_logprobs": [-1.0]}\n')), 1, "gzip"),
+    "gz.jsonl": (lambda p: p.write_bytes(gzip.compress(b'{"trainer_logprobs": [-1.0]}\n')), 1,
+                 "`rollout_logprobs` is required but missing"),
+    "cut.jsonl.gz": (lambda p: p.write_bytes(gzip.compress(b'{"trainer_logprobs": [-1.0]}\n')[:-9]), 1,
+                     "corrupt or cut gzip stream"),
+    "empty.json": (lambda p: p.write_text("[]"), 1, "empty file, no samples"),
     "rollouts.csv": (lambda p: p.write_text("a,b\n"), 2, "unknown file extension .csv"),
     "noext": (lambda p: p.write_text("{}\n"), 2, "unknown file extension (none)"),
+    "gz.gz": (lambda p: p.write_text("{}\n"), 2, "unknown file extension .gz"),
     "truncated.pt": (lambda p: p.write_bytes((FIXTURES / "rollouts.pt").read_bytes()[:5000]), 1,
                      "not a readable torch file"),
     "text.pt": (lambda p: p.write_text("hello, I am not a tensor file"), 1, "not a readable torch file"),
@@ -571,7 +573,8 @@ def test_missing_file_and_directory(tmp_path):
 def test_pt_list_of_records_skips_a_bad_record(tmp_path):
     good = _good()
     path = _pt(tmp_path, "steps.pt", [good, {"trainer_logprobs": "x", "rollout_logprobs": torch.zeros(1, 2)}, good])
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html")
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html",
+                              "--max-bad-fraction", "1")
     assert status == 0, err
     assert "steps.pt record 1: `trainer_logprobs` must be a tensor" in err
     result = json.loads((tmp_path / "o" / "result.json").read_text())
@@ -583,7 +586,8 @@ def test_failed_batch_rolls_back_every_member(tmp_path):
     good = _good()
     bad = {**good, "rollout_experts": good["rollout_experts"].float()}
     path = _pt(tmp_path, "mixed.pt", [good, bad])
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html")
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html",
+                              "--max-bad-fraction", "1")
     assert status == 0, err
     assert "mixed.pt record 1 rows 0-2: " in err and "rollout_experts" in err
     result = json.loads((tmp_path / "o" / "result.json").read_text())
@@ -599,18 +603,15 @@ def test_report_escapes_input_text():
         "input": {"path": evil + ".jsonl", "format": "jsonl", "samples": 1, "issues_total": 1,
                   "issues": [{"where": "line 1", "line": 1, "message": evil}]},
         "settings": {"clamp": 20.0, "veto": 30.0},
-        "metrics": {"opbc/is/ess": 0.5, "per_round/round_0_abs_diff_mean": 0.1},
+        "metrics": {"opbc/is/ess": 0.5, "per_round/round_0_abs_diff_mean": 0.1, "per_round/round_1_abs_diff_mean": 0.2},
         "controller": {"available": True, "decision_mix": {"train": 3, "reject": 1},
-                       "groups": [{"group": evil, "decision": "reject", "reasons": ["non_finite"]}]},
+                       "groups": [{"group": evil, "decision": "reject", "reasons": [evil]}]},
     }
     html = render_html(result)
     assert "<script" not in html and "&lt;script&gt;" in html
     parser = parse_report(html)
     assert_self_contained(parser)
-    mix = parser.svgs["chart-decision-mix"]
-    assert [t.split(":")[0] for t in mix["rect_titles"]] == [
-        "train", "train_with_correction", "replay", "quarantine", "reject"]
-    assert "chart-per-round-per_round-abs_diff_mean" in parser.svgs
+    assert "chart-decision-mix" in parser.svgs and "chart-per-round-per_round-abs_diff_mean" in parser.svgs
 
 
 def test_summary_lines_with_decisions():
@@ -658,3 +659,219 @@ def test_help_documents_the_schema():
     for word in ("trainer_logprobs", "rollout_logprobs", "response_mask", "group_id", "rollout_experts",
                  "policy_lag", "weights_only=True", "--on-error", "--batch-size"):
         assert word in text, word
+
+
+# ---------------------------------------------------------------------------------------------
+# Invalid values, the share of bad lines, other text formats, framework hints
+# ---------------------------------------------------------------------------------------------
+def _fixture_lines() -> list[str]:
+    return [x for x in (FIXTURES / "rollouts.jsonl").read_text().splitlines() if x.strip()]
+
+
+@pytest.mark.parametrize("bad", ['"reward": NaN', '"reward": Infinity', '"advantage": -Infinity'])
+def test_non_finite_scalar_is_reported_with_its_line_and_skipped(tmp_path, bad):
+    lines = _fixture_lines()
+    lines[29] = lines[29][:-1] + ", " + bad + "}"  # line 30
+    path = tmp_path / "nan.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "out"), "--no-html")
+    field = bad.split('"')[1]
+    assert status == 0, err  # 1 bad line of 48: under --max-bad-fraction
+    assert f"skipped: nan.jsonl line 30: `{field}` must be a finite number" in err
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert [(i["line"], i["message"].split(" must")[0]) for i in result["input"]["issues"]] == [(30, f"`{field}`")]
+    assert result["input"]["samples"] == 47 and result["input"]["bad_samples"] == 1
+    # the other 47 samples, read independently, give the same metrics
+    kept = [json.loads(x) for n, x in enumerate(lines, 1) if n != 30]
+    ref = reference_metrics(kept, result["settings"]["sections"])
+    for key, expected in ref.items():
+        assert_close(result["metrics"][key], expected, key)
+
+
+def test_max_bad_fraction_exits_1_after_writing_everything(tmp_path):
+    lines = _fixture_lines()[:20]
+    for n in (2, 5, 9):  # 3 of 20 samples bad: 15%
+        lines[n] = lines[n][:-1] + ', "reward": NaN}'
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    status, out, err = run_main("analyze", str(path), "--out", str(tmp_path / "a"))
+    assert status == 1
+    assert "3 of 20 samples (15.0%) were bad and skipped, more than --max-bad-fraction 0.1" in err
+    assert (tmp_path / "a" / "result.json").exists() and (tmp_path / "a" / "report.html").exists()
+    assert "wrote" in out
+    assert json.loads((tmp_path / "a" / "result.json").read_text())["input"]["samples"] == 17
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "b"), "--max-bad-fraction", "0.15")
+    assert status == 0, err
+    proc = run_cli("analyze", str(path), "--out", str(tmp_path / "c"), "--max-bad-fraction", "1.5")
+    assert proc.returncode == 2 and "expected a fraction in [0, 1]" in proc.stderr
+
+
+def _result_without_path(path: Path) -> dict:
+    result = json.loads(path.read_text())
+    result["input"].pop("path")
+    result["input"].pop("format")
+    return result
+
+
+def test_gzip_json_array_and_stdin_read_like_the_jsonl(tmp_path, jsonl_run):
+    _, reference, _ = jsonl_run
+    reference = {**reference, "input": {k: v for k, v in reference["input"].items() if k not in ("path", "format")}}
+    text = (FIXTURES / "rollouts.jsonl").read_text()
+    samples = [json.loads(x) for x in text.splitlines() if x.strip()]
+    (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "r.json").write_text("[\n" + ",\n".join(json.dumps(s) for s in samples) + "\n]\n")
+    (tmp_path / "r.json.gz").write_bytes(gzip.compress((tmp_path / "r.json").read_bytes()))
+    for name in ("r.jsonl.gz", "r.json", "r.json.gz"):
+        proc = run_cli("analyze", str(tmp_path / name), "--out", str(tmp_path / name.replace(".", "_")),
+                       "--batch-size", "16", "--no-html")
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert _result_without_path(tmp_path / name.replace(".", "_") / "result.json") == reference, name
+    for stdin_name, data in (("-", text.encode()), ("/dev/stdin", gzip.compress(text.encode()))):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        out = tmp_path / f"stdin{len(data)}"
+        proc = subprocess.run([sys.executable, "-m", "opbc_metrics.cli", "analyze", stdin_name, "--out", str(out),
+                               "--batch-size", "16", "--no-html"], input=data, capture_output=True, timeout=120,
+                              cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert _result_without_path(out / "result.json") == reference, stdin_name
+
+
+def test_json_array_reports_bad_elements_by_line(tmp_path):
+    good = json.dumps({"trainer_logprobs": [-1.0, -0.5], "rollout_logprobs": [-1.1, -0.5]})
+    path = tmp_path / "a.json"
+    bad = '{"trainer_logprobs": [-1.0], "rollout_logprobs": "x"}'
+    path.write_text("[\n" + good + ",\n" + good + ",\n" + bad + ",\n" + good + "\n]\n")
+    options = ("--no-html", "--max-bad-fraction", "1")
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), *options)
+    assert status == 0, err
+    assert "skipped: a.json line 4: `rollout_logprobs` must be a list of numbers, got str" in err
+    assert json.loads((tmp_path / "o" / "result.json").read_text())["input"]["samples"] == 3
+    path.write_text("[\n" + good + ",\n" + good + ",\n" + good[:-5] + "\n")  # cut in the third element
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "p"), *options)
+    assert status == 0 and "a.json line 4: truncated JSON array" in err, err
+
+
+def test_json_error_message_has_no_doubled_word(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"trainer_logprobs": [-1.0], "rollout_logprobs": [-1.0], "x": "unterminated}\n')
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"))
+    assert status == 1
+    assert "line 1: invalid JSON (Unterminated string starting at, column 63)" in err, err
+    assert "at at" not in err
+
+
+@pytest.mark.parametrize(
+    ("fields", "adapter"),
+    [({"old_log_probs": [-1.0], "rollout_log_probs": [-1.1], "uid": "a"},
+      "opbc_metrics.integrations.verl.verl_to_batch"),
+     ({"old_per_token_logps": [-1.0], "sampling_per_token_logps": [-1.1], "completion_mask": [1]},
+      "opbc_metrics.integrations.trl.trl_to_batch")],
+)
+def test_framework_field_names_get_a_hint_naming_the_adapter(tmp_path, fields, adapter):
+    path = tmp_path / "f.jsonl"
+    path.write_text((json.dumps(fields) + "\n") * 3)
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"))
+    assert status == 1 and "no valid sample" in err
+    hint = [line for line in err.splitlines() if line.startswith("skipped: f.jsonl line 1:")]
+    assert hint and "`trainer_logprobs` is required but missing" in hint[0] and f"`{adapter}`" in hint[0], err
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps and several files
+# ---------------------------------------------------------------------------------------------
+def _with_steps(samples: list[dict], per_step: int) -> list[dict]:
+    return [{**s, "step": 10 + i // per_step} for i, s in enumerate(samples)]
+
+
+def test_step_series_equal_a_collection_per_step(tmp_path):
+    samples = _with_steps(_reference_samples(FIXTURES / "rollouts.jsonl"), 12)  # 4 steps of 3 groups
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html")
+    assert status == 0, err
+    result = json.loads((tmp_path / "o" / "result.json").read_text())
+    steps = result["steps"]
+    assert steps["axis"] == "step" and [p["x"] for p in steps["points"]] == [10, 11, 12, 13]
+    from opbc_metrics.report import STEP_KEYS
+
+    for point in steps["points"]:
+        part = [s for s in samples if s["step"] == point["x"]]
+        ref = reference_metrics(part)
+        assert point["samples"] == len(part) == 12
+        expected = {k: v for k, v in ref.items() if k in STEP_KEYS}
+        if not any("rollout_experts" in s for s in part):  # a step without expert ids measured no flip rate
+            expected.pop("moe/router/flip_rate")
+        assert set(point["metrics"]) == set(expected), point["x"]
+        for key, value in expected.items():
+            assert_close(point["metrics"][key], value, key)
+    if result["controller"]["available"]:
+        per_step = [p["decisions"] for p in steps["points"]]
+        assert [sum(m.values()) for m in per_step] == [3, 3, 3, 3]
+        total = {d: sum(m[d] for m in per_step) for d in result["controller"]["decision_mix"]}
+        assert total == result["controller"]["decision_mix"]
+        assert {g["group"]: g["step"] for g in result["controller"]["groups"]} == {
+            str(s["group_id"]): s["step"] for s in samples}
+
+
+def test_several_files_make_one_comparison_report(tmp_path):
+    samples = _with_steps(_reference_samples(FIXTURES / "rollouts.jsonl"), 12)
+    (tmp_path / "bf16.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples[:24]))
+    text = "".join(json.dumps(s) + "\n" for s in samples[24:])
+    (tmp_path / "async.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    status, out, err = run_main("analyze", str(tmp_path / "bf16.jsonl"), str(tmp_path / "async.jsonl.gz"),
+                                "--out", str(tmp_path / "o"))
+    assert status == 0, err
+    a = json.loads((tmp_path / "o" / "result-bf16.json").read_text())
+    b = json.loads((tmp_path / "o" / "result-async.json").read_text())
+    assert a["input"]["samples"] == b["input"]["samples"] == 24
+    for key, value in reference_metrics(samples[24:], b["settings"]["sections"]).items():
+        assert_close(b["metrics"][key], value, key)
+    assert "wrote " + str(tmp_path / "o" / "report.html") in out
+    parser = parse_report((tmp_path / "o" / "report.html").read_text())
+    assert_self_contained(parser)
+    ids = {a.get("id") for t, a in parser.tags if t == "g"}
+    for stream in ("bf16", "async"):  # one line per stream, overlaid in the same charts
+        assert f"chart-step-opbc-is-ess-series-{stream}" in ids and f"chart-token-log-ratio-hist-{stream}" in ids
+    assert not (tmp_path / "o" / "result.json").exists()
+    status, _, err = run_main("analyze", "-", "/dev/stdin", "--out", str(tmp_path / "p"))
+    assert status == 2 and "standard input can be read only once" in err
+
+
+def test_pt_with_verl_field_names_gets_the_hint(tmp_path):
+    path = _pt(tmp_path, "verl.pt", {"old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3)})
+    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"))
+    assert status == 1 and "`opbc_metrics.integrations.verl.verl_to_batch`" in err, err
+
+
+def test_report_without_matplotlib_says_how_to_get_the_charts(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    status, _, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path))
+    assert status == 0 and 'pip install ".[report]"' in err
+    parser = parse_report((tmp_path / "report.html").read_text())
+    assert not parser.svgs and 'pip install ".[report]"' in "".join(parser.text)
+    assert "groups-table" in (tmp_path / "report.html").read_text()
+
+
+def test_report_shows_a_missing_key_as_not_measured(jsonl_run):
+    """A key a stream did not measure is "—" on its card and has no line in the step chart, never 0 or 1."""
+    _, result, _ = jsonl_run
+    dense = json.loads(json.dumps(result))
+    dense["metrics"].pop("moe/router/flip_rate")
+    for point in dense["steps"]["points"]:
+        point["metrics"].pop("moe/router/flip_rate", None)
+    from opbc_metrics.report import render_report
+
+    html = render_report({"moe": result, "dense": dense})
+    card = html.split('id="card-moe-router-flip_rate"', 1)[1].split('<div class="card"', 1)[0]
+    assert 'data-stream="dense">—</span>' in card
+    assert f'data-stream="moe">{fmt_value(result["metrics"]["moe/router/flip_rate"])}</span>' in card
+    chart = html.split('<svg id="chart-step-moe-router-flip_rate"', 1)[1].split("</svg>", 1)[0]
+    assert 'id="chart-step-moe-router-flip_rate-series-moe"' in chart
+    assert "series-dense" not in chart
+    assert 'id="chart-step-opbc-is-ess-series-dense"' in html
+
+
+def fmt_value(value) -> str:
+    from opbc_metrics.report import fmt
+
+    return fmt(value)

@@ -65,15 +65,23 @@ def test_demo_end_to_end_subprocess(tmp_path: Path):
                   "clipped fraction", "veto fraction"):
         assert label in out, label
     assert "== OPBC decisions" in out and "reward: first" in out
+    assert f"summary of these figures (quoted in README.md): {tmp_path / 'demo_summary.md'}" in out
+    assert (tmp_path / "demo_summary.md").read_text().startswith(f"{STEPS} steps x 8 groups x 8 samples")
+    # one report compares the three streams: a line per stream in the step charts, every stream's decisions
+    html = (tmp_path / "report.html").read_text()
+    assert f"HTML report comparing the streams: {tmp_path / 'report.html'}" in out
+    for chart in ("chart-per-layer-moe-router-flip_rate", "chart-decision-mix", "chart-decision-steps",
+                  "chart-step-opbc-is-ess", "chart-token-log-ratio"):
+        assert f'<svg id="{chart}"' in html, chart
     for stream in ("bf16", "fp8", "async"):
+        assert f'id="chart-step-opbc-is-ess-series-{stream}"' in html
         # the offline re-analysis (the CLI's API on the JSONL dump) decides every group as the loop did
-        line = next(x for x in out.splitlines() if x.strip().startswith(f"from {tmp_path / f'rollouts-{stream}'}"))
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"{stream}: from {tmp_path / 'rollouts-'}"))
         assert "(same as online)" in line, line
-        html = (tmp_path / f"report-{stream}" / "report.html").read_text()
-        assert '<svg id="chart-per-layer-moe-router-flip_rate"' in html and '<svg id="chart-decision-mix"' in html
-        result = json.loads((tmp_path / f"report-{stream}" / "result.json").read_text())
+        result = json.loads((tmp_path / f"result-{stream}.json").read_text())
         assert result["input"]["layers_seen"] == 4
         assert 0.0 < result["metrics"]["opbc/is/ess"] <= 1.0
+        assert result["steps"]["axis"] == "step" and [p["x"] for p in result["steps"]["points"]] == list(range(STEPS))
         records = [json.loads(x) for x in (tmp_path / f"rollouts-{stream}.jsonl").read_text().splitlines()]
         assert records and all(len(r["trainer_logprobs"]) == len(r["rollout_logprobs"]) == 12 for r in records)
         experts = torch.tensor(records[0]["rollout_experts"])
@@ -112,6 +120,22 @@ def test_demo_without_fp8_is_reproducible_and_measures_real_mismatch(
     assert 0.0 <= bf16["moe/router/flip_rate"] < 0.1
     assert bf16["moe/router/topk_disagreement_rate"] > 0.0
     assert sum(first["decisions"]["bf16"].values()) >= 2 * 6  # 6 fresh bf16 groups per step (+ any replayed)
+
+
+def test_readme_quotes_the_demo_summary_of_the_default_run(demo: ModuleType, tmp_path: Path):
+    """The figures in README.md are the ones `make demo` writes to runs/demo/demo_summary.md today (seeded)."""
+    threads = torch.get_num_threads()
+    try:
+        demo.main(out_dir=tmp_path, use_wandb=False, report=False, verbose=False)
+    finally:
+        torch.set_num_threads(threads)
+    summary = (tmp_path / "demo_summary.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    quoted = readme.split("<!-- demo-summary -->\n", 1)[1].split("<!-- /demo-summary -->", 1)[0]
+    assert quoted == summary, (
+        "README.md's demo figures drifted from the demo: run `make demo` and paste runs/demo/demo_summary.md "
+        "between the <!-- demo-summary --> markers\n" + summary
+    )
 
 
 def test_available_precisions(demo: ModuleType, monkeypatch: pytest.MonkeyPatch):

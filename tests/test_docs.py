@@ -5,8 +5,11 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
 import opbc_metrics
 import opbc_metrics.integrations
@@ -64,3 +67,42 @@ def test_glossary_renders_every_key_and_resolves_aliases():
     assert glossary.lookup("opbc/kl/k3").name == "kl"
     with pytest.raises(KeyError):
         glossary.lookup("no such metric")
+
+
+# ------------------------------------------------------------------------------------------------
+# README: the commands it gives are true
+# ------------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_install_extras_and_make_targets_exist():
+    table = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"^([A-Za-z0-9_-]+) = \[", table, re.M))
+    for line in README.splitlines():
+        for group in re.findall(r"\[([a-z,]+)\]", line) if "pip install" in line else []:
+            assert set(group.split(",")) <= extras, line
+    assert {"lightning", "wandb", "report", "dev"} <= extras
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("demo", "test"):
+        assert f"make {target}" in README and re.search(rf"^{target}:", makefile, re.M), target
+    for placeholder in ("lightning-example", "wandb-example", "trl-example", "verl-example"):
+        assert f"<!-- {placeholder} -->" in README, placeholder
+
+
+def test_readme_use_snippet_runs():
+    block = README.split("## Use", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    t = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
+    scope = {"loader": [{"trainer_logprobs": t, "rollout_logprobs": t - 0.1}]}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["values"]["opbc/is/ess"].item() == pytest.approx(1.0)
+
+
+def test_readme_cli_commands_parse():
+    from opbc_metrics.cli import build_parser
+
+    block = README.split("## Offline analysis", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    for line in block.splitlines():
+        command = line.split("#", 1)[0].split("|")[-1].split()
+        assert command[0] == "opbc-metrics", line
+        build_parser().parse_args(command[1:])  # SystemExit on an unknown option or command
