@@ -2,11 +2,15 @@
 
 ``OPBCCollection.compute()`` returns every key of the design (a contract). A dashboard needs less:
 
-* **Aliases** (:data:`ALIASES`): keys that equal another key, or its negation, by definition. The
-  loggers drop an alias on every step where it equals its canonical key, so a chart never shows the
-  same line twice and nothing is lost (``opbc/kl/k1`` reaches the dashboard only in windows where the
+* **Aliases** (:data:`ALIASES`): keys that equal another key, or its negation, by definition or under a
+  condition that usually holds. The loggers leave an alias out while it equals its canonical key on
+  every step so far, and write it on every step from the first one where it differs, so a chart never
+  shows the same line twice and nothing is lost (``opbc/kl/k1`` reaches the dashboard only once the
   clamp made it differ from ``-opbc/logprob/diff_mean``). :func:`resolve_alias` and the glossary table
   name the key to read instead.
+* **Single-round runs** (:data:`PER_ROUND`): while no sequence has had more than one round
+  (``per_round/total_rounds`` <= 1), the per-round keys repeat the whole-sequence ones (round 0 is the
+  whole response); they are written from the first window with a multi-round sequence on.
 * **Sparse keys** (:data:`SPARSE_PATTERNS`): overflow counters that are zero in any healthy run (expert
   ids beyond the configured layers, rounds beyond the per-round capacity). They are written from their
   first nonzero value on, then on every step.
@@ -23,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALIASES", "SPARSE_PATTERNS", "Alias", "KeyFilter", "resolve_alias"]
+__all__ = ["ALIASES", "PER_ROUND", "SPARSE_PATTERNS", "Alias", "KeyFilter", "resolve_alias"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,16 @@ ALIASES: tuple[Alias, ...] = (
     Alias("opbc/ppl/log_ppl_diff", "opbc/sequence/geo_log_ratio_mean", -1.0),
     # k1 = mean(-clamp(r, -C, C)): the clamp changes it only when some |r| > C.
     Alias("opbc/kl/k1", "opbc/logprob/diff_mean", -1.0, "opbc/is/clipped_fraction is 0"),
+    # The controller decides on the batch the collection measures (the usual pattern).
+    Alias("opbc/decision/num_tokens", "opbc/input/num_tokens", 1.0, "the decisions cover the measured batch"),
+    # total = prompt + completion per sample: with one prompt length, the spreads agree.
+    Alias("rollout/tokens_total/std", "rollout/tokens_completion/std", 1.0, "every prompt has one length"),
+    # total = max_async + zero_advantage.
+    Alias("rollout/discarded/zero_advantage", "rollout/discarded/total", 1.0, "nothing was discarded for max_async"),
 )
+
+# The per-round section and the key that says whether any sequence had more than one round.
+PER_ROUND = ("per_round/", "per_round/total_rounds")
 
 # Overflow counters: zero unless the input outgrew the configured capacity.
 SPARSE_PATTERNS: tuple[re.Pattern[str], ...] = (
@@ -103,11 +116,16 @@ class KeyFilter:
         ['moe/router/layer_overflow/flip_rate']
         >>> sorted(f({"moe/router/layer_overflow/flip_rate": 0.0}))  # seen nonzero: written from then on
         ['moe/router/layer_overflow/flip_rate']
+        >>> one_round = {"per_round/total_rounds": 1.0, "per_round/round_0_abs_diff_mean": 0.1,
+        ...              "opbc/logprob/abs_diff_mean": 0.1}
+        >>> sorted(f(one_round))  # round 0 is the whole response
+        ['opbc/logprob/abs_diff_mean']
     """
 
     def __init__(self, log_all: bool = False) -> None:
         self.log_all = log_all
-        self.sparse_seen: set[str] = set()
+        self.written: set[str] = set()  # aliases and sparse keys written once: written from then on
+        self.multi_round: set[str] = set()  # prefixes of per-round sections that saw a multi-round sequence
 
     def dropped(self, values: Mapping[str, Any]) -> set[str]:
         """The keys of ``values`` not to write on this step."""
@@ -115,18 +133,41 @@ class KeyFilter:
             return set()
         out: set[str] = set()
         for key, value in values.items():
+            if key in self.written:
+                continue
             alias = resolve_alias(key)
-            if alias is not None and alias.canonical in values:
-                mine, theirs = _float(value), _float(values[alias.canonical])
+            if alias is not None:
+                mine, theirs = _float(value), _float(values.get(alias.canonical))
                 if mine is not None and theirs is not None and _same(mine, alias.sign * theirs):
                     out.add(key)
-            elif key not in self.sparse_seen and any(p.search(key) for p in SPARSE_PATTERNS):
-                x = _float(value)
-                if x is not None and x == 0.0:
+                else:
+                    self.written.add(key)
+            elif any(p.search(key) for p in SPARSE_PATTERNS):
+                if _float(value) == 0.0:
                     out.add(key)
                 else:
-                    self.sparse_seen.add(key)
+                    self.written.add(key)
+            elif self._single_round(key, values):
+                out.add(key)
         return out
+
+    def _single_round(self, key: str, values: Mapping[str, Any]) -> bool:
+        """Whether ``key`` is a per-round key of a run whose sequences all had one round so far, with the
+        whole-sequence keys it repeats present."""
+        section, total_key = PER_ROUND
+        at = key.find(section)
+        if at < 0:
+            return False
+        head = key[:at]
+        if head in self.multi_round:
+            return False
+        total = _float(values.get(head + total_key))
+        if total is None or f"{head}opbc/logprob/abs_diff_mean" not in values:
+            return False
+        if total > 1.0:
+            self.multi_round.add(head)
+            return False
+        return True
 
     def __call__(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """``values`` without the keys not to write on this step (missing keys stay missing)."""

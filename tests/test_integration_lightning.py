@@ -17,11 +17,11 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
 
 from opbc_metrics import OPBCCollection  # noqa: E402
-from opbc_metrics.integrations.dashboard import resolve_alias  # noqa: E402
 from opbc_metrics.integrations.lightning import OPBCCallback  # noqa: E402
 from opbc_metrics.integrations.verl import verl_to_batch  # noqa: E402
 from tests.data import make_batch  # noqa: E402
 from tests.ddp import run_distributed  # noqa: E402
+from tests.wandb_run import read_back  # noqa: E402
 
 SEQ = 12
 
@@ -133,19 +133,12 @@ def loader(samples: list[dict[str, Any]], batch_size: int = 2) -> torch.utils.da
 
 
 def assert_close(got: dict[str, float], want: dict[str, float], suffix: str = "") -> None:
-    """Every value of ``want`` is in ``got``: logged, or (not written) an alias equal to its canonical key or a
-    zero overflow counter."""
+    """Every value of ``want`` is in ``got``: logged, or given by the rule that left it out (``read_back``)."""
     assert want, "nothing to compare"
+    row = {k[: len(k) - len(suffix)] if suffix else k: v for k, v in got.items() if k.endswith(suffix)}
     for key, value in want.items():
-        alias = resolve_alias(key)
-        if key + suffix in got:
-            logged = got[key + suffix]
-        elif alias is not None:
-            logged = alias.sign * got[alias.canonical + suffix]
-        else:
-            assert "overflow" in key and value == 0.0, f"{key + suffix} was not logged"
-            continue
-        assert math.isclose(logged, value, rel_tol=1e-9, abs_tol=1e-12), (key, logged, value)
+        logged, tol = read_back(row, key)
+        assert math.isclose(logged, value, rel_tol=max(tol, 1e-9), abs_tol=1e-12), (key, logged, value)
 
 
 @pytest.fixture(autouse=True)

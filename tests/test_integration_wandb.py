@@ -14,11 +14,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import Tensor
 
 wandb = pytest.importorskip("wandb")
 
 from opbc_metrics import OPBCCollection  # noqa: E402
-from opbc_metrics.integrations.dashboard import KeyFilter, resolve_alias  # noqa: E402
+from opbc_metrics.integrations.dashboard import KeyFilter  # noqa: E402
 from opbc_metrics.integrations.wandb_logger import (  # noqa: E402
     GLOSSARY_KEY,
     MAX_HISTOGRAM_BINS,
@@ -31,7 +32,7 @@ from opbc_metrics.integrations.wandb_logger import (  # noqa: E402
 from opbc_metrics.testing import assert_no_host_sync  # noqa: E402
 from tests.data import concat_batches, make_batch  # noqa: E402
 from tests.ddp import run_distributed  # noqa: E402
-from tests.wandb_run import read_offline_run  # noqa: E402
+from tests.wandb_run import read_back, read_offline_run  # noqa: E402
 
 LAYERS, TOP_K = 4, 2
 
@@ -123,14 +124,8 @@ def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
             fresh.update(b)
         want = {k: v.item() for k, v in fresh.compute().items() if v.numel() == 1}
         for key, value in want.items():
-            alias = resolve_alias(key)
-            if key not in row and "overflow" in key:
-                assert value == 0.0, key  # an overflow counter is written from its first nonzero value on
-            elif key not in row:
-                assert alias is not None, f"{key} was not logged"
-                assert math.isclose(alias.sign * row[alias.canonical], value, rel_tol=1e-12, abs_tol=1e-15), key
-            else:
-                assert math.isclose(row[key], value, rel_tol=1e-12, abs_tol=1e-15), key
+            got, tol = read_back(row, key)
+            assert math.isclose(got, value, rel_tol=tol, abs_tol=1e-15), key
         assert "opbc/log_ratio/max_abs" not in row and "opbc/ppl/log_ppl_diff" not in row
         # Distribution histograms (fixed bins, end bins open) against numpy on the window's tokens.
         tokens, seqs = np_valid_log_ratios(window)
@@ -236,24 +231,39 @@ def test_one_key_per_quantity_missing_keys_stay_missing_and_log_all(tmp_path: Pa
         if log_all:
             assert dropped == set()
         else:
-            # the three aliases, and overflow counters that are zero
+            # the three aliases, overflow counters that are zero, and the per-round keys: every sequence of
+            # these batches has one round, so they repeat the whole-sequence keys
+            assert values["per_round/total_rounds"] == 1.0
             assert dropped == {
-                "opbc/log_ratio/max_abs", "opbc/kl/k1", "opbc/ppl/log_ppl_diff",
-                "moe/router/layer_overflow/flip_rate", "per_round/overflow_abs_diff_mean",
-                "per_round/overflow_token_count",
+                "opbc/log_ratio/max_abs", "opbc/kl/k1", "opbc/ppl/log_ppl_diff", "moe/router/layer_overflow/flip_rate",
+                *(k for k in values if k.startswith("per_round/")),
             }, dropped
         assert {k for k in rows[1] if not k.startswith("_") and k != "opbc/step"} == set(partial)
 
 
-def test_an_alias_that_differs_is_written_and_overflow_from_its_first_nonzero_value():
+def test_an_alias_is_written_from_the_first_step_it_differs_and_overflow_from_its_first_nonzero_value():
     f = KeyFilter()
+    same = {"opbc/logprob/diff_mean": -0.5, "opbc/kl/k1": 0.5}
     clamped = {"opbc/logprob/diff_mean": -25.0, "opbc/kl/k1": 20.0, "opbc/is/clipped_fraction": 1.0}
-    assert f(clamped) == clamped  # the clamp made k1 differ: it is written
-    assert "opbc/kl/k1" not in f({"opbc/logprob/diff_mean": -0.5, "opbc/kl/k1": 0.5})
+    assert [("opbc/kl/k1" in f(v)) for v in (same, clamped, same)] == [False, True, True]  # no gap once written
+    assert "opbc/kl/k1" in f({"opbc/kl/k1": 0.5})  # no canonical key to read it from
     key = "per_round/overflow_token_count"
     assert [key in f({key: v}) for v in (0.0, 0.0, 3.0, 0.0)] == [False, False, True, True]
     prefixed = {"bf16/opbc/log_ratio/max_abs": 1.0, "bf16/opbc/logprob/abs_diff_max": 1.0}
-    assert list(f(prefixed)) == ["bf16/opbc/logprob/abs_diff_max"]
+    assert list(KeyFilter()(prefixed)) == ["bf16/opbc/logprob/abs_diff_max"]
+
+
+def test_per_round_keys_start_with_the_first_multi_round_window():
+    f = KeyFilter()
+    single = {"per_round/total_rounds": 1.0, "per_round/round_0_abs_diff_mean": 0.2, "opbc/logprob/abs_diff_mean": 0.2}
+    multi = {"per_round/total_rounds": 2.0, "per_round/round_1_abs_diff_mean": 0.4, "opbc/logprob/abs_diff_mean": 0.3}
+    assert [sorted(f(v)) for v in (single, multi, single)] == [
+        ["opbc/logprob/abs_diff_mean"],
+        sorted(multi),
+        sorted(single),
+    ]
+    alone = {"per_round/total_rounds": 1.0, "per_round/round_0_abs_diff_mean": 0.2}  # nothing it repeats
+    assert KeyFilter()(alone) == alone
 
 
 def test_step_metric_and_batch_distributions(tmp_path: Path):
@@ -412,9 +422,70 @@ def test_ddp_rank_zero_writes_global_values(tmp_path: Path):
     want = {k: v.item() for k, v in single.compute().items() if v.numel() == 1}
     row = next(r for r in read_offline_run(tmp_path)["history"] if "opbc/is/ess" in r)
     for key, value in want.items():
-        alias = resolve_alias(key)
-        got = row[key] if key in row else alias.sign * row[alias.canonical] if alias else 0.0  # 0: an overflow
-        assert math.isclose(got, value, rel_tol=1e-9, abs_tol=1e-12), key
+        got, tol = read_back(row, key)
+        assert math.isclose(got, value, rel_tol=max(tol, 1e-9), abs_tol=1e-12), key
     tokens, _ = np_valid_log_ratios(everything)
     np.testing.assert_allclose(row["opbc/dist/log_ratio"]["values"], np_hist(tokens, 16, 1.0))
     np.testing.assert_allclose(row["moe/dist/layer_flip_rate"]["values"], np_layer_flip_rate(everything), rtol=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------
+# The dashboard of a full run: one key per quantity
+# ------------------------------------------------------------------------------------------------
+def full_window_batch(seed: int) -> dict[str, Any]:
+    """Every field the demo's collection reads: logprobs, experts, groups, lags, rewards, lengths, stop reasons
+    and the controller's decisions; single-turn responses, one prompt length (as in the demo)."""
+    from opbc_metrics.functional.rollout import discard_reasons
+
+    b = expert_batch(seed, batch=8, seq=10)
+    g = torch.Generator().manual_seed(seed)
+    b["group_ids"] = torch.arange(8) // 4 + 10 * seed
+    b["policy_lag"] = torch.randint(0, 6, (8,), generator=g)
+    rewards = torch.rand(8, generator=g, dtype=torch.float64).round(decimals=1)
+    lengths = b["response_mask"].sum(1)
+    return {
+        **b,
+        "rewards": rewards,
+        "advantages": (rewards - rewards.mean()) / (rewards.std() + 1e-6),
+        "prompt_lengths": torch.full_like(lengths, 3),
+        "response_lengths": lengths,
+        "stop_reasons": ["length" if int(n) == 10 else "stop" for n in lengths],
+        "discard_reasons": discard_reasons(rewards, b["group_ids"]),
+    }
+
+
+def test_a_full_run_has_no_two_keys_equal_on_every_step(tmp_path: Path):
+    from opbc_metrics.controller import OPBCController, budget_metrics
+    from tests.wandb_run import chart_report
+
+    base = OPBCCollection(
+        sections=("mismatch", "moe", "per_round", "rollout"),
+        section_options={"moe": {"num_layers": LAYERS}, "per_round": {"capacity": 2}},
+    )
+    metrics = OPBCCollection([*base.members(), *budget_metrics(optional=True)])
+    controller = OPBCController("truncated_is")
+    computed: list[dict[str, Tensor]] = []
+    for log_all in (True, False):
+        logger = OPBCWandbLogger(collection=metrics, log_all=log_all, mode="offline", dir=str(tmp_path / str(log_all)))
+        for step in range(6):
+            batch = full_window_batch(step)
+            metrics.update({**batch, "opbc_decisions": controller.step(batch)})
+            values = metrics.compute()
+            computed.append(values)
+            logger.log(values, step=step)
+            metrics.reset()
+        logger.finish()
+    everything = chart_report(read_offline_run(tmp_path / "True"))
+    report = chart_report(read_offline_run(tmp_path / "False"))
+    pairs = {(a, b) for a, b, _ in everything["pairs"]}
+    # what compute() returns holds duplicates (the contract); the default dashboard has none
+    duplicates = {("opbc/log_ratio/max_abs", "opbc/logprob/abs_diff_max"), ("opbc/kl/k1", "opbc/logprob/diff_mean")}
+    assert duplicates <= pairs, pairs
+    assert report["pairs"] == []
+    assert report["scalar_charts"] < everything["scalar_charts"] and report["tables"] == 1
+    rows = [r for r in read_offline_run(tmp_path / "False")["history"] if "opbc/is/ess" in r]
+    for row, values in zip(rows, computed[6:]):
+        for key, value in values.items():
+            if value.numel() == 1:
+                got, tol = read_back(row, key)
+                assert math.isclose(got, value.item(), rel_tol=max(tol, 1e-9), abs_tol=1e-12), key

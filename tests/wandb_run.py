@@ -114,6 +114,30 @@ def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 # What the dashboard shows
 # ------------------------------------------------------------------------------------------------
+def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
+    """``(value, relative tolerance)`` of a computed key in a logged row: the logged value, or the value the
+    rule that left the key out gives (an alias of its canonical key, a zero overflow counter, a per-round
+    key of a single-round window). Raises ``KeyError`` for a key that is missing without a rule."""
+    from opbc_metrics.integrations.dashboard import resolve_alias
+
+    if key in row:
+        return row[key], 1e-12
+    alias = resolve_alias(key)
+    if alias is not None:
+        return alias.sign * row[alias.canonical], 1e-12
+    if "overflow" in key:
+        return 0.0, 0.0
+    at = key.find("per_round/")
+    if at >= 0:  # round 0 is the whole response (accumulated in another order: float rounding differs)
+        head, name = key[:at], key[at + len("per_round/") :]
+        whole = row[head + "opbc/logprob/abs_diff_mean"]
+        derived = {"total_rounds": 1.0, "round_0_abs_diff_mean": whole, "max_diff_value": whole,
+                   "round_0_token_count": row[head + "opbc/input/num_tokens"]}
+        return derived.get(name, 0.0), 1e-9
+    raise KeyError(f"{key} was not logged")
+
+
+
 def scalar_series(run: dict[str, Any]) -> dict[str, dict[int, float]]:
     """``{key: {row index: value}}`` of every numeric key W&B draws a line chart for (``_step`` etc. excluded)."""
     out: dict[str, dict[int, float]] = {}
@@ -125,36 +149,44 @@ def scalar_series(run: dict[str, Any]) -> dict[str, dict[int, float]]:
     return out
 
 
-def equal_pairs(series: dict[str, dict[int, float]], min_rows: int = 2) -> list[tuple[str, str, str]]:
+def equal_pairs(
+    series: dict[str, dict[int, float]], min_rows: int = 2, rel_tol: float = 1e-6
+) -> list[tuple[str, str, str]]:
     """Pairs of keys logged on the same rows (at least ``min_rows``) with equal or opposite values on all of them.
 
     Returns ``(key_a, key_b, "equal" | "negated")``; pairs where both keys are one constant are left out
-    (two counters that stay 0 are two quantities, not one).
+    (two counters that stay 0 are two quantities, not one). ``rel_tol`` 1e-6 also catches one quantity
+    computed twice in different precisions.
     """
     out = []
     for a, b in itertools.combinations(sorted(series), 2):
         sa, sb = series[a], series[b]
         if sa.keys() != sb.keys() or len(sa) < min_rows:
             continue
-        if len(set(sa.values())) == 1 and len(set(sb.values())) == 1:
+        if _constant(sa, rel_tol) and _constant(sb, rel_tol):
             continue
         for sign, name in ((1.0, "equal"), (-1.0, "negated")):
-            if all(_close(sa[i], sign * sb[i]) for i in sa):
+            if all(_close(sa[i], sign * sb[i], rel_tol) for i in sa):
                 out.append((a, b, name))
                 break
     return out
 
 
-def _close(x: float, y: float) -> bool:
+def _constant(series: dict[int, float], rel_tol: float) -> bool:
+    first = next(iter(series.values()))
+    return all(_close(v, first, rel_tol) for v in series.values())
+
+
+def _close(x: float, y: float, rel_tol: float) -> bool:
     if math.isnan(x) or math.isnan(y):
         return math.isnan(x) and math.isnan(y)
-    return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
+    return math.isclose(x, y, rel_tol=rel_tol, abs_tol=1e-12)
 
 
 def chart_report(run: dict[str, Any]) -> dict[str, Any]:
     """Counts of a run's dashboard: scalar charts, one-point charts, histograms, duplicate pairs, config size."""
     series = scalar_series(run)
-    hist_keys = {k for row in run["history"] for k, v in row.items() if isinstance(v, dict)}
+    media = {(k, v.get("_type")) for row in run["history"] for k, v in row.items() if isinstance(v, dict)}
     pairs = equal_pairs(series)
     config_entries = sum(1 for _ in _leaves(run["config"]))
     return {
@@ -162,7 +194,8 @@ def chart_report(run: dict[str, Any]) -> dict[str, Any]:
         "scalar_charts": len(series),
         "one_point_charts": sum(1 for s in series.values() if len(s) == 1),
         "constant_zero_charts": sum(1 for s in series.values() if len(s) > 1 and set(s.values()) == {0.0}),
-        "histogram_charts": len(hist_keys),
+        "histogram_charts": sum(1 for _, kind in media if kind == "histogram"),
+        "tables": sum(1 for _, kind in media if kind == "table-file"),
         "equal_pairs": len(pairs),
         "pairs": pairs,
         "config_entries": config_entries,
