@@ -367,6 +367,14 @@ def test_lightning_example_runs_and_measures_a_real_bf16_mismatch(tmp_path, monk
     assert out["opbc/input/num_sequences"] == 32
     assert (tmp_path / "lightning_logs").exists()
 
+    pytest.importorskip("wandb")
+    from tests.wandb_run import read_offline_run
+
+    example.main(["--batches", "4", "--epochs", "1", "--log-every", "2", "--wandb-dir", str(tmp_path / "wb")])
+    history = read_offline_run(tmp_path / "wb")["history"]
+    assert [r["opbc/step"] for r in history if "opbc/is/ess" in r] == [1, 3]  # the sink, in Lightning's run
+    assert any("train/loss" in r for r in history) and any("opbc/glossary" in r for r in history)
+
 
 # ------------------------------------------------------------------------------------------------
 # One destination, one key per quantity, and the torchmetrics habit
