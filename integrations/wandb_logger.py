@@ -769,7 +769,11 @@ class OPBCWandbLogger:
         self._update_ranges(run)
         data[self.step_metric] = step if step is not None else self._rows
         self._rows += 1
-        current = run.step
+        try:
+            current = run.step
+        except Exception:  # e.g. a run in W&B's "shared" mode has no single step counter: commit each row
+            run.log(data)
+            return
         if self._open_row == current and (step is None or step != self._open_step):
             run.log({}, commit=True)  # our previous row is still open: close it so this one does not overwrite it
             current += 1

@@ -107,6 +107,7 @@ def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
             run["metrics"][m.name] = {
                 "summary": {f for f in ("min", "max", "mean", "last", "best") if getattr(m.summary, f)},
                 "step_metric": m.step_metric,
+                "hidden": m.options.hidden,
             }
     return run
 
@@ -139,11 +140,13 @@ def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
 
 
 def scalar_series(run: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """``{key: {row index: value}}`` of every numeric key W&B draws a line chart for (``_step`` etc. excluded)."""
+    """``{key: {row index: value}}`` of every numeric key W&B draws a line chart for (``_step`` and metrics
+    defined ``hidden``, such as a step metric, excluded)."""
+    hidden = {k for k, m in run["metrics"].items() if m.get("hidden")}
     out: dict[str, dict[int, float]] = {}
     for i, row in enumerate(run["history"]):
         for key, value in row.items():
-            if key.startswith("_") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if key.startswith("_") or key in hidden or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             out.setdefault(key, {})[i] = float(value)
     return out
