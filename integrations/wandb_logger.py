@@ -684,7 +684,7 @@ class OPBCWandbLogger:
         self._ranges_written = True
         for key, (lo, hi) in chart_ranges(self.collection, self.declared_ranges).items():
             old = self._ranges.get(key)
-            new = [lo, hi] if old is None else [_widen(old[0], lo, min), _widen(old[1], hi, max)]
+            new = [_widen(None if old is None else old[0], lo, min), _widen(None if old is None else old[1], hi, max)]
             if new != old:
                 self._ranges[key] = new
                 changed = True
@@ -782,6 +782,8 @@ class OPBCWandbLogger:
 
 
 def _widen(old: float | None, new: float | None, pick: Any) -> float | None:
+    if new is not None and not math.isfinite(new):  # a bound not observed yet
+        new = None
     if old is None or new is None:
         return old if new is None else new
     return float(pick(old, new))
