@@ -418,7 +418,7 @@ class LogsTheCollection(TinyModule):
 def test_log_dict_of_the_collection_fails_at_the_first_batch_with_advice():
     module = LogsTheCollection()
     with pytest.raises(TypeError, match=r"self\.log_dict\(self\.opbc\.compute\(\), sync_dist=False\)"):
-        make_trainer(OPBCCallback("opbc"), MemoryLogger()).fit(module, loader(make_samples(8, seed=13)))
+        make_trainer(OPBCCallback("opbc", key="opbc"), MemoryLogger()).fit(module, loader(make_samples(8, seed=13)))
     assert module.batches_run == 1
 
 
