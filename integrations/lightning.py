@@ -52,8 +52,9 @@ module's checkpoints. Give the callback the attribute name::
 
 Without the callback, the same pattern logs by hand -- compute on every rank, no Lightning
 reduction, reset yourself. ``self.log_dict(self.opbc)`` (the torchmetrics habit) cannot work: Lightning
-would log each member metric, and each computes a dict of keys; with the callback in the trainer it
-fails at the end of that batch with this advice::
+would log each member metric, and each computes a dict of keys (Lightning fails at epoch end or logs
+nothing); with the callback in the trainer it fails at the end of the first batch, saying what to do.
+By hand::
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             if (batch_idx + 1) % 10 == 0:
@@ -99,7 +100,7 @@ class OPBCCallback(Callback):
         key: read the batch fields from ``source[key]`` instead of ``source`` itself.
         transform: a callable mapping the selected object onto the batch schema (e.g. ``verl_to_batch``).
         log_every_n_steps: log the window every this many training batches (per rank); ``None`` uses
-            ``Trainer(log_every_n_steps=...)``; ``0`` logs only at epoch end.
+            ``Trainer(log_every_n_steps=...)``; ``0`` logs only the epoch aggregate, at epoch end.
         log_epoch: also log the epoch aggregate (``<key><epoch_suffix>``) at the end of each training epoch
             (it is computed and kept in :attr:`epoch_values` either way).
         epoch_suffix: appended to each key for the epoch aggregate.
@@ -260,7 +261,7 @@ class OPBCCallback(Callback):
         if self._epoch_metrics is not None:
             values = self._epoch_metrics.compute()  # global over the epoch: a collective on every rank
             self.epoch_values = values
-            if self.log_epoch:
+            if self.log_epoch or self._interval(trainer) == 0:
                 self._emit(trainer, pl_module, values, suffix=self.epoch_suffix, step_hook=False)
             self._epoch_metrics.reset()
 
@@ -321,7 +322,8 @@ class OPBCCallback(Callback):
 
 
 def _refuse_logged_opbc_metrics(trainer: Trainer, pl_module: LightningModule) -> None:
-    """Raise at once when the step logged OPBC metrics through Lightning (Lightning would fail at epoch end)."""
+    """Raise at once when the step logged OPBC metrics through Lightning (which would fail at epoch end or
+    log nothing)."""
     results = getattr(trainer, "_results", None)
     for result in (results or {}).values():
         if isinstance(getattr(result, "value", None), OPBCMetric):
