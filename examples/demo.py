@@ -300,7 +300,8 @@ class GRPODemo(pl.LightningModule):
         step = getattr(getattr(self.trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", batch_idx)
         run = self.wandb_logger.run if self.wandb_logger is not None else None
         if run is not None:
-            run.log({f"demo/{k}": v for k, v in self._last.items()}, step=int(step))
+            # "reward" is the callback's rollout/reward/mean: not logged twice
+            run.log({f"demo/{k}": v for k, v in self._last.items() if k != "reward"}, step=int(step))
         if self.verbose and (batch_idx % self.print_every == 0 or batch_idx == self.cfg.steps - 1):
             mix = collections.Counter(d.action.value for d in outputs["opbc"]["opbc_decisions"].decisions)
             parts = [

@@ -4,10 +4,12 @@ A tiny policy (embedding -> linear over a 64-token vocabulary) samples one token
 its own weights cast to bfloat16 -- the rollout engine -- and trains in float32 with a REINFORCE
 loss. The logprob mismatch the callback measures is therefore real (bf16 rounding of the same
 weights), not injected noise. ``training_step`` returns the batch-schema fields under ``"opbc"``;
-the callback logs the global values every ``--log-every`` batches and at epoch end.
+the callback logs the global values every ``--log-every`` batches to the trainer's logger (CSV).
 
-Run: ``python examples/lightning_example.py`` (CPU, a few seconds), or with
-``--wandb-dir runs`` to also write an offline W&B run (``wandb sync`` it later if you want).
+Run: ``python examples/lightning_example.py`` (CPU, a few seconds), or with ``--wandb-dir runs`` to
+log to an offline W&B run instead (``wandb sync`` it later if you want): Lightning's ``WandbLogger``
+starts the run and logs ``train/loss``; an ``OPBCWandbLogger`` sink joins that run and writes the OPBC
+keys (summaries, histograms, the glossary table), and the callback writes only to the sink.
 """
 
 from __future__ import annotations
@@ -77,24 +79,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    sinks = []
+    sinks: list[Any] = []
+    logger: Any = L.loggers.CSVLogger("lightning_logs", name="opbc_example")
     if args.wandb_dir:
         from opbc_metrics.integrations.wandb_logger import DistributionHistograms, OPBCWandbLogger
 
-        sinks.append(
-            OPBCWandbLogger(
-                distributions=DistributionHistograms(bins=64, log_ratio_range=0.05),
-                project="opbc-lightning-example",
-                mode="offline",
-                dir=args.wandb_dir,
-            )
-        )
+        logger = L.loggers.WandbLogger(project="opbc-lightning-example", save_dir=args.wandb_dir, offline=True)
+        # No run argument: it joins the run Lightning's WandbLogger started, and leaves it to Lightning.
+        sinks.append(OPBCWandbLogger(distributions=DistributionHistograms(bins=64, log_ratio_range=0.05)))
     callback = OPBCCallback("opbc", key="opbc", log_every_n_steps=args.log_every, sinks=sinks)
     trainer = L.Trainer(
         accelerator="cpu",
         max_epochs=args.epochs,
         callbacks=[callback],
-        logger=L.loggers.CSVLogger("lightning_logs", name="opbc_example"),
+        logger=logger,
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,
@@ -103,7 +101,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     data = torch.utils.data.DataLoader(toy_data(8 * args.batches), batch_size=8)
     trainer.fit(ToyPolicy(), data)
     for sink in sinks:
-        sink.finish()
+        sink.finish()  # detaches; the run is Lightning's
+    if args.wandb_dir:
+        import wandb
+
+        wandb.finish()
     out = {k: v.item() for k, v in callback.epoch_values.items()}
     for key in ("opbc/is/ess", "opbc/logprob/abs_diff_mean", "opbc/logprob/abs_diff_max", "opbc/kl/k3"):
         print(f"{key:<28} {out[key]: .6g}   (last epoch, bf16 rollout vs fp32 trainer)")

@@ -10,17 +10,22 @@ How it logs, and why:
   it on every rank at the same batch and never asks Lightning to reduce: nothing is logged with
   ``sync_dist=True`` (Lightning's default ``reduce_fx`` would average per-rank values, the wrong answer
   for ESS, maxima and ratios).
-* The values go straight to ``trainer.loggers`` (``Logger.log_metrics``) from global rank 0, at the
-  step Lightning itself uses for the same batch (``fit_loop.epoch_loop._batches_that_stepped``), so
-  the chosen interval is exact whatever ``Trainer(log_every_n_steps=...)`` says. Window values are
-  also logged with ``pl_module.log(..., on_step=True, on_epoch=False, sync_dist=False, logger=False)``
-  so that they appear in ``trainer.callback_metrics`` (for ``ModelCheckpoint``/``EarlyStopping``
-  monitors and the progress bar) with identical values on every rank.
+* One destination, chosen by ``sinks``: without sinks the values go to ``trainer.loggers``
+  (``Logger.log_metrics``, Lightning's ``WandbLogger`` included) from global rank 0; with sinks (e.g. an
+  :class:`~opbc_metrics.integrations.wandb_logger.OPBCWandbLogger`, which attaches to the run
+  Lightning's ``WandbLogger`` started) they go only to the sinks, so no key is written twice. Either way
+  at the step Lightning itself uses for the same batch (``fit_loop.epoch_loop._batches_that_stepped``),
+  so the chosen interval is exact whatever ``Trainer(log_every_n_steps=...)`` says. Keys that equal
+  another key by definition and overflow counters that stayed zero are not written (``log_all=True``
+  writes them; see :mod:`opbc_metrics.integrations.dashboard`). Window values are also logged, every
+  key, with ``pl_module.log(..., on_step=True, on_epoch=False, sync_dist=False, logger=False)`` so that
+  they appear in ``trainer.callback_metrics`` (for ``ModelCheckpoint``/``EarlyStopping`` monitors and
+  the progress bar) with identical values on every rank.
 * Windows: after each interval log the window is folded into the epoch's accumulator
   (``Metric.merge_state``: sums add, maxima max) and reset. At the end of each training epoch the
-  epoch's values (every batch of the epoch, all ranks) are logged as ``<key><epoch_suffix>``
-  (``opbc/is/ess_epoch``, Lightning's own suffix for epoch aggregates) and both accumulators are
-  reset. They are also kept in :attr:`OPBCCallback.epoch_values`.
+  epoch's values (every batch of the epoch, all ranks) are kept in :attr:`OPBCCallback.epoch_values`;
+  with ``log_epoch=True`` they are also logged as ``<key><epoch_suffix>`` (``opbc/is/ess_epoch``,
+  Lightning's own suffix for epoch aggregates: one point per epoch, so off by default).
 
 Where the batch comes from: ``source="outputs"`` (default) reads what ``training_step`` returned -- a
 dict with the batch-schema fields, or the sub-dict under ``key`` -- and ``source="batch"`` reads the
@@ -46,8 +51,10 @@ module's checkpoints. Give the callback the attribute name::
     trainer = L.Trainer(callbacks=[OPBCCallback("opbc", key="opbc", log_every_n_steps=10)])
 
 Without the callback, the same pattern logs by hand -- compute on every rank, no Lightning
-reduction, reset yourself (``self.log(name, collection)`` on a ``MetricCollection`` of multi-key
-metrics is not supported by Lightning)::
+reduction, reset yourself. ``self.log_dict(self.opbc)`` (the torchmetrics habit) cannot work: Lightning
+would log each member metric, and each computes a dict of keys (Lightning fails at epoch end or logs
+nothing); with the callback in the trainer it fails at the end of the first batch, saying what to do.
+By hand::
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
             if (batch_idx + 1) % 10 == 0:
@@ -70,8 +77,17 @@ except ImportError:  # pragma: no cover - depends on the environment
     from pytorch_lightning import Callback, LightningModule, Trainer
 
 from opbc_metrics.collection import OPBCCollection
+from opbc_metrics.integrations.dashboard import KeyFilter
+from opbc_metrics.metric import OPBCMetric
 
 __all__ = ["OPBCCallback"]
+
+LOG_DICT_ADVICE = (
+    "`self.log_dict(<OPBCCollection>)` / `self.log(name, <OPBC metric>)` hands OPBC metrics to Lightning, which "
+    "cannot log them: each computes a dict of `section/group/metric` keys. Give the collection to the callback "
+    "instead (`OPBCCallback('{attr}')` logs its global values every `log_every_n_steps` batches), or log its "
+    "values yourself: `self.log_dict(self.{attr}.compute(), sync_dist=False)`, then `self.{attr}.reset()`."
+)
 
 
 class OPBCCallback(Callback):
@@ -84,13 +100,17 @@ class OPBCCallback(Callback):
         key: read the batch fields from ``source[key]`` instead of ``source`` itself.
         transform: a callable mapping the selected object onto the batch schema (e.g. ``verl_to_batch``).
         log_every_n_steps: log the window every this many training batches (per rank); ``None`` uses
-            ``Trainer(log_every_n_steps=...)``; ``0`` logs only at epoch end.
-        log_epoch: log the epoch aggregate at the end of each training epoch.
+            ``Trainer(log_every_n_steps=...)``; ``0`` logs only the epoch aggregate, at epoch end.
+        log_epoch: also log the epoch aggregate (``<key><epoch_suffix>``) at the end of each training epoch
+            (it is computed and kept in :attr:`epoch_values` either way).
         epoch_suffix: appended to each key for the epoch aggregate.
         prog_bar: keys also shown in the progress bar.
-        sinks: extra destinations, e.g. an :class:`~opbc_metrics.integrations.wandb_logger.OPBCWandbLogger`:
-            objects with ``log(values, step)`` and optionally ``update(batch)``. They are called on every
-            rank (their own sync, if any, is collective) and write on rank 0.
+        sinks: where to write instead of ``trainer.loggers``, e.g. an
+            :class:`~opbc_metrics.integrations.wandb_logger.OPBCWandbLogger`: objects with
+            ``log(values, step)`` and optionally ``update(batch)``. They are called on every rank (their own
+            sync, if any, is collective) and write on rank 0. With sinks, ``trainer.loggers`` get nothing
+            from the callback.
+        log_all: write every key to ``trainer.loggers``, aliases and zero overflow counters included.
         skip_missing: skip batches where ``source`` (or ``source[key]``) is ``None`` or absent, instead
             of raising.
 
@@ -108,10 +128,11 @@ class OPBCCallback(Callback):
         key: str | None = None,
         transform: Callable[[Any], Any] | None = None,
         log_every_n_steps: int | None = None,
-        log_epoch: bool = True,
+        log_epoch: bool = False,
         epoch_suffix: str = "_epoch",
         prog_bar: Iterable[str] = (),
         sinks: Sequence[Any] = (),
+        log_all: bool = False,
         skip_missing: bool = True,
     ) -> None:
         super().__init__()
@@ -132,6 +153,7 @@ class OPBCCallback(Callback):
         self.epoch_suffix = epoch_suffix
         self.prog_bar = set(prog_bar)
         self.sinks = list(sinks)
+        self.key_filter = KeyFilter(log_all=log_all)
         self.skip_missing = skip_missing
         self.batches_seen = 0
         self.window_batches = 0
@@ -189,6 +211,7 @@ class OPBCCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        _refuse_logged_opbc_metrics(trainer, pl_module)
         metrics = self.metrics if self.metrics is not None else self._resolve(pl_module)
         fields = self._select(outputs, batch)
         if fields is not None:
@@ -224,15 +247,22 @@ class OPBCCallback(Callback):
         self.metrics.reset()
         self.window_batches = 0
 
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        _refuse_logged_opbc_metrics(trainer, pl_module)
+
+    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
+        _refuse_logged_opbc_metrics(trainer, pl_module)
+
     # -- epoch end ---------------------------------------------------------------------------------
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.metrics is None:
             return
         self._fold_window()
-        if self.log_epoch and self._epoch_metrics is not None:
+        if self._epoch_metrics is not None:
             values = self._epoch_metrics.compute()  # global over the epoch: a collective on every rank
             self.epoch_values = values
-            self._emit(trainer, pl_module, values, suffix=self.epoch_suffix, step_hook=False)
+            if self.log_epoch or self._interval(trainer) == 0:
+                self._emit(trainer, pl_module, values, suffix=self.epoch_suffix, step_hook=False)
             self._epoch_metrics.reset()
 
     # -- writing -----------------------------------------------------------------------------------
@@ -253,14 +283,17 @@ class OPBCCallback(Callback):
                     prog_bar=name in self.prog_bar,
                     batch_size=1,
                 )
+        if self.sinks:  # the sinks choose their keys
+            for sink in self.sinks:
+                sink.log({f"{k}{suffix}": v for k, v in values.items()}, step=step)
+            return
         if trainer.is_global_zero and scalars:
-            floats = {name: float(v.detach().reshape(()).item()) for name, v in scalars.items()}
+            written = [f"{k}{suffix}" for k in self.key_filter(values)]
+            floats = {name: float(scalars[name].detach().reshape(()).item()) for name in written if name in scalars}
             floats["epoch"] = float(trainer.current_epoch)  # as Lightning adds to its own records
             for logger in trainer.loggers:
                 logger.log_metrics(floats, step=step)
                 logger.save()
-        for sink in self.sinks:
-            sink.log({f"{k}{suffix}": v for k, v in values.items()}, step=step)
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -286,6 +319,16 @@ class OPBCCallback(Callback):
             self.metrics.load_state_dict(pending["window"])
         if "epoch" in pending and self._epoch_metrics is not None:
             self._epoch_metrics.load_state_dict(pending["epoch"])
+
+
+def _refuse_logged_opbc_metrics(trainer: Trainer, pl_module: LightningModule) -> None:
+    """Raise at once when the step logged OPBC metrics through Lightning (which would fail at epoch end or
+    log nothing)."""
+    results = getattr(trainer, "_results", None)
+    for result in (results or {}).values():
+        if isinstance(getattr(result, "value", None), OPBCMetric):
+            attrs = [n for n, m in pl_module.named_children() if isinstance(m, OPBCCollection)]
+            raise TypeError("OPBCCallback: " + LOG_DICT_ADVICE.format(attr=attrs[0] if attrs else "opbc"))
 
 
 def _logger_step(trainer: Trainer) -> int:

@@ -2,20 +2,29 @@
 
 * Scalars are logged under their keys unchanged. W&B builds its panel sections from the text before
   the first ``/``, so each section (``opbc``, ``moe``, ...) becomes a dashboard with no configuration.
-* Every key gets ``run.define_metric(key, summary=...)`` with the *worst case* over the run as its
-  summary: ``"min"`` for a metric where higher is better (ESS), ``"max"`` where lower is better
-  (veto fraction, |Δlogp|), ``"last"`` where the class declares no direction, ``"min,max"`` for signed
-  quantities whose ideal is in the middle (see :data:`KEY_SUMMARIES`).
+* One key per quantity: keys that equal another by definition (``opbc/log_ratio/max_abs`` =
+  ``opbc/logprob/abs_diff_max``, ...) and overflow counters that stayed zero are not written (see
+  :mod:`opbc_metrics.integrations.dashboard`; ``log_all=True`` writes everything). Keys missing from the
+  computed values are never written or filled in.
+* Sharing a run: when a W&B run is already active (``wandb.init`` by your script, Lightning's
+  ``WandbLogger``, verl's tracker) the logger writes into it, says so once, and never finishes it.
+  Every row carries the logger's own step metric (``opbc/step``: the ``step`` you pass, else a row
+  counter) and every key is charted against it, so the logger never passes ``step=`` to W&B: rows are
+  never dropped as behind W&B's step, whoever else logs, with or without ``step=``.
+* Summaries (``define_metric(summary=...)``): every key keeps its last value; a key with a direction also
+  keeps its worst value over the run (``min`` of ESS, ``max`` of the veto fraction), and the objective
+  (reward, score, validation accuracy) its best (``max`` of ``rollout/reward/mean``); signed keys get
+  nothing extra (see :func:`summaries_for`).
 * Distributions are logged as ``wandb.Histogram`` with at most 512 bins (W&B's limit,
   ``wandb.Histogram.MAX_LENGTH``): from :class:`DistributionHistograms` (fixed-bin states summed over a
   window and over all ranks: exact under DDP), from one batch (:func:`batch_histograms`, numpy,
-  rank-local), from any 1-D tensor a metric returns, and from per-layer scalars
-  ``<prefix>/layer_<i>/<name>`` (e.g. ``moe/router/layer_3/flip_rate``), drawn as one bar per layer
-  under ``<prefix>/<name>_by_layer``.
-* The run config records the glossary (:func:`opbc_metrics.glossary.glossary_dict`), the declared chart
-  ranges of every key (the metric classes' ``plot_lower_bound``/``plot_upper_bound``, a member's
-  ``chart_ranges()`` if it defines one, and ranges you declare, e.g. ``reward_min``/``reward_max``),
-  the summaries chosen and the histogram bins, under ``config["opbc"]``.
+  rank-local), from any 1-D tensor a metric returns, and on request (``layer_bars=True``) from per-layer
+  scalars ``<prefix>/layer_<i>/<name>`` drawn as one bar per layer under ``<prefix>/<name>_by_layer``.
+* The glossary goes to the run once, as one ``wandb.Table`` under ``opbc/glossary`` (one row per entry:
+  keys, definition, unit, cap, action, aliases, the identities of the keys not written). The run config
+  holds ``config["opbc"]``: the chart ranges of every key (the metric classes'
+  ``plot_lower_bound``/``plot_upper_bound``, a member's ``chart_ranges()``, ranges you declare), widened
+  as the run observes more, and the histogram bins.
 
 Nothing here reaches a server by itself: pass ``mode="offline"`` (or set ``WANDB_MODE=offline``) for
 runs without network. ``wandb`` is imported only when a run is created or a histogram is built.
@@ -34,14 +43,12 @@ Example (offline)::
         if (step + 1) % 50 == 0:
             logger.log(metrics.compute(), step=step)   # on every rank: both are collectives
             metrics.reset()
-    logger.finish()
-
-Sharing a run with Lightning's ``WandbLogger``: pass ``run=trainer.logger.experiment`` and
-``step_metric="trainer/global_step"`` so that both write the same step axis.
+    logger.finish()                               # finishes the run only if the logger started it
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -54,16 +61,19 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view
+from opbc_metrics.integrations.dashboard import ALIASES, KeyFilter
 from opbc_metrics.metric import OPBCMetric, registered_metrics
 
 __all__ = [
-    "KEY_SUMMARIES",
+    "BEST_SUMMARY_PATTERNS",
+    "KEY_DIRECTIONS",
     "LAST_VALUE_SUFFIXES",
     "MAX_HISTOGRAM_BINS",
     "DistributionHistograms",
     "OPBCWandbLogger",
     "batch_histograms",
     "chart_ranges",
+    "glossary_rows",
     "layer_histograms",
     "metric_directions",
     "summaries_for",
@@ -71,24 +81,41 @@ __all__ = [
     "vector_histogram",
 ]
 
+_LOG = logging.getLogger(__name__)
+
 MAX_HISTOGRAM_BINS = 512  # wandb.Histogram.MAX_LENGTH
+STEP_METRIC = "opbc/step"
+GLOSSARY_KEY = "opbc/glossary"
 
 LOG_RATIO_HIST = "opbc/dist/log_ratio"
 SEQ_LOG_RATIO_HIST = "opbc/dist/seq_log_ratio"
 LAYER_FLIP_HIST = "moe/dist/layer_flip_rate"
 
-# Keys whose worst case is not given by their class's single ``higher_is_better``: signed quantities
-# (ideal 0 or 1, bad in both directions) and counters.
-KEY_SUMMARIES: dict[str, str] = {
-    "opbc/log_ratio/min": "min",
-    "opbc/logprob/diff_mean": "min,max",
-    "opbc/sequence/log_ratio_mean": "min,max",
-    "opbc/sequence/geo_log_ratio_mean": "min,max",
-    "opbc/ppl/log_ppl_diff": "min,max",
-    "opbc/ppl/ratio": "min,max",
-    "opbc/is/weight_mean": "min,max",
-    "opbc/prob/pearson": "min",
+# Keys whose direction is not their class's single ``higher_is_better``: signed quantities (ideal 0 or 1,
+# bad both ways: ``None``) and extremes or spreads inside a directed class.
+KEY_DIRECTIONS: dict[str, bool | None] = {
+    "opbc/logprob/diff_mean": None,
+    "opbc/sequence/log_ratio_mean": None,
+    "opbc/sequence/geo_log_ratio_mean": None,
+    "opbc/ppl/log_ppl_diff": None,
+    "opbc/ppl/ratio": None,
+    "opbc/is/weight_mean": None,
+    "opbc/kl/k1": None,
+    "opbc/log_ratio/min": True,  # the most negative log ratio: worse the lower
+    "opbc/prob/pearson": True,
+    "rollout/reward/std": None,
+    "critic/rewards/std": None,
+    "critic/score/std": None,
 }
+
+# The objective of training: its summary is its best value, not its worst.
+BEST_SUMMARY_PATTERNS: tuple[re.Pattern[str], ...] = (
+    re.compile(r"(^|/)rollout/reward/(mean|min|max)$"),
+    re.compile(r"(^|/)critic/(rewards|score)/(mean|min|max)$"),
+    re.compile(r"(^|/)critic/vf_explained_var$"),
+    re.compile(r"(^|/)val-(core|aux)/.*/(acc|reward)/"),
+    re.compile(r"(^|/)rm/accuracy$"),
+)
 
 # Indices and sample sizes have no worst case: their summary is the last value. Matched on the end of
 # the key (``moe/router/worst_layer``, ``per_round/max_round_diff``, ``per_round/round_3_token_count``...).
@@ -99,9 +126,10 @@ LAST_VALUE_SUFFIXES: tuple[str, ...] = (
     "_token_count",
     "/num_tokens",
     "/num_sequences",
+    "/num_groups",
 )
 
-# ``<prefix>/layer_<i>/<name>`` scalars (e.g. ``moe/router/layer_3/flip_rate``) are also drawn as one
+# ``<prefix>/layer_<i>/<name>`` scalars (e.g. ``moe/router/layer_3/flip_rate``) can also be drawn as one
 # per-layer bar chart ``<prefix>/<name>_by_layer``.
 _LAYER_KEY = re.compile(r"^(?P<prefix>.+)/layer_(?P<index>\d+)/(?P<name>[^/]+)$")
 
@@ -109,16 +137,16 @@ _LAYER_KEY = re.compile(r"^(?P<prefix>.+)/layer_(?P<index>\d+)/(?P<name>[^/]+)$"
 # ------------------------------------------------------------------------------------------------
 # Summaries and chart ranges
 # ------------------------------------------------------------------------------------------------
-def summary_for(higher_is_better: bool | None) -> str:
-    """The W&B summary that keeps a metric's worst value over the run.
+def summary_for(higher_is_better: bool | None, best: bool = False) -> str:
+    """The W&B summary of a key: its last value, plus its worst (or, with ``best``, its best) value.
 
     Example:
-        >>> summary_for(True), summary_for(False), summary_for(None)
-        ('min', 'max', 'last')
+        >>> summary_for(True), summary_for(False), summary_for(None), summary_for(True, best=True)
+        ('min,last', 'max,last', 'last', 'max,last')
     """
     if higher_is_better is None:
         return "last"
-    return "min" if higher_is_better else "max"
+    return f"{'max' if higher_is_better == best else 'min'},last"
 
 
 def _members(source: Any) -> list[Any]:
@@ -133,54 +161,54 @@ def _members(source: Any) -> list[Any]:
 
 def metric_directions(source: Any = None) -> dict[str, bool | None]:
     """``{key: higher_is_better}`` for the keys of a collection (or metrics); every registered metric
-    class when ``source`` is ``None``.
+    class when ``source`` is ``None``. :data:`KEY_DIRECTIONS` corrects keys whose class is too coarse.
 
     Example:
         >>> directions = metric_directions()
-        >>> directions["opbc/is/ess"], directions["opbc/is/veto_fraction"]
-        (True, False)
+        >>> directions["opbc/is/ess"], directions["opbc/is/veto_fraction"], directions["opbc/kl/k1"]
+        (True, False, None)
     """
     pairs = (
         [(m.keys, m.higher_is_better) for m in _members(source)]
         if source is not None
         else [(cls.keys, cls.higher_is_better) for cls in registered_metrics()]
     )
-    return {key: direction for keys, direction in pairs for key in keys}
+    out = {key: direction for keys, direction in pairs for key in keys}
+    out.update({k: v for k, v in KEY_DIRECTIONS.items() if k in out})
+    return out
 
 
 def summaries_for(
     keys: Iterable[str], directions: Mapping[str, bool | None], overrides: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """The summary of each key: ``overrides``, then :data:`KEY_SUMMARIES`, then its direction.
+    """The summary of each key: ``overrides``, then its direction (:func:`summary_for`), else ``"last"``.
 
-    Keys without a known direction are left out (W&B's default summary, the last value, applies). A key
-    with the ``_epoch`` suffix (the Lightning callback's epoch aggregates) follows its base key.
+    Directions are looked up for the key, then for the key without a leading prefix (a collection's
+    ``prefix``, e.g. ``bf16/opbc/is/ess``) and without the ``_epoch`` suffix of Lightning's epoch
+    aggregates. Indices and counts (:data:`LAST_VALUE_SUFFIXES`) keep only their last value.
 
     Example:
-        >>> summaries_for(["opbc/is/ess", "opbc/is/veto_fraction", "opbc/prob/pearson", "loss"],
+        >>> summaries_for(["opbc/is/ess", "opbc/is/veto_fraction", "rollout/reward/mean", "opbc/kl/k1", "loss"],
         ...               metric_directions())
-        {'opbc/is/ess': 'min', 'opbc/is/veto_fraction': 'max', 'opbc/prob/pearson': 'min'}
+        {'opbc/is/ess': 'min,last', 'opbc/is/veto_fraction': 'max,last', 'rollout/reward/mean': 'max,last', \
+'opbc/kl/k1': 'last', 'loss': 'last'}
     """
-    out: dict[str, str] = {}
-    for key in keys:
-        summary = _summary_of(key, directions, overrides)
-        if summary is None and key.endswith("_epoch"):
-            summary = _summary_of(key[: -len("_epoch")], directions, overrides)
-        if summary is not None:
-            out[key] = summary
-    return out
+    return {key: _summary_of(key, directions, overrides) for key in keys}
 
 
-def _summary_of(key: str, directions: Mapping[str, bool | None], overrides: Mapping[str, str] | None) -> str | None:
+def _summary_of(key: str, directions: Mapping[str, bool | None], overrides: Mapping[str, str] | None) -> str:
     if overrides and key in overrides:
         return overrides[key]
-    if key in KEY_SUMMARIES:
-        return KEY_SUMMARIES[key]
-    if key.endswith(LAST_VALUE_SUFFIXES):
+    base = key[: -len("_epoch")] if key.endswith("_epoch") else key
+    if base.endswith(LAST_VALUE_SUFFIXES):
         return "last"
-    if key in directions:
-        return summary_for(directions[key])
-    return None
+    parts = base.split("/")
+    for i in range(len(parts)):  # the key, then without a leading prefix
+        candidate = "/".join(parts[i:])
+        if candidate in directions:
+            best = any(p.search(candidate) for p in BEST_SUMMARY_PATTERNS)
+            return summary_for(directions[candidate], best=best)
+    return "last"
 
 
 def chart_ranges(
@@ -491,34 +519,59 @@ def _is_rank_zero() -> bool:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
 
 
+def glossary_rows() -> tuple[list[str], list[list[Any]]]:
+    """Columns and rows of the glossary table: one row per entry, with the identities of its keys that
+    the loggers do not write (:data:`~opbc_metrics.integrations.dashboard.ALIASES`).
+
+    Example:
+        >>> columns, rows = glossary_rows()
+        >>> columns[:3]
+        ['entry', 'keys', 'identities']
+        >>> next(r for r in rows if r[0] == "kl")[2]
+        'opbc/kl/k1 = -opbc/logprob/diff_mean when opbc/is/clipped_fraction is 0'
+    """
+    from opbc_metrics.glossary import glossary_dict
+
+    columns = ["entry", "keys", "identities", "what", "unit", "cap", "action", "aliases", "higher_is_better"]
+    rows = []
+    for name, e in glossary_dict().items():
+        identities = "; ".join(a.describe() for a in ALIASES if a.key in e["keys"])
+        rows.append(
+            [name, ", ".join(e["keys"]), identities, e["what"], e["unit"], e["cap"], e["action"],
+             ", ".join(e["aliases"]), str(e["higher_is_better"])]
+        )
+    return columns, rows
+
+
 class OPBCWandbLogger:
     """Writes computed ``section/group/metric`` values, histograms and metadata to a W&B run.
 
-    Only global rank 0 writes (and creates the run); every rank may call :meth:`log`, and must when
-    ``distributions`` is set, since computing the histograms syncs them across ranks.
+    Only global rank 0 writes (and creates or attaches to the run); every rank may call :meth:`log`, and
+    must when ``distributions`` is set, since computing the histograms syncs them across ranks.
 
     Args:
-        run: an existing ``wandb`` run (e.g. ``trainer.logger.experiment``); created on rank 0 at the
-            first write from ``init_kwargs`` when ``None``.
-        collection: the :class:`~opbc_metrics.OPBCCollection` (or metrics) whose keys are defined
-            up front (summaries, chart ranges); keys first seen in :meth:`log` are defined then.
+        run: a W&B run to write to (e.g. ``trainer.logger.experiment``); never finished by this logger.
+            When ``None``: the active run (``wandb.run``) if there is one, else a new run from
+            ``init_kwargs``, created on rank 0 at the first write and finished by :meth:`finish`.
+        collection: the :class:`~opbc_metrics.OPBCCollection` (or metrics) whose directions and chart
+            ranges are used.
         distributions: a :class:`DistributionHistograms` fed by :meth:`update` and logged (then reset)
             by :meth:`log`.
         ranges: declared chart ranges ``{key: (min, max)}`` added to the config.
-        summaries: per-key summary overrides, e.g. ``{"opbc/is/ess": "min,last"}``.
-        step_metric: log the step under this key and define every metric against it (no ``step=``
-            argument to ``run.log``), for sharing a run with a logger that owns W&B's step.
-        num_layers: the model's MoE layer count: per-layer bar charts built from
-            ``.../layer_<i>/...`` scalars (see :func:`layer_histograms`) show layers ``0..num_layers-1``
-            instead of every layer the metric has capacity for.
-        layer_bars: build those per-layer bar charts.
-        log_glossary: put the glossary in the run config.
+        summaries: per-key summary overrides, e.g. ``{"opbc/is/ess": "min,max,last"}``.
+        step_metric: the key each row carries its step under, the x-axis of every chart this logger
+            makes (``"opbc/step"``; ``"trainer/global_step"`` shares Lightning's).
+        num_layers: the model's MoE layer count, for the per-layer bar charts.
+        layer_bars: also draw ``.../layer_<i>/...`` scalars as one per-layer bar chart (they duplicate
+            the per-layer scalars, so off by default).
+        log_all: write every key, aliases and zero overflow counters included.
+        log_glossary: log the glossary table ``opbc/glossary`` with the first row.
         init_kwargs: ``wandb.init`` arguments (``project``, ``mode="offline"``, ``dir``, ...).
 
     Example:
         >>> logger = OPBCWandbLogger(run=None, mode="offline")
         >>> logger.summaries_for(["opbc/is/ess", "opbc/is/veto_fraction", "opbc/is/weight_mean"])
-        {'opbc/is/ess': 'min', 'opbc/is/veto_fraction': 'max', 'opbc/is/weight_mean': 'min,max'}
+        {'opbc/is/ess': 'min,last', 'opbc/is/veto_fraction': 'max,last', 'opbc/is/weight_mean': 'last'}
     """
 
     def __init__(
@@ -529,9 +582,10 @@ class OPBCWandbLogger:
         distributions: DistributionHistograms | None = None,
         ranges: Mapping[str, tuple[float | None, float | None]] | None = None,
         summaries: Mapping[str, str] | None = None,
-        step_metric: str | None = None,
+        step_metric: str = STEP_METRIC,
         num_layers: int | None = None,
-        layer_bars: bool = True,
+        layer_bars: bool = False,
+        log_all: bool = False,
         log_glossary: bool = True,
         **init_kwargs: Any,
     ) -> None:
@@ -546,11 +600,20 @@ class OPBCWandbLogger:
         self.num_layers = num_layers
         self.layer_bars = layer_bars
         self.log_glossary = log_glossary
+        self.key_filter = KeyFilter(log_all=log_all)
         self._directions = metric_directions()
         if collection is not None:
             self._directions.update(metric_directions(collection))
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
         self._defined: set[str] = set()
         self._configured = False
+        self._ranges: dict[str, list[float | None]] = {}
+        self._ranges_written = False
+        self._rows = 0
+        self._open_row: int | None = None  # W&B step of this logger's last row while it may still be open
+        self._open_step: int | None = None
 
     # -- run handling ------------------------------------------------------------------------
     @property
@@ -559,39 +622,53 @@ class OPBCWandbLogger:
         return _is_rank_zero()
 
     @property
+    def owns_run(self) -> bool:
+        """Whether this logger started its run (and :meth:`finish` ends it)."""
+        return self._owns_run
+
+    @property
     def run(self) -> Any:
-        """The W&B run (created on first access on rank 0); ``None`` on other ranks."""
+        """The W&B run (attached or created on first access on rank 0); ``None`` on other ranks."""
         if self._run is None and self.is_writer:
-            self._run = _import_wandb().init(**self._init_kwargs)
-            self._owns_run = True
+            wandb = _import_wandb()
+            if wandb.run is not None:
+                self._run = wandb.run
+                ignored = f"; ignoring {sorted(self._init_kwargs)}" if self._init_kwargs else ""
+                _LOG.warning(
+                    "OPBCWandbLogger: writing to the active W&B run %r%s. It stays open: finish it where it "
+                    "was started.",
+                    getattr(self._run, "id", None),
+                    ignored,
+                )
+            else:
+                self._run = wandb.init(**self._init_kwargs)
+                self._owns_run = True
         return self._run if self.is_writer else None
 
     def finish(self) -> None:
-        """Finish the run if this logger created it."""
+        """Finish the run if this logger started it; either way, detach from it."""
         if self._owns_run and self._run is not None:
             self._run.finish()
         self._run = None
         self._owns_run = False
+        self._reset_run_state()
 
     # -- metadata ----------------------------------------------------------------------------
     def summaries_for(self, keys: Iterable[str]) -> dict[str, str]:
         """The summary each key gets (see :func:`summaries_for`)."""
         return summaries_for(keys, self._directions, self.summary_overrides)
 
-    def _configure(self, run: Any) -> None:
+    def _configure(self, run: Any, data: dict[str, Any]) -> None:
         if self._configured:
             return
         self._configured = True
-        if self.step_metric is not None:
-            run.define_metric(self.step_metric)
-        keys = list(getattr(self.collection, "keys_produced", [])) if self.collection is not None else []
-        if not keys and self.collection is not None:
-            keys = [k for m in _members(self.collection) for k in m.keys]
-        self._define(run, keys)
-        meta: dict[str, Any] = {
-            "chart_ranges": chart_ranges(self.collection, self.declared_ranges),
-            "summaries": self.summaries_for(keys),
-        }
+        run.define_metric(self.step_metric, hidden=True)
+        if self.log_glossary:
+            columns, rows = glossary_rows()
+            data[GLOSSARY_KEY] = _import_wandb().Table(columns=columns, data=rows)
+
+    def _meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"chart_ranges": self._ranges}
         if self.distributions is not None:
             meta["histograms"] = {
                 key: {
@@ -600,18 +677,28 @@ class OPBCWandbLogger:
                 }
                 for key in self.distributions.histogram_keys
             }
-        if self.log_glossary:
-            from opbc_metrics.glossary import glossary_dict
+        return meta
 
-            meta["glossary"] = glossary_dict()
-        run.config.update({"opbc": meta}, allow_val_change=True)
+    def _update_ranges(self, run: Any) -> None:
+        """Widen the recorded chart ranges by what is declared and observed now; write them when they changed."""
+        changed = not self._ranges_written
+        self._ranges_written = True
+        for key, (lo, hi) in chart_ranges(self.collection, self.declared_ranges).items():
+            old = self._ranges.get(key)
+            new = [_widen(None if old is None else old[0], lo, min), _widen(None if old is None else old[1], hi, max)]
+            if new != old:
+                self._ranges[key] = new
+                changed = True
+        if changed:
+            run.config.update({"opbc": self._meta()}, allow_val_change=True)
 
     def _define(self, run: Any, keys: Iterable[str]) -> None:
-        new = [k for k in keys if k not in self._defined]
-        for key, summary in self.summaries_for(new).items():
-            kwargs: dict[str, Any] = {"summary": summary}
-            if self.step_metric is not None:
-                kwargs["step_metric"] = self.step_metric
+        new = [k for k in keys if k not in self._defined and k != self.step_metric]
+        summaries = self.summaries_for(new)
+        for key in new:
+            kwargs: dict[str, Any] = {"step_metric": self.step_metric}
+            if key in summaries:
+                kwargs["summary"] = summaries[key]
             run.define_metric(key, **kwargs)
         self._defined.update(new)
 
@@ -626,7 +713,9 @@ class OPBCWandbLogger:
         """Log computed values (scalars as numbers, 1-D tensors as per-index histograms) and, if set,
         the window's ``distributions`` (then reset them; an empty window logs no histogram).
 
-        Call on every rank when ``distributions`` is set (their compute is a collective).
+        ``step`` is written under ``step_metric``; without it, rows are numbered 0, 1, 2, ... Keys absent
+        from ``values`` are not written. Call on every rank when ``distributions`` is set (their compute
+        is a collective).
         """
         hists: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         if self.distributions is not None:
@@ -636,7 +725,7 @@ class OPBCWandbLogger:
         run = self.run
         if run is None:
             return
-        self._configure(run)
+        values = self.key_filter(values)
         if self.layer_bars:
             hists.update(layer_histograms(values, self.num_layers))
         data: dict[str, Any] = {}
@@ -648,7 +737,6 @@ class OPBCWandbLogger:
                 hists[key] = vector_histogram(value)
             else:
                 warnings.warn(f"OPBCWandbLogger: skipping `{key}`: not a scalar or a 1-D vector", stacklevel=2)
-        self._define(run, [k for k in data if k not in self._defined])
         wandb = _import_wandb() if hists else None
         for key, (heights, edges) in hists.items():
             data[key] = wandb.Histogram(np_histogram=(np.asarray(heights), np.asarray(edges)))
@@ -659,7 +747,6 @@ class OPBCWandbLogger:
         run = self.run
         if run is None:
             return
-        self._configure(run)
         wandb = _import_wandb()
         data = {
             key: wandb.Histogram(np_histogram=(np.asarray(c), np.asarray(e)))
@@ -668,17 +755,39 @@ class OPBCWandbLogger:
         self._write(run, data, step, None)
 
     def _write(self, run: Any, data: dict[str, Any], step: int | None, commit: bool | None) -> None:
+        """One row, into whatever row W&B has open, never with ``step=``.
+
+        W&B drops a row whose ``step=`` is behind its own counter, which other writers advance (a
+        ``wandb.log`` without ``step=`` commits and advances it). So this logger writes with
+        ``commit=False`` into the open row (the next writer's commit, or the run's end, closes it) and
+        advances W&B's step only to close its own previous row when nobody did, which is never behind
+        anyone. The x-axis is ``step_metric``, which each row carries.
+        """
         if not data:
             return
-        kwargs: dict[str, Any] = {}
-        if commit is not None:
-            kwargs["commit"] = commit
-        if self.step_metric is not None:
-            if step is not None:
-                data[self.step_metric] = step
-            run.log(data, **kwargs)
-        else:
-            run.log(data, step=step, **kwargs)
+        self._configure(run, data)
+        self._define(run, data)
+        self._update_ranges(run)
+        data[self.step_metric] = step if step is not None else self._rows
+        self._rows += 1
+        try:
+            current = run.step
+        except Exception:  # e.g. a run in W&B's "shared" mode has no single step counter: commit each row
+            run.log(data)
+            return
+        if self._open_row == current and (step is None or step != self._open_step):
+            run.log({}, commit=True)  # our previous row is still open: close it so this one does not overwrite it
+            current += 1
+        run.log(data, commit=bool(commit))
+        self._open_row, self._open_step = (None, None) if commit else (current, step)
+
+
+def _widen(old: float | None, new: float | None, pick: Any) -> float | None:
+    if new is not None and not math.isfinite(new):  # a bound not observed yet
+        new = None
+    if old is None or new is None:
+        return old if new is None else new
+    return float(pick(old, new))
 
 
 def _scalar(value: Any) -> float | None:

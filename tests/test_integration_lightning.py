@@ -21,6 +21,7 @@ from opbc_metrics.integrations.lightning import OPBCCallback  # noqa: E402
 from opbc_metrics.integrations.verl import verl_to_batch  # noqa: E402
 from tests.data import make_batch  # noqa: E402
 from tests.ddp import run_distributed  # noqa: E402
+from tests.wandb_run import read_back  # noqa: E402
 
 SEQ = 12
 
@@ -132,10 +133,12 @@ def loader(samples: list[dict[str, Any]], batch_size: int = 2) -> torch.utils.da
 
 
 def assert_close(got: dict[str, float], want: dict[str, float], suffix: str = "") -> None:
+    """Every value of ``want`` is in ``got``: logged, or given by the rule that left it out (``read_back``)."""
     assert want, "nothing to compare"
+    row = {k[: len(k) - len(suffix)] if suffix else k: v for k, v in got.items() if k.endswith(suffix)}
     for key, value in want.items():
-        assert key + suffix in got, f"{key + suffix} was not logged"
-        assert math.isclose(got[key + suffix], value, rel_tol=1e-9, abs_tol=1e-12), (key, got[key + suffix], value)
+        logged, tol = read_back(row, key)
+        assert math.isclose(logged, value, rel_tol=max(tol, 1e-9), abs_tol=1e-12), (key, logged, value)
 
 
 @pytest.fixture(autouse=True)
@@ -153,7 +156,7 @@ def _quiet() -> Any:
 def test_interval_and_epoch_values_equal_an_independent_collection_on_the_same_batches():
     samples = make_samples(12, seed=3, empty_every=5)  # 6 batches of 2 per epoch
     logger = MemoryLogger()
-    callback = OPBCCallback(key="opbc", log_every_n_steps=2, prog_bar=["opbc/is/ess"])
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2, prog_bar=["opbc/is/ess"], log_epoch=True)
     trainer = make_trainer(callback, logger, epochs=2, log_every_n_steps=50)
     trainer.fit(TinyModule(), loader(samples))
 
@@ -209,7 +212,9 @@ def test_transform_maps_a_frameworks_names_and_epoch_only_logging():
         for i, s in enumerate(samples)
     ]
     logger = MemoryLogger()
-    callback = OPBCCallback(source="batch", transform=verl_to_batch, log_every_n_steps=0, epoch_suffix="")
+    callback = OPBCCallback(
+        source="batch", transform=verl_to_batch, log_every_n_steps=0, log_epoch=True, epoch_suffix=""
+    )
     trainer = make_trainer(callback, logger, log_every_n_steps=50)
     trainer.fit(TinyModule(return_fields=False), loader(verl_samples, batch_size=3))
     records = [m for _, m in logger.records if "opbc/is/ess" in m]
@@ -264,7 +269,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     samples = make_samples(**DDP_SAMPLES)
     logger = MemoryLogger()
-    callback = OPBCCallback(key="opbc", log_every_n_steps=2)
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2, log_epoch=True)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -320,23 +325,25 @@ def test_ddp_two_processes_log_global_values():
 def test_callback_with_wandb_sink_writes_windows_epoch_and_histograms(tmp_path):
     pytest.importorskip("wandb")
     from opbc_metrics.integrations.wandb_logger import DistributionHistograms, OPBCWandbLogger
-    from tests.test_integration_wandb import read_offline_run
+    from tests.wandb_run import read_offline_run
 
     samples = make_samples(10, seed=8)  # 5 batches: windows after batches 2 and 4, a 1-batch tail
     sink = OPBCWandbLogger(
         distributions=DistributionHistograms(bins=16), mode="offline", dir=str(tmp_path), log_glossary=False
     )
-    callback = OPBCCallback(key="opbc", log_every_n_steps=2, sinks=[sink])
-    make_trainer(callback, MemoryLogger(), log_every_n_steps=50).fit(TinyModule(), loader(samples))
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2, sinks=[sink], log_epoch=True)
+    trainer_logger = MemoryLogger()
+    make_trainer(callback, trainer_logger, log_every_n_steps=50).fit(TinyModule(), loader(samples))
     sink.finish()
+    assert trainer_logger.opbc_records() == [] and trainer_logger.opbc_records("_epoch") == []  # one destination
 
     history = read_offline_run(tmp_path)["history"]
     windows = [r for r in history if "opbc/is/ess" in r]
-    assert [r["_step"] for r in windows] == [1, 3]
+    assert [r["opbc/step"] for r in windows] == [1, 3]
     assert_close(windows[0], reference(samples[:4]))
     assert_close(windows[1], reference(samples[4:8]))
     epoch = [r for r in history if "opbc/is/ess_epoch" in r]
-    assert [r["_step"] for r in epoch] == [5]
+    assert [r["opbc/step"] for r in epoch] == [5]
     assert_close(epoch[0], reference(samples), suffix="_epoch")
     # Window histograms count that window's valid tokens; the tail batch's histogram rides with the
     # epoch row.
@@ -359,3 +366,94 @@ def test_lightning_example_runs_and_measures_a_real_bf16_mismatch(tmp_path, monk
     assert 0.0 < out["opbc/logprob/abs_diff_mean"] < 0.05  # bf16 rounding of the same weights
     assert out["opbc/input/num_sequences"] == 32
     assert (tmp_path / "lightning_logs").exists()
+
+    pytest.importorskip("wandb")
+    from tests.wandb_run import read_offline_run
+
+    example.main(["--batches", "4", "--epochs", "1", "--log-every", "2", "--wandb-dir", str(tmp_path / "wb")])
+    history = read_offline_run(tmp_path / "wb")["history"]
+    assert [r["opbc/step"] for r in history if "opbc/is/ess" in r] == [1, 3]  # the sink, in Lightning's run
+    assert any("train/loss" in r for r in history) and any("opbc/glossary" in r for r in history)
+
+
+# ------------------------------------------------------------------------------------------------
+# One destination, one key per quantity, and the torchmetrics habit
+# ------------------------------------------------------------------------------------------------
+def test_each_quantity_is_written_once_and_epoch_copies_are_opt_in():
+    samples = make_samples(8, seed=12)
+    logger = MemoryLogger()
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2)
+    make_trainer(callback, logger, log_every_n_steps=50).fit(TinyModule(), loader(samples))
+    windows = logger.opbc_records()
+    assert [step for step, _ in windows] == [1, 3]
+    for _, record in windows:
+        assert not any(k.endswith("_epoch") for k in record)
+        assert "opbc/log_ratio/max_abs" not in record and "opbc/ppl/log_ppl_diff" not in record
+        assert "opbc/logprob/abs_diff_max" in record
+    assert_close(windows[0][1], reference(samples[:4]))
+    assert_close({k: v.item() for k, v in callback.epoch_values.items()}, reference(samples))  # still computed
+
+    everything = MemoryLogger()
+    make_trainer(OPBCCallback(key="opbc", log_every_n_steps=2, log_all=True), everything, log_every_n_steps=50).fit(
+        TinyModule(), loader(samples)
+    )
+    record = everything.opbc_records()[0][1]
+    assert set(reference(samples[:4])) <= set(record)
+
+
+class LogsTheCollection(TinyModule):
+    """The torchmetrics habit: ``self.log_dict(self.opbc)`` after updating it."""
+
+    def __init__(self) -> None:
+        super().__init__(hold_collection=True)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        self.opbc.update(out["opbc"])
+        self.log_dict(self.opbc)
+        self.batches_run = batch_idx + 1
+        return out
+
+
+def test_log_dict_of_the_collection_fails_at_the_first_batch_with_advice():
+    module = LogsTheCollection()
+    with pytest.raises(TypeError, match=r"self\.log_dict\(self\.opbc\.compute\(\), sync_dist=False\)"):
+        make_trainer(OPBCCallback("opbc", key="opbc"), MemoryLogger()).fit(module, loader(make_samples(8, seed=13)))
+    assert module.batches_run == 1
+
+
+def test_lightning_wandb_logger_owns_the_run_and_the_sink_keeps_every_row(tmp_path):
+    pytest.importorskip("wandb")
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    from opbc_metrics.integrations.wandb_logger import OPBCWandbLogger
+    from tests.wandb_run import read_offline_run
+
+    class LogsLoss(TinyModule):
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            out = super().training_step(batch, batch_idx)
+            self.log("train/loss", float(batch_idx), on_step=True, batch_size=2)
+            return out
+
+    samples = make_samples(12, seed=14)  # 6 batches
+    lightning_logger = WandbLogger(project="lightning-owns", save_dir=str(tmp_path), offline=True)
+    sink = OPBCWandbLogger(log_glossary=False)
+    callback = OPBCCallback(key="opbc", log_every_n_steps=1, sinks=[sink])
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=lightning_logger, callbacks=[callback], log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(LogsLoss(), loader(samples))
+    assert sink.run is lightning_logger.experiment and not sink.owns_run
+    sink.finish()
+    lightning_logger.experiment.log({"after": 1.0})  # still open: the sink did not finish it
+    wandb.finish()
+
+    history = read_offline_run(tmp_path)["history"]
+    opbc_rows = [r for r in history if "opbc/is/ess" in r]
+    assert [r["opbc/step"] for r in opbc_rows] == list(range(6))
+    for b, row in enumerate(opbc_rows):
+        assert_close(row, reference(samples[2 * b : 2 * b + 2]))
+    assert [r["train/loss"] for r in history if "train/loss" in r] == [float(b) for b in range(6)]
+    assert any("after" in r for r in history)

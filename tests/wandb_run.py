@@ -1,0 +1,234 @@
+"""Read an offline W&B run back from its ``.wandb`` file, and count what its dashboard shows.
+
+wandb >= 0.19 writes offline runs with its Go core and ships no Python reader for the transaction log,
+so :func:`read_offline_run` parses it here: a LevelDB-log-style file (a 7-byte header ``":W&B"``,
+magic ``0xBEE1``, version 0, then 32 KiB blocks of records with a 7-byte header: CRC32C, length,
+type FULL/FIRST/MIDDLE/LAST) whose payloads are ``wandb.proto.wandb_internal_pb2.Record`` messages.
+
+Run as a script to count the scalar charts and the duplicate keys of a run::
+
+    WANDB_MODE=offline .venv/bin/python examples/demo.py --out runs/demo
+    .venv/bin/python -m tests.wandb_run runs/demo
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import math
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _records(path: str) -> list[Any]:
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0), "not a wandb transaction log"
+    block, header = 32768, 7
+    pos, pending, payloads = 7, b"", []
+    while pos + header <= len(data):
+        left = block - pos % block
+        if left < header:  # block trailer padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + header])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk = data[pos + header : pos + header + length]
+        pos += header + length
+        if kind == 1:
+            payloads.append(chunk)
+        elif kind == 2:
+            pending = chunk
+        elif kind == 3:
+            pending += chunk
+        elif kind == 4:
+            payloads.append(pending + chunk)
+            pending = b""
+    out = []
+    for payload in payloads:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        out.append(record)
+    return out
+
+
+def _items(items: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        value = json.loads(item.value_json)
+        if item.key or len(item.nested_key) == 1:
+            out[item.key or item.nested_key[0]] = value
+        else:
+            parent, child = "/".join(item.nested_key[:-1]), item.nested_key[-1]
+            out.setdefault(parent, {})[child] = value
+    return out
+
+
+def run_file(root: str | Path) -> str:
+    """The ``.wandb`` file of the one offline run under ``root`` (the ``dir`` given to ``wandb.init``)."""
+    (path,) = glob.glob(str(Path(root) / "wandb" / "offline-run-*" / "run-*.wandb"))
+    return path
+
+
+def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
+    """History rows, final summary, merged config, ``define_metric`` records and files of the one offline run.
+
+    wandb-core may still be flushing the log when ``run.finish()`` returns (seen on a loaded machine),
+    so the file is re-read until its ``exit`` record is there.
+    """
+    path = run_file(root)
+    deadline = time.monotonic() + timeout
+    records = _records(path)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = _records(path)
+    run: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "metrics": {}, "files": [], "path": path}
+    run["kinds"] = sorted(r.WhichOneof("record_type") for r in records)
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            run["history"].append(_items(record.history.item))
+        elif kind == "summary":
+            run["summary"].update(_items(record.summary.update))
+        elif kind == "config":
+            run["config"].update(_items(record.config.update))
+        elif kind == "files":
+            run["files"] += [f.path for f in record.files.files]
+        elif kind == "metric":
+            m = record.metric
+            run["metrics"][m.name] = {
+                "summary": {f for f in ("min", "max", "mean", "last", "best") if getattr(m.summary, f)},
+                "step_metric": m.step_metric,
+                "hidden": m.options.hidden,
+            }
+    return run
+
+
+# ------------------------------------------------------------------------------------------------
+# What the dashboard shows
+# ------------------------------------------------------------------------------------------------
+def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
+    """``(value, relative tolerance)`` of a computed key in a logged row: the logged value, or the value the
+    rule that left the key out gives (an alias of its canonical key, a zero overflow counter, a per-round
+    key of a single-round window). Raises ``KeyError`` for a key that is missing without a rule."""
+    from opbc_metrics.integrations.dashboard import resolve_alias
+
+    if key in row:
+        return row[key], 1e-12
+    alias = resolve_alias(key)
+    if alias is not None:
+        return alias.sign * row[alias.canonical], 1e-12
+    if "overflow" in key:
+        return 0.0, 0.0
+    at = key.find("per_round/")
+    if at >= 0:  # round 0 is the whole response (accumulated in another order: float rounding differs)
+        head, name = key[:at], key[at + len("per_round/") :]
+        whole = row[head + "opbc/logprob/abs_diff_mean"]
+        derived = {"total_rounds": 1.0, "round_0_abs_diff_mean": whole, "max_diff_value": whole,
+                   "round_0_token_count": row[head + "opbc/input/num_tokens"]}
+        return derived.get(name, 0.0), 1e-9
+    raise KeyError(f"{key} was not logged")
+
+
+
+def scalar_series(run: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """``{key: {row index: value}}`` of every numeric key W&B draws a line chart for (``_step`` and metrics
+    defined ``hidden``, such as a step metric, excluded)."""
+    hidden = {k for k, m in run["metrics"].items() if m.get("hidden")}
+    out: dict[str, dict[int, float]] = {}
+    for i, row in enumerate(run["history"]):
+        for key, value in row.items():
+            if key.startswith("_") or key in hidden or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            out.setdefault(key, {})[i] = float(value)
+    return out
+
+
+def equal_pairs(
+    series: dict[str, dict[int, float]], min_rows: int = 2, rel_tol: float = 1e-6
+) -> list[tuple[str, str, str]]:
+    """Pairs of keys logged on the same rows (at least ``min_rows``) with equal or opposite values on all of them.
+
+    Returns ``(key_a, key_b, "equal" | "negated")``; pairs where both keys are one constant are left out
+    (two counters that stay 0 are two quantities, not one). ``rel_tol`` 1e-6 also catches one quantity
+    computed twice in different precisions.
+    """
+    out = []
+    for a, b in itertools.combinations(sorted(series), 2):
+        sa, sb = series[a], series[b]
+        if sa.keys() != sb.keys() or len(sa) < min_rows:
+            continue
+        if _constant(sa, rel_tol) and _constant(sb, rel_tol):
+            continue
+        for sign, name in ((1.0, "equal"), (-1.0, "negated")):
+            if all(_close(sa[i], sign * sb[i], rel_tol) for i in sa):
+                out.append((a, b, name))
+                break
+    return out
+
+
+def _constant(series: dict[int, float], rel_tol: float) -> bool:
+    first = next(iter(series.values()))
+    return all(_close(v, first, rel_tol) for v in series.values())
+
+
+def _close(x: float, y: float, rel_tol: float) -> bool:
+    if math.isnan(x) or math.isnan(y):
+        return math.isnan(x) and math.isnan(y)
+    return math.isclose(x, y, rel_tol=rel_tol, abs_tol=1e-12)
+
+
+def chart_report(run: dict[str, Any]) -> dict[str, Any]:
+    """Counts of a run's dashboard: scalar charts, one-point charts, histograms, duplicate pairs, config size."""
+    series = scalar_series(run)
+    media = {(k, v.get("_type")) for row in run["history"] for k, v in row.items() if isinstance(v, dict)}
+    pairs = equal_pairs(series)
+    config_entries = sum(1 for _ in _leaves(run["config"]))
+    return {
+        "rows": len(run["history"]),
+        "scalar_charts": len(series),
+        "one_point_charts": sum(1 for s in series.values() if len(s) == 1),
+        "constant_zero_charts": sum(1 for s in series.values() if len(s) > 1 and set(s.values()) == {0.0}),
+        "histogram_charts": sum(1 for _, kind in media if kind == "histogram"),
+        "tables": sum(1 for _, kind in media if kind == "table-file"),
+        "equal_pairs": len(pairs),
+        "pairs": pairs,
+        "config_entries": config_entries,
+    }
+
+
+def _leaves(value: Any) -> Any:
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def main(argv: list[str]) -> None:
+    root = argv[0] if argv else "runs/demo"
+    report = chart_report(read_offline_run(root))
+    for key, value in report.items():
+        if key != "pairs":
+            print(f"{key:<22} {value}")
+    for a, b, how in report["pairs"]:
+        print(f"  {how:<8} {a}  {b}")
+    if "-v" in argv:
+        series = scalar_series(read_offline_run(root))
+        for key in sorted(series):
+            print(f"  {len(series[key]):4d} {key}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
