@@ -453,6 +453,7 @@ def verl_training_metrics(
     verl's ``timing_raw`` (other stages ignored), ``global_seqlen`` balanced on :func:`verl_workload` over
     ``dp_size`` ranks."""
     from opbc_metrics.training import (
+        AbortedRatio,
         AdvantageStats,
         ExplainedVariance,
         GlobalSeqlen,
@@ -476,6 +477,7 @@ def verl_training_metrics(
         ExplainedVariance(),
         ResponseLength(max_response_length),
         PromptLength(max_prompt_length),
+        AbortedRatio(),
         NumTurns(),
         StageTiming(VERL_TIMING_STAGES, strict=False, world_size=1),
         Throughput(num_gpus=n_gpus, world_size=1),
