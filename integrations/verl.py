@@ -552,7 +552,9 @@ class OPBCPPOTrainerMixin(_OPBCTrainer):
 def _tq_get(batch: Any, fields: Sequence[str], padding_mask: bool = False) -> Any:
     import transfer_queue as tq
 
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=list(fields))
+    stored = getattr(batch, "fields", None)  # the fields TransferQueue holds for these keys, when known
+    wanted = [f for f in fields if stored is None or f in stored]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=wanted)
     if padding_mask:
         keep = [not tag.get("is_padding", False) for tag in batch.tags]
         if not all(keep) and any(keep):
