@@ -237,3 +237,21 @@ def test_with_opbc_wraps_a_subclass_and_the_module_imports_without_trl_access():
     assert issubclass(opbc_trl.OPBCGRPOTrainer, trl.GRPOTrainer)
     with pytest.raises(TypeError):
         opbc_trl.with_opbc("GRPOTrainer")
+
+
+def test_readme_snippet_trains_and_logs(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "readme_trl.py"
+    spec = importlib.util.spec_from_file_location("readme_trl", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    trainer = module.train(
+        make_model(), make_tokenizer(), make_dataset(), reward_len, rollout_func=rollout_func,
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=COMPLETION_LEN, max_steps=1, logging_steps=1, report_to="none", save_strategy="no",
+        use_cpu=True,
+    )
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert_offset_read(log)

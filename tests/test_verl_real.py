@@ -268,3 +268,18 @@ def test_legacy_fit_merges_the_step_into_verls_metrics(monkeypatch):
     b = data.batch
     verls = compute_offpolicy_metrics(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
     assert_equal_where_both_define(logged, verls, min_pairs=7)
+
+
+def test_readme_snippet_registers_the_v1_trainer_and_builds_the_legacy_one():
+    import importlib.util
+    from pathlib import Path
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "readme_verl.py"
+    spec = importlib.util.spec_from_file_location("readme_verl", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    v1 = get_trainer_cls("opbc_sync")
+    assert issubclass(v1, opbc_verl.OPBCPPOTrainerMixin) and v1.opbc_options == {"training": True}
+    assert issubclass(module.OPBCRayPPOTrainer, opbc_verl.OPBCRayPPOTrainerMixin)
