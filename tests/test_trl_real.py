@@ -255,3 +255,55 @@ def test_readme_snippet_trains_and_logs(tmp_path):
     )
     (log,) = [h for h in trainer.state.log_history if "loss" in h]
     assert_offset_read(log)
+
+
+def _ddp_worker(rank: int, world: int, out: str, port: str) -> None:
+    """One process of a 2-process (gloo) GRPO run; writes its training logs to ``out``."""
+    import json
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port)
+    args = trl.GRPOConfig(output_dir=f"{out}/r{rank}", per_device_train_batch_size=4, num_generations=2,
+                          max_completion_length=COMPLETION_LEN, max_steps=2, logging_steps=1, report_to="none",
+                          save_strategy="no", use_cpu=True, seed=0, ddp_backend="gloo")
+    trainer = opbc_trl.OPBCGRPOTrainer(model=make_model(), reward_funcs=reward_len, args=args,
+                                       train_dataset=make_dataset(), processing_class=make_tokenizer(),
+                                       rollout_func=rollout_func)
+    trainer.train()
+    assert trainer.accelerator.num_processes == world
+    with open(f"{out}/logs{rank}.json", "w") as f:
+        json.dump([h for h in trainer.state.log_history if "loss" in h], f)
+
+
+def test_two_processes_log_the_synced_values_on_every_process(tmp_path):
+    """compute() is a collective: every process reaches it in TRL's log(), and all log the same synced values."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "WANDB_MODE": "offline"}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_trl_real", str(r), "2", str(tmp_path), port],
+                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    logs = [json.loads((tmp_path / f"logs{r}.json").read_text()) for r in range(2)]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for a, b in zip(*logs):
+        ours = sorted(k for k in a if k.startswith("opbc/"))
+        assert ours and ours == sorted(k for k in b if k.startswith("opbc/"))
+        for k in ours:
+            assert a[k] == b[k], k
+        assert a["opbc/input/num_tokens"] == 2 * 4 * COMPLETION_LEN  # both processes' tokens
+        assert_offset_read({**a, "opbc/input/num_tokens": a["opbc/input/num_tokens"] / 2})
+
+
+if __name__ == "__main__":
+    import sys
+
+    _ddp_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
