@@ -283,3 +283,21 @@ def test_readme_snippet_registers_the_v1_trainer_and_builds_the_legacy_one():
     v1 = get_trainer_cls("opbc_sync")
     assert issubclass(v1, opbc_verl.OPBCPPOTrainerMixin) and v1.opbc_options == {"training": True}
     assert issubclass(module.OPBCRayPPOTrainer, opbc_verl.OPBCRayPPOTrainerMixin)
+
+
+def test_aborted_responses_are_left_out_of_scores_and_rewards_as_verl_does():
+    data = make_dataproto(seed=4)
+    b = data.batch
+    width = b["prompts"].shape[1]
+    for row in (1, 5):  # two aborted rollouts: empty response, score 0
+        b["attention_mask"][row, width:] = 0
+        b["response_mask"][row] = 0
+        b["token_level_scores"][row] = 0.0
+        b["token_level_rewards"][row] = 0.0
+    m = opbc_verl.VerlMetrics(training=True, max_response_length=b["responses"].shape[-1])
+    m.observe_step(data)
+    ours = m.compute()
+    verls = metric_utils.compute_data_metrics(batch=data, use_critic=True)
+    verls.pop("critic/vf_explained_var")
+    pairs = assert_equal_where_both_define(ours, verls, min_pairs=20)
+    assert "critic/score/mean" in pairs and "critic/rewards/min" in pairs and "response/aborted_ratio" in pairs
