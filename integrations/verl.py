@@ -390,13 +390,6 @@ class VerlMetrics:
                 fields["rank_ids"] = torch.arange(n) * self.dp_size // max(n, 1)
             if timing_raw is not None:
                 fields["timing_s"] = {k: float(v) for k, v in timing_raw.items()}
-            lengths = fields.get("response_lengths")
-            if isinstance(lengths, Tensor) and not bool((lengths > 0).all()):
-                # verl's critic/score/* and critic/rewards/* leave aborted (empty) responses out
-                keep = lengths > 0
-                per_sequence = {k: fields.pop(k)[keep] for k in ("scores", "rewards") if k in fields}
-                if bool(keep.any()):
-                    self.training.update(per_sequence)
             self.training.update(fields)
             self._steps += 1
         except Exception as err:
