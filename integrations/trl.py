@@ -4,8 +4,8 @@ Importing this module does not import TRL: :func:`trl_to_batch` reads names only
 is built from TRL's ``GRPOTrainer`` on first access. Tested against TRL 1.16.
 
 Targeted version: TRL 1.x ``GRPOTrainer`` with vLLM generation or a ``rollout_func``. The rollout
-logprobs exist in TRL's batch since its vLLM truncated-importance-sampling correction (huggingface/trl PR #3867, merged
-August 2025); older releases do not return them and cannot feed the mismatch metrics. The names
+logprobs exist in TRL's batch since its vLLM truncated-importance-sampling correction (huggingface/trl
+PR #3867, merged August 2025); older releases do not return them and cannot feed the mismatch metrics. The names
 below were checked against ``trl/trainer/grpo_trainer.py`` (``_generate_and_score_completions``,
 whose returned dict is what ``compute_loss`` later receives as ``inputs``) and
 ``trl/trainer/grpo_config.py``, as in the 1.6/1.7 sources quoted in unslothai/unsloth-zoo PR #870:
