@@ -6,6 +6,8 @@ Nothing is imported here, so the optional dependencies stay optional; import the
 * :mod:`opbc_metrics.integrations.wandb_logger` -- ``OPBCWandbLogger``, ``DistributionHistograms``
   (the ``wandb`` extra);
 * :mod:`opbc_metrics.integrations.dashboard` -- which keys the loggers write (one per quantity);
-* :mod:`opbc_metrics.integrations.verl` -- ``verl_to_batch`` (no verl import);
-* :mod:`opbc_metrics.integrations.trl` -- ``trl_to_batch`` (no TRL import).
+* :mod:`opbc_metrics.integrations.verl` -- ``with_opbc`` for verl's trainers, ``VerlMetrics``, ``verl_to_batch``
+  (the ``integrations`` extra; importing the module does not import verl);
+* :mod:`opbc_metrics.integrations.trl` -- ``OPBCGRPOTrainer``, ``with_opbc``, ``trl_to_batch`` (TRL is
+  imported on first use of the trainer class).
 """

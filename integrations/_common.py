@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,3 +89,49 @@ def as_plain_mapping(obj: Any, what: str) -> Mapping[str, Any]:
     if isinstance(obj, Mapping) or (hasattr(obj, "keys") and hasattr(obj, "__getitem__")):
         return obj
     raise TypeError(f"{what} must be a mapping of tensors, got {type(obj).__name__}")
+
+
+class OPBCIntegrationWarning(UserWarning):
+    """A batch the integration could not read (reported once per distinct problem, then skipped)."""
+
+
+class ReportOnce:
+    """Warn once per distinct problem; integrations skip the batch and training goes on."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.seen: set[str] = set()
+
+    def __call__(self, problem: str | BaseException) -> None:
+        text = f"{type(problem).__name__}: {problem}" if isinstance(problem, BaseException) else str(problem)
+        if text in self.seen:
+            return
+        self.seen.add(text)
+        warnings.warn(f"{self.where}: {text} (reported once; such batches are skipped)", OPBCIntegrationWarning,
+                      stacklevel=3)
+
+
+def loggable(values: Mapping[str, Any], *, logprob_window: bool = False) -> dict[str, float]:
+    """``compute()`` output -> ``{key: float}`` for a trainer's logger; ``{}`` when the window had no data.
+
+    Only the keys present are converted (a metric without data has no key, and none is filled in).
+    Multi-element values (per-layer vectors) are left to loggers that take tensors. A result that holds only
+    the input-accounting keys, all zero, is a window without data: nothing is logged. With
+    ``logprob_window`` (a collection fed only logprob batches), a window whose synced input accounting
+    counts no token and no sequence logs nothing either.
+    """
+    from opbc_metrics.functional.mismatch import INPUT_KEYS
+
+    out: dict[str, float] = {}
+    for key, value in values.items():
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                continue
+            out[key] = float(value.detach().reshape(()).item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(value)
+    if out and set(out) <= set(INPUT_KEYS) and not any(out.values()):
+        return {}
+    if logprob_window and not any(out.get(k, 0.0) for k in INPUT_KEYS[1:]):  # num_tokens, num_sequences
+        return {}
+    return out

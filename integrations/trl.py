@@ -1,10 +1,11 @@
-"""TRL adapter: the inputs dict of TRL's ``GRPOTrainer`` -> the opbc batch schema.
+"""TRL integration: :class:`OPBCGRPOTrainer` and :func:`trl_to_batch` (TRL's batch -> the batch schema).
 
-TRL is not imported: the adapter reads names only.
+Importing this module does not import TRL: :func:`trl_to_batch` reads names only, and the trainer class
+is built from TRL's ``GRPOTrainer`` on first access. Tested against TRL 1.16.
 
-Targeted version: TRL 1.x ``GRPOTrainer`` with vLLM generation. The rollout logprobs exist in TRL's
-batch since its vLLM truncated-importance-sampling correction (huggingface/trl PR #3867, merged
-August 2025); older releases do not return them and cannot feed the mismatch metrics. The names
+Targeted version: TRL 1.x ``GRPOTrainer`` with vLLM generation or a ``rollout_func``. The rollout
+logprobs exist in TRL's batch since its vLLM truncated-importance-sampling correction (huggingface/trl
+PR #3867, merged August 2025); older releases do not return them and cannot feed the mismatch metrics. The names
 below were checked against ``trl/trainer/grpo_trainer.py`` (``_generate_and_score_completions``,
 whose returned dict is what ``compute_loss`` later receives as ``inputs``) and
 ``trl/trainer/grpo_config.py``, as in the 1.6/1.7 sources quoted in unslothai/unsloth-zoo PR #870:
@@ -36,33 +37,32 @@ whose returned dict is what ``compute_loss`` later receives as ``inputs``) and
 Fields already named as in the batch schema (e.g. ``rewards`` in TRL variants that return it) pass
 through.
 
-Recipe (``compute()`` is a collective: call it on every process; transformers' ``Trainer`` runs
-``log()`` on all of them)::
+**The trainer.** :class:`OPBCGRPOTrainer` (TRL imported on first use) is ``GRPOTrainer`` plus the
+metrics; :func:`with_opbc` adds them to any ``GRPOTrainer`` subclass. One line changes::
 
-    from trl import GRPOTrainer
-    from opbc_metrics import OPBCCollection
-    from opbc_metrics.integrations.trl import trl_to_batch
+    from opbc_metrics.integrations.trl import OPBCGRPOTrainer
+    trainer = OPBCGRPOTrainer(model=model, args=GRPOConfig(...), reward_funcs=..., train_dataset=...)
 
-    class OPBCGRPOTrainer(GRPOTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.opbc = OPBCCollection().to(self.accelerator.device)
+Every generation batch that carries rollout logprobs (``sampling_per_token_logps``: vLLM, or a
+``rollout_func`` that returns ``logprobs``) feeds the collection:
 
-        def _generate_and_score_completions(self, inputs):
-            out = super()._generate_and_score_completions(inputs)
-            if self.model.training and out.get("sampling_per_token_logps") is not None:
-                self.opbc.update(trl_to_batch(out, num_generations=self.num_generations,
-                                              process_index=self.accelerator.process_index))
-            return out
+* when TRL computed ``old_per_token_logps`` (vLLM with importance-sampling correction, or generation
+  misaligned with the optimizer steps), right after generation, with the groups of the generation order;
+* otherwise (``steps_per_generation`` and ``num_iterations`` aligned with gradient accumulation, no IS
+  correction) TRL uses the training forward's logprobs as the old ones: the trainer captures them in the
+  first loss computation of each slice, at no extra forward pass, with group ids carried through TRL's
+  shuffle in the ``opbc_group_ids`` field.
 
-        def log(self, logs, start_time=None):
-            if "loss" in logs:  # training logs, reached by every process at the same step
-                logs.update({k: v.item() for k, v in self.opbc.compute().items()})
-                self.opbc.reset()
-            super().log(logs, start_time)
+The values are added to TRL's own ``log()`` (every process computes, as the sync needs; the main process
+writes). A window without a fed batch logs no key; a batch the trainer cannot read (no rollout logprobs,
+bad fields) is reported once as an :class:`OPBCIntegrationWarning` and skipped, never stopping training.
 
-``_generate_and_score_completions`` is a private TRL method: if a TRL release renames it, call the
-adapter wherever the generated batch dict is available.
+With ``opbc_controller=`` an :class:`~opbc_metrics.controller.OPBCController` (or a preset name), the
+controller decides every group of each generation batch: its per-token weights replace TRL's vLLM
+importance-sampling ratio in the loss (``importance_sampling_ratio``, so TRL's path with
+``use_vllm=True, vllm_importance_sampling_correction=True`` is required for the weights, not for the mask),
+its loss mask removes replayed, quarantined and rejected groups from the loss (through ``tool_mask``), and
+its budget keys (``opbc/decision/*``) are logged. Off by default.
 """
 
 from __future__ import annotations
@@ -72,7 +72,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.integrations._common import as_plain_mapping, ids_to_group_ids, lookup, passthrough
+from opbc_metrics.integrations._common import (
+    OPBCIntegrationWarning,
+    ReportOnce,
+    as_plain_mapping,
+    ids_to_group_ids,
+    loggable,
+    lookup,
+    passthrough,
+)
 
 TRL_TRAINER_LOGPROBS = "old_per_token_logps"
 TRL_ROLLOUT_LOGPROBS = "sampling_per_token_logps"
@@ -80,7 +88,15 @@ TRL_COMPLETION_MASK = "completion_mask"
 TRL_TOOL_MASK = "tool_mask"
 TRL_PROMPT_MASK = "prompt_mask"
 
-__all__ = ["trl_to_batch"]
+__all__ = [  # noqa: F822 (OPBCGRPOTrainer is built on first access, see __getattr__)
+    "OPBCGRPOTrainer", "OPBCIntegrationWarning",
+    "OPBCTrainerMixin",
+    "trl_to_batch",
+    "with_opbc",
+]
+
+# Carries each row's group id through TRL's shuffle and split of the generation batch.
+GROUP_FIELD = "opbc_group_ids"
 
 
 def trl_to_batch(
@@ -189,3 +205,164 @@ def trl_to_batch(
         positions = torch.arange(start, start + batch_size, device=completion_mask.device)
         out["group_ids"] = torch.div(positions, num_generations, rounding_mode="floor")
     return out
+
+
+def generation_group_ids(batch_size: int, num_generations: int, process_index: int, device: Any = None) -> Tensor:
+    """Group id of each row of a process's generation batch: TRL's ``RepeatSampler`` keeps the
+    ``num_generations`` completions of a prompt together in the globally ordered batch."""
+    start = process_index * batch_size
+    return torch.div(torch.arange(start, start + batch_size, device=device), num_generations, rounding_mode="floor")
+
+
+class OPBCTrainerMixin:
+    """Adds the OPBC metrics (and optionally the controller) to a TRL ``GRPOTrainer`` subclass.
+
+    Put it first in the bases (``class T(OPBCTrainerMixin, GRPOTrainer)``), or use :func:`with_opbc`.
+
+    Keyword arguments taken by ``__init__`` (the rest go to the trainer):
+        opbc: the :class:`~opbc_metrics.OPBCCollection` to feed (default: ``OPBCCollection()``).
+        opbc_controller: an :class:`~opbc_metrics.controller.OPBCController` or a policy preset name; its
+            weights and loss mask then act on the loss (off by default).
+    """
+
+    def __init__(self, *args: Any, opbc: Any = None, opbc_controller: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from opbc_metrics import OPBCCollection
+        from opbc_metrics.controller import OPBCController
+
+        self.opbc = (opbc if opbc is not None else OPBCCollection()).to(self.accelerator.device)
+        if isinstance(opbc_controller, str):
+            opbc_controller = OPBCController(opbc_controller)
+        self.opbc_controller = opbc_controller.to(self.accelerator.device) if opbc_controller is not None else None
+        self._opbc_report = ReportOnce(f"{type(self).__name__} (opbc-metrics)")
+        self._opbc_window = 0  # batches fed or attempted since the last log: the same count on every process
+        self._opbc_generation_step = -1
+        self._opbc_capture: list[Tensor] | None = None
+
+    # -- feeding --------------------------------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        out = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return out
+        self._opbc_generation_step = self._step
+        try:
+            completion_mask = out["completion_mask"]
+            groups = generation_group_ids(
+                completion_mask.shape[0], self.num_generations, self.accelerator.process_index, completion_mask.device
+            )
+        except Exception as err:  # never break training
+            self._opbc_window += 1
+            self._opbc_report(err)
+            return out
+        if out.get(TRL_ROLLOUT_LOGPROBS) is None:
+            self._opbc_window += 1
+            self._opbc_report(
+                f"the generation batch has no `{TRL_ROLLOUT_LOGPROBS}` (the rollout engine's logprobs): generate with "
+                "vLLM (use_vllm=True) or a rollout_func that returns `logprobs`; there is no mismatch to measure"
+            )
+        elif out.get(TRL_TRAINER_LOGPROBS) is not None:
+            self._opbc_window += 1
+            try:
+                batch = trl_to_batch(out, group_ids=groups)
+                if self.opbc_controller is not None:
+                    self._opbc_control(out, batch)
+                self.opbc.update(batch)
+            except Exception as err:
+                self._opbc_report(err)
+        else:
+            # TRL will use the training forward's logprobs as the old ones: fed from _compute_loss.
+            out[GROUP_FIELD] = groups
+            if self.opbc_controller is not None:
+                self._opbc_report(
+                    "the controller needs the trainer's logprobs at generation time, which TRL computes only with "
+                    "vLLM importance-sampling correction (or misaligned generation); it does not act on this run"
+                )
+        return out
+
+    def _compute_loss(self, model: Any, inputs: Any) -> Any:
+        capture = (
+            self.model.training
+            and GROUP_FIELD in inputs
+            and inputs.get(TRL_TRAINER_LOGPROBS) is None
+            and self._step - self._opbc_generation_step < self.args.steps_per_generation  # first pass over the slice
+        )
+        if not capture:
+            return super()._compute_loss(model, inputs)
+        self._opbc_window += 1
+        self._opbc_capture = []
+        try:
+            loss = super()._compute_loss(model, inputs)
+            captured = self._opbc_capture
+        finally:
+            self._opbc_capture = None
+        try:
+            if not captured:
+                raise ValueError("the loss computed no per-token logprobs to read")
+            self.opbc.update(trl_to_batch({**inputs, TRL_TRAINER_LOGPROBS: captured[0]}, group_ids=inputs[GROUP_FIELD]))
+        except Exception as err:
+            self._opbc_report(err)
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._opbc_capture is not None and not self._opbc_capture:
+            self._opbc_capture.append(out[0].detach())
+        return out
+
+    def _opbc_control(self, out: dict[str, Any], batch: dict[str, Any]) -> None:
+        decisions = self.opbc_controller.step(batch)
+        ratio = out.get("importance_sampling_ratio")
+        if ratio is not None and getattr(self, "loss_type", None) != "vespo":
+            out["importance_sampling_ratio"] = decisions.weights.to(ratio.dtype)
+        else:
+            self._opbc_report(
+                "the controller's weights replace TRL's vLLM importance-sampling ratio, which this configuration "
+                "does not apply (use_vllm=True, vllm_importance_sampling_correction=True, loss_type != 'vespo'); "
+                "only its loss mask acts"
+            )
+        mask = decisions.loss_mask.to(out["completion_mask"].dtype)
+        tool_mask = out.get(TRL_TOOL_MASK)
+        out[TRL_TOOL_MASK] = mask if tool_mask is None else tool_mask * mask
+
+    # -- logging --------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        training_log = self.model.training and not any(k.startswith("eval_") for k in logs)
+        if training_log and self._opbc_window:
+            self._opbc_window = 0
+            try:  # compute() is collective: every process gets here at the same log
+                values = loggable(self.opbc.compute(), logprob_window=True)
+                if self.opbc_controller is not None and self.opbc_controller.budget is not None:
+                    values.update(loggable(self.opbc_controller.compute_budget()))
+            except Exception as err:
+                self._opbc_report(err)
+                values = {}
+            finally:
+                self.opbc.reset()
+                if self.opbc_controller is not None:
+                    self.opbc_controller.reset_budget()
+            logs.update(values)
+        super().log(logs, start_time)
+
+
+def with_opbc(trainer_cls: type) -> type:
+    """``trainer_cls`` (``GRPOTrainer`` or a subclass) with :class:`OPBCTrainerMixin` mixed in.
+
+    Example:
+        >>> from trl import GRPOTrainer  # doctest: +SKIP
+        >>> MyTrainer = with_opbc(GRPOTrainer)  # doctest: +SKIP
+    """
+    if not isinstance(trainer_cls, type):
+        raise TypeError(f"with_opbc expects a trainer class, got {type(trainer_cls).__name__}")
+    if issubclass(trainer_cls, OPBCTrainerMixin):
+        return trainer_cls
+    return type(f"OPBC{trainer_cls.__name__}", (OPBCTrainerMixin, trainer_cls), {"__module__": __name__})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OPBCGRPOTrainer":  # built on first use, so importing this module does not import TRL
+        from trl import GRPOTrainer
+
+        cls = with_opbc(GRPOTrainer)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,38 +24,55 @@ What it relies on (verl's PPO/GRPO driver, ``verl/trainer/ppo/ray_trainer.py`` a
   (the GRPO group verl's ``compute_grpo_outcome_advantage`` normalises within) -> ``group_ids``, numbered
   ``0..G-1`` in order of first appearance within the batch (plus ``group_offset``);
 * optional ``token_level_rewards`` (else ``token_level_scores``) ``[B, T_resp]`` -> ``rewards`` ``[B]`` as
-  their sum over the response, in float64 (verl's ``critic/rewards``), and ``advantages``, ``returns``, ``values``
-  ``[B, T_resp]`` unchanged.
+  their sum over the response, in float64 (verl's ``critic/rewards``); ``token_level_scores`` (V1:
+  ``rm_scores``) -> ``scores`` (``critic/score/*``); ``advantages``, ``returns``, ``values`` ``[B, T_resp]``
+  unchanged; ``non_tensor_batch["__num_turns__"]`` (V1: ``num_turns``) -> ``num_turns`` (``num_turns/*``);
+  V1's ``prompt_length`` / ``response_length`` ``[B]`` -> ``prompt_lengths`` / ``response_lengths``.
 
 Fields already named as in the batch schema (``rollout_experts``, ``stop_reasons``, ...) pass through.
 
-Recipe (verl's single-controller driver holds the whole step's batch, so no DDP sync is involved)::
+**The trainers.** :func:`with_opbc` adds the metrics to verl 0.9's default V1 trainers
+(``verl.trainer.ppo.v1``: ``PPOTrainerSync`` and the async ones) and to the legacy ``RayPPOTrainer``::
 
-    from opbc_metrics import OPBCCollection
-    from opbc_metrics.integrations.verl import verl_to_batch
+    from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
+    from opbc_metrics.integrations.verl import with_opbc
+    register_trainer("opbc_sync")(with_opbc(PPOTrainerSync))   # then trainer.v1.trainer_mode=opbc_sync
 
-    opbc = OPBCCollection()              # in RayPPOTrainer.__init__ (CPU on the driver is fine)
+Each step, the batch is read where it holds both logprob tensors and *before* verl's rollout correction
+rewrites ``response_mask`` (V1: at the start of ``_compute_advantage``, from TransferQueue; legacy: right
+after ``_compute_old_log_prob``), and with ``training=True`` the step's final batch and ``timing_raw``
+feed the training section (``critic/*``, lengths, ``num_turns/*``, ``global_seqlen/*`` with verl's
+workload, ``timing_s/*``, ``perf/*``). The values are merged into verl's own ``metrics`` dict, so verl's
+tracker logs them; a key verl already set keeps verl's value (the glossary's ``critic/value/*`` is logged
+under its own name next to verl's ``critic/values/*``, see :data:`VERL_KEY_ALIASES`).
 
-    # in RayPPOTrainer.fit, right after `batch = batch.union(old_log_prob)` and *before* rollout
-    # correction / rejection sampling rewrites batch.batch["response_mask"]:
-    opbc.update(verl_to_batch(batch))
-
-    # where fit() assembles `metrics` for the tracker, once per step (or every k steps):
-    metrics.update({k: v.item() for k, v in opbc.compute().items()})
-    opbc.reset()
+**Bypass mode** (``algorithm.rollout_correction.bypass_mode=True``) uses the rollout's logprobs as
+``old_log_probs``: the two tensors are the same (or equal), so the mismatch cannot be measured. The
+integration says so once and logs no mismatch keys, instead of a perfect on-policy 0 drift.
 
 Note: a ``response_mask`` read after verl's rollout rejection sampling has the rejected tokens removed;
-call the adapter before that step to measure the rollout as sampled.
+read the batch before that step to measure the rollout as sampled.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.integrations._common import as_plain_mapping, ids_to_group_ids, lookup, passthrough
+from opbc_metrics.integrations._common import (
+    OPBCIntegrationWarning,
+    ReportOnce,
+    as_plain_mapping,
+    ids_to_group_ids,
+    loggable,
+    lookup,
+    passthrough,
+)
 
 VERL_TRAINER_LOGPROBS = "old_log_probs"
 VERL_ROLLOUT_LOGPROBS = "rollout_log_probs"
@@ -63,8 +80,77 @@ VERL_RESPONSE_MASK = "response_mask"
 VERL_RESPONSES = "responses"
 VERL_ATTENTION_MASK = "attention_mask"
 VERL_UID = "uid"
+VERL_NUM_TURNS = ("__num_turns__", "num_turns")  # legacy non_tensor_batch, V1 TransferQueue field
 
-__all__ = ["split_dataproto", "verl_to_batch"]
+# verl's names for the glossary's keys, where they differ. The glossary key is what the integration
+# logs; verl's name resolves to the same glossary entry (``opbc_metrics.glossary.lookup``).
+VERL_KEY_ALIASES: dict[str, str] = {
+    "critic/value/mean": "critic/values/mean",
+    "critic/value/max": "critic/values/max",
+    "critic/value/min": "critic/values/min",
+}
+
+# The stage names verl's trainers put in ``timing_raw`` (V1 and legacy, verl 0.9), profiler bookkeeping
+# included: the training section's timing members are built with these.
+VERL_TIMING_STAGES: tuple[str, ...] = (
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "update_weights",
+    "step",
+    "start_profile",
+    "stop_profile",
+    "save_checkpoint",
+    "testing",
+    "dump_rollout_generations",
+)
+
+__all__ = [
+    "VERL_KEY_ALIASES",
+    "VERL_TIMING_STAGES",
+    "OPBCIntegrationWarning",
+    "VerlMetrics",
+    "is_bypass",
+    "split_dataproto",
+    "verl_to_batch",
+    "verl_workload",
+    "with_opbc",
+]
+
+
+def verl_workload(seqlens: Tensor) -> Tensor:
+    """The cost verl balances data-parallel ranks on: ``24576 * s + s ** 2`` for a sequence of ``s`` tokens
+    (``verl.utils.seqlen_balancing.calculate_workload``: dense-transformer FLOPs of a 7B model, up to scale).
+
+    Example:
+        >>> verl_workload(torch.tensor([1.0, 100.0])).tolist()
+        [24577.0, 2467600.0]
+    """
+    return 24576 * seqlens + seqlens**2
+
+
+def is_bypass(data: Any, *, trainer_key: str = VERL_TRAINER_LOGPROBS, rollout_key: str = VERL_ROLLOUT_LOGPROBS) -> bool:
+    """True when the batch's trainer logprobs *are* the rollout logprobs (verl's bypass mode): the same
+    tensor, or equal values. Reads the tensors on the host when they are distinct objects.
+
+    Example:
+        >>> t = torch.tensor([[-1.0, -2.0]])
+        >>> is_bypass({"old_log_probs": t, "rollout_log_probs": t}), is_bypass({"old_log_probs": t,
+        ...     "rollout_log_probs": t - 0.1})
+        (True, False)
+    """
+    tensors, _ = split_dataproto(data)
+    trainer, rollout = lookup(tensors, trainer_key), lookup(tensors, rollout_key)
+    if not isinstance(trainer, Tensor) or not isinstance(rollout, Tensor):
+        return False
+    if trainer is rollout:
+        return True
+    return trainer.shape == rollout.shape and bool(torch.equal(trainer, rollout.to(trainer.device, trainer.dtype)))
 
 
 def split_dataproto(data: Any) -> tuple[Any, Any]:
@@ -161,18 +247,37 @@ def verl_to_batch(
         except ValueError as err:
             raise ValueError(f"verl field `{group_key}`: {err}") from None
 
-    if "rewards" not in out:
-        token_rewards = lookup(tensors, "token_level_rewards")
-        if token_rewards is None:
-            token_rewards = lookup(tensors, "token_level_scores")
-        if isinstance(token_rewards, Tensor):
-            if token_rewards.ndim == 2:
-                # Floating rewards are summed in float64: a float32 sum of huge token rewards overflows to inf.
-                dtype = torch.float64 if token_rewards.is_floating_point() else None
-                out["rewards"] = token_rewards.sum(dim=-1, dtype=dtype)
-            else:
-                out["rewards"] = token_rewards
+    scores = lookup(tensors, "token_level_scores")
+    if scores is None:
+        scores = lookup(tensors, "rm_scores")  # V1's name for the same tensor
+    token_rewards = lookup(tensors, "token_level_rewards")
+    if "rewards" not in out and (token_rewards is not None or scores is not None):
+        out["rewards"] = _per_sequence(token_rewards if token_rewards is not None else scores)
+    if "scores" not in out and scores is not None:
+        out["scores"] = _per_sequence(scores)
+
+    if "num_turns" not in out:
+        for name in VERL_NUM_TURNS:
+            turns = lookup(non_tensors, name)
+            if turns is None:
+                turns = lookup(tensors, name)
+            if turns is not None:
+                out["num_turns"] = turns if isinstance(turns, Tensor) else torch.as_tensor(np.asarray(turns))
+                break
+    # V1 batches carry the lengths themselves (no attention_mask / responses)
+    for verl_name, name in (("prompt_length", "prompt_lengths"), ("response_length", "response_lengths")):
+        value = lookup(tensors, verl_name)
+        if name not in out and isinstance(value, Tensor):
+            out[name] = value
     return out
+
+
+def _per_sequence(token_values: Any) -> Any:
+    if isinstance(token_values, Tensor) and token_values.ndim == 2:
+        # Floating rewards are summed in float64: a float32 sum of huge token rewards overflows to inf.
+        dtype = torch.float64 if token_values.is_floating_point() else None
+        return token_values.sum(dim=-1, dtype=dtype)
+    return token_values
 
 
 def _response_width(responses: Any, *candidates: Any) -> int | None:
@@ -200,3 +305,351 @@ def _check_attention(attention: Any, width: int) -> None:
 def _response_part(attention: Tensor, width: int) -> Tensor:
     _check_attention(attention, width)
     return attention[:, attention.shape[1] - width :]
+
+
+# ---------------------------------------------------------------------------------------------
+# The integration: one object per trainer (the driver holds the whole step's batch: no DDP sync)
+# ---------------------------------------------------------------------------------------------
+class VerlMetrics:
+    """The OPBC metrics of a verl run, fed by the driver and merged into verl's ``metrics`` dict.
+
+    Args:
+        collection: the collection fed with the logprob batches (default: ``OPBCCollection()``).
+        training: also compute the training section (``critic/*``, lengths, turns, ``global_seqlen/*``,
+            ``timing_s/*``, ``perf/*``) from each step's final batch; verl logs most of these itself, and a
+            key verl set keeps verl's value.
+        dp_size: the actor's data-parallel size, for ``global_seqlen/*`` (sequences dealt to ranks in
+            contiguous chunks, as verl's dispatch does, and re-balanced on :func:`verl_workload`).
+        n_gpus: GPUs of the run, for ``perf/throughput``.
+        max_response_length, max_prompt_length: for the ``clip_ratio`` keys.
+
+    Example:
+        >>> import numpy as np
+        >>> m = VerlMetrics()
+        >>> t = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
+        >>> m.observe_logprobs({"old_log_probs": t, "rollout_log_probs": t - 0.1, "response_mask": torch.ones(2, 2),
+        ...                     "uid": np.array(["a", "a"], dtype=object)})
+        >>> metrics = {"critic/score/mean": 1.0}
+        >>> _ = m.merge_into(metrics)
+        >>> round(metrics["opbc/logprob/diff_mean"], 6), metrics["critic/score/mean"]
+        (0.1, 1.0)
+    """
+
+    def __init__(
+        self,
+        collection: Any = None,
+        *,
+        training: bool = False,
+        dp_size: int | None = None,
+        n_gpus: int | None = None,
+        max_response_length: int | None = None,
+        max_prompt_length: int | None = None,
+    ) -> None:
+        from opbc_metrics import OPBCCollection
+
+        self.collection = collection if collection is not None else OPBCCollection()
+        self.training = None
+        self.dp_size = dp_size
+        if training:
+            self.training = OPBCCollection(metrics=verl_training_metrics(
+                dp_size=dp_size, n_gpus=n_gpus, max_response_length=max_response_length,
+                max_prompt_length=max_prompt_length))
+        self.report = ReportOnce("opbc-metrics verl integration")
+        self._fed = 0
+        self._steps = 0
+        self._group_offset = 0
+
+    def observe_logprobs(self, data: Any) -> None:
+        """Feed a batch holding ``old_log_probs`` and ``rollout_log_probs`` (before rollout correction)."""
+        try:
+            if is_bypass(data):
+                self.report(
+                    "bypass mode: `old_log_probs` is the rollout's `rollout_log_probs`, so the train/rollout "
+                    "mismatch cannot be measured; no mismatch keys are logged (turn bypass_mode off to measure it)"
+                )
+                return
+            batch = verl_to_batch(data, group_offset=self._group_offset)
+            self.collection.update(batch)
+            if "group_ids" in batch:
+                _, non_tensors = split_dataproto(data)
+                uids = lookup(non_tensors, VERL_UID)
+                self._group_offset += len({_key(u) for u in uids}) if uids is not None else 0
+            self._fed += 1
+        except Exception as err:  # never break training
+            self.report(err)
+
+    def observe_step(self, data: Any, timing_raw: Mapping[str, float] | None = None) -> None:
+        """Feed the step's final batch (and ``timing_raw``) to the training section, if enabled."""
+        if self.training is None:
+            return
+        try:
+            batch = verl_to_batch(data, require_logprobs=False)
+            fields = {k: v for k, v in batch.items() if k in _TRAINING_FIELDS}
+            if self.dp_size and "prompt_lengths" in fields:
+                n = int(fields["prompt_lengths"].shape[0])
+                fields["rank_ids"] = torch.arange(n) * self.dp_size // max(n, 1)
+            if timing_raw is not None:
+                fields["timing_s"] = {k: float(v) for k, v in timing_raw.items()}
+            self.training.update(fields)
+            self._steps += 1
+        except Exception as err:
+            self.report(err)
+
+    def compute(self) -> dict[str, float]:
+        """The window's values as floats (nothing for a part that saw no data), then reset."""
+        out: dict[str, float] = {}
+        try:
+            if self._fed:
+                out.update(loggable(self.collection.compute(), logprob_window=True))
+            if self.training is not None and self._steps:
+                out.update(loggable(self.training.compute()))
+        except Exception as err:
+            self.report(err)
+        finally:
+            self.collection.reset()
+            if self.training is not None:
+                self.training.reset()
+            self._fed = self._steps = self._group_offset = 0
+        return out
+
+    def merge_into(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """Add the window's values to verl's ``metrics`` dict (verl's own keys keep their values)."""
+        values = self.compute()
+        for key, value in values.items():
+            metrics.setdefault(key, value)
+        return values
+
+
+def _key(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+# Batch-schema fields the training section reads from verl's final batch.
+_TRAINING_FIELDS = (
+    "response_mask",
+    "rewards",
+    "scores",
+    "advantages",
+    "returns",
+    "values",
+    "prompt_lengths",
+    "response_lengths",
+    "num_turns",
+)
+
+
+def verl_training_metrics(
+    *,
+    dp_size: int | None = None,
+    n_gpus: int | None = None,
+    max_response_length: int | None = None,
+    max_prompt_length: int | None = None,
+) -> list[Any]:
+    """The training members that verl's batches feed, configured as verl computes them: timing stages of
+    verl's ``timing_raw`` (other stages ignored), ``global_seqlen`` balanced on :func:`verl_workload` over
+    ``dp_size`` ranks."""
+    from opbc_metrics.training import (
+        AbortedRatio,
+        AdvantageStats,
+        ExplainedVariance,
+        GlobalSeqlen,
+        NumTurns,
+        PromptLength,
+        ResponseLength,
+        ReturnStats,
+        RewardStats,
+        ScoreStats,
+        StageTiming,
+        Throughput,
+        ValueStats,
+    )
+
+    members = [
+        ScoreStats(),
+        RewardStats(),
+        AdvantageStats(),
+        ReturnStats(),
+        ValueStats(),
+        ExplainedVariance(),
+        ResponseLength(max_response_length),
+        PromptLength(max_prompt_length),
+        AbortedRatio(),
+        NumTurns(),
+        StageTiming(VERL_TIMING_STAGES, strict=False, world_size=1),
+        Throughput(num_gpus=n_gpus, world_size=1),
+    ]
+    if dp_size:
+        members.append(GlobalSeqlen(world_size=dp_size, workload=verl_workload))
+    return members
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer mixins
+# ---------------------------------------------------------------------------------------------
+class _OPBCTrainer:
+    opbc_options: ClassVar[dict[str, Any]] = {}
+
+    @property
+    def opbc(self) -> VerlMetrics:
+        metrics = self.__dict__.get("_opbc_metrics")
+        if metrics is None:
+            metrics = self.__dict__["_opbc_metrics"] = VerlMetrics(**self.opbc_options)
+            if _config_bypass(getattr(self, "config", None)):
+                metrics.report(
+                    "bypass mode (algorithm.rollout_correction.bypass_mode=True): `old_log_probs` is the rollout's "
+                    "`rollout_log_probs`, so the train/rollout mismatch cannot be measured; no mismatch keys are logged"
+                )
+        return metrics
+
+
+def _config_bypass(config: Any) -> bool:
+    try:
+        corr = config.algorithm.get("rollout_correction", None)
+        return bool(corr and corr.get("bypass_mode", False))
+    except Exception:
+        return False
+
+
+class OPBCPPOTrainerMixin(_OPBCTrainer):
+    """For verl's V1 trainers (``verl.trainer.ppo.v1.PPOTrainer`` subclasses): the batch lives in
+    TransferQueue; it is read at the start of ``_compute_advantage`` (both logprobs present, rollout
+    correction not yet applied) and the step's values are merged in ``_compute_metrics``."""
+
+    _LOGPROB_FIELDS = ("uid", "response_mask", "old_log_probs", "rollout_log_probs")
+    _STEP_FIELDS = ("prompts", "responses", "response_mask", "advantages", "returns", "rm_scores", "num_turns")
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        if not _config_bypass(self.config):
+            try:
+                data = _tq_get(batch, self._LOGPROB_FIELDS)
+                self.opbc.observe_logprobs(v1_dataproto(data))
+            except Exception as err:
+                self.opbc.report(err)
+        else:
+            _ = self.opbc  # says once that bypass mode cannot be measured
+        return super()._compute_advantage(batch, metrics)
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        if self.opbc.training is not None:
+            try:
+                fields = list(self._STEP_FIELDS)
+                if getattr(self, "use_critic", False):
+                    fields.append("values")
+                if self.config.algorithm.get("use_kl_in_reward", False):
+                    fields.append("token_level_rewards")
+                data = _tq_get(batch, fields, padding_mask=True)
+                self.opbc.observe_step(v1_dataproto(data), timing_raw)
+            except Exception as err:
+                self.opbc.report(err)
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        self.opbc.merge_into(metrics)
+
+
+def _tq_get(batch: Any, fields: Sequence[str], padding_mask: bool = False) -> Any:
+    import transfer_queue as tq
+
+    stored = getattr(batch, "fields", None)  # the fields TransferQueue holds for these keys, when known
+    wanted = [f for f in fields if stored is None or f in stored]
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=wanted)
+    if padding_mask:
+        keep = [not tag.get("is_padding", False) for tag in batch.tags]
+        if not all(keep) and any(keep):
+            data = data[torch.tensor(keep)]
+    return data
+
+
+def v1_dataproto(data: Any) -> Any:
+    """A V1 TransferQueue batch (a ``TensorDict`` of jagged tensors and non-tensor ``uid``) -> the
+    ``DataProto`` verl's V1 trainer builds from it (padded tensors, ``uid`` and ``num_turns`` as numpy),
+    with ``prompt_length`` / ``response_length`` from the jagged offsets as in ``_compute_metrics``."""
+    from verl.protocol import DataProto
+
+    extra: dict[str, Tensor] = {}
+    for name, out_name in (("prompts", "prompt_length"), ("responses", "response_length")):
+        if name in data.keys() and getattr(data[name], "is_nested", False):
+            extra[out_name] = data[name].offsets().diff().float()
+    non_tensor: dict[str, np.ndarray] = {}
+    for name in ("uid", "num_turns"):
+        if name in data.keys():
+            values = data.pop(name)
+            values = values.tolist() if hasattr(values, "tolist") else list(values)
+            non_tensor[name] = np.array(values, dtype=object if name == "uid" else None)
+    padded = data.to_padded_tensor() if any(getattr(v, "is_nested", False) for v in data.values()) else data
+    for name, value in extra.items():
+        padded[name] = value
+    return DataProto(batch=padded, non_tensor_batch=non_tensor)
+
+
+class OPBCRayPPOTrainerMixin(_OPBCTrainer):
+    """For verl's legacy ``RayPPOTrainer``: the logprobs are read right after ``_compute_old_log_prob``
+    (before rollout correction); the final batch, ``timing_raw`` and the merge go through verl's own
+    ``compute_timing_metrics`` call, whose result ``fit()`` adds to its ``metrics`` (wrapped for the
+    duration of ``fit()`` only)."""
+
+    def _compute_old_log_prob(self, batch: Any) -> Any:
+        out = super()._compute_old_log_prob(batch)
+        try:
+            old = out[0] if isinstance(out, tuple) else out
+            tensors = {**dict(batch.batch.items()), VERL_TRAINER_LOGPROBS: old.batch[VERL_TRAINER_LOGPROBS]}
+            self.opbc.observe_logprobs({**tensors, VERL_UID: batch.non_tensor_batch.get(VERL_UID)})
+        except Exception as err:
+            self.opbc.report(err)
+        return out
+
+    def fit(self) -> Any:
+        from verl.trainer.ppo import ray_trainer
+
+        original = ray_trainer.compute_timing_metrics
+
+        def timing_metrics(batch: Any, timing_raw: dict) -> dict:
+            out = original(batch=batch, timing_raw=timing_raw)
+            self.opbc.observe_step(batch, timing_raw)
+            ours = self.opbc.compute()
+            return {**{k: v for k, v in ours.items() if k not in _VERL_DATA_KEYS}, **out}
+
+        with _patched(ray_trainer, "compute_timing_metrics", timing_metrics):
+            _ = self.opbc
+            return super().fit()
+
+
+# The keys verl's compute_data_metrics sets itself (legacy fit merges our keys after it: verl's stay).
+_VERL_DATA_KEYS = frozenset(
+    [f"critic/{g}/{s}" for g in ("score", "rewards", "advantages", "returns", "values") for s in ("mean", "max", "min")]
+    + ["critic/vf_explained_var", "response/aborted_ratio"]
+    + [f"{g}/{s}" for g in ("response_length", "prompt_length") for s in ("mean", "max", "min", "clip_ratio")]
+    + [f"num_turns/{s}" for s in ("mean", "max", "min")]
+)
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def with_opbc(trainer_cls: type, **options: Any) -> type:
+    """``trainer_cls`` (a verl V1 ``PPOTrainer`` subclass or ``RayPPOTrainer``) with the OPBC metrics;
+    ``options`` go to :class:`VerlMetrics` (``training=True``, ``dp_size=...``, ...).
+
+    Example:
+        >>> from verl.trainer.ppo.v1 import PPOTrainerSync  # doctest: +SKIP
+        >>> trainer = with_opbc(PPOTrainerSync)(config)  # doctest: +SKIP
+    """
+    if not isinstance(trainer_cls, type):
+        raise TypeError(f"with_opbc expects a trainer class, got {type(trainer_cls).__name__}")
+    if hasattr(trainer_cls, "_compute_metrics") and hasattr(trainer_cls, "_compute_advantage"):
+        mixin: type = OPBCPPOTrainerMixin
+    elif hasattr(trainer_cls, "_compute_old_log_prob") and hasattr(trainer_cls, "fit"):
+        mixin = OPBCRayPPOTrainerMixin
+    else:
+        raise TypeError(f"{trainer_cls.__name__} is neither a verl V1 PPOTrainer nor a RayPPOTrainer")
+    return type(f"OPBC{trainer_cls.__name__}", (mixin, trainer_cls),
+                {"__module__": __name__, "opbc_options": dict(options)})

@@ -287,3 +287,65 @@ def test_trl_clear_errors():
         trl_to_batch(inputs, num_generations=0)
     with pytest.raises(ValueError, match="group_ids"):
         trl_to_batch(inputs, group_ids=[1, 2])
+
+
+# ------------------------------------------------------------------------------------------------
+# verl fields the training section reads, bypass mode, and what the integrations log
+# ------------------------------------------------------------------------------------------------
+def test_verl_maps_scores_turns_and_v1_lengths():
+    from opbc_metrics.integrations.verl import verl_to_batch as to_batch
+
+    case = make_verl_case(seed=7)
+    case.data.non_tensor_batch["__num_turns__"] = np.array([1, 2, 3, 1, 2, 3], dtype=np.int32)
+    case.data.batch["token_level_scores"][0, 0] += 0.5  # scores differ from rewards
+    out = to_batch(case.data)
+    assert out["num_turns"].tolist() == [1, 2, 3, 1, 2, 3]
+    assert out["scores"].tolist() == [r + (0.5 if i == 0 else 0.0) for i, r in enumerate(case.rewards)]
+    assert out["rewards"].tolist() == case.rewards
+    v1 = {"old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3), "response_mask": torch.ones(2, 3),
+          "rm_scores": torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]), "num_turns": torch.tensor([2, 4]),
+          "prompt_length": torch.tensor([5.0, 7.0]), "response_length": torch.tensor([3.0, 2.0])}
+    out = to_batch(v1)
+    assert out["scores"].tolist() == [1.0, 0.0] and out["rewards"].tolist() == [1.0, 0.0]
+    assert out["prompt_lengths"].tolist() == [5.0, 7.0] and out["response_lengths"].tolist() == [3.0, 2.0]
+    assert out["num_turns"].tolist() == [2, 4]
+
+
+def test_bypass_is_detected_and_the_window_logs_no_mismatch():
+    from opbc_metrics.integrations._common import OPBCIntegrationWarning
+    from opbc_metrics.integrations.verl import VerlMetrics, is_bypass
+
+    case = make_verl_case(seed=8)
+    case.data.batch["old_log_probs"] = case.data.batch["rollout_log_probs"]
+    assert is_bypass(case.data)
+    m = VerlMetrics()
+    with pytest.warns(OPBCIntegrationWarning, match="bypass"):
+        m.observe_logprobs(case.data)
+    assert m.compute() == {}
+    assert not is_bypass(make_verl_case(seed=8).data)
+
+
+def test_loggable_drops_windows_without_data_and_fills_nothing():
+    from opbc_metrics.integrations._common import loggable
+
+    zeros = {"opbc/input/nonfinite_count": torch.tensor(0.0), "opbc/input/num_tokens": torch.tensor(0.0),
+             "opbc/input/num_sequences": torch.tensor(0.0)}
+    assert loggable(zeros) == {}
+    assert loggable({**zeros, "opbc/is/ess": torch.tensor(1.0)}, logprob_window=True) == {}
+    with_data = {**zeros, "opbc/input/num_tokens": torch.tensor(3.0), "opbc/is/ess": torch.tensor(0.5)}
+    assert loggable(with_data, logprob_window=True) == {
+        "opbc/input/nonfinite_count": 0.0, "opbc/input/num_tokens": 3.0, "opbc/input/num_sequences": 0.0,
+        "opbc/is/ess": 0.5}
+    assert loggable({"moe/router/flip_rate_per_layer": torch.zeros(4), "critic/score/mean": 2.0}) == {
+        "critic/score/mean": 2.0}
+
+
+def test_report_once_warns_once_per_problem():
+    from opbc_metrics.integrations._common import OPBCIntegrationWarning, ReportOnce
+
+    report = ReportOnce("here")
+    with pytest.warns(OPBCIntegrationWarning) as caught:
+        report(ValueError("bad field"))
+        report(ValueError("bad field"))
+        report("another problem")
+    assert len(caught) == 2

@@ -118,7 +118,7 @@ class ValueStats(_FieldStats):
         unit=_TOKENS,
         cap=DIAGNOSTIC,
         action=NO_ACTION,
-        aliases=("critic/values/mean",),
+        aliases=("critic/values/mean", "critic/values/max", "critic/values/min"),
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -86,6 +86,10 @@ class GlobalSeqlen(_PerRank):
         max_seqlen: the histogram's largest exact length (32768).
         algorithm: ``"karmarkar_karp"`` (default) or ``"lpt"``.
         equal_size: give every rank the same number of sequences (verl's default for DP ranks).
+        workload: the cost the re-partitioning balances, as a function of the lengths tensor (default: the
+            length itself). The balanced figures stay token totals of the partitions found. verl balances on
+            ``24576 * s + s ** 2`` (:func:`opbc_metrics.integrations.verl.verl_workload`); pass that for verl's
+            ``balanced_*`` values.
 
     Example:
         >>> import torch
@@ -123,9 +127,13 @@ class GlobalSeqlen(_PerRank):
         max_seqlen: int = DEFAULT_MAX_SEQLEN,
         algorithm: str = "karmarkar_karp",
         equal_size: bool = True,
+        workload: Callable[[Tensor], Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(world_size, **kwargs)
+        if workload is not None and not callable(workload):
+            raise ValueError(f"`workload` must be a function of the lengths tensor, got {type(workload).__name__}")
+        self.workload_fn = workload
         if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
             raise ValueError(f"`max_seqlen` must be a positive integer, got {max_seqlen!r}")
         if algorithm not in P.PARTITION_ALGORITHMS:
@@ -192,7 +200,14 @@ class GlobalSeqlen(_PerRank):
                 stacklevel=2,
             )
             lengths.extend([float(self.overflow_sum) / n_over] * n_over)
-        balanced = P.partition_loads(lengths, world, self.algorithm, self.equal_size) if lengths else [0.0] * world
+        if not lengths:
+            balanced = [0.0] * world
+        elif self.workload_fn is None:
+            balanced = P.partition_loads(lengths, world, self.algorithm, self.equal_size)
+        else:
+            costs = self.workload_fn(torch.tensor(lengths, dtype=F64)).tolist()
+            parts = P.partition(costs, world, self.algorithm, self.equal_size)
+            balanced = [float(sum(lengths[i] for i in p)) for p in parts]
         values = P.seqlen_balance_from_loads(loads, balanced)
         return {k: torch.tensor(v, dtype=F64, device=self.workload.device) for k, v in values.items()}
 

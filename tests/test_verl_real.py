@@ -1,0 +1,303 @@
+"""The verl integration against verl itself: real ``DataProto`` batches (and the V1 trainer's jagged
+TransferQueue form), values checked against verl's own metric functions on the same batch for every key
+both define."""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+verl = pytest.importorskip("verl", reason="verl is not installed (pip install -e '.[integrations]')")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # verl warns that the megatron engines are unavailable
+    from tensordict import TensorDict
+    from verl.protocol import DataProto
+    from verl.trainer.ppo import metric_utils
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode, compute_offpolicy_metrics
+    from verl.utils.debug.metrics import calculate_debug_metrics
+    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions, log_seqlen_unbalance
+    from verl.workers.utils.padding import response_to_nested
+
+from opbc_metrics import glossary  # noqa: E402
+from opbc_metrics.integrations import verl as opbc_verl  # noqa: E402
+from opbc_metrics.integrations._common import OPBCIntegrationWarning  # noqa: E402
+
+# verl's key -> the library's key for the same number, where the names differ.
+VERL_TO_OPBC = {
+    "kl": "opbc/kl/k1",
+    "k3_kl": "opbc/kl/k3",
+    "log_ppl_diff": "opbc/ppl/log_ppl_diff",
+    "log_ppl_abs_diff": "opbc/ppl/log_ppl_abs_diff",
+    "ppl_ratio": "opbc/ppl/ratio",
+    "chi2_token": "opbc/kl/chi2_token",
+    "chi2_seq": "opbc/kl/chi2_seq",
+    "training/rollout_probs_diff_max": "opbc/prob/abs_diff_max",
+    "training/rollout_probs_diff_mean": "opbc/prob/abs_diff_mean",
+    "training/rollout_actor_probs_pearson_corr": "opbc/prob/pearson",
+    **{verl_key: key for key, verl_key in opbc_verl.VERL_KEY_ALIASES.items()},
+}
+TIMING_RAW = {"start_profile": 0.001, "gen": 2.5, "reward": 0.3, "old_log_prob": 0.7, "values": 0.4, "adv": 0.05,
+              "update_critic": 0.9, "update_actor": 1.6, "stop_profile": 0.002, "step": 6.8}
+
+
+def make_dataproto(n_prompts: int = 4, n: int = 4, prompt_width: int = 6, response_width: int = 9, seed: int = 0):
+    """A step batch as verl's RayPPOTrainer holds it after the advantage computation: left-padded prompts,
+    right-padded responses, n rollouts per prompt (interleaved), an agent-loop tool span masked out of
+    ``response_mask``, turn counts, a critic."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    b = n_prompts * n
+    p_len = rng.integers(1, prompt_width + 1, b)
+    r_len = rng.integers(1, response_width + 1, b)  # no aborted (empty) response
+    r_len[0] = response_width  # one clipped response
+    attention = torch.zeros(b, prompt_width + response_width, dtype=torch.int64)
+    response_mask = torch.zeros(b, response_width, dtype=torch.int64)
+    for i in range(b):
+        attention[i, prompt_width - p_len[i] : prompt_width + r_len[i]] = 1
+        response_mask[i, : r_len[i]] = 1
+        if i % 3 == 0 and r_len[i] >= 5:
+            response_mask[i, 2:4] = 0  # tool output inside the response
+    old = -torch.rand(b, response_width, generator=g) * 3
+    rollout = (old + 0.2 * torch.randn(b, response_width, generator=g)).clamp(max=-1e-3)  # logprobs are <= 0
+    scores = torch.zeros(b, response_width)
+    for i in range(b):
+        scores[i, r_len[i] - 1] = float(rng.integers(0, 2))
+    rewards = scores - 0.01 * torch.rand(b, response_width, generator=g) * response_mask  # a KL-in-reward penalty
+    values = torch.randn(b, response_width, generator=g)
+    returns = values + torch.randn(b, response_width, generator=g)
+    uids = [str(uuid.UUID(int=int(rng.integers(1 << 62)))) for _ in range(n_prompts)]
+    data = DataProto.from_dict(
+        tensors={
+            "prompts": torch.randint(3, 100, (b, prompt_width), generator=g),
+            "responses": torch.randint(3, 100, (b, response_width), generator=g),
+            "attention_mask": attention,
+            "response_mask": response_mask,
+            "old_log_probs": old,
+            "rollout_log_probs": rollout,
+            "token_level_scores": scores,
+            "token_level_rewards": rewards,
+            "advantages": torch.randn(b, response_width, generator=g),
+            "returns": returns,
+            "values": values,
+        },
+        non_tensors={
+            "uid": np.array([u for u in uids for _ in range(n)], dtype=object),
+            "__num_turns__": rng.integers(1, 6, b).astype(np.int32),
+        },
+        meta_info={"global_token_num": attention.sum(-1).tolist()},
+    )
+    return data
+
+
+def assert_equal_where_both_define(ours: dict, verls: dict, min_pairs: int, rel: float = 1e-5, abs_: float = 1e-6):
+    pairs = []
+    for verl_key, value in verls.items():
+        key = VERL_TO_OPBC.get(verl_key, verl_key)
+        if key in ours:
+            pairs.append(key)
+            assert ours[key] == pytest.approx(float(value), rel=rel, abs=abs_), (verl_key, key, ours[key], value)
+    assert len(pairs) >= min_pairs, (sorted(ours), sorted(verls))
+    return pairs
+
+
+def step_values(data, **options):
+    m = opbc_verl.VerlMetrics(training=True, max_response_length=data.batch["responses"].shape[-1],
+                              max_prompt_length=data.batch["prompts"].shape[-1], **options)
+    m.observe_logprobs(data)
+    m.observe_step(data, TIMING_RAW)
+    return m.compute()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_values_equal_verls_own_metric_functions(seed):
+    data = make_dataproto(seed=seed)
+    ours = step_values(data, n_gpus=8)
+    b = data.batch
+    verls = {}
+    verls.update(metric_utils.compute_data_metrics(batch=data, use_critic=True))
+    verls.update(metric_utils.compute_timing_metrics(batch=data, timing_raw=TIMING_RAW))
+    verls.update(metric_utils.compute_throughout_metrics(batch=data, timing_raw=TIMING_RAW, n_gpus=8))
+    verls.update(calculate_debug_metrics(data))
+    verls.update(compute_offpolicy_metrics(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"]))
+    verls.pop("critic/vf_explained_var")  # verl adds 1e-5 to Var(R); compared below with that tolerance
+    pairs = assert_equal_where_both_define(ours, verls, min_pairs=50)
+    for expected in ("critic/score/mean", "critic/value/mean", "num_turns/mean", "timing_s/start_profile",
+                     "timing_per_token_ms/gen", "perf/throughput", "opbc/kl/chi2_seq", "opbc/prob/pearson"):
+        assert expected in pairs
+    var_ret = float(torch.var(torch.masked_select(b["returns"], b["response_mask"].bool())))
+    assert ours["critic/vf_explained_var"] == pytest.approx(
+        metric_utils.compute_data_metrics(batch=data)["critic/vf_explained_var"], abs=2e-5 / var_ret
+    )
+
+
+def test_global_seqlen_equals_verls_balance_on_the_workload():
+    """verl balances on 24576*s + s^2, which re-partitions long sequences differently than their lengths."""
+    from opbc_metrics.training import GlobalSeqlen
+
+    differs_from_length_balance = 0
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        dp, n = 4, 24
+        seqlens = torch.tensor(rng.integers(100, 30000, n))
+        parts = get_seqlen_balanced_partitions(calculate_workload(seqlens), k_partitions=dp, equal_size=True)
+        verls = log_seqlen_unbalance(seqlen_list=seqlens.tolist(), partitions=parts, prefix="global_seqlen")
+        step = {"prompt_length": (seqlens // 4).float(), "response_length": (seqlens - seqlens // 4).float()}
+        m = opbc_verl.VerlMetrics(training=True, dp_size=dp)
+        m.observe_step(step)
+        ours = m.compute()
+        pairs = assert_equal_where_both_define(ours, verls, min_pairs=6, rel=0, abs_=1e-9)
+        assert len(pairs) == 6
+        by_length = GlobalSeqlen(world_size=dp)
+        by_length.update(prompt_lengths=step["prompt_length"], response_lengths=step["response_length"],
+                         rank_ids=torch.arange(n) * dp // n)
+        plain = by_length.compute()
+        differs_from_length_balance += plain["global_seqlen/balanced_max"].item() != verls["global_seqlen/balanced_max"]
+    assert differs_from_length_balance  # the workload matters on these batches
+
+
+def test_verl_value_names_resolve_to_the_glossary_entries():
+    for ours, verls in opbc_verl.VERL_KEY_ALIASES.items():
+        assert glossary.lookup(verls) is glossary.lookup(ours)
+
+
+def test_bypass_mode_is_reported_once_and_logs_no_mismatch():
+    data = make_dataproto()
+    from omegaconf import OmegaConf
+
+    apply_bypass_mode(data, rollout_corr_config=OmegaConf.create({"bypass_mode": True}),
+                      policy_loss_config=OmegaConf.create({}))
+    assert data.batch["old_log_probs"] is data.batch["rollout_log_probs"] or opbc_verl.is_bypass(data)
+    m = opbc_verl.VerlMetrics()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.observe_logprobs(data)
+        m.observe_logprobs(data)
+        # a copy with equal values (V1's bypass writes old_log_probs through TransferQueue)
+        copy = DataProto.from_dict(tensors={**dict(data.batch.items()),
+                                            "old_log_probs": data.batch["rollout_log_probs"].clone()})
+        m.observe_logprobs(copy)
+    ours = [w for w in caught if issubclass(w.category, OPBCIntegrationWarning)]
+    assert len(ours) == 1 and "bypass" in str(ours[0].message)
+    metrics = {}
+    assert m.merge_into(metrics) == {} and metrics == {}
+
+
+def v1_transfer_queue_form(data):
+    """The step's fields as the V1 trainer stores them in TransferQueue: jagged per-sequence tensors
+    (verl's own ``response_to_nested``), ``uid`` and ``num_turns`` as non-tensor data."""
+    b = data.batch
+    resp_len = b["attention_mask"][:, b["prompts"].shape[1]:].sum(-1)
+    prompt_len = b["attention_mask"][:, : b["prompts"].shape[1]].sum(-1)
+    nested_mask = torch.nested.as_nested_tensor([b["response_mask"][i, : resp_len[i]] for i in range(len(resp_len))],
+                                                layout=torch.jagged)
+    fields = {name: response_to_nested(b[name], nested_mask)
+              for name in ("old_log_probs", "rollout_log_probs", "advantages", "returns", "values", "responses")}
+    fields["rm_scores"] = response_to_nested(b["token_level_scores"], nested_mask)
+    fields["response_mask"] = nested_mask
+    fields["prompts"] = torch.nested.as_nested_tensor(
+        [b["prompts"][i, b["prompts"].shape[1] - prompt_len[i]:] for i in range(len(prompt_len))], layout=torch.jagged)
+    td = TensorDict(fields, batch_size=[len(resp_len)])
+    td["uid"] = data.non_tensor_batch["uid"].tolist()
+    td["num_turns"] = data.non_tensor_batch["__num_turns__"].tolist()
+    return td
+
+
+def test_v1_transfer_queue_batch_gives_the_values_of_the_padded_batch():
+    data = make_dataproto(seed=3)
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"]  # V1 without KL in reward
+    v1 = opbc_verl.v1_dataproto(v1_transfer_queue_form(data))
+    assert "attention_mask" not in v1.batch.keys()
+    a, b = opbc_verl.VerlMetrics(training=True), opbc_verl.VerlMetrics(training=True)
+    a.observe_logprobs(data)
+    a.observe_step(data, TIMING_RAW)
+    b.observe_logprobs(v1)
+    b.observe_step(v1, TIMING_RAW)
+    want, got = a.compute(), b.compute()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-6, abs=1e-9), k
+    assert "critic/score/mean" in got and "num_turns/max" in got and "opbc/is/ess" in got
+
+
+def test_with_opbc_picks_the_mixin_for_each_trainer_kind():
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    v1 = opbc_verl.with_opbc(PPOTrainerSync, training=True)
+    legacy = opbc_verl.with_opbc(RayPPOTrainer)
+    assert issubclass(v1, opbc_verl.OPBCPPOTrainerMixin) and issubclass(v1, PPOTrainerSync)
+    assert issubclass(legacy, opbc_verl.OPBCRayPPOTrainerMixin) and issubclass(legacy, RayPPOTrainer)
+    assert v1.opbc_options == {"training": True}
+    with pytest.raises(TypeError):
+        opbc_verl.with_opbc(dict)
+
+
+def test_legacy_fit_merges_the_step_into_verls_metrics(monkeypatch):
+    """RayPPOTrainer.fit is one long loop; the integration reads the logprobs after _compute_old_log_prob and
+    merges through verl's own compute_timing_metrics call. Both verl methods are replaced by stand-ins that
+    do what fit does around those calls (no Ray cluster here)."""
+    from verl.trainer.ppo import ray_trainer
+
+    data = make_dataproto(seed=5)
+    old = DataProto.from_dict(tensors={"old_log_probs": data.batch["old_log_probs"]})
+    logged = {}
+
+    def fake_old_log_prob(self, batch):
+        return old, 0.0
+
+    def fake_fit(self):
+        self._compute_old_log_prob(data)
+        metrics = {"critic/score/mean": -1.0}
+        metrics.update(ray_trainer.compute_timing_metrics(batch=data, timing_raw=dict(TIMING_RAW)))
+        logged.update(metrics)
+
+    monkeypatch.setattr(ray_trainer.RayPPOTrainer, "_compute_old_log_prob", fake_old_log_prob)
+    monkeypatch.setattr(ray_trainer.RayPPOTrainer, "fit", fake_fit)
+    cls = opbc_verl.with_opbc(ray_trainer.RayPPOTrainer, training=True)
+    trainer = cls.__new__(cls)
+    trainer.config = None
+    trainer.fit()
+    assert ray_trainer.compute_timing_metrics is metric_utils.compute_timing_metrics  # restored after fit
+    assert logged["critic/score/mean"] == -1.0  # verl's key keeps verl's value
+    assert "opbc/is/ess" in logged and "critic/value/mean" in logged and "timing_s/gen" in logged
+    b = data.batch
+    verls = compute_offpolicy_metrics(b["old_log_probs"], b["rollout_log_probs"], b["response_mask"])
+    assert_equal_where_both_define(logged, verls, min_pairs=7)
+
+
+def test_readme_snippet_registers_the_v1_trainer_and_builds_the_legacy_one():
+    import importlib.util
+    from pathlib import Path
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "readme_verl.py"
+    spec = importlib.util.spec_from_file_location("readme_verl", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    v1 = get_trainer_cls("opbc_sync")
+    assert issubclass(v1, opbc_verl.OPBCPPOTrainerMixin) and v1.opbc_options == {"training": True}
+    assert issubclass(module.OPBCRayPPOTrainer, opbc_verl.OPBCRayPPOTrainerMixin)
+
+
+def test_aborted_responses_are_left_out_of_scores_and_rewards_as_verl_does():
+    data = make_dataproto(seed=4)
+    b = data.batch
+    width = b["prompts"].shape[1]
+    for row in (1, 5):  # two aborted rollouts: empty response, score 0
+        b["attention_mask"][row, width:] = 0
+        b["response_mask"][row] = 0
+        b["token_level_scores"][row] = 0.0
+        b["token_level_rewards"][row] = 0.0
+    m = opbc_verl.VerlMetrics(training=True, max_response_length=b["responses"].shape[-1])
+    m.observe_step(data)
+    ours = m.compute()
+    verls = metric_utils.compute_data_metrics(batch=data, use_critic=True)
+    verls.pop("critic/vf_explained_var")
+    pairs = assert_equal_where_both_define(ours, verls, min_pairs=20)
+    assert "critic/score/mean" in pairs and "critic/rewards/min" in pairs and "response/aborted_ratio" in pairs
