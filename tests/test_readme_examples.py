@@ -55,3 +55,18 @@ def test_readme_lightning_snippet(tmp_path: Path):
         assert 0.0 < float(row["opbc/logprob/abs_diff_mean"]) < 0.05
         assert 0.9 < float(row["opbc/is/ess"]) <= 1.0
     assert not any(k.endswith("_epoch") for k in rows[0]) and "opbc/log_ratio/max_abs" not in rows[0]
+
+
+@pytest.mark.parametrize("tag,name", [("lightning", "readme_lightning.py"), ("wandb", "readme_wandb.py"),
+                                      ("trl", "readme_trl.py"), ("verl", "readme_verl.py")])
+def test_readme_quotes_the_tested_snippet(tag: str, name: str):
+    """The README's integration blocks are the example files these tests run (docstring aside)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(rf"<!-- {tag}-example: examples/{name} -->\n```python\n(.*?)\n```\n<!-- /{tag}-example -->",
+                      readme, re.S)
+    assert block is not None, f"README has no {tag} block quoting examples/{name}"
+    code = (ROOT / "examples" / name).read_text()
+    code = re.sub(r'^\s*""".*?"""\n+', "", code, flags=re.S).strip("\n")
+    assert block.group(1) == code
