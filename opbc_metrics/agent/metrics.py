@@ -32,6 +32,7 @@ class _AgentMetric(OPBCMetric):
     section = "agent"
     required_fields = (F.TRAJECTORY_PAIRS,)
     optional_inputs = True
+    data_counts = ("pairs",)
     _sums: ClassVar[tuple[str, ...]] = ()
     _mins: ClassVar[tuple[str, ...]] = ()
 

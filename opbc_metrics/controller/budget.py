@@ -30,6 +30,7 @@ class _DecisionMetric(OPBCMetric):
     section = "controller"
     required_fields = (DECISIONS_FIELD,)
     optional_inputs = True
+    data_counts = ("groups", "tokens", "trained_tokens")  # decided groups / their tokens
 
     def __init__(self, optional: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -184,9 +185,10 @@ class DecisionReasonCount(_DecisionMetric):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_sum("reason_count", (len(FC.REASON_NAMES),))
+        self.add_sum("groups")  # a window with decided groups reports its zero counts
 
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(reason_count=self._budget(view)["reason_count"])
+        self.accumulate(reason_count=self._budget(view)["reason_count"], groups=self._budget(view)["groups"])
 
     def compute(self) -> dict[str, Tensor]:
         return {key: self.reason_count[i].clone() for i, key in enumerate(self.keys)}

@@ -31,6 +31,7 @@ class _CoverageMetric(OPBCMetric):
     section = "endpoint"
     required_fields = (F.ENDPOINT_RESPONSES,)
     optional_inputs = True
+    data_counts = ("responses",)
     _flags: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **kwargs: Any) -> None:

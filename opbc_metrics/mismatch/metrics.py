@@ -38,6 +38,7 @@ class _MismatchMetric(OPBCMetric):
 
     section = "mismatch"
     required_fields = _TOKEN_FIELDS
+    data_counts = ("count", "n", "bin_count")  # valid tokens (sequences for sequence metrics)
 
     def __init__(
         self,
@@ -664,6 +665,7 @@ class InputHealth(_MismatchMetric):
 
     keys = F.INPUT_KEYS
     higher_is_better = False
+    data_counts = ()  # input accounting reports its zero counts too
     glossary = GlossaryEntry(
         name="input",
         what="Input accounting: response tokens with non-finite logprobs (excluded from every other "

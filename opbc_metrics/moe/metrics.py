@@ -30,6 +30,7 @@ class _RouterMetric(OPBCMetric):
 
     section = "moe"
     optional_inputs = True
+    data_counts = ("layer_pairs", "tokens")
     required_fields = F.EXPERT_FIELDS
 
     def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:

@@ -66,6 +66,7 @@ class _RolloutMetric(OPBCMetric):
 
     section = "rollout"
     optional_inputs = True
+    data_counts = ("count", "groups", "seen", "invalid")  # invalid: compute() raises on them
 
 
 class _ObservedRange(OPBCMetric):
