@@ -16,6 +16,7 @@ from opbc_metrics.batch import (
     TRAINER_LOGPROBS,
     BatchView,
     check_positive,
+    raise_if_positive,
 )
 from opbc_metrics.functional import mismatch as F
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric
@@ -678,13 +679,14 @@ class InputHealth(_MismatchMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("nonfinite", "tokens", "sequences"):
+        for name in ("nonfinite", "tokens", "sequences", "positive"):
             self.add_sum(name)
 
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._input_update(self._stats(view)))
+        self.accumulate(**F._input_update(self._stats(view)), positive=view.positive_count)
 
     def compute(self) -> dict[str, Tensor]:
+        raise_if_positive(self.positive)
         return F._input_compute(self.nonfinite, self.tokens, self.sequences)
 
 
