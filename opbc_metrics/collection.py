@@ -268,6 +268,8 @@ class OPBCCollection(MetricCollection):
                 raise ValueError(f"{what}: {key!r} does not belong to any member of this collection ({names[:3]}...)")
             states[name][state] = value
         for name, m in self.items(keep_base=True, copy_state=False):
+            if not states[name]:
+                raise ValueError(f"{what}: member {name!r} is missing from the incoming state dict")
             own = dict(states[name])
             config = own.pop("_extra_state", None)
             if config is None and require_config:

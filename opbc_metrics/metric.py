@@ -305,9 +305,10 @@ class OPBCMetric(Metric):
         """A short stable hash of :meth:`config`."""
         return hashlib.sha256(_config_text(self.config()).encode()).hexdigest()[:16]
 
-    def get_extra_state(self) -> str:
-        """The configuration, saved with the states (``<name>._extra_state``) as a JSON string."""
-        return _config_text(self.config())
+    def get_extra_state(self) -> Tensor:
+        """The configuration, saved with the states (``<name>._extra_state``): JSON text as a uint8 tensor,
+        so a state dict stays a dict of tensors (``torch.load(weights_only=True)``, ``.to(device)`` loops)."""
+        return torch.tensor(list(_config_text(self.config()).encode()), dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
         problem = self._config_problem(state)
@@ -315,8 +316,11 @@ class OPBCMetric(Metric):
             raise ValueError(f"load_state_dict: {problem}")
 
     def _config_problem(self, saved: Any, where: str = "") -> str | None:
-        """``None`` when ``saved`` (a config or its JSON text) equals :meth:`config`, else what differs first."""
+        """``None`` when ``saved`` (a config, its JSON text or :meth:`get_extra_state`) equals :meth:`config`,
+        else what differs first."""
         label = where or type(self).__name__
+        if isinstance(saved, Tensor) and saved.dtype == torch.uint8 and saved.ndim == 1:
+            saved = bytes(saved.tolist()).decode(errors="replace")
         if isinstance(saved, str):
             try:
                 saved = json.loads(saved)

@@ -118,7 +118,7 @@ def _check_same_layout(metrics: list[Metric], device: torch.device, group: Any) 
     if hi != own or lo != own:
         raise RankMismatchError(
             f"opbc-metrics: the ranks hold differently configured metrics ({len(metrics)} metrics here; "
-            f"configuration fingerprints range from {lo:x} to {hi:x}, this rank {own:x}); nothing was synced. "
+            f"configuration fingerprints range from {lo:x} to {hi:x}); nothing was synced. "
             "Build the same collection on every rank: same sections, section_options (num_layers, capacity, "
             "...), clamp, veto and top_mass_bins"
         )
