@@ -105,7 +105,10 @@ class OPBCMetric(Metric):
         wrapped = self.compute  # torchmetrics' caching/syncing wrapper around the subclass's compute
 
         def compute() -> Any:
-            value = wrapped()
+            with warnings.catch_warnings():
+                # torchmetrics warns when update() never ran; NoDataError (or a loaded state) says more.
+                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+                value = wrapped()
             if value is None and not self._allow_empty:
                 raise NoDataError(
                     f"{type(self).__name__} saw no data since the last reset (on any rank): it has no value. "

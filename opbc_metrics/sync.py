@@ -117,8 +117,8 @@ def _check_same_layout(metrics: list[Metric], device: torch.device, group: Any) 
     hi, lo = int(both[0]), -int(both[1])
     if hi != own or lo != own:
         raise RankMismatchError(
-            f"opbc-metrics: the ranks hold differently configured metrics ({len(metrics)} metrics here; "
-            f"configuration fingerprints range from {lo:x} to {hi:x}); nothing was synced. "
+            f"opbc-metrics: the ranks hold differently configured metrics (configuration fingerprints range "
+            f"from {lo:x} to {hi:x}); nothing was synced. "
             "Build the same collection on every rank: same sections, section_options (num_layers, capacity, "
             "...), clamp, veto and top_mass_bins"
         )

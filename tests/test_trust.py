@@ -347,8 +347,10 @@ def test_plot_every_scalar_metric_and_the_collection():
         if len(m.keys) == 1 and m.compute_dict():
             fig, ax = m.plot()
             assert fig is not None and ax.has_data()
+            plt.close(fig)
             fig, ax = m.plot([v[m.keys[0]] for v in values])
             assert ax.has_data()
+            plt.close(fig)
             plotted += 1
     assert plotted >= 7
     fig, ax = metrics.plot()
