@@ -71,7 +71,9 @@ class OPBCMetric(Metric):
     tokens, sequences, pairs, samples, and counts of bad values that ``compute()`` must report): the
     metric saw data when any entry of them is non-zero. Names that are not states of the instance are
     skipped, so a base class can list its subclasses' counts. ``()`` means it always reports (input
-    accounting); ``None`` (undeclared) means "some state moved off its default".
+    accounting); ``None`` (undeclared) means "some state moved off its default". ``key_counts`` pairs a
+    key counted by another state (``chi2_seq``: sequences, where the metric counts tokens) to that state:
+    the key is left out while it is zero.
 
     **Checkpoints and merges are checked.** :meth:`config` (class, settings, state layout) travels in
     the state dict as extra state (``<name>._extra_state``); :meth:`load_state_dict` and
@@ -88,6 +90,7 @@ class OPBCMetric(Metric):
     required_fields: ClassVar[tuple[str, ...]] = ()
     optional_inputs: ClassVar[bool] = False
     data_counts: ClassVar[tuple[str, ...] | None] = None
+    key_counts: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -224,7 +227,13 @@ class OPBCMetric(Metric):
         # Inside torchmetrics' sync context (states synced): no data -> None, which the public compute()
         # turns into NoDataError. Raising here would skip torchmetrics' unsync (its context has no finally).
         def checked(*args: Any, **kwargs: Any) -> Any:
-            return compute(*args, **kwargs) if self.saw_data() else None
+            if not self.saw_data():
+                return None
+            value = compute(*args, **kwargs)
+            if self.key_counts and isinstance(value, dict):
+                empty = {key for key, state in self.key_counts if not bool(torch.count_nonzero(getattr(self, state)))}
+                value = {k: v for k, v in value.items() if k not in empty}
+            return value
 
         return super()._wrap_compute(checked)
 

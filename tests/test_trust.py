@@ -62,6 +62,17 @@ def test_nonfinite_only_window_counts_but_has_no_statistics():
     assert out["opbc/input/nonfinite_count"] == batch["response_mask"].sum()
 
 
+def test_sequence_keys_need_a_valid_sequence():
+    batch = make_batch(batch=3, seq=6, seed=4)
+    batch["response_mask"] = torch.ones_like(batch["response_mask"])
+    batch["rollout_logprobs"][:, 0] = float("-inf")  # every sequence holds a non-finite token
+    out = OPBCCollection()(batch)
+    assert out["opbc/input/num_sequences"] == 0 and out["opbc/input/num_tokens"] == 15
+    assert "opbc/kl/chi2_token" in out and "opbc/is/ess" in out
+    assert not [k for k in out if k.startswith(("opbc/sequence/", "opbc/ppl/")) or k in ("opbc/kl/chi2_seq",
+                                                                                          "opbc/is/seq_ess")]
+
+
 def test_zero_counts_in_a_window_with_data_stay():
     from opbc_metrics.controller import OPBCController
 

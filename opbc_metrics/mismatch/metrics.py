@@ -544,6 +544,7 @@ class ChiSquare(_MismatchMetric):
 
     keys = F.CHI2_KEYS
     higher_is_better = False
+    key_counts = ((F.CHI2_KEYS[1], "seq_count"),)  # chi2_seq needs a valid sequence, chi2_token a valid token
     glossary = GlossaryEntry(
         name="chi2",
         what="Chi-square divergence of trainer from rollout, E[w^2] - 1, per token and per sequence: the "
