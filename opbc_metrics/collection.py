@@ -43,7 +43,7 @@ SECTIONS["endpoint"] = endpoint_section
 # adapters also carry (a NaN reward or a negative length raises at compute()).
 SECTIONS["rollout"] = rollout_section
 # training: actor/critic/lengths/DPO/RM/validation/load-balance/timing members, all with optional inputs.
-# Opt-in (its members would report empty-window zeros for fields a mismatch-only user never feeds);
+# Opt-in (it reads fields that a mismatch-only user never feeds);
 # settings via section_options={"training": {"max_response_length": ..., "data_sources": [...], ...}}.
 SECTIONS["training"] = training_section
 DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round", "agent", "endpoint")

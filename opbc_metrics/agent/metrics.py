@@ -57,7 +57,7 @@ class ToolCallJaccard(_AgentMetric):
 
     Per pair, :math:`J = |A \cap B| / |A \cup B|` over the sets of ``(tool name, sha256 of canonical
     JSON arguments)`` of each side (1.0 when neither calls a tool); the metric is the mean of
-    :math:`J` over pairs. Empty window: 1.0.
+    :math:`J` over pairs. No data in the window: no keys.
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory
@@ -98,7 +98,7 @@ class FirstDivergenceStep(_AgentMetric):
     then the normalised content differ; a trajectory that ends early diverges at its end (kind
     ``length``). The step mean and min are over the diverged pairs (-1 when none diverged); the
     fractions are over all pairs, and the four ``divergence_kind`` fractions sum to
-    ``diverged_fraction``. Empty window: step -1, fractions 0, ``num_pairs`` 0.
+    ``diverged_fraction``. No data in the window: no keys.
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory
@@ -148,7 +148,7 @@ class AnswerMatchRate(_AgentMetric):
     """Share of pairs whose final answers match, ``agent/answer/match_rate``.
 
     Answers are compared after folding whitespace runs to one space, stripping and lower-casing; a
-    missing final answer counts as the empty string. Empty window: 1.0.
+    missing final answer counts as the empty string. No data in the window: no keys.
 
     Example:
         >>> roll = [{"role": "assistant", "content": "The answer is  42."}]
@@ -186,7 +186,7 @@ class ToolChoiceDisagreementRate(_AgentMetric):
 
     Steps whose ordered tool-name lists differ, over steps where either side calls a tool; steps
     are aligned by index and a side without step ``i`` has no tool calls there. Sums over all
-    pairs (a pooled rate, not a mean of per-pair rates). Empty window (no tool call at all): 0.
+    pairs (a pooled rate, not a mean of per-pair rates). No pair in the window: no key (pairs without tool calls: 0).
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory

@@ -6,7 +6,7 @@ on the rank (and batch) where it was decided. ``update`` takes the :class:`Batch
 mapping holding it under ``opbc_decisions``, which lets these metrics sit in an ``OPBCCollection`` next to
 the mismatch metrics: batches without decisions are skipped) and never synchronises host and device.
 
-Over an empty window (no group decided) every share and count is 0.
+A window without a decided group has no keys; with decided groups, zero counts are reported.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def budget_metrics(optional: bool = True, **kwargs: Any) -> list[OPBCMetric]:
     """One instance of every budget metric (``kwargs``: torchmetrics ``Metric`` arguments).
 
     ``optional=True`` (for a shared collection): batches without ``opbc_decisions`` are skipped and a
-    window without any leaves the budget keys out; ``False`` always reports them (0 over an empty window).
+    window without any leaves the budget keys out; ``False`` always updates (no decided group: no keys).
 
     Example:
         >>> [type(m).__name__ for m in budget_metrics()]

@@ -66,9 +66,9 @@ class RouterFlipRate(_RouterMetric):
       for the pooled deeper layers (0 when the model has at most ``num_layers`` MoE layers).
     * ``moe/router/worst_layer``: the layer with the highest rate among the layers that saw a valid
       token, the first one on ties; ``num_layers`` stands for the pooled overflow bucket ("some layer
-      >= num_layers"); -1 over an empty window. ``moe/router/worst_layer_flip_rate``: its rate.
+      >= num_layers"). ``moe/router/worst_layer_flip_rate``: its rate.
 
-    Over an empty window every rate is 0. Layers a model does not have report 0.
+    No valid token in the window: no keys. Layers a model does not have report 0.
 
     Args:
         num_layers: per-layer capacity (64: the default :class:`~opbc_metrics.collection.OPBCCollection`
@@ -130,7 +130,7 @@ class RouterSetDisagreement(_RouterMetric):
     .. math:: \frac{\#\{t: m_t = 1,\ \exists l: S^{roll}_{t,l} \ne S^{train}_{t,l}\}}{\#\{t: m_t = 1\}}
 
     where :math:`S_{t,l}` is the set of the top-K experts of token ``t`` in layer ``l``: the order within
-    the top-K does not matter. Over an empty window it is 0.
+    the top-K does not matter. No valid token in the window: no key.
 
     Args:
         top_k: the number of routed experts, needed to read router logits; with expert ids it compares
