@@ -6,10 +6,11 @@ wraps one batch for one ``update``: it validates each field the first time a met
 dtype, device: host metadata only, never the values) and caches derived per-token tensors, so a
 collection of twenty metrics computes the log ratio, the mask and the weights once.
 
-Field names are checked when the view is built (host metadata, no sync): a known framework name whose
-meaning here has a schema name (``completion_mask``, ``old_log_probs``, ...) without that schema field
-raises a ``ValueError`` pointing at the adapter, and per-sequence fields (``rewards``, ``group_ids``, ...)
-must have one entry per sequence. Inputs that require grad are detached here: metrics never keep a graph.
+Metrics check field names before reading a batch (:meth:`BatchView.check_fields`; host metadata, no
+sync): a known framework name whose meaning here has a schema name (``completion_mask``,
+``old_log_probs``, ...) without that schema field raises a ``ValueError`` pointing at the adapter, and
+per-sequence fields (``rewards``, ``group_ids``, ...) must have one entry per sequence. Inputs that
+require grad are detached when the view is built: metrics never keep a graph.
 
 Non-finite logprobs cannot be rejected in ``update()`` without a host sync, so they are handled by
 value: a response token whose trainer or rollout logprob is NaN or infinite (or whose log ratio
@@ -36,8 +37,8 @@ GROUP_IDS = "group_ids"
 DEFAULT_CLAMP = 20.0
 DEFAULT_VETO = 30.0
 
-# Logprobs above this are impossible (p > 1): counted by the input accounting and refused at compute().
-POSITIVE_LOGPROB_TOLERANCE = 1e-3
+# A side whose valid values all lie in [0, 1], some above this, holds probabilities, not logprobs.
+PROBABILITY_TOLERANCE = 0.01
 
 _TRL = "opbc_metrics.integrations.trl.trl_to_batch"
 _VERL = "opbc_metrics.integrations.verl.verl_to_batch"
@@ -152,15 +153,24 @@ def as_bool_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def raise_if_positive(count: Tensor) -> None:
-    """The deferred error for logprobs above 0 counted by ``update()`` (reads one scalar: compute only)."""
-    n = int(count)
-    if n:
-        raise ValueError(
-            f"batch fields `{TRAINER_LOGPROBS}` / `{ROLLOUT_LOGPROBS}` held {n} response token(s) with a logprob "
-            f"above 0 (> {POSITIVE_LOGPROB_TOLERANCE}): logprobs are log-probabilities (<= 0), these look like "
-            "probabilities; pass torch.log(p), or map a framework batch with its adapter (opbc_metrics.integrations)"
-        )
+def raise_if_probabilities(low: Tensor, high: Tensor) -> None:
+    """The deferred error for a logprob field whose values all lay in ``[0, 1]`` (``low``/``high``: the
+    ``[2]`` min/max of the valid trainer and rollout values over the window; read at compute only).
+
+    Example:
+        >>> raise_if_probabilities(torch.tensor([-3.0, -2.5]), torch.tensor([0.0, -0.1]))
+        >>> raise_if_probabilities(torch.tensor([0.0, -2.5]), torch.tensor([0.9, -0.1]))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `trainer_logprobs` holds values in [0, 1] only (0 to 0.9): ...
+    """
+    for name, lo, hi in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), low.tolist(), high.tolist(), strict=True):
+        if lo >= 0.0 and PROBABILITY_TOLERANCE < hi <= 1.0:
+            raise ValueError(
+                f"batch field `{name}` holds values in [0, 1] only ({lo:g} to {hi:g}): probabilities, not logprobs "
+                "(log-probabilities are <= 0); pass torch.log(p), or map a framework batch with its adapter "
+                "(opbc_metrics.integrations.trl.trl_to_batch, opbc_metrics.integrations.verl.verl_to_batch)"
+            )
 
 
 def check_positive(name: str, value: float) -> float:
@@ -192,9 +202,15 @@ class BatchView:
     def __init__(self, batch: Any = None, **fields: Any) -> None:
         data = as_mapping(batch)
         data.update(fields)
-        check_field_names(data)
         self.data = {k: _detached(v) for k, v in data.items()}
         self._cache: dict[Any, Any] = {}
+
+    def check_fields(self) -> BatchView:
+        """:func:`check_field_names` on this batch, once (metrics call it; the controller rejects instead)."""
+        if "fields_checked" not in self._cache:
+            check_field_names(self.data)
+            self._cache["fields_checked"] = True
+        return self
 
     # -- access and validation ---------------------------------------------------------------
     def has(self, *names: str) -> bool:
@@ -305,15 +321,19 @@ class BatchView:
         return self._cached("nonfinite", lambda: (self.token_inputs[2] & ~self.finite).to(self.dtype).sum())
 
     @property
-    def positive_count(self) -> Tensor:
-        """Response tokens with a trainer or rollout logprob above 0 (probabilities passed as logprobs?)."""
+    def logprob_range(self) -> tuple[Tensor, Tensor]:
+        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs (0 stands in for invalid tokens):
+        a side with min >= 0 holds probabilities (see :func:`raise_if_probabilities`)."""
 
-        def make() -> Tensor:
-            trainer, rollout, mask = self.token_inputs
-            above = torch.maximum(trainer, rollout) > POSITIVE_LOGPROB_TOLERANCE
-            return (above & mask).sum(dtype=self.dtype)
+        def make() -> tuple[Tensor, Tensor]:
+            trainer, rollout, _ = self.token_inputs
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            if self.numel == 0:
+                return zero.expand(2), zero.expand(2)
+            ranges = [torch.aminmax(torch.where(self.valid, x, zero)) for x in (trainer, rollout)]
+            return torch.stack([r.min for r in ranges]), torch.stack([r.max for r in ranges])
 
-        return self._cached("positive", make)
+        return self._cached("logprob_range", make)
 
     @property
     def log_ratio(self) -> Tensor:

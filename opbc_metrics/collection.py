@@ -183,13 +183,13 @@ class OPBCCollection(MetricCollection):
 
     def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]
         """Accumulate one batch (a mapping, dataclass, or keyword fields with the batch-schema names)."""
-        view = as_view(batch, **fields)
+        view = as_view(batch, **fields).check_fields()
         for m in self._active(view):
             m.update(view)
 
     def forward(self, batch: Any = None, **fields: Any) -> dict[str, Tensor]:  # type: ignore[override]
         """Accumulate one batch and return that batch's own values (local, not synced)."""
-        view = as_view(batch, **fields)
+        view = as_view(batch, **fields).check_fields()
         out: dict[str, Tensor] = {}
         for m in self._active(view):
             out.update(m.as_dict(m(view)))

@@ -187,7 +187,7 @@ class OPBCMetric(Metric):
     # -- update / compute -----------------------------------------------------------------
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate one batch (a mapping, a dataclass, keyword fields or a shared BatchView)."""
-        self._update_view(as_view(batch, **fields))
+        self._update_view(as_view(batch, **fields).check_fields())
 
     def _update_view(self, view: BatchView) -> None:
         raise NotImplementedError

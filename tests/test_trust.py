@@ -280,8 +280,17 @@ def test_probabilities_passed_as_logprobs_are_refused_at_compute():
     metrics = OPBCCollection()
     with assert_no_host_sync():
         metrics.update(probs)
-    with pytest.raises(ValueError, match=r"`trainer_logprobs` / `rollout_logprobs`.*look like probabilities"):
+    with pytest.raises(ValueError, match=r"`trainer_logprobs` holds values in \[0, 1\] only.*probabilities"):
         metrics.compute()
+    one_side = OPBCCollection()  # the rollout side alone passed as probabilities
+    one_side.update({**batch, "rollout_logprobs": batch["rollout_logprobs"].exp()})
+    with pytest.raises(ValueError, match=r"`rollout_logprobs` holds values in \[0, 1\] only"):
+        one_side.compute()
+    sentinel = OPBCCollection()  # a positive sentinel among real logprobs is a value, not probabilities
+    b = make_batch(batch=3, seq=6, seed=5)
+    b["trainer_logprobs"][0, 0] = 1e4
+    sentinel.update(b)
+    assert "opbc/is/ess" in sentinel.compute()
 
 
 @pytest.mark.parametrize(

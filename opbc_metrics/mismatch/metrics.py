@@ -16,7 +16,7 @@ from opbc_metrics.batch import (
     TRAINER_LOGPROBS,
     BatchView,
     check_positive,
-    raise_if_positive,
+    raise_if_probabilities,
 )
 from opbc_metrics.functional import mismatch as F
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric
@@ -680,14 +680,17 @@ class InputHealth(_MismatchMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("nonfinite", "tokens", "sequences", "positive"):
+        for name in ("nonfinite", "tokens", "sequences"):
             self.add_sum(name)
+        self.add_min("logprob_min", (2,))  # trainer, rollout: a side within [0, 1] holds probabilities
+        self.add_max("logprob_max", (2,))
 
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._input_update(self._stats(view)), positive=view.positive_count)
+        low, high = view.logprob_range
+        self.accumulate(**F._input_update(self._stats(view)), logprob_min=low, logprob_max=high)
 
     def compute(self) -> dict[str, Tensor]:
-        raise_if_positive(self.positive)
+        raise_if_probabilities(self.logprob_min, self.logprob_max)
         return F._input_compute(self.nonfinite, self.tokens, self.sequences)
 
 
