@@ -6,6 +6,12 @@ wraps one batch for one ``update``: it validates each field the first time a met
 dtype, device: host metadata only, never the values) and caches derived per-token tensors, so a
 collection of twenty metrics computes the log ratio, the mask and the weights once.
 
+Metrics check field names before reading a batch (:meth:`BatchView.check_fields`; host metadata, no
+sync): a known framework name whose meaning here has a schema name (``completion_mask``,
+``old_log_probs``, ...) without that schema field raises a ``ValueError`` pointing at the adapter, and
+per-sequence fields (``rewards``, ``group_ids``, ...) must have one entry per sequence. Inputs that
+require grad are detached when the view is built: metrics never keep a graph.
+
 Non-finite logprobs cannot be rejected in ``update()`` without a host sync, so they are handled by
 value: a response token whose trainer or rollout logprob is NaN or infinite (or whose log ratio
 overflows the compute dtype) is excluded from every mismatch statistic and counted instead
@@ -30,6 +36,92 @@ GROUP_IDS = "group_ids"
 
 DEFAULT_CLAMP = 20.0
 DEFAULT_VETO = 30.0
+
+# A side whose valid values all lie in [0, 1], some above this, holds probabilities, not logprobs.
+PROBABILITY_TOLERANCE = 0.01
+
+_TRL = "opbc_metrics.integrations.trl.trl_to_batch"
+_VERL = "opbc_metrics.integrations.verl.verl_to_batch"
+# Framework field name -> (the schema field it stands for, the adapter that maps it).
+FRAMEWORK_FIELDS: dict[str, tuple[str, str]] = {
+    "completion_mask": (RESPONSE_MASK, _TRL),
+    "old_per_token_logps": (TRAINER_LOGPROBS, _TRL),
+    "per_token_logps": (TRAINER_LOGPROBS, _TRL),
+    "sampling_per_token_logps": (ROLLOUT_LOGPROBS, _TRL),
+    "attention_mask": (RESPONSE_MASK, _VERL),
+    "loss_mask": (RESPONSE_MASK, _VERL),
+    "old_log_probs": (TRAINER_LOGPROBS, _VERL),
+    "old_log_prob": (TRAINER_LOGPROBS, _VERL),
+    "rollout_log_probs": (ROLLOUT_LOGPROBS, _VERL),
+    "action_mask": (RESPONSE_MASK, "a mapping onto the schema names"),
+    "logprobs": (TRAINER_LOGPROBS, "a mapping onto the schema names"),
+}
+
+# Fields with one entry per sequence (first dimension B).
+PER_SEQUENCE_FIELDS: tuple[str, ...] = (
+    GROUP_IDS,
+    "rewards",
+    "advantages",
+    "values",
+    "returns",
+    "prompt_lengths",
+    "response_lengths",
+    "stop_reasons",
+    "discard_reasons",
+    "policy_lag",
+)
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach() if value.requires_grad else value
+    if isinstance(value, Mapping):
+        return {k: _detached(v) for k, v in value.items()} if any(
+            isinstance(v, Tensor) and v.requires_grad for v in value.values()
+        ) else value
+    return value
+
+
+def _length(value: Any) -> int | None:
+    """The first-dimension length of a tensor or list/tuple field, ``None`` for anything else."""
+    if isinstance(value, Tensor):
+        return int(value.shape[0]) if value.ndim >= 1 else None
+    if isinstance(value, list | tuple):
+        return len(value)
+    return None
+
+
+def check_field_names(data: Mapping[str, Any]) -> None:
+    """Refuse framework field names whose schema counterpart is missing, and misaligned per-sequence fields.
+
+    Example:
+        >>> check_field_names({"trainer_logprobs": torch.zeros(2, 3), "rewards": torch.zeros(2)})
+        >>> check_field_names({"trainer_logprobs": torch.zeros(2, 3), "completion_mask": torch.ones(2, 3)})
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `completion_mask` is not read by opbc-metrics: the schema name is `response_mask`; ...
+    """
+    for name, (schema, adapter) in FRAMEWORK_FIELDS.items():
+        if data.get(name) is not None and data.get(schema) is None:
+            raise ValueError(
+                f"batch field `{name}` is not read by opbc-metrics: the schema name is `{schema}`; map the batch "
+                f"with {adapter} (or rename the field)"
+            )
+    reference, size = None, None
+    trainer = data.get(TRAINER_LOGPROBS)
+    if isinstance(trainer, Tensor) and trainer.ndim == 2:
+        reference, size = f"`{TRAINER_LOGPROBS}` is {list(trainer.shape)}", int(trainer.shape[0])
+    for name in PER_SEQUENCE_FIELDS:
+        n = _length(data.get(name))
+        if n is None:
+            continue
+        if size is None:
+            reference, size = f"`{name}` has {n}", n
+        elif n != size:
+            raise ValueError(
+                f"batch field `{name}` has {n} entries but the batch has {size} sequences ({reference}); "
+                "per-sequence fields need exactly one entry per sequence"
+            )
 
 
 def as_mapping(batch: Any) -> dict[str, Any]:
@@ -61,6 +153,26 @@ def as_bool_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def raise_if_probabilities(low: Tensor, high: Tensor) -> None:
+    """The deferred error for a logprob field whose values all lay in ``[0, 1]`` (``low``/``high``: the
+    ``[2]`` min/max of the valid trainer and rollout values over the window; read at compute only).
+
+    Example:
+        >>> raise_if_probabilities(torch.tensor([-3.0, -2.5]), torch.tensor([0.0, -0.1]))
+        >>> raise_if_probabilities(torch.tensor([0.0, -2.5]), torch.tensor([0.9, -0.1]))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `trainer_logprobs` holds values in [0, 1] only (0 to 0.9): ...
+    """
+    for name, lo, hi in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), low.tolist(), high.tolist(), strict=True):
+        if lo >= 0.0 and PROBABILITY_TOLERANCE < hi <= 1.0:
+            raise ValueError(
+                f"batch field `{name}` holds values in [0, 1] only ({lo:g} to {hi:g}): probabilities, not logprobs "
+                "(log-probabilities are <= 0); pass torch.log(p), or map a framework batch with its adapter "
+                "(opbc_metrics.integrations.trl.trl_to_batch, opbc_metrics.integrations.verl.verl_to_batch)"
+            )
+
+
 def check_positive(name: str, value: float) -> float:
     """Validate a positive, finite threshold given to a constructor."""
     value = float(value)
@@ -90,8 +202,15 @@ class BatchView:
     def __init__(self, batch: Any = None, **fields: Any) -> None:
         data = as_mapping(batch)
         data.update(fields)
-        self.data = data
+        self.data = {k: _detached(v) for k, v in data.items()}
         self._cache: dict[Any, Any] = {}
+
+    def check_fields(self) -> BatchView:
+        """:func:`check_field_names` on this batch, once (metrics call it; the controller rejects instead)."""
+        if "fields_checked" not in self._cache:
+            check_field_names(self.data)
+            self._cache["fields_checked"] = True
+        return self
 
     # -- access and validation ---------------------------------------------------------------
     def has(self, *names: str) -> bool:
@@ -200,6 +319,21 @@ class BatchView:
     def nonfinite_count(self) -> Tensor:
         """Response tokens whose trainer or rollout logprob is NaN or infinite."""
         return self._cached("nonfinite", lambda: (self.token_inputs[2] & ~self.finite).to(self.dtype).sum())
+
+    @property
+    def logprob_range(self) -> tuple[Tensor, Tensor]:
+        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs (0 stands in for invalid tokens):
+        a side with min >= 0 holds probabilities (see :func:`raise_if_probabilities`)."""
+
+        def make() -> tuple[Tensor, Tensor]:
+            trainer, rollout, _ = self.token_inputs
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            if self.numel == 0:
+                return zero.expand(2), zero.expand(2)
+            ranges = [torch.aminmax(torch.where(self.valid, x, zero)) for x in (trainer, rollout)]
+            return torch.stack([r.min for r in ranges]), torch.stack([r.max for r in ranges])
+
+        return self._cached("logprob_range", make)
 
     @property
     def log_ratio(self) -> Tensor:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -14,7 +13,7 @@ from opbc_metrics.agent import agent_section
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
 from opbc_metrics.endpoint import endpoint_section
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS, request_statistic_groups
-from opbc_metrics.metric import OPBCMetric
+from opbc_metrics.metric import OPBCMetric, plot_values
 from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
 from opbc_metrics.per_round import per_round_section
@@ -44,7 +43,7 @@ SECTIONS["endpoint"] = endpoint_section
 # adapters also carry (a NaN reward or a negative length raises at compute()).
 SECTIONS["rollout"] = rollout_section
 # training: actor/critic/lengths/DPO/RM/validation/load-balance/timing members, all with optional inputs.
-# Opt-in (its members would report empty-window zeros for fields a mismatch-only user never feeds);
+# Opt-in (it reads fields that a mismatch-only user never feeds);
 # settings via section_options={"training": {"max_response_length": ..., "data_sources": [...], ...}}.
 SECTIONS["training"] = training_section
 DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round", "agent", "endpoint")
@@ -61,6 +60,13 @@ class OPBCCollection(MetricCollection):
       (sum, max, min) instead of torchmetrics' per-state gathers, then returns
       ``dict[str, Tensor]`` keyed exactly as in the design's tables.
     * ``forward(batch)`` returns the batch's own values while accumulating, as torchmetrics does.
+    * No made-up values: a member that saw no data in the window (no valid token, sequence, pair or
+      sample on any rank; decided on the synced states, so the key set is the same on every rank)
+      contributes no keys. The input-accounting keys (``opbc/input/*``) always report, 0 included.
+    * ``merge_state`` / ``load_state_dict`` check every member's states and configuration before
+      changing anything (a ``ValueError`` names the first difference) and drop cached results; the
+      state dict carries each member's configuration (``<member>._extra_state``).
+    * ``collection["opbc/is/ess"]`` returns the member that produces a key; member names work too.
 
     Args:
         metrics: the members; default: every metric of ``sections``.
@@ -70,6 +76,8 @@ class OPBCCollection(MetricCollection):
         top_mass_bins: bins of the top-1% gradient-mass sketch (8192).
         compiled: run the mismatch section's fused kernel under ``torch.compile`` (first call compiles).
         section_options: per-section constructor options, e.g. ``{"moe": {"num_layers": 48, "top_k": 8}}``.
+        prefix, postfix: strings added before / after every output key, as in torchmetrics'
+            ``MetricCollection`` (e.g. ``prefix="bf16/"`` to compare engines side by side).
         metric_kwargs: torchmetrics ``Metric`` arguments passed to every default member.
 
     Example:
@@ -93,6 +101,8 @@ class OPBCCollection(MetricCollection):
         top_mass_bins: int = DEFAULT_TOP_MASS_BINS,
         compiled: bool = False,
         section_options: dict[str, dict[str, Any]] | None = None,
+        prefix: str | None = None,
+        postfix: str | None = None,
         **metric_kwargs: Any,
     ) -> None:
         if metrics is None:
@@ -113,7 +123,7 @@ class OPBCCollection(MetricCollection):
         duplicated = sorted({k for k in keys if keys.count(k) > 1})
         if duplicated:
             raise ValueError(f"two members produce the same keys: {duplicated}")
-        super().__init__(metrics, compute_groups=False)
+        super().__init__(metrics, compute_groups=False, prefix=prefix, postfix=postfix)
         if compiled:
             for m in members:
                 if hasattr(m, "compiled"):
@@ -125,8 +135,44 @@ class OPBCCollection(MetricCollection):
 
     @property
     def keys_produced(self) -> list[str]:
-        """Every key :meth:`compute` returns."""
-        return [k for m in self.members() for k in m.keys]
+        """Every key :meth:`compute` can return (with the prefix/postfix); members without data leave theirs out."""
+        return [self._set_name(k) for m in self.members() for k in m.keys]
+
+    def _named(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        if not self.prefix and not self.postfix:
+            return values
+        return {self._set_name(k): v for k, v in values.items()}
+
+    def __getitem__(self, key: str, copy_state: bool = True) -> OPBCMetric:  # type: ignore[override]
+        """The member named ``key``, or the member that produces the output key ``key``."""
+        if key in self._modules:
+            return self._modules[key]  # type: ignore[return-value]
+        for m in self.members():
+            if key in m.keys or key in [self._set_name(k) for k in m.keys]:
+                return m
+        try:
+            return super().__getitem__(key, copy_state)  # type: ignore[return-value]
+        except KeyError:
+            raise KeyError(f"{key!r} is neither a member name nor a key this collection produces") from None
+
+    def plot(self, val: Any = None, ax: Any = None, together: bool = True) -> Any:
+        """Plot the scalar values (torchmetrics' plotting; needs matplotlib).
+
+        Args:
+            val: a :meth:`compute`/:meth:`forward` result or a list of them (a time series); default:
+                :meth:`compute`.
+            ax: a matplotlib axis (``together=True``) or one per member with values (``together=False``).
+            together: all keys in one figure, or one figure per member.
+        """
+        val = self.compute() if val is None else val
+        if together:
+            return plot_values(val, ax=ax, name=type(self).__name__)
+        series = val if isinstance(val, Sequence) else [val]
+        out = []
+        for i, m in enumerate(m for m in self.members() if any(self._set_name(k) in series[0] for k in m.keys)):
+            own = [{k: v[k] for k in map(self._set_name, m.keys) if k in v} for v in series]
+            out.append(m.plot(own if isinstance(val, Sequence) else own[0], ax=None if ax is None else ax[i]))
+        return out
 
     def _active(self, view: BatchView) -> list[OPBCMetric]:
         active = [m for m in self.members() if m.accepts(view)]
@@ -137,17 +183,17 @@ class OPBCCollection(MetricCollection):
 
     def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]
         """Accumulate one batch (a mapping, dataclass, or keyword fields with the batch-schema names)."""
-        view = as_view(batch, **fields)
+        view = as_view(batch, **fields).check_fields()
         for m in self._active(view):
             m.update(view)
 
     def forward(self, batch: Any = None, **fields: Any) -> dict[str, Tensor]:  # type: ignore[override]
         """Accumulate one batch and return that batch's own values (local, not synced)."""
-        view = as_view(batch, **fields)
+        view = as_view(batch, **fields).check_fields()
         out: dict[str, Tensor] = {}
         for m in self._active(view):
             out.update(m.as_dict(m(view)))
-        return out
+        return self._named(out)
 
     def compute(self) -> dict[str, Tensor]:
         """Sync all members at once (one all_reduce per reduction kind) and return the flat dict."""
@@ -155,40 +201,86 @@ class OPBCCollection(MetricCollection):
         synced = self._packed_sync(members)
         out: dict[str, Tensor] = {}
         try:
-            with warnings.catch_warnings():
-                # A member whose optional inputs never arrived reports its empty-window value.
-                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
-                for m in members:
-                    # Optional-input members that never saw data on any rank (states are synced here)
-                    # leave their keys out, so a dense model's run shows no empty MoE charts.
-                    if m.optional_inputs and packable(m) and not m.has_data():
-                        continue
-                    out.update(m.as_dict(m.compute()))
+            for m in members:
+                # States are synced here, so every rank leaves out the same members (no data anywhere).
+                out.update(m.compute_dict())
         finally:
             for m in synced:
                 m._to_sync = m.sync_on_compute
                 if m._is_synced:
                     m.unsync()
-        return out
+        return self._named(out)
 
-    def merge_state(self, incoming: OPBCCollection | dict[str, Any]) -> None:
+    def merge_state(self, incoming: OPBCCollection | Mapping[str, Any]) -> None:
         """Fold another collection's states into this one (the single-controller pattern).
 
         Workers (Ray actors, verl's worker groups) each accumulate their own collection and ship it,
         or its ``state_dict()``, to one controller process, which merges them: the result equals one
-        collection updated with all the workers' data. Members must match by name and settings.
+        collection updated with all the workers' data. Every member's states and configuration are
+        checked before any state changes: a ``ValueError`` names the first difference and the
+        collection is left as it was. Cached results are dropped.
         """
+        if isinstance(incoming, OPBCCollection):
+            names, theirs = list(self._modules), list(incoming._modules)
+            if names != theirs:
+                raise ValueError(f"merge_state: {_first_name_difference(names, theirs)}")
+            pairs = [(m, incoming._modules[name]) for name, m in self.items(keep_base=True, copy_state=False)]
+            for m, other in pairs:
+                state = {k: getattr(other, k) for k in other._defaults}
+                problem = m.state_problem(state, where=_member_name(self, m), config=other.config())
+                if problem:
+                    raise ValueError(f"merge_state: {problem}")
+            for m, other in pairs:
+                m.merge_state(other)
+            return
+        if not isinstance(incoming, Mapping):
+            kind = type(incoming).__name__
+            raise ValueError(f"merge_state: expected an OPBCCollection or its state_dict(), got {kind}")
+        states = self._split_state_dict(incoming, "merge_state", require_config=True)
         for name, m in self.items(keep_base=True, copy_state=False):
-            if isinstance(incoming, OPBCCollection):
-                m.merge_state(incoming[name])
-            else:
-                prefix = f"{name}."
-                state = {k[len(prefix):]: v for k, v in incoming.items() if k.startswith(prefix)}
-                missing = sorted(set(m._defaults) - set(state))
-                if missing:
-                    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-                    raise ValueError(f"merge_state: incoming state lacks {name}.{missing[0]}{more}")
-                m.merge_state({k: v.to(m.device) for k, v in state.items()})
+            m.merge_state(states[name])
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load a ``state_dict()`` of a collection with the same members and configuration.
+
+        Everything is checked first (no member missing or extra, every state present with its shape and
+        dtype, each member's saved configuration equal to its own): a ``ValueError`` names the first
+        difference and nothing is loaded. An empty or partial checkpoint, or ``strict=False``, is refused.
+        """
+        if not strict:
+            raise ValueError("load_state_dict: strict=False is not supported (a partial load mixes two windows)")
+        self._split_state_dict(state_dict, "load_state_dict", require_config=True)
+        for m in self.members():
+            m._computed = None
+        return super().load_state_dict(state_dict, strict=True, assign=assign)
+
+    def _split_state_dict(
+        self, state_dict: Mapping[str, Any], what: str, require_config: bool
+    ) -> dict[str, dict[str, Any]]:
+        """``{member name: {state: value}}`` of a collection state dict, validated against every member."""
+        if not state_dict:
+            raise ValueError(f"{what}: the state dict is empty")
+        names = list(self._modules)
+        states: dict[str, dict[str, Any]] = {name: {} for name in names}
+        for key, value in state_dict.items():
+            name, _, state = str(key).rpartition(".")
+            if name not in states:
+                raise ValueError(f"{what}: {key!r} does not belong to any member of this collection ({names[:3]}...)")
+            states[name][state] = value
+        for name, m in self.items(keep_base=True, copy_state=False):
+            if not states[name]:
+                raise ValueError(f"{what}: member {name!r} is missing from the incoming state dict")
+            own = dict(states[name])
+            config = own.pop("_extra_state", None)
+            if config is None and require_config:
+                raise ValueError(
+                    f"{what}: {name}: the checkpoint carries no opbc-metrics configuration ({name}._extra_state); "
+                    "it is partial, foreign or from an older version"
+                )
+            problem = m.state_problem(own, where=name, config=config)
+            if problem:
+                raise ValueError(f"{what}: {problem}")
+        return states
 
     def _packed_sync(self, members: list[OPBCMetric]) -> list[OPBCMetric]:
         to_pack = [
@@ -208,3 +300,16 @@ class OPBCCollection(MetricCollection):
             m._is_synced = True
             m._to_sync = False  # already synced: the member's own compute must not sync again
         return to_pack
+
+
+def _member_name(collection: OPBCCollection, member: OPBCMetric) -> str:
+    return next(name for name, m in collection._modules.items() if m is member)
+
+
+def _first_name_difference(own: list[str], other: list[str]) -> str:
+    for i, (a, b) in enumerate(zip(own, other)):
+        if a != b:
+            return f"member {i} is {b!r} in the incoming collection, {a!r} here"
+    if len(other) > len(own):
+        return f"the incoming collection has an extra member {other[len(own)]!r}"
+    return f"the incoming collection lacks member {own[len(other)]!r}"

@@ -3,6 +3,11 @@
 Each public metric class carries a :class:`~opbc_metrics.metric.GlossaryEntry`: what it is, the unit
 it aggregates over, the cap that triggers an OPBC action, and what happens when the cap fires. This
 module collects them, so the glossary can never drift from the code.
+
+The contract for values (:data:`NO_DATA_CONTRACT`): a metric that saw no data in the window (no valid
+token, sequence, pair or sample on any rank) reports no key, never an "on-policy" value; the input
+accounting keys (``opbc/input/*``) always report, zero counts included; zero counts in a window that had
+data are data.
 """
 
 from __future__ import annotations
@@ -11,6 +16,13 @@ from typing import Any
 
 import opbc_metrics  # noqa: F401  (imports every section, which registers its classes)
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric, registered_metrics
+
+NO_DATA_CONTRACT = (
+    "A metric that saw no data in the window (no valid token, sequence, pair or sample, over all ranks) "
+    "reports no key: a missing key means 'not measured', never 'on-policy'. The input-accounting keys "
+    "(opbc/input/nonfinite_count, num_tokens, num_sequences) always report, zero included. Zero counts in "
+    "a window that had data are data (e.g. opbc/decision/reason_count/*)."
+)
 
 
 def public_metrics() -> list[type[OPBCMetric]]:
@@ -65,7 +77,7 @@ def glossary_markdown() -> str:
         >>> print(glossary_markdown().splitlines()[0])
         # opbc-metrics glossary
     """
-    lines = ["# opbc-metrics glossary", ""]
+    lines = ["# opbc-metrics glossary", "", NO_DATA_CONTRACT, ""]
     for name, e in glossary_dict().items():
         lines += [f"## {name}", "", f"- **keys**: {', '.join(f'`{k}`' for k in e['keys'])}"]
         if e["aliases"]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -44,17 +48,37 @@ def registered_metrics() -> list[type[OPBCMetric]]:
     return list(_REGISTRY)
 
 
+class NoDataError(ValueError):
+    """``compute()`` of a metric that saw no data (no valid token, sequence, pair or sample) in its window."""
+
+
 class OPBCMetric(Metric):
     """A ``torchmetrics.Metric`` whose states are fixed-size sufficient statistics.
 
     Subclasses declare ``keys`` (the ``section/group/metric`` keys they produce), a ``glossary``
-    entry, the ``section`` they belong to, the batch fields they need, and implement
-    ``_update_view(view)`` and ``compute()``. ``update`` accepts a batch mapping, keyword fields, or a
-    shared :class:`~opbc_metrics.batch.BatchView`.
+    entry, the ``section`` they belong to, the batch fields they need, ``data_counts`` (the states
+    that count their data), and implement ``_update_view(view)`` and ``compute()``. ``update`` accepts
+    a batch mapping, keyword fields, or a shared :class:`~opbc_metrics.batch.BatchView`.
 
     All states are float64 tensors reduced by sum, max or min, so that DDP sync is exact (global sums
     and extremes, never a mean of per-rank means) and packs into at most one collective per
     reduction kind (see :mod:`opbc_metrics.sync`).
+
+    **No made-up values.** A metric that saw no data in its window (decided on the synced states, so
+    the same on every rank) has no value: :meth:`compute_dict` returns ``{}`` (a collection leaves its
+    keys out), :meth:`compute` raises :class:`NoDataError`, and ``forward`` on a batch without data
+    returns ``None`` (its states still accumulate). ``data_counts`` names the count states (valid
+    tokens, sequences, pairs, samples, and counts of bad values that ``compute()`` must report): the
+    metric saw data when any entry of them is non-zero. Names that are not states of the instance are
+    skipped, so a base class can list its subclasses' counts. ``()`` means it always reports (input
+    accounting); ``None`` (undeclared) means "some state moved off its default". ``key_counts`` pairs a
+    key counted by another state (``chi2_seq``: sequences, where the metric counts tokens) to that state:
+    the key is left out while it is zero.
+
+    **Checkpoints and merges are checked.** :meth:`config` (class, settings, state layout) travels in
+    the state dict as extra state (``<name>._extra_state``); :meth:`load_state_dict` and
+    :meth:`merge_state` validate keys, shapes, dtypes and configuration before touching any state and
+    raise a ``ValueError`` naming the first difference, and both drop any cached result.
     """
 
     full_state_update: bool = False
@@ -65,11 +89,46 @@ class OPBCMetric(Metric):
     section: ClassVar[str] = ""
     required_fields: ClassVar[tuple[str, ...]] = ()
     optional_inputs: ClassVar[bool] = False
+    data_counts: ClassVar[tuple[str, ...] | None] = None
+    key_counts: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.keys:  # classes without keys are abstract bases
             _REGISTRY.append(cls)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        object.__setattr__(self, "_allow_empty", False)
+        self._install_compute()
+        # Attributes set after this point by subclasses are their settings (see config()).
+        object.__setattr__(self, "_base_attributes", frozenset(self.__dict__) | {"_base_attributes"})
+
+    def _install_compute(self) -> None:
+        wrapped = self.compute  # torchmetrics' caching/syncing wrapper around the subclass's compute
+
+        def compute() -> Any:
+            with warnings.catch_warnings():
+                # torchmetrics warns when update() never ran; NoDataError (or a loaded state) says more.
+                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+                value = wrapped()
+            if value is None and not self._allow_empty:
+                raise NoDataError(
+                    f"{type(self).__name__} saw no data since the last reset (on any rank): it has no value. "
+                    "compute_dict() returns {} in this case, and OPBCCollection.compute() leaves its keys out"
+                )
+            return value
+
+        compute.__doc__ = wrapped.__doc__
+        object.__setattr__(self, "_compute_or_none", wrapped)
+        object.__setattr__(self, "compute", compute)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in super().__getstate__().items() if k != "_compute_or_none"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # re-wraps the class's compute
+        self._install_compute()
 
     # -- states ---------------------------------------------------------------------------
     def _add(self, name: str, reduce: str, fill: float = 0.0, shape: tuple[int, ...] = ()) -> None:
@@ -117,7 +176,7 @@ class OPBCMetric(Metric):
 
     # torchmetrics' update wrapper sets these two plain attributes on every update; nn.Module's
     # __setattr__ (parameter/buffer/module bookkeeping) costs ~3 us each, 30 calls per collection update.
-    _PLAIN_ATTRIBUTES: ClassVar[frozenset[str]] = frozenset({"_computed", "_update_count"})
+    _PLAIN_ATTRIBUTES: ClassVar[frozenset[str]] = frozenset({"_computed", "_update_count", "_allow_empty"})
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in OPBCMetric._PLAIN_ATTRIBUTES:
@@ -128,7 +187,7 @@ class OPBCMetric(Metric):
     # -- update / compute -----------------------------------------------------------------
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate one batch (a mapping, a dataclass, keyword fields or a shared BatchView)."""
-        self._update_view(as_view(batch, **fields))
+        self._update_view(as_view(batch, **fields).check_fields())
 
     def _update_view(self, view: BatchView) -> None:
         raise NotImplementedError
@@ -142,22 +201,221 @@ class OPBCMetric(Metric):
         return not self.optional_inputs or view.has(*self.required_fields)
 
     def has_data(self) -> bool:
-        """Whether any state differs from its default, i.e. some update carried data."""
+        """Whether any state differs from its default, i.e. some update changed a state."""
         return any(
             not isinstance(default, torch.Tensor) or not torch.equal(getattr(self, name), default.to(self.device))
             for name, default in self._defaults.items()
         )
 
+    def saw_data(self) -> bool:
+        """Whether the window holds data for this metric: a non-zero entry in a ``data_counts`` state.
+
+        Reads the states to the host: ``compute()`` time only. Called on synced states, it gives the same
+        answer on every rank.
+        """
+        if self.data_counts is None:
+            return self.has_data()
+        if not self.data_counts:
+            return True
+        # A base class may list the counts of all its subclasses; each metric has at least one of them.
+        counts = [getattr(self, name) for name in self.data_counts if name in self._defaults]
+        if not counts:
+            raise TypeError(f"{type(self).__name__} has none of its data_counts states {self.data_counts}")
+        return any(bool(torch.count_nonzero(c)) for c in counts)
+
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        # Inside torchmetrics' sync context (states synced): no data -> None, which the public compute()
+        # turns into NoDataError. Raising here would skip torchmetrics' unsync (its context has no finally).
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            if not self.saw_data():
+                return None
+            value = compute(*args, **kwargs)
+            if self.key_counts and isinstance(value, dict):
+                empty = {key for key, state in self.key_counts if not bool(torch.count_nonzero(getattr(self, state)))}
+                value = {k: v for k, v in value.items() if k not in empty}
+            return value
+
+        return super()._wrap_compute(checked)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Accumulate the batch and return its own value; ``None`` when the batch carried no data."""
+        self._allow_empty = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._allow_empty = False
+
     def compute_dict(self) -> dict[str, Tensor]:
-        """:meth:`compute` as a dict keyed by the full ``section/group/metric`` keys."""
-        return self.as_dict(self.compute())
+        """:meth:`compute` as a dict keyed by the full ``section/group/metric`` keys; ``{}`` without data."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+            return self.as_dict(self._compute_or_none())
 
     def as_dict(self, value: Any) -> dict[str, Tensor]:
-        """Key a value returned by :meth:`compute` or :meth:`forward`."""
+        """Key a value returned by :meth:`compute` or :meth:`forward` (``None``, no data, gives ``{}``)."""
+        if value is None:
+            return {}
         if isinstance(value, dict):
             return value
         (key,) = self.keys
         return {key: value}
+
+    def plot(self, val: Any = None, ax: Any = None) -> Any:
+        """Plot a value, a dict of values, or a list of them (a time series) with torchmetrics' plotting.
+
+        Args:
+            val: a :meth:`compute` / :meth:`forward` result or a list of them; default :meth:`compute`.
+            ax: a matplotlib axis to draw on; default a new figure.
+
+        Returns:
+            ``(figure, axis)``. Needs matplotlib (``pip install matplotlib``).
+        """
+        if val is None:
+            val = self.compute()
+        elif isinstance(val, list | tuple) and val and isinstance(val[0], dict) and len(self.keys) == 1:
+            val = [v[self.keys[0]] for v in val]
+        elif isinstance(val, dict) and len(val) == 1 and len(self.keys) == 1:
+            val = next(iter(val.values()))
+        return plot_values(
+            val,
+            ax=ax,
+            name=type(self).__name__,
+            higher_is_better=self.higher_is_better,
+            lower_bound=self.plot_lower_bound,
+            upper_bound=self.plot_upper_bound,
+        )
+
+    # -- configuration, checkpoints, merges -----------------------------------------------
+    # torchmetrics/nn.Module bookkeeping and execution options that are not part of the configuration.
+    _NOT_CONFIG: ClassVar[frozenset[str]] = frozenset({"compiled"})
+
+    def config(self) -> dict[str, Any]:
+        """The configuration a state belongs to: class, settings and state layout (JSON-serialisable).
+
+        Two metrics can merge states or share a checkpoint only when their configurations are equal.
+        """
+        # Scalars first, so a difference is named by its setting (num_layers) before what derives from it (keys).
+        settings = {
+            name: _plain(value)
+            for name, value in sorted(self.__dict__.items(), key=lambda kv: (not _is_scalar(kv[1]), kv[0]))
+            if name not in self._base_attributes
+            and name not in self._defaults
+            and not name.startswith("_")
+            and name not in self._NOT_CONFIG
+        }
+        states = {}
+        for name in self._defaults:
+            value = getattr(self, name)
+            reduce = getattr(self._reductions[name], "__name__", str(self._reductions[name]))
+            if isinstance(value, Tensor):
+                states[name] = [reduce, list(value.shape), str(value.dtype)]
+            else:
+                states[name] = [reduce, "list", ""]
+        return {"class": f"{type(self).__module__}.{type(self).__qualname__}", "settings": settings, "states": states}
+
+    def fingerprint(self) -> str:
+        """A short stable hash of :meth:`config`."""
+        return hashlib.sha256(_config_text(self.config()).encode()).hexdigest()[:16]
+
+    def get_extra_state(self) -> Tensor:
+        """The configuration, saved with the states (``<name>._extra_state``): JSON text as a uint8 tensor,
+        so a state dict stays a dict of tensors (``torch.load(weights_only=True)``, ``.to(device)`` loops)."""
+        return torch.tensor(list(_config_text(self.config()).encode()), dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        problem = self._config_problem(state)
+        if problem:
+            raise ValueError(f"load_state_dict: {problem}")
+
+    def _config_problem(self, saved: Any, where: str = "") -> str | None:
+        """``None`` when ``saved`` (a config, its JSON text or :meth:`get_extra_state`) equals :meth:`config`,
+        else what differs first."""
+        label = where or type(self).__name__
+        if isinstance(saved, Tensor) and saved.dtype == torch.uint8 and saved.ndim == 1:
+            saved = bytes(saved.tolist()).decode(errors="replace")
+        if isinstance(saved, str):
+            try:
+                saved = json.loads(saved)
+            except ValueError:
+                saved = None
+        if not isinstance(saved, Mapping):
+            return f"{label}: the state carries no opbc-metrics configuration (a foreign or older checkpoint)"
+        return _first_difference(self.config(), dict(saved), label)
+
+    def state_problem(self, state: Mapping[str, Any], where: str = "", config: Any = None) -> str | None:
+        """What makes ``state`` (``{state name: value}``) unfit for this metric, or ``None``.
+
+        Checks the state names (none missing, none unknown), each tensor's shape and dtype, and
+        ``config`` (a config dict or its JSON text) against :meth:`config` when given.
+        """
+        label = where or type(self).__name__
+        if config is not None:
+            problem = self._config_problem(config, label)
+            if problem:
+                return problem
+        for name in self._defaults:
+            if name not in state:
+                return f"{label}.{name} is missing from the incoming state"
+        for name in state:
+            if name not in self._defaults:
+                return f"{label}.{name} is not a state of {type(self).__name__}"
+        for name, value in state.items():
+            own = getattr(self, name)
+            if isinstance(own, Tensor):
+                if not isinstance(value, Tensor):
+                    return f"{label}.{name} must be a tensor, got {type(value).__name__}"
+                if value.shape != own.shape:
+                    return f"{label}.{name} has shape {tuple(value.shape)}, expected {tuple(own.shape)}"
+                if value.dtype != own.dtype:
+                    return f"{label}.{name} has dtype {value.dtype}, expected {own.dtype}"
+            elif not isinstance(value, list | tuple) or not all(isinstance(v, Tensor) for v in value):
+                return f"{label}.{name} must be a list of tensors"
+        return None
+
+    def merge_state(self, incoming_state: dict[str, Any] | Metric) -> None:
+        """Fold another metric's states (or a ``{state name: value}`` dict) into this one.
+
+        Checked before any state changes: same class and configuration (for a metric), same state names,
+        shapes and dtypes; a ``ValueError`` names the first difference. Drops any cached result.
+        """
+        if isinstance(incoming_state, Metric):
+            if not isinstance(incoming_state, type(self)):
+                raise ValueError(
+                    f"merge_state: expected a {type(self).__name__}, got {type(incoming_state).__name__}"
+                )
+            state = {name: getattr(incoming_state, name) for name in incoming_state._defaults}
+            problem = self.state_problem(state, config=incoming_state.config())
+        elif isinstance(incoming_state, Mapping):
+            state = dict(incoming_state)
+            problem = self.state_problem(state, config=state.pop("_extra_state", None))
+        else:
+            kind = type(incoming_state).__name__
+            raise ValueError(f"merge_state: expected a dict or a {type(self).__name__}, got {kind}")
+        if problem:
+            raise ValueError(f"merge_state: {problem}")
+        self._computed = None
+        super().merge_state({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in state.items()})
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load states saved by :meth:`state_dict`; checked before anything changes (see :meth:`merge_state`).
+
+        The checkpoint must hold every state and the configuration (``_extra_state``) of this metric:
+        ``strict=False`` is refused, since a partial load would mix two windows.
+        """
+        state = dict(state_dict)
+        if not strict:
+            raise ValueError("load_state_dict: strict=False is not supported (a partial load mixes two windows)")
+        if "_extra_state" not in state:
+            raise ValueError(
+                f"load_state_dict: {type(self).__name__}: the state carries no opbc-metrics configuration "
+                "(`_extra_state`; an empty, foreign or older checkpoint)"
+            )
+        config = state.pop("_extra_state")
+        problem = self.state_problem(state, config=config)
+        if problem:
+            raise ValueError(f"load_state_dict: {problem}")
+        self._computed = None
+        return super().load_state_dict(state_dict, strict=True, assign=assign)
 
     # -- distributed ----------------------------------------------------------------------
     def _sync_dist(self, dist_sync_fn: Any = gather_all_tensors, process_group: Any = None) -> None:
@@ -166,3 +424,66 @@ class OPBCMetric(Metric):
             all_reduce_states([self], group=process_group or self.process_group)
         else:
             super()._sync_dist(dist_sync_fn, process_group)
+
+
+def plot_values(val: Any, ax: Any = None, **kwargs: Any) -> Any:
+    """torchmetrics' ``plot_single_or_multi_val`` with a clear error when matplotlib is missing."""
+    from torchmetrics.utilities.imports import _MATPLOTLIB_AVAILABLE
+
+    if not _MATPLOTLIB_AVAILABLE:
+        raise ImportError(
+            "plot() needs matplotlib, which is not installed: pip install matplotlib "
+            "(or pip install 'opbc-metrics[dev]')"
+        )
+    from torchmetrics.utilities.plot import plot_single_or_multi_val
+
+    if isinstance(val, dict) and not val:
+        raise NoDataError("nothing to plot: no metric saw data in the window")
+    return plot_single_or_multi_val(val, ax=ax, **kwargs)
+
+
+def _plain(value: Any) -> Any:
+    """A setting as JSON data (tuples and sets as lists, other objects by their repr)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else repr(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    return repr(value)
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ...]"
+
+
+def _config_text(config: Mapping[str, Any]) -> str:
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+def _first_difference(own: Any, other: Any, path: str) -> str | None:
+    """The first place where two JSON-like values differ, as ``"path: incoming X, expected Y"``."""
+    if isinstance(own, Mapping) and isinstance(other, Mapping):
+        for key in list(own) + [k for k in other if k not in own]:
+            if key not in other:
+                return f"{path}.{key} is missing from the incoming configuration"
+            if key not in own:
+                return f"{path}.{key} is not in this configuration (incoming {_short(other[key])})"
+            found = _first_difference(own[key], other[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if own != other:
+        return f"{path} differs: incoming {_short(other)}, expected {_short(own)}"
+    return None

@@ -5,10 +5,16 @@ state), so a collection of twenty metrics pays dozens of collectives. Every stat
 a fixed-size sufficient statistic reduced by sum, max or min, so the states of all metrics can be
 flattened into one buffer per (reduction, dtype, device) and reduced with one ``all_reduce`` each:
 at most three collectives for the whole collection, and the exact global statistics on every rank.
+
+Before them, one more fixed-size collective compares a fingerprint of the metrics' configuration and
+state layout across ranks (an ``all_reduce`` max of ``(h, -h)``): ranks built differently (other
+sections, ``num_layers``, ``clamp``, ...) all raise the same :class:`RankMismatchError` instead of
+aborting inside the backend on mismatched buffers or silently mixing statistics.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +30,10 @@ _DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Red
 
 class SyncError(RuntimeError):
     """A collective of the packed sync failed (a rank died, timed out, or never called compute)."""
+
+
+class RankMismatchError(ValueError):
+    """The ranks hold metrics with different configurations or state layouts; nothing was reduced."""
 
 
 def reduce_kind(metric: Metric, name: str) -> str | None:
@@ -43,9 +53,12 @@ def packable(metric: Metric) -> bool:
 def all_reduce_states(metrics: Iterable[Metric], group: Any = None) -> int:
     """All-reduce the states of ``metrics`` in place, one collective per (reduction, dtype, device).
 
-    Every rank must pass the same metrics in the same order (true by construction: the states
-    have fixed shapes that do not depend on the data). Returns the number of collectives issued.
+    Every rank must pass the same metrics in the same order, configured alike (the states have fixed
+    shapes that do not depend on the data); a first collective checks it, and a mismatch raises
+    :class:`RankMismatchError` on every rank before any state changes. Returns the number of
+    collectives issued.
     """
+    metrics = list(metrics)
     buckets: dict[tuple[str, torch.dtype, torch.device], list[tuple[Metric, str, Tensor]]] = {}
     for metric in metrics:
         for name in metric._reductions:
@@ -56,6 +69,10 @@ def all_reduce_states(metrics: Iterable[Metric], group: Any = None) -> int:
                 )
             value = getattr(metric, name)
             buckets.setdefault((kind, value.dtype, value.device), []).append((metric, name, value))
+    if not buckets:
+        return 0
+    device = next(iter(buckets))[2]
+    _check_same_layout(metrics, device, group)
     for (kind, _, _), entries in sorted(buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))):
         flat = torch.cat([value.reshape(-1) for _, _, value in entries])
         try:
@@ -70,4 +87,38 @@ def all_reduce_states(metrics: Iterable[Metric], group: Any = None) -> int:
             n = value.numel()
             setattr(metric, name, flat[offset : offset + n].view_as(value).clone())
             offset += n
-    return len(buckets)
+    return len(buckets) + 1
+
+
+def layout_fingerprint(metrics: Iterable[Metric]) -> int:
+    """A 62-bit hash of the metrics' classes, configurations and state layouts, in order."""
+    digest = hashlib.sha256()
+    for metric in metrics:
+        config = getattr(metric, "fingerprint", None)
+        if callable(config):
+            digest.update(config().encode())
+        else:
+            layout = [(name, tuple(getattr(metric, name).shape)) for name in metric._reductions]
+            digest.update(repr((type(metric).__qualname__, layout)).encode())
+        digest.update(b"|")
+    return int.from_bytes(digest.digest()[:8], "little") & ((1 << 62) - 1)
+
+
+def _check_same_layout(metrics: list[Metric], device: torch.device, group: Any) -> None:
+    own = layout_fingerprint(metrics)
+    both = torch.tensor([own, -own], dtype=torch.int64, device=device)
+    try:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    except (RuntimeError, ValueError) as err:
+        raise SyncError(
+            f"opbc-metrics: the configuration check before the sync failed; a rank probably died or never "
+            f"reached compute(): {err}"
+        ) from err
+    hi, lo = int(both[0]), -int(both[1])
+    if hi != own or lo != own:
+        raise RankMismatchError(
+            f"opbc-metrics: the ranks hold differently configured metrics (configuration fingerprints range "
+            f"from {lo:x} to {hi:x}); nothing was synced. "
+            "Build the same collection on every rank: same sections, section_options (num_layers, capacity, "
+            "...), clamp, veto and top_mass_bins"
+        )

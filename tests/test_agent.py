@@ -468,7 +468,7 @@ def test_state_size_is_fixed_and_states_are_float64():
         m.update(trajectory_pairs=random_pairs(s, 20 * s))
     state = m.state_dict()
     assert sum(v.numel() for v in state.values()) == size
-    assert all(v.dtype == torch.float64 for v in state.values())
+    assert all(v.dtype == torch.float64 for k, v in state.items() if not k.endswith("._extra_state"))
 
 
 def test_state_dict_round_trip_mid_accumulation():
@@ -504,8 +504,8 @@ def test_empty_window_values():
         metric = cls()
         metric.update(trajectory_pairs=[])
         out.update({k: v.item() for k, v in metric.compute_dict().items()})
-    assert out == ref_window([])
-    assert out == {k: v.item() for k, v in FA.agent_metrics([]).items()}
+    assert out == {}  # no pair in the window: no keys (the functional API keeps its documented values)
+    assert ref_window([]) == {k: v.item() for k, v in FA.agent_metrics([]).items()}
     # A collection leaves out members whose optional inputs never carried data.
     m = OPBCCollection(sections=["agent"])
     assert m.compute() == {}
@@ -635,7 +635,7 @@ def test_ddp_sync_equals_single_process_on_concatenated_pairs():
         expected = ref_window(all_pairs)
         for rank, result in enumerate(results):
             values, single, n_collectives, local_pairs = result[scenario]
-            assert 1 <= n_collectives <= 3
+            assert 1 <= n_collectives <= 4  # 3 reductions + the layout check
             assert local_pairs == sum(n for _, n in shards[rank])
             for got in (values, single):
                 assert set(got) == set(KEYS)

@@ -325,8 +325,8 @@ def test_empty_window_values():
         metric = cls()
         metric.update(endpoint_responses=[])
         out.update({k: v.item() for k, v in metric.compute_dict().items()})
-    assert out == ref_window([])
-    assert out == {k: v.item() for k, v in FE.endpoint_capabilities([]).items()}
+    assert out == {}  # no response in the window: no keys (the functional API keeps its documented values)
+    assert ref_window([]) == {k: v.item() for k, v in FE.endpoint_capabilities([]).items()}
     # A collection leaves out members whose optional inputs never carried data.
     m = OPBCCollection(sections=["endpoint"])
     assert m.compute() == {}
@@ -456,7 +456,7 @@ def test_ddp_sync_equals_single_process_on_concatenated_responses():
         expected = ref_window(exchanges)
         for rank, result in enumerate(results):
             values, single, n_collectives, local = result[scenario]
-            assert 1 <= n_collectives <= 3
+            assert 1 <= n_collectives <= 4  # 3 reductions + the layout check
             assert local == sum(n for _, n in shards[rank])
             for got in (values, single):
                 assert set(got) == set(KEYS)

@@ -180,8 +180,7 @@ def test_worst_layer_is_the_first_on_ties_and_minus_one_when_empty():
     b["trainer_experts"][:, :, 2, 0] += 100
     assert _values([RouterFlipRate(num_layers=3)], b)[WORST] == 1.0
     empty = dict(b, response_mask=torch.zeros_like(b["response_mask"]))
-    out = _values(_router_metrics(3), empty)
-    assert out[WORST] == -1.0 and out[WORST_RATE] == 0.0 and out[FLIP] == 0.0 and out[SET] == 0.0
+    assert _values(_router_metrics(3), empty) == {}  # no valid (token, layer) pair: no keys
 
 
 def test_router_logits_are_read_through_top_k():
@@ -264,11 +263,7 @@ def test_default_collection_includes_router_members_with_optional_inputs():
     out = metrics.compute()
     # A window without expert ids on any rank leaves the router keys out (no empty MoE charts).
     assert not any(k.startswith("moe/") for k in out) and "opbc/is/ess" in out
-    alone = RouterFlipRate()  # used alone, a metric still reports its documented empty values
-    with pytest.warns(UserWarning, match="before the ``update``"):
-        empty = alone.compute_dict()
-    assert empty[FLIP].item() == 0.0 and empty[WORST].item() == -1.0
-    assert not any(k.startswith("moe/router/layer_") for k in empty)  # no layer seen, none configured
+    assert RouterFlipRate().compute_dict() == {}  # used alone without data: no keys either
 
     router = make_router_batch(batch=6, seq=20, layers=5, seed=7)
     both = dict(logprobs_only, rollout_experts=router["rollout_experts"], trainer_experts=router["trainer_experts"])
@@ -368,7 +363,7 @@ def test_ddp_sync_equals_single_process_on_concatenated_data():
         assert want_default[FLIP] > 0
         for per_rank in results:
             synced, n_collectives, alone = per_rank[scenario]
-            assert n_collectives <= 3
+            assert n_collectives <= 4  # 3 reductions + the layout check
             _assert_close(synced, want_default)
             _assert_close(alone, want_small)
         assert results[0][scenario] == results[1][scenario]
@@ -401,6 +396,9 @@ def router_batches(draw, max_b=4, max_t=6, max_l=3, max_k=3):
 @given(router_batches())
 def test_property_matches_reference_and_rates_are_bounded(batch):
     got = _values(_router_metrics(2), batch)
+    if not batch["response_mask"].any():  # no valid token: no keys
+        assert got == {}
+        return
     _assert_close(got, router_reference(*_numpy(batch), num_layers=2))
     for key, value in got.items():
         if key != WORST:
@@ -413,7 +411,7 @@ def test_identical_routing_gives_zero_flips(batch):
     batch = dict(batch, trainer_experts=batch["rollout_experts"].clone())
     got = _values(_router_metrics(3), batch)
     assert all(v == 0.0 for k, v in got.items() if k != WORST)
-    assert got[WORST] == (0.0 if batch["response_mask"].any() else -1.0)
+    assert got.get(WORST) == (0.0 if batch["response_mask"].any() else None)
 
 
 @given(router_batches(), st.randoms(use_true_random=False))
@@ -423,6 +421,9 @@ def test_permuting_within_top_k_flips_top1_but_keeps_the_set(batch, rnd):
     perms = torch.tensor([rnd.sample(range(k), k) for _ in range(r[..., 0].numel())]).view(*r.shape[:3], k)
     permuted = torch.gather(r, -1, perms)
     got = _values(_router_metrics(3), dict(batch, trainer_experts=permuted))
+    if not batch["response_mask"].any():
+        assert got == {}
+        return
     assert got[SET] == 0.0
     mask = batch["response_mask"].numpy()
     moved = perms[..., 0].numpy() != 0  # distinct ids: top-1 changes iff another position moves first
@@ -434,7 +435,7 @@ def test_permuting_within_top_k_flips_top1_but_keeps_the_set(batch, rnd):
 @given(router_batches(max_k=1))
 def test_with_k1_set_disagreement_is_any_layer_flip(batch):
     got = _values(_router_metrics(3), batch)
-    assert got[SET] >= got[FLIP] - 1e-15
+    assert got.get(SET, 0.0) >= got.get(FLIP, 0.0) - 1e-15
 
 
 @given(router_batches(), st.integers(1, 4), st.booleans())
@@ -490,7 +491,7 @@ def test_state_size_is_fixed_and_state_dict_round_trips():
     for p in parts[:2]:
         for m in first:
             m.update(p)
-        sizes.append(sum(v.numel() for m in first for v in m.state_dict().values()))
+        sizes.append(sum(v.numel() for m in first for k, v in m.state_dict().items() if k != "_extra_state"))
     assert sizes[0] == sizes[1] == 2 * 9 + 2
     resumed = _router_metrics(8)
     for src, dst in zip(first, resumed):

@@ -32,6 +32,7 @@ class _AgentMetric(OPBCMetric):
     section = "agent"
     required_fields = (F.TRAJECTORY_PAIRS,)
     optional_inputs = True
+    data_counts = ("pairs",)
     _sums: ClassVar[tuple[str, ...]] = ()
     _mins: ClassVar[tuple[str, ...]] = ()
 
@@ -56,7 +57,7 @@ class ToolCallJaccard(_AgentMetric):
 
     Per pair, :math:`J = |A \cap B| / |A \cup B|` over the sets of ``(tool name, sha256 of canonical
     JSON arguments)`` of each side (1.0 when neither calls a tool); the metric is the mean of
-    :math:`J` over pairs. Empty window: 1.0.
+    :math:`J` over pairs. No data in the window: no keys.
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory
@@ -97,7 +98,7 @@ class FirstDivergenceStep(_AgentMetric):
     then the normalised content differ; a trajectory that ends early diverges at its end (kind
     ``length``). The step mean and min are over the diverged pairs (-1 when none diverged); the
     fractions are over all pairs, and the four ``divergence_kind`` fractions sum to
-    ``diverged_fraction``. Empty window: step -1, fractions 0, ``num_pairs`` 0.
+    ``diverged_fraction``. No data in the window: no keys.
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory
@@ -148,7 +149,7 @@ class AnswerMatchRate(_AgentMetric):
 
     Answers are compared after folding whitespace runs to one space, stripping and lower-casing; a
     missing final answer counts as the empty string, and two empty answers (neither side answered, e.g.
-    both stopped at the step limit) are no match. Empty window: 1.0.
+    both stopped at the step limit) are no match. No data in the window: no keys.
 
     Example:
         >>> roll = [{"role": "assistant", "content": "The answer is  42."}]
@@ -256,7 +257,7 @@ class ToolChoiceDisagreementRate(_AgentMetric):
 
     Steps whose ordered tool-name lists differ, over steps where either side calls a tool; steps
     are aligned by index and a side without step ``i`` has no tool calls there. Sums over all
-    pairs (a pooled rate, not a mean of per-pair rates). Empty window (no tool call at all): 0.
+    pairs (a pooled rate, not a mean of per-pair rates). No pair in the window: no key (pairs without tool calls: 0).
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory

@@ -6,7 +6,7 @@ on the rank (and batch) where it was decided. ``update`` takes the :class:`Batch
 mapping holding it under ``opbc_decisions``, which lets these metrics sit in an ``OPBCCollection`` next to
 the mismatch metrics: batches without decisions are skipped) and never synchronises host and device.
 
-Over an empty window (no group decided) every share and count is 0.
+A window without a decided group has no keys; with decided groups, zero counts are reported.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class _DecisionMetric(OPBCMetric):
     section = "controller"
     required_fields = (DECISIONS_FIELD,)
     optional_inputs = True
+    data_counts = ("groups", "tokens", "trained_tokens")  # decided groups / their tokens
 
     def __init__(self, optional: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -184,9 +185,10 @@ class DecisionReasonCount(_DecisionMetric):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_sum("reason_count", (len(FC.REASON_NAMES),))
+        self.add_sum("groups")  # a window with decided groups reports its zero counts
 
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(reason_count=self._budget(view)["reason_count"])
+        self.accumulate(reason_count=self._budget(view)["reason_count"], groups=self._budget(view)["groups"])
 
     def compute(self) -> dict[str, Tensor]:
         return {key: self.reason_count[i].clone() for i, key in enumerate(self.keys)}
@@ -265,7 +267,7 @@ def budget_metrics(optional: bool = True, **kwargs: Any) -> list[OPBCMetric]:
     """One instance of every budget metric (``kwargs``: torchmetrics ``Metric`` arguments).
 
     ``optional=True`` (for a shared collection): batches without ``opbc_decisions`` are skipped and a
-    window without any leaves the budget keys out; ``False`` always reports them (0 over an empty window).
+    window without any leaves the budget keys out; ``False`` always updates (no decided group: no keys).
 
     Example:
         >>> [type(m).__name__ for m in budget_metrics()]

@@ -5,7 +5,7 @@ Each class reads the batch field ``endpoint_responses`` (and the optional ``endp
 responses of one batch are probed once per :class:`~opbc_metrics.batch.BatchView` and shared by the
 classes of a collection. The inputs are optional: inside an
 :class:`~opbc_metrics.collection.OPBCCollection` the classes skip batches without responses.
-Empty window: every fraction is 0 ("not observed") and ``num_responses`` is 0.
+No response in the window: no keys.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class _CoverageMetric(OPBCMetric):
     section = "endpoint"
     required_fields = (F.ENDPOINT_RESPONSES,)
     optional_inputs = True
+    data_counts = ("responses",)
     _flags: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **kwargs: Any) -> None:

@@ -16,6 +16,7 @@ from opbc_metrics.batch import (
     TRAINER_LOGPROBS,
     BatchView,
     check_positive,
+    raise_if_probabilities,
 )
 from opbc_metrics.functional import mismatch as F
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric
@@ -38,6 +39,7 @@ class _MismatchMetric(OPBCMetric):
 
     section = "mismatch"
     required_fields = _TOKEN_FIELDS
+    data_counts = ("count", "n", "bin_count")  # valid tokens (sequences for sequence metrics)
 
     def __init__(
         self,
@@ -542,6 +544,7 @@ class ChiSquare(_MismatchMetric):
 
     keys = F.CHI2_KEYS
     higher_is_better = False
+    key_counts = ((F.CHI2_KEYS[1], "seq_count"),)  # chi2_seq needs a valid sequence, chi2_token a valid token
     glossary = GlossaryEntry(
         name="chi2",
         what="Chi-square divergence of trainer from rollout, E[w^2] - 1, per token and per sequence: the "
@@ -664,6 +667,7 @@ class InputHealth(_MismatchMetric):
 
     keys = F.INPUT_KEYS
     higher_is_better = False
+    data_counts = ()  # input accounting reports its zero counts too
     glossary = GlossaryEntry(
         name="input",
         what="Input accounting: response tokens with non-finite logprobs (excluded from every other "
@@ -678,11 +682,15 @@ class InputHealth(_MismatchMetric):
         super().__init__(**kwargs)
         for name in ("nonfinite", "tokens", "sequences"):
             self.add_sum(name)
+        self.add_min("logprob_min", (2,))  # trainer, rollout: a side within [0, 1] holds probabilities
+        self.add_max("logprob_max", (2,))
 
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._input_update(self._stats(view)))
+        low, high = view.logprob_range
+        self.accumulate(**F._input_update(self._stats(view)), logprob_min=low, logprob_max=high)
 
     def compute(self) -> dict[str, Tensor]:
+        raise_if_probabilities(self.logprob_min, self.logprob_max)
         return F._input_compute(self.nonfinite, self.tokens, self.sequences)
 
 

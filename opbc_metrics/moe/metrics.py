@@ -30,6 +30,7 @@ class _RouterMetric(OPBCMetric):
 
     section = "moe"
     optional_inputs = True
+    data_counts = ("layer_pairs", "tokens")
     required_fields = F.EXPERT_FIELDS
 
     def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:
@@ -67,9 +68,9 @@ class RouterFlipRate(_RouterMetric):
       only when such layers were seen.
     * ``moe/router/worst_layer``: the layer with the highest rate among the layers that saw a valid
       token, the first one on ties; ``num_layers`` stands for the pooled overflow bucket ("some layer
-      >= num_layers"); -1 over an empty window. ``moe/router/worst_layer_flip_rate``: its rate.
+      >= num_layers"). ``moe/router/worst_layer_flip_rate``: its rate.
 
-    Over an empty window every rate is 0.
+    No valid token in the window: no keys.
 
     Args:
         num_layers: the model's number of MoE layers: one key per layer, always (the per-layer
@@ -131,7 +132,7 @@ class RouterSetDisagreement(_RouterMetric):
     .. math:: \frac{\#\{t: m_t = 1,\ \exists l: S^{roll}_{t,l} \ne S^{train}_{t,l}\}}{\#\{t: m_t = 1\}}
 
     where :math:`S_{t,l}` is the set of the top-K experts of token ``t`` in layer ``l``: the order within
-    the top-K does not matter. Over an empty window it is 0.
+    the top-K does not matter. No valid token in the window: no key.
 
     Args:
         top_k: the number of routed experts, needed to read router logits; with expert ids it compares

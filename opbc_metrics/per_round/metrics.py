@@ -51,6 +51,7 @@ class PerRoundMismatch(OPBCMetric):
     """
 
     keys = F.per_round_keys(F.DEFAULT_ROUND_CAPACITY)
+    data_counts = ("valid_count",)
     section = "per_round"
     required_fields = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
     higher_is_better = False

@@ -66,6 +66,7 @@ class _RolloutMetric(OPBCMetric):
 
     section = "rollout"
     optional_inputs = True
+    data_counts = ("count", "groups", "seen", "invalid")  # invalid: compute() raises on them
 
 
 class _ObservedRange(OPBCMetric):
@@ -136,7 +137,7 @@ class RolloutRewardStats(_MomentStats):
     the response tokens. ``reward_min`` / ``reward_max`` are the environment's declared reward range:
     metadata for the charts (:meth:`chart_ranges`), never used in the values; an undeclared bound is
     the run's observed one. Non-finite rewards raise a ``ValueError`` naming ``rewards`` at ``compute()``.
-    An empty window gives 0 for every key.
+    No data in the window: no keys.
 
     Args:
         reward_min: the declared lower bound of the reward (None: observed).
@@ -183,7 +184,7 @@ class RolloutAdvantageStats(_MomentStats):
 
     ``advantages`` is ``[B]``, or ``[B, T]`` averaged per sample over the response tokens (a sample
     without response tokens is left out). How advantages are normalised depends on the algorithm; with
-    GRPO's group normalisation the mean is ~0. An empty window gives 0 for every key.
+    GRPO's group normalisation the mean is ~0. No data in the window: no keys.
 
     Example:
         >>> import torch
@@ -337,7 +338,7 @@ class RolloutRewardGini(_GroupMean):
     0 for a group of one or a non-positive reward sum), then the mean over the window's groups. It
     measures reward sparsity: 0 = every sample of a group got the same reward, toward 1 = the reward
     is concentrated in few samples. Needs ``rewards`` and ``group_ids``; a group must arrive whole in
-    one update on one rank (GRPO generates and scores a group together). Empty window: 0.
+    one update on one rank (GRPO generates and scores a group together). No data in the window: no keys.
 
     Example:
         >>> import torch
@@ -370,7 +371,7 @@ class CompletionLengthGini(_GroupMean):
     r"""``group_length_gini_mean``: Gini of completion lengths within prompt groups, averaged across groups.
 
     Key ``rollout/tokens_completion/group_gini_mean``. Measures within-group length inequality
-    (population Gini, 0 for a group of one or all-empty completions). Empty window: 0.
+    (population Gini, 0 for a group of one or all-empty completions). No data in the window: no keys.
 
     Example:
         >>> import torch
@@ -403,7 +404,7 @@ class CompletionLengthMaxMedianRatio(_GroupMean):
     Key ``rollout/tokens_completion/group_max_median_ratio_mean``. As Telescope: lengths are not floored
     (``[0, 2]`` gives 2), an even-sized group's median is the mean of its two middle lengths, and a group
     whose median is 0 has no ratio and is left out of the mean. A straggler indicator: values close to 1
-    mean the completions of a group are roughly equal in length. Empty window: 1.
+    mean the completions of a group are roughly equal in length. No data in the window: no keys.
 
     Example:
         >>> import torch
@@ -510,7 +511,7 @@ class StopReasonLengthPct(_RolloutMetric):
     Key ``rollout/stop_reason/length_pct``. ``stop_reasons`` is a ``[B]`` int tensor of codes (see
     :data:`~opbc_metrics.functional.rollout.STOP_REASON_CODES`: 0 stop, 1 length, 2 abort; the code of
     truncation is ``length_code``), a ``[B]`` bool tensor (True = truncated), or a list of finish-reason
-    strings where ``"length"`` marks truncation (vLLM / SGLang / OpenAI ``finish_reason``). Empty window: 0.
+    strings where ``"length"`` marks truncation (vLLM / SGLang / OpenAI ``finish_reason``). No data: no key.
 
     Args:
         length_code: the int code that marks truncation (1).
@@ -569,7 +570,7 @@ class DiscardedRollouts(_RolloutMetric):
     discards are split by their reward (every sample of such a group got the same one):
     ``zero_advantage_all_zero`` (reward 0: the whole group failed), ``zero_advantage_all_positive`` (a
     positive reward: the whole group succeeded), and ``zero_advantage_reward_mean`` over them. Other int
-    codes raise a ``ValueError`` naming ``discard_reasons`` at ``compute()``. Empty window: 0 for the counts.
+    codes raise a ``ValueError`` naming ``discard_reasons`` at ``compute()``. No data in the window: no keys.
 
     Example:
         >>> import torch
@@ -691,7 +692,7 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
     ``sample_metrics`` is a mapping ``name -> [B]`` (tensors or lists of numbers) or a list of B
     per-sample mappings ``name -> number`` (what ``RewardResult.sample_metrics`` gives).
     ``metrics_ranges`` declares ``{name: (lo, hi)}`` chart ranges (metadata only); undeclared ones are
-    the run's observed ranges (:meth:`chart_ranges`). Empty window: 0 for every key.
+    the run's observed ranges (:meth:`chart_ranges`). No data in the window: no keys.
 
     Args:
         names: the per-sample metric names (non-empty, unique, no ``/``).

@@ -11,7 +11,7 @@ Use :func:`training_metrics` to build the set (some members need construction-ti
 validation data sources, the length limits, the model's FLOPs), and pass it to
 ``OPBCCollection(metrics=...)``, alone or next to other sections' members. The collection section
 ``"training"`` builds the same set (settings via ``section_options={"training": {...}}``); it is not in the
-default sections, since its members would report empty-window zeros for everything a mismatch-only user
+default sections, since its members read fields that a mismatch-only user
 never feeds.
 
 Example:

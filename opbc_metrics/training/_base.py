@@ -56,7 +56,7 @@ class _TrainerScalar(_TrainingMetric):
     observations (e.g. one per micro-batch). Loss-like scalars (``weight_field = "loss_tokens"``) are
     weighted by the batch's ``loss_tokens`` when it is given (the tokens the loss was averaged over),
     so the result is the token mean of a token-mean loss across micro-batches and ranks; otherwise
-    every observation weighs the same. An empty window reports 0. Host values (numbers, lists) must be
+    every observation weighs the same. No observation in the window: no key. Host values (numbers, lists) must be
     finite (a ``ValueError`` in ``update``); non-finite tensor observations (or non-finite / negative
     tensor weights) are left out and counted, and ``compute()`` raises a ``ValueError`` naming the field.
     """

@@ -405,7 +405,7 @@ class LRSchedulerState(_TrainingMetric):
     number, a 0-d tensor or one value per observation. Names are fixed at construction (state size is
     fixed); a batch may carry any subset of them, and a name not declared raises a ``ValueError``. Each key
     is the mean of its observations over the window and all ranks (a per-step value such as the current
-    learning rate reads as itself); an empty window reports 0.
+    learning rate reads as itself); no data in the window: no key.
 
     Args:
         names: the scheduler state names to report (``("last_lr",)``).

@@ -234,7 +234,7 @@ class ExplainedVariance(_TrainingMetric):
 
     From mergeable sums of :math:`R`, :math:`R^2`, :math:`R - V`, :math:`(R - V)^2` (population
     variances); 1 = the critic explains the returns, 0 = no better than their mean, negative = worse.
-    When ``Var(R) = 0`` it is 1 if the values are exact, else 0; an empty window reports 0.
+    When ``Var(R) = 0`` it is 1 if the values are exact, else 0; no data in the window: no key.
 
     Example:
         >>> import torch

@@ -79,7 +79,7 @@ class GlobalSeqlen(_PerRank):
     so it syncs exactly); partitioning runs on the host in ``compute()``. Longer sequences are counted
     with their exact total but partitioned at their mean length (a warning says so). Non-integer lengths
     are rounded for the histogram. Report per step (compute and reset every step) for verl's per-step
-    figures; a longer window pools its steps. An empty window reports 0.
+    figures; a longer window pools its steps. No data in the window: no keys.
 
     Args:
         world_size: number of ranks (default: torch.distributed's, see ``_PerRank``).
@@ -600,7 +600,7 @@ class AgentLoopTiming(_TrainingMetric):
 
     Batch fields (seconds per sample, [B]): ``agent_generate_s`` (time in generation), optional
     ``agent_tool_calls_s`` (time in tool calls). Statistics over samples of the window and all ranks (a
-    sample's time is its own, so no slowest-rank reduction applies); an empty window reports 0.
+    sample's time is its own, so no slowest-rank reduction applies); no data in the window: no keys.
 
     Example:
         >>> metric = AgentLoopTiming()
@@ -680,7 +680,7 @@ class AgentLoopSlowest(_PerRank):
     slot (the sync sums the slots: exact), ``update`` keeps the slower of the slot and the batch's
     slowest with ``torch.where`` (no host sync), and merging two states of one rank (``forward``,
     ``merge_state``) keeps the slower row. ``compute`` picks the slowest slot. Ties keep the earlier
-    sample. An empty window reports 0.
+    sample. No data in the window: no keys.
 
     Example:
         >>> metric = AgentLoopSlowest()

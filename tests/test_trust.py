@@ -1,0 +1,392 @@
+"""Trustworthy values: no keys for windows without data, checked merges and loads that drop cached
+results, inputs that require grad, refused bad inputs, prefix/postfix, key indexing and plotting."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from opbc_metrics import OPBCCollection
+from opbc_metrics.metric import NoDataError
+from opbc_metrics.mismatch import ImportanceSamplingESS, LogprobDiff
+from opbc_metrics.testing import assert_no_host_sync
+from tests.data import make_batch
+
+INPUT_KEYS = {"opbc/input/nonfinite_count", "opbc/input/num_tokens", "opbc/input/num_sequences"}
+ALL_SECTIONS = ("mismatch", "moe", "per_round", "agent", "endpoint", "rollout", "training")
+
+
+def _states(collection):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in collection.state_dict().items()}
+
+
+def _same_states(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+# -- no keys for windows without data ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sections", [("mismatch", "moe", "per_round", "agent", "endpoint"), ALL_SECTIONS])
+def test_empty_window_reports_only_input_accounting(sections):
+    out = OPBCCollection(sections=sections).compute()
+    assert set(out) == INPUT_KEYS
+    assert all(v.item() == 0 for v in out.values())
+
+
+def test_batch_without_valid_tokens_adds_no_statistics():
+    batch = make_batch(batch=3, seq=5, seed=1)
+    batch["response_mask"] = torch.zeros_like(batch["response_mask"])
+    metrics = OPBCCollection()
+    metrics.update(batch)
+    assert set(metrics.compute()) == INPUT_KEYS
+    metrics.update(make_batch(batch=3, seq=5, seed=2))
+    out = metrics.compute()
+    assert "opbc/is/ess" in out and "per_round/total_rounds" in out and out["opbc/input/num_tokens"] > 0
+
+
+def test_nonfinite_only_window_counts_but_has_no_statistics():
+    batch = make_batch(batch=2, seq=4, seed=3)
+    batch["rollout_logprobs"] = torch.full_like(batch["rollout_logprobs"], float("nan"))
+    metrics = OPBCCollection()
+    metrics.update(batch)
+    out = metrics.compute()
+    assert set(out) == INPUT_KEYS
+    assert out["opbc/input/nonfinite_count"] == batch["response_mask"].sum()
+
+
+def test_sequence_keys_need_a_valid_sequence():
+    batch = make_batch(batch=3, seq=6, seed=4)
+    batch["response_mask"] = torch.ones_like(batch["response_mask"])
+    batch["rollout_logprobs"][:, 0] = float("-inf")  # every sequence holds a non-finite token
+    out = OPBCCollection()(batch)
+    assert out["opbc/input/num_sequences"] == 0 and out["opbc/input/num_tokens"] == 15
+    assert "opbc/kl/chi2_token" in out and "opbc/is/ess" in out
+    assert not [k for k in out if k.startswith(("opbc/sequence/", "opbc/ppl/")) or k in ("opbc/kl/chi2_seq",
+                                                                                          "opbc/is/seq_ess")]
+
+
+def test_zero_counts_in_a_window_with_data_stay():
+    from opbc_metrics.controller import OPBCController
+
+    batch = make_batch(batch=4, seq=6, seed=5, drift=0.0)
+    batch["rollout_logprobs"] = batch["trainer_logprobs"].clone()  # every group trains: no reason fires
+    controller = OPBCController()
+    controller.step(batch)
+    out = controller.compute_budget()
+    reasons = {k: v for k, v in out.items() if "/reason_count/" in k}
+    assert reasons and all(v == 0 for v in reasons.values())
+    assert out["opbc/decision/group_share/train"] == 1
+
+
+def test_standalone_metric_without_data():
+    metric = ImportanceSamplingESS()
+    assert metric.compute_dict() == {}
+    with pytest.raises(NoDataError, match="ImportanceSamplingESS saw no data"):
+        metric.compute()
+    empty = make_batch(batch=2, seq=3, seed=0)
+    empty["response_mask"] = torch.zeros_like(empty["response_mask"])
+    assert metric(empty) is None  # forward on a batch without data: no value, state kept
+    batch = make_batch(batch=2, seq=3, seed=0)
+    value = metric(batch)
+    assert value is not None and metric.compute() == value
+    assert LogprobDiff().compute_dict() == {}
+
+
+def test_invalid_only_window_still_raises():
+    from opbc_metrics.rollout import RolloutRewardStats
+
+    metric = RolloutRewardStats()
+    metric.update(rewards=torch.tensor([float("nan"), float("nan")]))
+    with pytest.raises(ValueError, match="`rewards`"):
+        metric.compute_dict()
+
+
+# -- merge_state / load_state_dict ---------------------------------------------------------------
+
+
+def test_merge_and_load_invalidate_the_cache():
+    a, b = OPBCCollection(), OPBCCollection()
+    a.update(make_batch(seed=1))
+    b.update(make_batch(seed=2, drift=2.0))
+    before = a.compute()["opbc/is/ess"].item()
+    a.merge_state(b.state_dict())
+    merged = a.compute()["opbc/is/ess"].item()
+    one = OPBCCollection()
+    one.update(make_batch(seed=1))
+    one.update(make_batch(seed=2, drift=2.0))
+    assert merged != before and merged == pytest.approx(one.compute()["opbc/is/ess"].item(), rel=1e-12)
+
+    c = OPBCCollection()
+    c.update(make_batch(seed=7))
+    c.compute()
+    c.load_state_dict(b.state_dict())
+    assert c.compute()["opbc/is/ess"].item() == b.compute()["opbc/is/ess"].item()
+
+    m = ImportanceSamplingESS()
+    m.update(make_batch(seed=1))
+    m.compute()
+    other = ImportanceSamplingESS()
+    other.update(make_batch(seed=2, drift=2.0))
+    m.merge_state(other)
+    assert m.compute().item() == pytest.approx(one["ImportanceSamplingESS"].compute().item(), rel=1e-12)
+
+
+MERGE_MISMATCHES = {
+    "num_layers": ({"section_options": {"moe": {"num_layers": 4}}}, "num_layers differs"),
+    "round_capacity": ({"section_options": {"per_round": {"capacity": 3}}}, "capacity differs"),
+    "top_mass_bins": ({"top_mass_bins": 512}, "top_mass_bins differs"),
+    "clamp": ({"clamp": 5.0}, "clamp differs"),
+    "veto": ({"veto": 25.0}, "veto differs"),
+    "sections": ({"sections": ("mismatch",)}, "member"),
+    "top_k": ({"section_options": {"moe": {"top_k": 2}}}, "top_k differs"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MERGE_MISMATCHES))
+@pytest.mark.parametrize("form", ["collection", "state_dict"])
+def test_mismatched_merge_is_refused_and_changes_nothing(name, form):
+    kwargs, message = MERGE_MISMATCHES[name]
+    own, other = OPBCCollection(), OPBCCollection(**kwargs)
+    own.update(make_batch(seed=1))
+    other.update(make_batch(seed=2))
+    own_values = own.compute()
+    before = _states(own)
+    with pytest.raises(ValueError, match=message):
+        own.merge_state(other if form == "collection" else other.state_dict())
+    _same_states(before, _states(own))
+    assert own.compute().keys() == own_values.keys()
+    with pytest.raises(ValueError, match=message):  # and the other way round
+        other.load_state_dict(before)
+
+
+def _corrupt(state, how):
+    state = dict(state)
+    if how == "empty":
+        return {}
+    if how == "partial":
+        return {k: v for k, v in state.items() if not k.startswith("SequenceESS.")}
+    if how == "missing_state":
+        del state["SequenceESS.count"]
+    elif how == "extra_key":
+        state["Nobody.count"] = torch.zeros((), dtype=torch.float64)
+    elif how == "wrong_shape":
+        state["ImportanceSamplingESS.count"] = torch.zeros(2, dtype=torch.float64)
+    elif how == "float32":
+        state["ImportanceSamplingESS.count"] = state["ImportanceSamplingESS.count"].float()
+    elif how == "foreign":  # an older or foreign checkpoint: no configuration
+        state = {k: v for k, v in state.items() if not k.endswith("._extra_state")}
+    elif how == "bad_extra_state":
+        state["ImportanceSamplingESS._extra_state"] = "{not json"
+    return state
+
+
+CORRUPTIONS = {
+    "empty": "empty",
+    "partial": "SequenceESS",
+    "missing_state": r"SequenceESS\.count is missing",
+    "extra_key": "Nobody.count",
+    "wrong_shape": r"ImportanceSamplingESS\.count has shape \(2,\)",
+    "float32": r"ImportanceSamplingESS\.count has dtype torch\.float32",
+    "foreign": "no opbc-metrics configuration",
+    "bad_extra_state": "no opbc-metrics configuration",
+}
+
+
+@pytest.mark.parametrize("how", sorted(CORRUPTIONS))
+def test_corrupt_checkpoint_is_refused_and_changes_nothing(how):
+    source = OPBCCollection()
+    source.update(make_batch(seed=1))
+    target = OPBCCollection()
+    target.update(make_batch(seed=2))
+    before = _states(target)
+    with pytest.raises(ValueError, match=CORRUPTIONS[how]):
+        target.load_state_dict(_corrupt(source.state_dict(), how))
+    _same_states(before, _states(target))
+    if how not in ("empty", "partial", "foreign"):
+        with pytest.raises(ValueError, match=CORRUPTIONS[how]):
+            target.merge_state(_corrupt(source.state_dict(), how))
+        _same_states(before, _states(target))
+
+
+def test_partial_load_is_refused():
+    metrics = OPBCCollection()
+    with pytest.raises(ValueError, match="strict=False"):
+        metrics.load_state_dict(metrics.state_dict(), strict=False)
+
+
+def test_standalone_metric_checks():
+    m = ImportanceSamplingESS()
+    m.update(make_batch(seed=1))
+    before = m.state_dict()
+    with pytest.raises(ValueError, match="clamp differs"):
+        m.merge_state(ImportanceSamplingESS(clamp=5.0))
+    with pytest.raises(ValueError, match=r"has dtype torch\.float32"):
+        m.merge_state({"sum_w": torch.tensor(1.0), "sum_w2": torch.tensor(1.0), "count": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="no opbc-metrics configuration"):
+        m.load_state_dict({k: v for k, v in before.items() if k != "_extra_state"})
+    with pytest.raises(ValueError, match="clamp differs"):
+        ImportanceSamplingESS(clamp=5.0).load_state_dict(before)
+    assert torch.equal(m.state_dict()["sum_w"], before["sum_w"])
+    fresh = ImportanceSamplingESS()
+    fresh.load_state_dict(before)
+    assert fresh.compute() == m.compute()
+
+
+def test_checkpoint_round_trips_through_torch_save_weights_only():
+    metrics = OPBCCollection(sections=ALL_SECTIONS)
+    metrics.update(make_batch(seed=3))
+    buffer = io.BytesIO()
+    torch.save(metrics.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    restored = OPBCCollection(sections=ALL_SECTIONS)
+    restored.load_state_dict(loaded)
+    assert restored.compute().keys() == metrics.compute().keys()
+    assert all(torch.equal(v, metrics.compute()[k]) for k, v in restored.compute().items())
+
+
+# -- inputs that require grad --------------------------------------------------------------------
+
+
+def test_forward_with_inputs_that_require_grad_keeps_no_graph():
+    batch = make_batch(batch=3, seq=6, seed=4)
+    trainer = batch["trainer_logprobs"].clone().requires_grad_(True)
+    metrics = OPBCCollection()
+    out = metrics({**batch, "trainer_logprobs": trainer})
+    assert out and all(not v.requires_grad and v.grad_fn is None for v in out.values())
+    metrics.update({**batch, "trainer_logprobs": trainer})
+    assert all(not v.requires_grad for v in metrics.compute().values())
+    assert all(not t.requires_grad for t in metrics.state_dict().values() if isinstance(t, torch.Tensor))
+    single = ImportanceSamplingESS()
+    value = single({**batch, "trainer_logprobs": trainer})
+    assert not value.requires_grad
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_probabilities_passed_as_logprobs_are_refused_at_compute():
+    batch = make_batch(batch=3, seq=6, seed=5)
+    probs = {**batch, "trainer_logprobs": batch["trainer_logprobs"].exp(),
+             "rollout_logprobs": batch["rollout_logprobs"].exp()}
+    metrics = OPBCCollection()
+    with assert_no_host_sync():
+        metrics.update(probs)
+    with pytest.raises(ValueError, match=r"`trainer_logprobs` holds values in \[0, 1\] only.*probabilities"):
+        metrics.compute()
+    one_side = OPBCCollection()  # the rollout side alone passed as probabilities
+    one_side.update({**batch, "rollout_logprobs": batch["rollout_logprobs"].exp()})
+    with pytest.raises(ValueError, match=r"`rollout_logprobs` holds values in \[0, 1\] only"):
+        one_side.compute()
+    sentinel = OPBCCollection()  # a positive sentinel among real logprobs is a value, not probabilities
+    b = make_batch(batch=3, seq=6, seed=5)
+    b["trainer_logprobs"][0, 0] = 1e4
+    sentinel.update(b)
+    assert "opbc/is/ess" in sentinel.compute()
+
+
+@pytest.mark.parametrize(
+    ("field", "adapter"),
+    [
+        ("completion_mask", "trl_to_batch"),
+        ("old_per_token_logps", "trl_to_batch"),
+        ("sampling_per_token_logps", "trl_to_batch"),
+        ("attention_mask", "verl_to_batch"),
+        ("old_log_probs", "verl_to_batch"),
+        ("rollout_log_probs", "verl_to_batch"),
+    ],
+)
+def test_framework_field_names_are_refused(field, adapter):
+    import opbc_metrics.integrations.trl as trl
+    import opbc_metrics.integrations.verl as verl
+
+    assert hasattr(trl, "trl_to_batch") and hasattr(verl, "verl_to_batch")  # the advice names real functions
+    batch = make_batch(batch=2, seq=4, seed=6)
+    schema = {"completion_mask": "response_mask", "attention_mask": "response_mask"}.get(field)
+    if schema is None:
+        schema = "trainer_logprobs" if "old" in field else "rollout_logprobs"
+    batch[field] = batch.pop(schema)
+    with pytest.raises(ValueError, match=rf"`{field}` is not read.*`{schema}`.*{adapter}"):
+        OPBCCollection().update(batch)
+
+
+@pytest.mark.parametrize("field", ["rewards", "group_ids", "advantages", "response_lengths"])
+def test_per_sequence_field_of_the_wrong_length_is_refused(field):
+    batch = make_batch(batch=4, seq=5, seed=7)
+    batch[field] = torch.ones(5)
+    with pytest.raises(ValueError, match=rf"`{field}` has 5 entries but the batch has 4 sequences"):
+        OPBCCollection(sections=ALL_SECTIONS).update(batch)
+
+
+def test_checks_add_no_host_sync():
+    metrics = OPBCCollection()
+    batch = make_batch(batch=4, seq=8, seed=8)
+    with assert_no_host_sync():
+        metrics.update(batch)
+
+
+# -- torchmetrics conventions --------------------------------------------------------------------
+
+
+def test_prefix_postfix_and_indexing_by_key():
+    batch = make_batch(seed=9)
+    plain = OPBCCollection()
+    named = OPBCCollection(prefix="bf16/", postfix="_x")
+    plain.update(batch)
+    fwd = named(batch)
+    out = named.compute()
+    assert set(out) == {f"bf16/{k}_x" for k in plain.compute()}
+    assert set(fwd) == set(out)
+    assert torch.equal(out["bf16/opbc/is/ess_x"], plain.compute()["opbc/is/ess"])
+    assert plain["opbc/is/ess"] is plain["ImportanceSamplingESS"]
+    assert named["bf16/opbc/is/ess_x"] is named["ImportanceSamplingESS"]
+    assert plain["opbc/kl/k3"] is plain["KLEstimators"]
+    with pytest.raises(KeyError, match="neither a member name nor a key"):
+        plain["opbc/is/nothing"]
+
+
+def test_plot_every_scalar_metric_and_the_collection():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = OPBCCollection()
+    values = [metrics(make_batch(seed=s)) for s in range(3)]
+    plotted = 0
+    for m in metrics.members():
+        if len(m.keys) == 1 and m.compute_dict():
+            fig, ax = m.plot()
+            assert fig is not None and ax.has_data()
+            plt.close(fig)
+            fig, ax = m.plot([v[m.keys[0]] for v in values])
+            assert ax.has_data()
+            plt.close(fig)
+            plotted += 1
+    assert plotted >= 7
+    fig, ax = metrics.plot()
+    assert ax.has_data()
+    fig, ax = metrics.plot(values)
+    assert ax.has_data()
+    separate = metrics.plot(together=False)
+    assert len(separate) == sum(1 for m in metrics.members() if m.compute_dict())
+    plt.close("all")
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch):
+    import torchmetrics.utilities.imports as imports
+
+    monkeypatch.setattr(imports, "_MATPLOTLIB_AVAILABLE", False)
+    metric = ImportanceSamplingESS()
+    metric.update(make_batch(seed=1))
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        metric.plot()
