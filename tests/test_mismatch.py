@@ -378,7 +378,7 @@ def test_eager_blocks_and_cached_plans_give_the_statistics_of_one_block(monkeypa
     one_block = fm.token_statistics(*args)
     monkeypatch.setattr(fm, "_BLOCK_TOKENS", 150)
     fm.release_workspaces()
-    prob_keys = ("sum_p", "sum_q", "sum_abs_pq", "sum_pp", "sum_qq", "sum_pq", "max_abs_pq")
+    prob_keys = ("sum_q", "sum_dp", "sum_abs_pq", "sum_qq", "sum_dp2", "sum_qdp", "max_abs_pq")
     results = []
     for prob, hist in ((True, True), (True, True), (False, False), (True, True)):
         blocked = fm.token_statistics(*args, prob=prob, hist=hist)
