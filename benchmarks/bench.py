@@ -15,6 +15,7 @@ Sections:
   memory   state bytes after 1 and 1000 updates; peak memory of one update against its inputs
   sketch   the top-1% histogram sketch: cost and error against an exact sort
   sections the default collection's update and each default section's alone, against the floor
+  precision float32 inputs near on-policy: every mismatch key against the float64 result on the same numbers
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ SHAPES = [(8, 1024), (64, 1024), (64, 4096), (128, 8192), (256, 8192)]
 QUICK_SHAPES = [(8, 256), (32, 1024)]
 
 
-def make_inputs(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_inputs(b: int, t: int, seed: int = 0, drift: float = 0.05) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     trainer = -torch.rand(b, t, generator=g) * 3.0
-    rollout = (trainer + 0.05 * torch.randn(b, t, generator=g)).clamp(max=0.0)
+    rollout = (trainer + drift * torch.randn(b, t, generator=g)).clamp(max=0.0)
     lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
     mask = torch.arange(t)[None, :] < lengths[:, None]
     return {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask}
@@ -236,10 +237,28 @@ def bench_sections(shapes: list[tuple[int, int]], repeats: int) -> None:
         print(f"{b:>5}x{t:<6} {med['floor'] * 1e3:>8.3f} {cells}", flush=True)
 
 
+def bench_precision(shape: tuple[int, int], compiled: bool) -> None:
+    print("\n## precision: float32 inputs near on-policy, every mismatch key against the float64 result on the same"
+          " numbers (max relative error over keys, |error| <= 1e-12 counted as 0; target 1e-5)")
+    b, t = shape
+    for drift in (1e-4, 1e-3, 1e-2):
+        x = make_inputs(b, t, drift=drift)
+        x64 = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
+        want = {k: v.item() for k, v in OPBCCollection(sections=["mismatch"])(x64).items()}
+        cells = []
+        for mode in ("eager", "compiled") if compiled else ("eager",):
+            got = OPBCCollection(sections=["mismatch"], compiled=mode == "compiled")(x)
+            errors = {k: 0.0 if abs(v.item() - want[k]) <= 1e-12 else abs(v.item() - want[k]) / abs(want[k])
+                      for k, v in got.items()}
+            worst = max(errors, key=errors.__getitem__)
+            cells.append(f"{mode} {errors[worst]:.1e} ({worst})")
+        print(f"{b:>5}x{t:<6} drift {drift:.0e}: " + ", ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke run)")
-    parser.add_argument("--only", default="update,naive,sync,memory,sketch,sections")
+    parser.add_argument("--only", default="update,naive,sync,memory,sketch,sections,precision")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--wall", action="store_true", help="time wall-clock instead of process CPU time")
@@ -266,6 +285,8 @@ def main() -> None:
         bench_sketch(shapes, repeats)
     if "sections" in only:
         bench_sections(shapes, 5 if args.quick else 7)
+    if "precision" in only:
+        bench_precision(shapes[-1] if args.quick else (64, 4096), compiled=not args.no_compile)
     gc.collect()
 
 

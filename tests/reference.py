@@ -27,6 +27,7 @@ def mismatch_reference(trainer, rollout, mask=None, clamp=20.0, veto=30.0) -> di
         out["opbc/is/ess"] = min(1.0, w.sum() ** 2 / (n * (w**2).sum()))
         out["opbc/is/second_moment"] = (w**2).mean()
         out["opbc/is/weight_mean"] = w.mean()
+        out["opbc/is/weight_std"] = w.std()  # population (divisor N)
         k = max(1, math.floor(0.01 * n))
         out["opbc/is/top_1pct_gradient_mass"] = np.sort(w)[::-1][:k].sum() / w.sum()
         out["opbc/is/clipped_fraction"] = float(np.mean(np.abs(r) > clamp))
@@ -45,19 +46,22 @@ def mismatch_reference(trainer, rollout, mask=None, clamp=20.0, veto=30.0) -> di
         q = np.exp(np.minimum(rollout[valid], 0.0))
         out["opbc/prob/abs_diff_mean"] = np.abs(p - q).mean()
         out["opbc/prob/abs_diff_max"] = np.abs(p - q).max()
+        # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|; 0 for a single token.
+        out["opbc/prob/diff_std"] = float(np.abs(p - q).std(ddof=1)) if n > 1 else 0.0
         if p.std() > 0 and q.std() > 0:
             out["opbc/prob/pearson"] = float(np.corrcoef(p, q)[0, 1])
         else:
             out["opbc/prob/pearson"] = 1.0 if np.all(p == q) else 0.0
     else:
         out.update({
-            "opbc/is/ess": 1.0, "opbc/is/second_moment": 1.0, "opbc/is/weight_mean": 1.0,
+            "opbc/is/ess": 1.0, "opbc/is/second_moment": 1.0, "opbc/is/weight_mean": 1.0, "opbc/is/weight_std": 0.0,
             "opbc/is/top_1pct_gradient_mass": 0.0, "opbc/is/clipped_fraction": 0.0,
             "opbc/is/veto_fraction": 0.0, "opbc/logprob/abs_diff_mean": 0.0,
             "opbc/logprob/abs_diff_max": 0.0, "opbc/logprob/diff_mean": 0.0,
             "opbc/log_ratio/min": 0.0, "opbc/log_ratio/max": 0.0, "opbc/log_ratio/max_abs": 0.0,
             "opbc/kl/k1": 0.0, "opbc/kl/k2": 0.0, "opbc/kl/k3": 0.0, "opbc/kl/chi2_token": 0.0,
             "opbc/prob/abs_diff_mean": 0.0, "opbc/prob/abs_diff_max": 0.0, "opbc/prob/pearson": 1.0,
+            "opbc/prob/diff_std": 0.0,
         })
 
     # Sequences: at least one valid token and no non-finite response token.

@@ -386,7 +386,7 @@ def test_eager_blocks_and_cached_plans_give_the_statistics_of_one_block(monkeypa
     one_block = fm.token_statistics(*args)
     monkeypatch.setattr(fm, "_BLOCK_TOKENS", 150)
     fm.release_workspaces()
-    prob_keys = ("sum_p", "sum_q", "sum_abs_pq", "sum_pp", "sum_qq", "sum_pq", "max_abs_pq")
+    prob_keys = ("sum_q", "sum_dp", "sum_abs_pq", "sum_qq", "sum_dp2", "sum_qdp", "max_abs_pq")
     results = []
     for prob, hist in ((True, True), (True, True), (False, False), (True, True)):
         blocked = fm.token_statistics(*args, prob=prob, hist=hist)
@@ -420,3 +420,27 @@ def test_histogram_counts_in_float64_past_float32s_exact_range(monkeypatch):
     per_block = fm.token_statistics(*args)["hist"]
     assert torch.equal(per_block, direct)
     assert per_block.sum().item() == batch["response_mask"].sum().item()
+
+
+def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
+    """weight_std: population std of the token IS weights; diff_std: verl's probs_diff_std, i.e.
+    ``torch.std(masked_select(abs(exp(old_log_probs) - exp(rollout_log_probs)), mask))`` (divisor N - 1)."""
+    from opbc_metrics import ImportanceWeightStd
+
+    batches = [make_batch(seed=s, dtype=torch.float64, drift=0.3) for s in range(3)]
+    std_metric, prob_metric = ImportanceWeightStd(), ProbabilityDiff()
+    for b in batches:  # chunked updates: the moments merge
+        std_metric.update(b)
+        prob_metric.update(b)
+    cat = concat_batches(batches)
+    tr, ro, mask = _numpy(cat)
+    valid = (mask != 0) & np.isfinite(tr) & np.isfinite(ro)
+    w = np.exp(np.clip(tr - ro, -20.0, 20.0))[valid]
+    assert std_metric.compute().item() == pytest.approx(float(np.sqrt(np.mean((w - w.mean()) ** 2))), rel=1e-9)
+    diff = (torch.exp(cat["trainer_logprobs"]) - torch.exp(cat["rollout_logprobs"])).abs()
+    verl = torch.std(torch.masked_select(diff, torch.from_numpy(valid)))
+    assert prob_metric.compute()["opbc/prob/diff_std"].item() == pytest.approx(verl.item(), rel=1e-9)
+    # One token: torch.std is undefined (NaN); the metric reports 0 rather than a made-up spread.
+    one = ProbabilityDiff()
+    one.update(trainer_logprobs=torch.tensor([[-1.0]]), rollout_logprobs=torch.tensor([[-2.0]]))
+    assert one.compute()["opbc/prob/diff_std"].item() == 0.0

@@ -105,8 +105,10 @@ def _values(metric, *batches):
 
 
 def _assert_close(got, want, rel=1e-12, abs_tol=1e-12):
-    assert set(want) <= set(got), set(want) - set(got)
-    for key, value in want.items():
+    # Keys of rounds that never occurred are left out; the reference reads 0 for them.
+    assert set(got) <= set(want), set(got) - set(want)
+    assert all(want[key] == 0 for key in set(want) - set(got)), set(want) - set(got)
+    for key, value in ((k, want[k]) for k in got):
         assert math.isclose(got[key], value, rel_tol=rel, abs_tol=abs_tol), (key, got[key], value)
 
 
@@ -119,7 +121,10 @@ def test_matches_reference(capacity, seed):
     want = per_round_reference(*_numpy(concat_batches(batches)), capacity=capacity)
     assert want[P + "total_rounds"] >= 3
     _assert_close(got, want)
-    assert list(got) == list(per_round_keys(capacity))
+    rounds = int(want[P + "total_rounds"])
+    present = [k for k in per_round_keys(capacity) if "overflow" not in k or rounds > capacity]
+    present = [k for k in present if not k.startswith(P + "round_") or int(k.split("_")[2]) < rounds]
+    assert list(got) == present
 
 
 def test_worst_round_in_overflow_reports_the_capacity_index():
@@ -139,7 +144,7 @@ def test_verl_docstring_example():
     out = {k: v.item() for k, v in F.per_round_mismatch(trainer, rollout, mask, capacity=4).items()}
     assert out[P + "total_rounds"] == 3
     assert out[P + "round_1_abs_diff_mean"] == pytest.approx((0.9 + 1.0 + 1.1) / 3)
-    assert out[P + "round_2_token_count"] == 3 and out[P + "round_3_token_count"] == 0
+    assert out[P + "round_2_token_count"] == 3 and P + "round_3_token_count" not in out  # round 3 never occurred
     assert out[P + "max_round_diff"] == 2 and out[P + "max_diff_value"] == pytest.approx(1.8)
 
 
@@ -199,12 +204,18 @@ def test_default_collection_includes_per_round():
     for b in batches:
         metrics.update(b)
     out = {k: v.item() for k, v in metrics.compute().items()}
-    _assert_close(out, per_round_reference(*_numpy(concat_batches(batches))))
+    want = per_round_reference(*_numpy(concat_batches(batches)))
+    _assert_close({k: v for k, v in out.items() if k.startswith(P)}, want)
     assert len(metrics.keys_produced) == len(set(metrics.keys_produced))
     # Every key is there except those of the optional-input members (router, agent, endpoint), which saw
-    # none of their fields.
+    # none of their fields, and those of rounds no sequence reached.
     silent = ("moe/", "agent/", "endpoint/")
-    assert set(out) == {k for k in metrics.keys_produced if not k.startswith(silent)}
+    rounds = int(out[P + "total_rounds"])
+    absent = {P + f"round_{i}_{s}" for i in range(rounds, DEFAULT_ROUND_CAPACITY)
+              for s in ("abs_diff_mean", "token_count")}
+    if rounds <= DEFAULT_ROUND_CAPACITY:
+        absent |= {P + "overflow_abs_diff_mean", P + "overflow_token_count"}
+    assert set(out) == {k for k in metrics.keys_produced if not k.startswith(silent)} - absent
 
 
 def test_glossary_entry():
@@ -290,9 +301,8 @@ def test_property_matches_reference_and_counts_sum_to_the_mask(batch, capacity):
     means = [v for k, v in got.items() if k.endswith("_abs_diff_mean")]
     assert all(0.0 <= m <= got[P + "max_diff_value"] for m in means)
     assert -1 <= got[P + "max_round_diff"] <= capacity
-    for i in range(capacity):  # rounds beyond the longest sequence's are empty
-        if i >= got[P + "total_rounds"]:
-            assert got[P + f"round_{i}_token_count"] == 0
+    for i in range(capacity):  # rounds beyond the longest sequence's have no keys
+        assert (P + f"round_{i}_token_count" in got) == (i < got[P + "total_rounds"])
 
 
 @given(batches())
@@ -401,3 +411,19 @@ def test_chunks_give_the_statistics_of_the_whole_batch(monkeypatch):
             torch.testing.assert_close(chunked[key], value, rtol=1e-13, atol=0.0)
         else:
             assert torch.equal(chunked[key], value), key
+
+
+def test_keys_only_for_rounds_that_occurred():
+    """Single-turn data gets round 0 only, no overflow keys; overflow keys appear once a sequence overflows."""
+    single = {"trainer_logprobs": torch.zeros(2, 5), "rollout_logprobs": torch.full((2, 5), -0.1),
+              "response_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
+    m = PerRoundMismatch()
+    m.update(single)
+    assert sorted(m.compute()) == sorted([P + "total_rounds", P + "round_0_abs_diff_mean", P + "round_0_token_count",
+                                          P + "max_round_diff", P + "max_diff_value"])
+    deep = dict(single, response_mask=torch.tensor([[1, 0, 1, 0, 1], [1, 1, 1, 1, 1]]))  # 3 rounds
+    m = PerRoundMismatch(capacity=2)
+    m.update(deep)
+    out = m.compute()
+    assert P + "overflow_token_count" in out and out[P + "overflow_token_count"].item() == 1.0
+    assert P + "round_1_token_count" in out and P + "round_2_token_count" not in out

@@ -5,6 +5,16 @@ Notation (per valid token t, i.e. ``response_mask = 1`` and both logprobs finite
 ``C`` (20 by default), ``N`` the number of valid tokens. Per sequence i: ``s_i = sum_t r_t``,
 ``n_i`` its valid tokens.
 
+Near on-policy the interesting quantities are tiny differences of numbers near 1 (``E[w^2] - 1`` is
+about ``Var(r)``, ``exp(r) - 1 - r`` about ``r^2 / 2``), so the kernels never form ``w``: per token they
+take ``k3_t = expm1(r~_t) - r~_t`` (``r~`` the clamped ratio; an exact float subtraction for
+``|r~_t| < 1``, so only ``expm1``'s own rounding remains) and ``delta_t = p_t - q_t = q_t expm1(log p_t -
+log q_t)``, and sum them, their squares and their products with ``r~_t`` and ``q_t``. Every key comes from
+these sums: the centred weight ``u = w - 1 = r~ + k3`` gives ``E[w^2] - 1 = E[u^2] + 2 E[u]``, ESS, the
+weight mean and std. Float32 inputs then give every key to about 1e-6 relative of the float64 result at
+drifts of 1e-4 to 1e-2, where ``E[w^2] - 1`` formed from float32 sums of ``w^2`` kept only a few digits.
+These sums merge across updates and ranks like sums of ``w``.
+
 One kernel, :func:`token_statistics`, computes every token-level sufficient statistic of the section
 in one sweep (eager: cache-sized blocks of in-place ops; under ``torch.compile``: one fused loop over
 the tokens, the histogram's scatter included); :func:`batch_statistics` caches it on the batch's
@@ -62,20 +72,20 @@ def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Per-sequence sums both kernels produce, one row each of ``row_sums`` ([len(_ROW_SUMS), B]); every
 # feature is 0 on invalid tokens, so plain sums over tokens are the statistics. The eager kernel reads the
-# adjacent rows (sum_rc, sum_w) and (sum_p, sum_q) as matrices, and skips the probability rows, which come last.
+# adjacent rows (sum_rc, sum_k3) and (sum_dp, sum_q) as matrices, and skips the probability rows, which come last.
 _ROW_SUMS = (
-    "n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_w", "clipped", "vetoed", "sum_p", "sum_q", "sum_abs_pq",
+    "n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_k3", "clipped", "vetoed", "sum_dp", "sum_q", "sum_abs_pq",
 )
 # Sums of r and |r| are taken on r * 2^-64 and scaled back in float64: a float32 sentinel such as finfo.min
 # (a masked_fill value) is a finite r of 3.4e38, two of which overflow a float32 sum, while power-of-two
 # scaling is exact (tokens with |r| < 2^-62 nats lose relative precision: at most 2^-62 nats each).
 _R_SCALE = 2.0**-64
 _SCALED_ROWS = slice(_ROW_SUMS.index("sum_r"), _ROW_SUMS.index("sum_abs_r") + 1)
-# Token-level sums of products, [len(_PRODUCT_SUMS)].
-_PRODUCT_SUMS = ("sum_rc2", "sum_w2", "sum_pp", "sum_qq", "sum_pq")
+# Token-level sums of products, [len(_PRODUCT_SUMS)]: rc^2, k3^2, rc k3, q^2, (p - q)^2, q (p - q).
+_PRODUCT_SUMS = ("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp")
 _SCALAR_STATS = (
-    *_ROW_SUMS, *_PRODUCT_SUMS, "min_r", "max_r", "max_abs_pq",
-    "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_ws", "sum_ws2", "sum_d", "sum_abs_d", "sum_exp_d",
+    *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "sum_w", "min_r", "max_r", "max_abs_pq",
+    "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_d", "sum_abs_d", "sum_exp_d",
 )
 # Eager CPU work goes in blocks of about this many tokens: the dozen [rows, T] intermediates of a block
 # stay in the L2 cache between the ops that use them, where whole-batch intermediates would stream
@@ -107,9 +117,9 @@ _WORKSPACES = _Workspaces()
 class _BlockPlan:
     """Buffers and row views for eager blocks of ``rows`` sequences of length ``t``.
 
-    Rows are reused once the block's sums are taken (min/max scratch in the p row, the histogram's int64
-    bin indices over the p and q rows): 13 rows, so a 32K-token block and its inputs take ~1.9 MiB, within a
-    2 MiB L2 cache (measured: 4-6% faster than separate scratch and index buffers, 2.4 MiB).
+    Rows are reused once the block's sums are taken (min/max scratch in the |p - q| row, the histogram's
+    int64 bin indices over the p - q and q rows): 13 rows, so a 32K-token block and its inputs take
+    ~1.9 MiB, within a 2 MiB L2 cache (measured: 4-6% faster than separate scratch and index buffers, 2.4 MiB).
     """
 
     def __init__(self, rows: int, t: int, dtype: torch.dtype, bins: int, device: torch.device, summed: int) -> None:
@@ -119,24 +129,24 @@ class _BlockPlan:
         self.d, self.a = torch.empty(2, rows, t, dtype=dtype, device=device).unbind(0)
         rows_of = dict(zip(_ROW_SUMS, x.unbind(0)))
         self.valid, self.m = rows_of["n"], rows_of["n_mask"]
-        self.p, self.q, self.apq = rows_of["sum_p"], rows_of["sum_q"], rows_of["sum_abs_pq"]
-        self.pq = x[f["sum_p"] : f["sum_q"] + 1].flatten(1)  # adjacent rows as a [2, tokens] matrix
+        self.dp, self.q, self.apq = rows_of["sum_dp"], rows_of["sum_q"], rows_of["sum_abs_pq"]
+        self.pq = x[f["sum_dp"] : f["sum_q"] + 1].flatten(1)  # adjacent rows as a [2, tokens] matrix
         self.rs, self.ars = rows_of["sum_r"], rows_of["sum_abs_r"]
-        self.rc, self.w = rows_of["sum_rc"], rows_of["sum_w"]
-        self.rcw = x[f["sum_rc"] : f["sum_w"] + 1].flatten(1)
-        self.rcw_t = self.rcw.t()
-        # (rc, w) and (p, q) as one batch of two [2, tokens] matrices, for one bmm of both Gram matrices.
-        n, gap = rows * t, f["sum_p"] - f["sum_rc"]
+        self.rc, self.k3 = rows_of["sum_rc"], rows_of["sum_k3"]
+        self.rck3 = x[f["sum_rc"] : f["sum_k3"] + 1].flatten(1)
+        self.rck3_t = self.rck3.t()
+        # (rc, k3) and (p - q, q) as one batch of two [2, tokens] matrices, for one bmm of both Gram matrices.
+        n, gap = rows * t, f["sum_dp"] - f["sum_rc"]
         self.pairs = x.view(-1).as_strided((2, 2, n), (gap * n, n, 1), f["sum_rc"] * n)
         self.pairs_t = self.pairs.transpose(1, 2)
         # |r| * 2^-64 as one row against both thresholds, into the adjacent clipped and vetoed rows.
         self.flags = x[f["clipped"] : f["vetoed"] + 1].flatten(1)
         self.ars_row = self.ars.view(1, -1)
         self.summed = x[:summed]
-        # Free once the sums are taken: the p row as scratch, the p and q rows as int64 bin indices (converted
-        # via int32 in the |r| row).
-        self.e = self.p
-        self.idx_flat = (self.pq if dtype == torch.float32 else self.p).reshape(-1).view(torch.int64)
+        # Free once the sums are taken: the |p - q| row as scratch, the p - q and q rows as int64 bin indices
+        # (converted via int32 in the |r| row).
+        self.e = self.apq
+        self.idx_flat = (self.pq if dtype == torch.float32 else self.dp).reshape(-1).view(torch.int64)
         self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
         self.idx32_flat = self.ars.reshape(-1).view(torch.int32)[: rows * t]  # int32 indices in the |r| row
         self.block_counts = torch.empty(bins + 1, dtype=dtype, device=device)
@@ -157,11 +167,11 @@ class _CallPlan:
         blocks = -(-b // rows)
         # Skipped groups leave zeros: their rows come last and are never written.
         self.row_sums = torch.zeros(len(_ROW_SUMS), b, dtype=dtype, device=device)
-        # Gram matrices of the feature pairs (rc, w) and (p, q): sums of rc^2, w^2, p^2, q^2 and p*q.
+        # Gram matrices of the feature pairs (rc, k3) and (p - q, q).
         self.grams = torch.zeros(blocks, 2, 2, 2, dtype=dtype, device=device)
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
-        # _PRODUCT_SUMS in the flattened [2, 2, 2] sum of the Gram matrices: rc^2, w^2, p^2, q^2, p*q.
-        self.product_index = torch.tensor([0, 3, 4, 7, 5], device=device)
+        # _PRODUCT_SUMS in the flattened [2, 2, 2] sum of the Gram matrices.
+        self.product_index = torch.tensor([0, 3, 1, 7, 4, 5], device=device)
         self.outputs = list(zip(
             self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0)
         ))
@@ -205,7 +215,7 @@ def token_statistics(
         clamp: C, the log-ratio clamp.
         veto: the veto threshold.
         bins: bins of the top-1% sketch's log-weight histogram over ``[-C, C]``.
-        prob: compute the probability statistics (``sum_p`` ... ``max_abs_pq``; else 0).
+        prob: compute the probability statistics (``sum_dp`` ... ``max_abs_pq``; else 0).
         hist: compute the log-weight histogram (else zeros).
 
     Returns:
@@ -234,7 +244,7 @@ def _blocked_token_statistics(
     b, t = trainer.shape
     rows = max(1, min(b, _BLOCK_TOKENS // max(t, 1))) if device.type == "cpu" else b
     # Skipped groups leave zeros: their rows come last in the feature buffer and are not summed.
-    summed = len(_ROW_SUMS) if prob else _ROW_SUMS.index("sum_p")
+    summed = len(_ROW_SUMS) if prob else _ROW_SUMS.index("sum_dp")
     call = _cached_plan(_WORKSPACES.calls, _CallPlan, b, rows, dtype, device, summed)
     # Histogram counts accumulate in the features' dtype while that is exact, else per block into float64.
     exact_counts = dtype == f64 or b * t <= _FLOAT32_EXACT_TOKENS
@@ -260,20 +270,25 @@ def _blocked_token_statistics(
         r = torch.nan_to_num(d, 0.0, 0.0, 0.0, out=a)
         torch.eq(d, r, out=valid)
         if prob:
-            # p and q: exp(clamp(logp, PROB_LOG_FLOOR, 0)) on valid tokens, 0 elsewhere; both rows at once.
-            torch.nan_to_num(tr, 0.0, 0.0, 0.0, out=x.p)
+            # p = exp(a), q = exp(b) with a, b the logprobs clamped to [PROB_LOG_FLOOR, 0], on valid tokens (0
+            # elsewhere). p - q as q * expm1(a - b): exact to a few ulps, where exp(a) - exp(b) keeps only the
+            # rounding error of p and q near on-policy. The same two transcendental ops per token as two exps.
+            torch.nan_to_num(tr, 0.0, 0.0, 0.0, out=x.dp)
             torch.nan_to_num(ro, 0.0, 0.0, 0.0, out=x.q)
-            x.pq.clamp_(PROB_LOG_FLOOR, 0.0).exp_().mul_(x.valid_flat)
-            torch.amax(torch.sub(x.p, x.q, out=x.apq).abs_(), (0, 1), out=hi_pq)
+            x.pq.clamp_(PROB_LOG_FLOOR, 0.0)
+            torch.sub(x.dp, x.q, out=x.dp).expm1_()  # a - b is in [-80, 80]: finite
+            x.q.exp_().mul_(valid)
+            dp = x.dp.mul_(x.q)
+            torch.amax(torch.abs(dp, out=x.apq), (0, 1), out=hi_pq)
         torch.abs(torch.mul(r, r_scale, out=x.rs), out=x.ars)
         torch.gt(x.ars_row, thresholds, out=x.flags)
         rc = torch.clamp(r, -clamp, clamp, out=x.rc)
-        torch.exp(rc, out=x.w).mul_(valid)
-        # An explicit product keeps sum w^2 exactly N for identical logprobs (ESS exactly 1).
+        # k3 = expm1(rc) - rc, in place. Invalid tokens have rc = 0, hence k3 = 0: no masking needed.
+        torch.expm1(rc, out=x.k3).sub_(rc)
         if prob:
             torch.bmm(x.pairs, x.pairs_t, out=grams)  # both Gram matrices in one call
         else:
-            torch.mm(x.rcw, x.rcw_t, out=grams[0])
+            torch.mm(x.rck3, x.rck3_t, out=grams[0])
         torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         # Extremes over valid tokens: the others move to the far end of the finite range.
         invalid = torch.eq(valid, zero, out=d)
@@ -312,8 +327,9 @@ def _fused_token_statistics(
     # to memory (an extra pass over the tokens), while the copies inside one fused loop are computed once.
     # The forms of the exp arguments are the fast ones measured on inductor's CPU code (2-3x apart per exp,
     # same values): the raw difference clamped, not the masked one; a one-sided clamp of a logprob and a select.
-    def w() -> Tensor:
-        return torch.where(ok, torch.exp(d.clamp(-clamp, clamp)), 0.0)
+    def k3() -> Tensor:  # expm1(rc) - rc
+        x = d.clamp(-clamp, clamp)
+        return torch.where(ok, torch.where(x.abs() < _SERIES_RANGE, _expm1_tail(x), torch.exp(x) - 1.0 - x), 0.0)
 
     def probability(logp: Tensor) -> Tensor:
         return torch.where(ok, torch.where(logp > 0, 1.0, torch.exp(logp.clamp(min=PROB_LOG_FLOOR))), 0.0)
@@ -324,22 +340,27 @@ def _fused_token_statistics(
     def q() -> Tensor:
         return probability(rollout)
 
+    def dp() -> Tensor:  # p - q: near on-policy q * expm1(a - b), a and b the clamped logprobs
+        g = trainer.clamp(PROB_LOG_FLOOR, 0.0) - rollout.clamp(PROB_LOG_FLOOR, 0.0)
+        return torch.where(g.abs() < _SERIES_RANGE, q() * (g + _expm1_tail(g)), p() - q())
+
     def apq() -> Tensor:
-        return (p() - q()).abs()
+        return dp().abs()
 
     rs = r * _R_SCALE
     if prob:
-        prob_rows = [p().sum(-1), q().sum(-1), apq().sum(-1)]
-        prob_products = [(p() * p()).sum(-1), (q() * q()).sum(-1), (p() * q()).sum(-1)]
+        prob_rows = [dp().sum(-1), q().sum(-1), apq().sum(-1)]
+        prob_products = [(q() * q()).sum(-1), (dp() * dp()).sum(-1), (q() * dp()).sum(-1)]
         max_abs_pq = apq().amax(-1).amax()
     else:
         prob_rows = prob_products = [torch.zeros(trainer.shape[0], dtype=dtype, device=trainer.device)] * 3
         max_abs_pq = torch.zeros((), dtype=dtype, device=trainer.device)
     row_sums = torch.stack([
-        ok.to(dtype).sum(-1), mask.to(dtype).sum(-1), rs.sum(-1), rs.abs().sum(-1), rc.sum(-1), w().sum(-1),
+        ok.to(dtype).sum(-1), mask.to(dtype).sum(-1), rs.sum(-1), rs.abs().sum(-1), rc.sum(-1), k3().sum(-1),
         (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1), *prob_rows,
     ])
-    products = torch.stack([(rc * rc).sum(-1), (w() * w()).sum(-1), *prob_products]).sum(-1, dtype=f64)
+    products = torch.stack([(rc * rc).sum(-1), (k3() * k3()).sum(-1), (rc * k3()).sum(-1), *prob_products])
+    products = products.sum(-1, dtype=f64)
     if pieces > 1:
         row_sums = row_sums.view(len(_ROW_SUMS), seqs, pieces).sum(-1, dtype=f64)
     counts = torch.zeros(bins + 1, dtype=f64, device=trainer.device)
@@ -356,6 +377,20 @@ def _fused_token_statistics(
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
     return _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
+
+
+# Inductor's CPU code computes expm1 as exp(x) - 1, which keeps no relative precision near 0: the compiled
+# kernel takes expm1(x) - x from its Taylor series for |x| below this (to x^6: truncation under 2e-8 of
+# x^2 / 2), and exp(x) - 1 - x beyond (within ~1e-5 of x^2 / 2 per token, errors of either sign).
+_SERIES_RANGE = 0.125
+
+
+def _expm1_tail(x: Tensor) -> Tensor:
+    """``expm1(x) - x`` for ``|x| < _SERIES_RANGE``: ``x^2 (1/2 + x/6 + ... + x^4/6!)``, Horner's scheme."""
+    poly = x * (1.0 / 720) + 1.0 / 120
+    for c in (1.0 / 24, 1.0 / 6, 0.5):
+        poly = poly * x + c
+    return x * x * poly
 
 
 # Inductor's CPU code sums float32 over more than this many elements with a cascade helper: per-element
@@ -395,12 +430,12 @@ def _assemble_statistics(
     s = seq_r * seq_ok
     abs_s = s.abs()
     geo = s / seq_n.clamp_min(1.0)
-    ws = torch.exp(s.clamp(-clamp, clamp)) * seq_ok
+    us = torch.expm1(s.clamp(-clamp, clamp)) * seq_ok  # sequence weight - 1
     # d_i = mean rollout logp - mean trainer logp = -geo_i. A sentinel (-9999, finfo.min) can make d_i
     # thousands of nats: capped where exp stays finite.
     exp_d = torch.exp(geo.neg().clamp(max=PPL_LOG_CAP)) * seq_ok
-    per_seq = torch.stack((seq_ok, s, abs_s, geo, ws, ws * ws, geo.abs(), exp_d)).sum(-1)
-    num_seqs, sum_s, sum_abs_s, sum_geo, sum_ws, sum_ws2, sum_abs_d, sum_exp_d = per_seq.unbind(0)
+    per_seq = torch.stack((seq_ok, s, abs_s, geo, us, us * us, geo.abs(), exp_d)).sum(-1)
+    num_seqs, sum_s, sum_abs_s, sum_geo, sum_us, sum_us2, sum_abs_d, sum_exp_d = per_seq.unbind(0)
     min_r, max_r, max_abs_pq = extremes.to(f64).unbind(0)
     # Tokens at rc = C land one past the last bin: the last bin includes its upper edge.
     counts = hist[:bins].to(f64, copy=True)
@@ -412,6 +447,10 @@ def _assemble_statistics(
         "hist": counts,
         **totals,
         **dict(zip(_PRODUCT_SUMS, products.unbind(0))),
+        # u = w - 1 = rc + k3: its sums from those of rc and k3 (all precise, no cancellation).
+        "sum_u": totals["sum_rc"] + totals["sum_k3"],
+        "sum_u2": products[0] + 2.0 * products[2] + products[1],
+        "sum_w": totals["n"] + totals["sum_rc"] + totals["sum_k3"],
         "min_r": torch.where(has_tokens, min_r, math.inf),
         "max_r": torch.where(has_tokens, max_r, -math.inf),
         "max_abs_pq": max_abs_pq,
@@ -420,8 +459,8 @@ def _assemble_statistics(
         "sum_abs_s": sum_abs_s,
         "max_abs_s": torch.where(seq_counts, abs_s, -math.inf).amax(),
         "sum_geo": sum_geo,
-        "sum_ws": sum_ws,
-        "sum_ws2": sum_ws2,
+        "sum_us": sum_us,
+        "sum_us2": sum_us2,
         "sum_d": -sum_geo,
         "sum_abs_d": sum_abs_d,
         "sum_exp_d": sum_exp_d,
@@ -504,12 +543,20 @@ def _pick(stats: Stats, *names: str) -> Stats:
 # opbc/is/*: importance weights
 # ---------------------------------------------------------------------------------------------
 def _ess_update(stats: Stats) -> Stats:
-    return {"sum_w": stats["sum_w"], "sum_w2": stats["sum_w2"], "count": stats["n"]}
+    return {"sum_u": stats["sum_u"], "sum_u2": stats["sum_u2"], "count": stats["n"]}
+
+
+def _centred_ess_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor:
+    """ESS from sums of ``u = w - 1``: ``1 - (N sum u^2 - (sum u)^2) / (N sum w^2)``, the same value as
+    ``(sum w)^2 / (N sum w^2)`` with ``1 - ESS`` (the part that moves near on-policy) free of cancellation."""
+    # N sum u^2 - (sum u)^2 = N^2 Var(w) >= 0 and sum w^2 = N + 2 sum u + sum u^2; clamps absorb rounding only.
+    spread = (count * sum_u2 - sum_u * sum_u).clamp_min(0.0)
+    return (1.0 - _safe_div(spread, count * (count + 2.0 * sum_u + sum_u2), 0.0)).clamp(0.0, 1.0)
 
 
 def _ess_compute(sum_w: Tensor, sum_w2: Tensor, count: Tensor) -> Tensor:
-    # Cauchy-Schwarz gives ESS <= 1; the clamp only absorbs rounding.
-    return _safe_div(sum_w * sum_w, count * sum_w2, 1.0).clamp(max=1.0)
+    """ESS from raw sums of ``w`` and ``w^2`` (for callers that hold those)."""
+    return _centred_ess_compute(sum_w - count, sum_w2 - 2.0 * sum_w + count, count)
 
 
 def _stats(
@@ -543,11 +590,11 @@ def importance_ess(
         >>> importance_ess(t, t - torch.tensor([[0.0, 1.0, 0.0]])).round(decimals=4)
         tensor(0.7904, dtype=torch.float64)
     """
-    return _ess_compute(**_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
+    return _centred_ess_compute(**_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
 def _seq_ess_update(stats: Stats) -> Stats:
-    return {"sum_w": stats["sum_ws"], "sum_w2": stats["sum_ws2"], "count": stats["num_seqs"]}
+    return {"sum_u": stats["sum_us"], "sum_u2": stats["sum_us2"], "count": stats["num_seqs"]}
 
 
 def sequence_ess(
@@ -568,7 +615,7 @@ def sequence_ess(
         >>> sequence_ess(t, t - torch.tensor([[1.0, 0.0], [0.0, 0.0]])).round(decimals=4)
         tensor(0.8240, dtype=torch.float64)
     """
-    return _ess_compute(**_seq_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
+    return _centred_ess_compute(**_seq_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
 def _weight_moments_update(stats: Stats) -> Stats:
@@ -576,11 +623,26 @@ def _weight_moments_update(stats: Stats) -> Stats:
 
 
 def _second_moment_compute(sum_w2: Tensor, count: Tensor, **_: Any) -> Tensor:
+    """``E[w^2]`` from the raw sum (for callers that hold it)."""
     return _safe_div(sum_w2, count, 1.0)
 
 
 def _weight_mean_compute(sum_w: Tensor, count: Tensor, **_: Any) -> Tensor:
+    """``E[w]`` from the raw sum (for callers that hold it)."""
     return _safe_div(sum_w, count, 1.0)
+
+
+def _centred_second_moment_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor:
+    return 1.0 + _safe_div(2.0 * sum_u + sum_u2, count, 0.0)
+
+
+def _centred_weight_mean_compute(sum_u: Tensor, count: Tensor, **_: Any) -> Tensor:
+    return 1.0 + _safe_div(sum_u, count, 0.0)
+
+
+def _weight_std_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor:
+    mean_u = _safe_div(sum_u, count, 0.0)
+    return torch.sqrt((_safe_div(sum_u2, count, 0.0) - mean_u * mean_u).clamp_min(0.0))
 
 
 def importance_weight_second_moment(
@@ -598,7 +660,7 @@ def importance_weight_second_moment(
         tensor(4.1945, dtype=torch.float64)
     """
     stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
-    return _second_moment_compute(**_weight_moments_update(stats))
+    return _centred_second_moment_compute(**_weight_moments_update(stats))
 
 
 def importance_weight_mean(
@@ -616,7 +678,29 @@ def importance_weight_mean(
         tensor(1.8591, dtype=torch.float64)
     """
     stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
-    return _weight_mean_compute(**_weight_moments_update(stats))
+    return _centred_weight_mean_compute(**_weight_moments_update(stats))
+
+
+def importance_weight_std(
+    trainer_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor | None = None,
+    clamp: float = DEFAULT_CLAMP,
+) -> Tensor:
+    r"""``opbc/is/weight_std``: population standard deviation of the token importance weights.
+
+    .. math:: \sigma_w = \sqrt{\tfrac{1}{N}\sum_t (w_t - 1)^2 - \big(\tfrac{1}{N}\sum_t (w_t - 1)\big)^2}
+
+    (divisor N; 0 over no tokens), from the mergeable sums of ``w - 1`` and ``(w - 1)^2``.
+
+    Example:
+        >>> import torch
+        >>> t = torch.zeros(1, 2)
+        >>> importance_weight_std(t, torch.tensor([[0.0, -1.0]])).round(decimals=4)  # weights 1 and e
+        tensor(0.8591, dtype=torch.float64)
+    """
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    return _weight_std_compute(**_weight_moments_update(stats))
 
 
 def _clipped_update(stats: Stats) -> Stats:
@@ -869,8 +953,7 @@ def _kl_update(stats: Stats) -> Stats:
     return {
         "sum_k1": -stats["sum_rc"],
         "sum_k2": 0.5 * stats["sum_rc2"],
-        # sum over valid tokens of exp(rc) - 1 - rc, from float64 sums (no cancellation of note).
-        "sum_k3": stats["sum_w"] - stats["n"] - stats["sum_rc"],
+        "sum_k3": stats["sum_k3"],  # per token expm1(rc) - rc, summed
         "count": stats["n"],
     }
 
@@ -905,17 +988,22 @@ def kl_estimators(
 
 def _chi2_update(stats: Stats) -> Stats:
     return {
-        "sum_w2": stats["sum_w2"],
+        "sum_u": stats["sum_u"],
+        "sum_u2": stats["sum_u2"],
         "count": stats["n"],
-        "sum_seq_w2": stats["sum_ws2"],
+        "sum_seq_u": stats["sum_us"],
+        "sum_seq_u2": stats["sum_us2"],
         "seq_count": stats["num_seqs"],
     }
 
 
-def _chi2_compute(sum_w2: Tensor, count: Tensor, sum_seq_w2: Tensor, seq_count: Tensor) -> dict[str, Tensor]:
+def _chi2_compute(
+    sum_u: Tensor, sum_u2: Tensor, count: Tensor, sum_seq_u: Tensor, sum_seq_u2: Tensor, seq_count: Tensor
+) -> dict[str, Tensor]:
+    # E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1]: no difference of numbers near 1.
     return {
-        CHI2_KEYS[0]: _safe_div(sum_w2, count, 1.0) - 1.0,
-        CHI2_KEYS[1]: _safe_div(sum_seq_w2, seq_count, 1.0) - 1.0,
+        CHI2_KEYS[0]: _safe_div(sum_u2 + 2.0 * sum_u, count, 0.0),
+        CHI2_KEYS[1]: _safe_div(sum_seq_u2 + 2.0 * sum_seq_u, seq_count, 0.0),
     }
 
 
@@ -977,8 +1065,8 @@ def perplexity_gap(
 # ---------------------------------------------------------------------------------------------
 # opbc/prob/*
 # ---------------------------------------------------------------------------------------------
-PROB_KEYS = ("opbc/prob/abs_diff_mean", "opbc/prob/abs_diff_max", "opbc/prob/pearson")
-_PROB_STATS = ("sum_p", "sum_q", "sum_pp", "sum_qq", "sum_pq", "sum_abs_pq", "max_abs_pq", "n")
+PROB_KEYS = ("opbc/prob/abs_diff_mean", "opbc/prob/abs_diff_max", "opbc/prob/pearson", "opbc/prob/diff_std")
+_PROB_STATS = ("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "max_abs_pq", "n")
 
 
 def _prob_update(stats: Stats) -> Stats:
@@ -986,48 +1074,58 @@ def _prob_update(stats: Stats) -> Stats:
 
 
 def _prob_compute(
-    sum_p: Tensor,
     sum_q: Tensor,
-    sum_pp: Tensor,
+    sum_dp: Tensor,
     sum_qq: Tensor,
-    sum_pq: Tensor,
+    sum_qdp: Tensor,
+    sum_dp2: Tensor,
     sum_abs_pq: Tensor,
     max_abs_pq: Tensor,
     n: Tensor,
 ) -> dict[str, Tensor]:
+    # Moments of q and delta = p - q; those of p follow: p = q + delta.
     m = n.clamp_min(1.0)
-    cov = sum_pq / m - (sum_p / m) * (sum_q / m)
-    var_p = (sum_pp / m - (sum_p / m) ** 2).clamp_min(0.0)
-    var_q = (sum_qq / m - (sum_q / m) ** 2).clamp_min(0.0)
+    mean_q, mean_dp = sum_q / m, sum_dp / m
+    var_q = (sum_qq / m - mean_q**2).clamp_min(0.0)
+    cov_q_dp = sum_qdp / m - mean_q * mean_dp
+    var_dp = (sum_dp2 / m - mean_dp**2).clamp_min(0.0)
+    cov = var_q + cov_q_dp
+    var_p = (var_q + 2.0 * cov_q_dp + var_dp).clamp_min(0.0)
     den = torch.sqrt(var_p * var_q)
     # Zero variance leaves Pearson undefined: report 1 when the probabilities are identical, else 0.
     degenerate = torch.where(sum_abs_pq > 0, torch.zeros_like(den), torch.ones_like(den))
     pearson = torch.where(den > 0, (cov / den.clamp_min(1e-300)).clamp(-1.0, 1.0), degenerate)
+    # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|, whose squares are those of p - q.
+    diff_m2 = (sum_dp2 - sum_abs_pq * sum_abs_pq / m).clamp_min(0.0)
     return {
         PROB_KEYS[0]: _safe_div(sum_abs_pq, n, 0.0),
         PROB_KEYS[1]: torch.where(n > 0, max_abs_pq.clamp_min(0.0), torch.zeros_like(max_abs_pq)),
         PROB_KEYS[2]: torch.where(n > 0, pearson, torch.ones_like(pearson)),
+        PROB_KEYS[3]: torch.sqrt(diff_m2 / (n - 1.0).clamp_min(1.0)),
     }
 
 
 def probability_diff(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor | None = None
 ) -> dict[str, Tensor]:
-    r"""``opbc/prob/*`` on probabilities :math:`p = e^{\log p}`: mean and max :math:`|p_{train} - p_{roll}|`, Pearson.
+    r"""``opbc/prob/*`` on probabilities :math:`p = e^{\log p}`: disagreement of :math:`p_{train}` and :math:`p_{roll}`.
 
-    Pearson's correlation of the two probability vectors over valid tokens; with zero variance it is
-    1 if the probabilities are identical, else 0. Logprobs above 0 (invalid) are read as 0 and below
-    -80 as -80 (``e^-80 ~ 1.8e-35``: immaterial to every sum, and it keeps CPU exp off its slow path). Pearson
-    is computed from mergeable raw moments (partial sums in the input dtype over a sequence or a block of
-    at most 32K tokens, accumulated in float64), so its rounding error is about
-    ``eps * E[p^2] / Var(p)`` (eps of the input dtype): negligible for real token probabilities,
-    visible only when one side's probabilities are all nearly equal.
+    Mean, max and standard deviation of :math:`|p_{train} - p_{roll}|` and Pearson's correlation of the two
+    probability vectors over valid tokens. ``diff_std`` is verl's ``probs_diff_std`` (its rollout-vs-trainer
+    debug metrics): ``torch.std`` of the absolute differences, divisor N - 1 (0 with fewer than two tokens).
+    Pearson with zero variance is 1 if the probabilities are identical, else 0. Logprobs above 0 (invalid)
+    are read as 0 and below -80 as -80 (``e^-80 ~ 1.8e-35``: immaterial to every sum, and it keeps CPU exp off
+    its slow path). Everything comes from mergeable moments of q and of ``p - q`` (partial sums in the input
+    dtype over a sequence or a block of at most 32K tokens, accumulated in float64): the spread of the
+    differences keeps its precision near on-policy (``p - q`` is taken as ``q * expm1(log p - log q)``), and
+    Pearson's rounding error is about ``eps * E[q^2] / Var(q)`` (eps of the input dtype): negligible for real
+    token probabilities, visible only when one side's probabilities are all nearly equal.
 
     Example:
         >>> import torch
         >>> out = probability_diff(torch.tensor([[0.0, -1.0, -2.0]]), torch.tensor([[0.0, -1.1, -2.0]]))
         >>> [round(v.item(), 4) for v in out.values()]
-        [0.0117, 0.035, 0.9991]
+        [0.0117, 0.035, 0.9991, 0.0202]
     """
     return _prob_compute(**_prob_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
 

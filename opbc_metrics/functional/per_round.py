@@ -183,6 +183,17 @@ def _per_round_compute(
     return out
 
 
+def _occurred(out: dict[str, Tensor], capacity: int) -> dict[str, Tensor]:
+    """``out`` without the keys of rounds that no sequence reached, and without the overflow keys unless
+    a sequence had more than ``capacity`` rounds (single-turn data gets round 0 only). Which keys exist
+    depends on the data, so this reads one number on the host: for ``compute``, never ``update``."""
+    rounds = int(out[TOTAL_ROUNDS_KEY].item())
+    absent = {k for i in range(min(rounds, capacity), capacity) for k in (round_mean_key(i), round_count_key(i))}
+    if rounds <= capacity:
+        absent |= {OVERFLOW_MEAN_KEY, OVERFLOW_COUNT_KEY}
+    return {k: v for k, v in out.items() if k not in absent}
+
+
 def per_round_mismatch(
     trainer_logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -207,12 +218,11 @@ def per_round_mismatch(
         >>> mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]])
         >>> trainer = torch.tensor([[-1.0, -1.0, -5.0, -2.0], [-1.0, 0.0, 0.0, 0.0]])
         >>> rollout = torch.tensor([[-1.5, -1.0, -1.0, -1.0], [-1.1, 0.0, 0.0, 0.0]])
-        >>> out = per_round_mismatch(trainer, rollout, mask, capacity=2)
+        >>> out = per_round_mismatch(trainer, rollout, mask, capacity=3)
         >>> {k.removeprefix("per_round/"): round(v.item(), 4) for k, v in out.items()}  # doctest: +NORMALIZE_WHITESPACE
         {'total_rounds': 2.0, 'round_0_abs_diff_mean': 0.2, 'round_0_token_count': 3.0,
-         'round_1_abs_diff_mean': 1.0, 'round_1_token_count': 1.0, 'overflow_abs_diff_mean': 0.0,
-         'overflow_token_count': 0.0, 'max_round_diff': 1.0, 'max_diff_value': 1.0}
+         'round_1_abs_diff_mean': 1.0, 'round_1_token_count': 1.0, 'max_round_diff': 1.0, 'max_diff_value': 1.0}
     """
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
-    stats = _per_round_update(view, check_capacity(capacity))
-    return _per_round_compute(**stats)
+    capacity = check_capacity(capacity)
+    return _occurred(_per_round_compute(**_per_round_update(view, capacity)), capacity)

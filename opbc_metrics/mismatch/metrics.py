@@ -105,14 +105,14 @@ class ImportanceSamplingESS(_MismatchMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("sum_w", "sum_w2", "count"):
+        for name in ("sum_u", "sum_u2", "count"):  # sums of w - 1 and (w - 1)^2
             self.add_sum(name)
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**F._ess_update(self._stats(view)))
 
     def compute(self) -> Tensor:
-        return F._ess_compute(self.sum_w, self.sum_w2, self.count)
+        return F._centred_ess_compute(self.sum_u, self.sum_u2, self.count)
 
 
 class SequenceESS(_MismatchMetric):
@@ -144,20 +144,20 @@ class SequenceESS(_MismatchMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("sum_w", "sum_w2", "count"):
+        for name in ("sum_u", "sum_u2", "count"):  # sums of w_i - 1 and (w_i - 1)^2
             self.add_sum(name)
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**F._seq_ess_update(self._stats(view)))
 
     def compute(self) -> Tensor:
-        return F._ess_compute(self.sum_w, self.sum_w2, self.count)
+        return F._centred_ess_compute(self.sum_u, self.sum_u2, self.count)
 
 
 class _WeightMoment(_MismatchMetric):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("sum_w", "sum_w2", "count"):
+        for name in ("sum_u", "sum_u2", "count"):  # sums of w - 1 and (w - 1)^2
             self.add_sum(name)
 
     def _update_view(self, view: BatchView) -> None:
@@ -188,7 +188,7 @@ class ImportanceWeightSecondMoment(_WeightMoment):
     )
 
     def compute(self) -> Tensor:
-        return F._second_moment_compute(self.sum_w2, self.count)
+        return F._centred_second_moment_compute(self.sum_u, self.sum_u2, self.count)
 
 
 class ImportanceWeightMean(_WeightMoment):
@@ -215,7 +215,40 @@ class ImportanceWeightMean(_WeightMoment):
     )
 
     def compute(self) -> Tensor:
-        return F._weight_mean_compute(self.sum_w, self.count)
+        return F._centred_weight_mean_compute(self.sum_u, self.count)
+
+
+class ImportanceWeightStd(_WeightMoment):
+    r"""Population standard deviation of the token importance weights, ``opbc/is/weight_std``.
+
+    .. math:: \sigma_w = \sqrt{E[(w - 1)^2] - E[w - 1]^2}
+
+    over the valid tokens of the window and all ranks (divisor N), from mergeable sums of ``w - 1`` and
+    ``(w - 1)^2``.
+
+    Example:
+        >>> import torch
+        >>> metric = ImportanceWeightStd()
+        >>> metric.update(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.tensor([[0.0, -1.0]]))
+        >>> metric.compute().round(decimals=4)  # weights 1 and e: (e - 1) / 2
+        tensor(0.8591, dtype=torch.float64)
+    """
+
+    keys = ("opbc/is/weight_std",)
+    higher_is_better = False
+    plot_lower_bound = 0.0
+    glossary = GlossaryEntry(
+        name="weight_std",
+        what="Population standard deviation (divisor N) of the token importance weights w = exp(clamp(log_ratio)), "
+        "the spread the OPBC origin's budget report shows beside the weight mean: 0 on-policy; its square is "
+        "chi2_token minus (weight_mean - 1)^2. Source: the OPBC origin's budget report.",
+        unit=_TOKENS,
+        cap=_DIAGNOSTIC,
+        action=_NO_ACTION,
+    )
+
+    def compute(self) -> Tensor:
+        return F._weight_std_compute(self.sum_u, self.sum_u2, self.count)
 
 
 class TopGradientMass(_MismatchMetric):
@@ -556,14 +589,15 @@ class ChiSquare(_MismatchMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("sum_w2", "count", "sum_seq_w2", "seq_count"):
+        # Sums of w - 1 and (w - 1)^2 over tokens and over sequences: E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1].
+        for name in ("sum_u", "sum_u2", "count", "sum_seq_u", "sum_seq_u2", "seq_count"):
             self.add_sum(name)
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**F._chi2_update(self._stats(view)))
 
     def compute(self) -> dict[str, Tensor]:
-        return F._chi2_compute(self.sum_w2, self.count, self.sum_seq_w2, self.seq_count)
+        return F._chi2_compute(self.sum_u, self.sum_u2, self.count, self.sum_seq_u, self.sum_seq_u2, self.seq_count)
 
 
 class PerplexityGap(_MismatchMetric):
@@ -606,10 +640,12 @@ class PerplexityGap(_MismatchMetric):
 
 
 class ProbabilityDiff(_MismatchMetric):
-    r"""Probability-space disagreement ``opbc/prob/{abs_diff_mean, abs_diff_max, pearson}``.
+    r"""Probability-space disagreement ``opbc/prob/{abs_diff_mean, abs_diff_max, pearson, diff_std}``.
 
-    On :math:`p = e^{\log p}`: mean and max :math:`|p_{train} - p_{roll}|` and Pearson's correlation
-    (1 for identical constant probabilities, 0 for other zero-variance cases).
+    On :math:`p = e^{\log p}`: mean and max :math:`|p_{train} - p_{roll}|`, Pearson's correlation
+    (1 for identical constant probabilities, 0 for other zero-variance cases) and ``diff_std``, verl's
+    ``probs_diff_std``: the standard deviation of :math:`|p_{train} - p_{roll}|` with divisor N - 1 as
+    ``torch.std`` takes it (0 with fewer than two tokens).
 
     Example:
         >>> import torch
@@ -617,25 +653,28 @@ class ProbabilityDiff(_MismatchMetric):
         >>> metric.update(trainer_logprobs=torch.tensor([[0.0, -1.0, -2.0]]),
         ...               rollout_logprobs=torch.tensor([[0.0, -1.1, -2.0]]))
         >>> [round(v.item(), 4) for v in metric.compute().values()]
-        [0.0117, 0.035, 0.9991]
+        [0.0117, 0.035, 0.9991, 0.0202]
     """
 
     keys = F.PROB_KEYS
     higher_is_better = False
     glossary = GlossaryEntry(
         name="prob",
-        what="Disagreement in probability space rather than log space: mean and max |p_trainer - "
-        "p_rollout| over tokens and the Pearson correlation of the two probability vectors "
-        "(the 'training vs rollout probability' scatter of verl's dashboards).",
+        what="Disagreement in probability space rather than log space: mean, max and standard deviation of "
+        "|p_trainer - p_rollout| over tokens and the Pearson correlation of the two probability vectors "
+        "(the 'training vs rollout probability' scatter of verl's dashboards). Source: verl's rollout-vs-actor "
+        "debug metrics (verl/utils/debug/metrics.py): probs_diff_mean, probs_diff_max, probs_diff_std "
+        "(diff_std: torch.std of |p_trainer - p_rollout|, divisor N - 1) and the Pearson correlation.",
         unit=_TOKENS,
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
-        aliases=("training_rollout_probs_diff", "training_rollout_probs_pearson_corr"),
+        aliases=("training_rollout_probs_diff", "training_rollout_probs_pearson_corr", "probs_diff_std"),
     )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("sum_p", "sum_q", "sum_pp", "sum_qq", "sum_pq", "sum_abs_pq", "n"):
+        # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
+        for name in ("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n"):
             self.add_sum(name)
         self.add_max("max_abs_pq")
         self.statistic_groups = frozenset({"prob"})
@@ -645,7 +684,7 @@ class ProbabilityDiff(_MismatchMetric):
 
     def compute(self) -> dict[str, Tensor]:
         return F._prob_compute(
-            self.sum_p, self.sum_q, self.sum_pp, self.sum_qq, self.sum_pq, self.sum_abs_pq, self.max_abs_pq, self.n
+            self.sum_q, self.sum_dp, self.sum_qq, self.sum_qdp, self.sum_dp2, self.sum_abs_pq, self.max_abs_pq, self.n
         )
 
 
@@ -699,6 +738,7 @@ MISMATCH_METRICS: tuple[type[_MismatchMetric], ...] = (
     SequenceESS,
     ImportanceWeightSecondMoment,
     ImportanceWeightMean,
+    ImportanceWeightStd,
     TopGradientMass,
     ClippedFraction,
     VetoFraction,

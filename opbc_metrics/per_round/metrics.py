@@ -25,8 +25,9 @@ class PerRoundMismatch(OPBCMetric):
     and ``per_round/round_{i}_token_count`` for ``i < capacity``, ``per_round/overflow_abs_diff_mean`` and
     ``per_round/overflow_token_count`` pooling rounds ``>= capacity``, ``per_round/max_round_diff`` (the
     round with the largest mean, first on ties; ``capacity`` stands for the overflow bucket; -1 when no
-    round has a valid token) and ``per_round/max_diff_value`` (its mean; 0 then). Rounds that never
-    occurred report mean 0 and count 0.
+    round has a valid token) and ``per_round/max_diff_value`` (its mean; 0 then). Only rounds some sequence
+    reached have keys (single-turn data: round 0 only), and the overflow keys appear only when a sequence
+    had more than ``capacity`` rounds.
 
     States: per-bucket sums of ``|r|``, valid-token counts and response-token counts
     (``capacity + 1`` each) and the running max of rounds per sequence; the max round is found in
@@ -87,7 +88,8 @@ class PerRoundMismatch(OPBCMetric):
         self.accumulate(**F._per_round_update(view, self.capacity))
 
     def compute(self) -> dict[str, Tensor]:
-        return F._per_round_compute(self.sum_abs, self.valid_count, self.token_count, self.max_rounds)
+        out = F._per_round_compute(self.sum_abs, self.valid_count, self.token_count, self.max_rounds)
+        return F._occurred(out, self.capacity)
 
 
 PER_ROUND_METRICS: tuple[type[PerRoundMismatch], ...] = (PerRoundMismatch,)
