@@ -1,4 +1,5 @@
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.demos import BoringModel
 
 from opbc_metrics.integrations.lightning import OPBCCallback
@@ -11,5 +12,5 @@ class Policy(BoringModel):  # your LightningModule: training_step returns the ba
         return {"loss": -logp.mean(), "opbc": fields}
 
 
-trainer = Trainer(max_epochs=1, log_every_n_steps=16, callbacks=[OPBCCallback(key="opbc")])  # -> trainer.loggers
-trainer.fit(Policy())  # OPBCCallback(key="opbc", sinks=[OPBCWandbLogger()]) writes to W&B instead
+trainer = Trainer(max_epochs=1, log_every_n_steps=16, logger=CSVLogger("."), callbacks=[OPBCCallback(key="opbc")])
+trainer.fit(Policy())  # -> trainer.loggers; OPBCCallback(key="opbc", sinks=[OPBCWandbLogger()]) -> W&B instead

@@ -86,8 +86,6 @@ def test_readme_install_extras_and_make_targets_exist():
     makefile = (ROOT / "Makefile").read_text()
     for target in ("demo", "test"):
         assert f"make {target}" in README and re.search(rf"^{target}:", makefile, re.M), target
-    for placeholder in ("lightning-example", "wandb-example", "trl-example", "verl-example"):
-        assert f"<!-- {placeholder} -->" in README, placeholder
 
 
 def test_readme_use_snippet_runs():

@@ -62,7 +62,7 @@ def group_gini_mean(group_ids, values, form=gini_pairwise) -> float:
     return float(np.mean([form(g) for g in gs])) if gs else 0.0
 
 
-def group_max_median_mean(group_ids, lengths, keep=None) -> float:
+def group_max_median_mean(group_ids, lengths, keep=None) -> float | None:
     """Telescope: max / median per group, no floor; a group with median 0 has no ratio (left out)."""
     keep = np.ones(len(lengths), dtype=bool) if keep is None else np.asarray(keep, dtype=bool)
     ratios = []
@@ -70,13 +70,13 @@ def group_max_median_mean(group_ids, lengths, keep=None) -> float:
         g = g[k.astype(bool)]
         if g.size and np.median(g) > 0:
             ratios.append(g.max() / np.median(g))
-    return float(np.mean(ratios)) if ratios else 1.0
+    return float(np.mean(ratios)) if ratios else None  # no group has a ratio: not measured
 
 
-def group_cv_mean(group_ids, lengths) -> float:
+def group_cv_mean(group_ids, lengths) -> float | None:
     """Telescope: stddev_samp / avg of the lengths per group; groups of one or with mean 0 left out."""
     cvs = [float(np.std(g, ddof=1) / np.mean(g)) for g in groups_of(group_ids, lengths) if g.size > 1 and g.mean() > 0]
-    return float(np.mean(cvs)) if cvs else 0.0
+    return float(np.mean(cvs)) if cvs else None  # no group has a CV: not measured
 
 
 def first_of_each_group(group_ids) -> list[int]:
