@@ -65,8 +65,10 @@ class Alias:
 
 _ONE_PROMPT_LENGTH = "every prompt has one length"
 ALIASES: tuple[Alias, ...] = (
-    # max |r| is one state read twice.
+    # max |r| is one state read twice; it is max(max r, -min r), so one extreme repeats it.
     Alias("opbc/log_ratio/max_abs", "opbc/logprob/abs_diff_max"),
+    Alias("opbc/log_ratio/min", "opbc/logprob/abs_diff_max", -1.0, "the largest |r| is negative"),
+    Alias("opbc/log_ratio/max", "opbc/logprob/abs_diff_max", 1.0, "the largest |r| is positive"),
     # d_i = mean rollout logp - mean trainer logp = -s_i / n_i, over the same sequences.
     Alias("opbc/ppl/log_ppl_diff", "opbc/sequence/geo_log_ratio_mean", -1.0),
     # k1 = mean(-clamp(r, -C, C)): the clamp changes it only when some |r| > C.

@@ -731,10 +731,6 @@ class OPBCWandbLogger:
         if run is None:
             return
         values = self.key_filter(values)
-        zeros = self.key_filter.zero_so_far - self._zero_summaries
-        if zeros:  # not charted while 0, but the run's summary answers "was anything vetoed?"
-            run.summary.update(dict.fromkeys(sorted(zeros), 0.0))
-            self._zero_summaries |= zeros
         if self.layer_bars:
             hists.update(layer_histograms(values, self.num_layers))
         data: dict[str, Any] = {}
@@ -750,6 +746,11 @@ class OPBCWandbLogger:
         for key, (heights, edges) in hists.items():
             data[key] = wandb.Histogram(np_histogram=(np.asarray(heights), np.asarray(edges)))
         self._write(run, data, step, commit)
+        zeros = self.key_filter.zero_so_far - self._zero_summaries
+        if zeros and self._configured:  # not charted while 0, but the summary answers "was anything vetoed?"
+            self._define(run, zeros)
+            run.summary.update(dict.fromkeys(sorted(zeros), 0.0))
+            self._zero_summaries |= zeros
 
     def log_batch_distributions(self, batch: Any, step: int | None = None, bins: int = 64) -> None:
         """Log :func:`batch_histograms` of one batch (rank-local: this rank's batch only)."""
