@@ -140,7 +140,8 @@ def test_demo_wandb_dashboard_has_one_chart_per_quantity(demo: ModuleType, tmp_p
     assert report["scalar_charts"] <= 80, report
     assert report["pairs"] == []
     assert not any(k.startswith(("demo/bf16/", "demo/fp8/", "demo/async/")) for row in run["history"] for k in row)
-    tables = {k for row in run["history"] for k, v in row.items() if isinstance(v, dict) and v.get("_type") == "table-file"}
+    media = [(k, v) for row in run["history"] for k, v in row.items() if isinstance(v, dict)]
+    tables = {k for k, v in media if v.get("_type") == "table-file"}
     assert {f"demo/{f}_by_stream_table" for f in ("ess", "abs_diff_mean", "flip_rate", "reward")} <= tables
     ref = next(row["demo/ess_by_stream_table"] for row in run["history"] if "demo/ess_by_stream_table" in row)
     ess = json.loads((Path(run["path"]).parent / "files" / ref["path"]).read_text())
