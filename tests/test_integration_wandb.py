@@ -231,11 +231,13 @@ def test_one_key_per_quantity_missing_keys_stay_missing_and_log_all(tmp_path: Pa
         if log_all:
             assert dropped == set()
         else:
-            # the four aliases, event counts that are zero, and the per-round keys: every sequence of
-            # these batches has one round, so they repeat the whole-sequence keys
+            # the aliases (the log-ratio extreme that is max |r| here), event counts that are zero, and the
+            # per-round keys: every sequence of these batches has one round, so they repeat the whole-sequence keys
             assert values["per_round/total_rounds"] == 1.0
+            top = values["opbc/logprob/abs_diff_max"]
+            extreme = "opbc/log_ratio/max" if values["opbc/log_ratio/max"] == top else "opbc/log_ratio/min"
             assert dropped == {
-                "opbc/log_ratio/max_abs", "opbc/kl/k1", "opbc/ppl/log_ppl_diff", "opbc/kl/chi2_token",
+                "opbc/log_ratio/max_abs", "opbc/kl/k1", "opbc/ppl/log_ppl_diff", "opbc/kl/chi2_token", extreme,
                 "opbc/is/clipped_fraction", "opbc/is/veto_fraction", "opbc/input/nonfinite_count",
                 *(k for k in values if k.startswith("per_round/")),
             }, dropped
