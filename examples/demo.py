@@ -22,8 +22,8 @@ about a minute with the defaults on 2 CPU cores, no download. What happens:
 4. One ``OPBCCollection`` per stream (bf16, fp8, async) accumulates over the whole run; at the end the
    demo prints their key metrics side by side and the decision mix, writes them to ``demo_summary.md``
    (the figures README.md quotes) and to the W&B run (its summary, and one chart per figure with a line
-   per stream over the steps, ``demo/<figure>_by_stream``), dumps each stream's rollouts as JSONL in the ``opbc-metrics
-   analyze`` input schema (with their step), analyses them with the CLI's API into one HTML report
+   per stream over the steps, ``demo/<figure>_by_stream``), dumps each stream's rollouts as JSONL in the
+   ``opbc-metrics analyze`` input schema (with their step), analyses them with the CLI's API into one HTML report
    comparing the three streams over the steps, and says where the report and the W&B run are.
 
 Everything is seeded: the same command prints the same numbers.
