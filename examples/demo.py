@@ -18,11 +18,12 @@ about a minute with the defaults on 2 CPU cores, no download. What happens:
    the GRPO loss weighted by the controller's loss mask and importance weights. Groups sent to ``replay``
    come back next step, re-scored (one step staler). ``OPBCCallback`` feeds the module's
    ``OPBCCollection`` (mismatch, MoE router, per-round, rollout and decision-budget metrics) and logs the
-   global values every step to W&B (offline) through ``OPBCWandbLogger``.
+   global values every step to W&B (offline) through ``OPBCWandbLogger``; the demo adds its loss.
 4. One ``OPBCCollection`` per stream (bf16, fp8, async) accumulates over the whole run; at the end the
    demo prints their key metrics side by side and the decision mix, writes them to ``demo_summary.md``
-   (the figures README.md quotes), dumps each stream's rollouts as JSONL in the ``opbc-metrics
-   analyze`` input schema (with their step), analyses them with the CLI's API into one HTML report
+   (the figures README.md quotes) and to the W&B run (its summary, and one chart per figure with a line
+   per stream over the steps, ``demo/<figure>_by_stream``), dumps each stream's rollouts as JSONL in the
+   ``opbc-metrics analyze`` input schema (with their step), analyses them with the CLI's API into one HTML report
    comparing the three streams over the steps, and says where the report and the W&B run are.
 
 Everything is seeded: the same command prints the same numbers.
@@ -75,6 +76,9 @@ KEY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("moe/router/worst_layer_flip_rate", "worst layer flip rate", "{:.4%}"),
 )
 DECISIONS = ("train", "train_with_correction", "replay", "quarantine", "reject")
+# The per-stream figures of each step, charted at the end of the W&B run with a line per stream.
+STREAM_STEP_KEYS = ("opbc/is/ess", "opbc/logprob/abs_diff_mean", "moe/router/flip_rate",
+                    "moe/router/topk_disagreement_rate")
 # The figures of the summary file (demo_summary.md) that README.md quotes.
 SUMMARY_METRICS: tuple[tuple[str, str, str], ...] = (
     ("opbc/is/ess", "ESS (token)", "{:.5f}"),
@@ -174,6 +178,9 @@ class GRPODemo(pl.LightningModule):
         self.split = {s: {"agree": [0.0, 0], "differ": [0.0, 0]} for s in self.streams}
         self.dumps: dict[str, list[str]] = {s: [] for s in self.streams}
         self._last: dict[str, float] = {}
+        # {figure: {stream: [(step, value), ...]}}: each stream's figures per step, for the W&B line charts
+        self.stream_steps: dict[str, dict[str, list[tuple[int, float]]]] = collections.defaultdict(
+            lambda: collections.defaultdict(list))
         self._async_lag = 0
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -280,13 +287,15 @@ class GRPODemo(pl.LightningModule):
             values = self.by_stream[name](part)  # accumulates, and returns this step's values
             self._split_by_routing(name, part)
             self._last[f"{name}/reward"] = rewards[sel].mean().item()
-            for key in ("opbc/is/ess", "opbc/logprob/abs_diff_mean", "moe/router/flip_rate",
-                        "moe/router/topk_disagreement_rate"):
+            for key in STREAM_STEP_KEYS:
                 self._last[f"{name}/{key.rsplit('/', 1)[1]}"] = values[key].item()
             self.dumps[name] += _jsonl_records(part, rewards[sel], advantages[sel], rows["prompts"].shape[1], step)
         for name in self.streams:
             counts = self.decisions[name]
             self._last[f"{name}/trained_groups_total"] = float(counts["train"] + counts["train_with_correction"])
+            for figure in ("reward", *(k.rsplit("/", 1)[1] for k in STREAM_STEP_KEYS), "trained_groups_total"):
+                if f"{name}/{figure}" in self._last:
+                    self.stream_steps[figure][name].append((step, self._last[f"{name}/{figure}"]))
 
     def _split_by_routing(self, name: str, part: dict[str, Tensor]) -> None:
         differ = (part["rollout_experts"].sort(-1).values != part["trainer_experts"].sort(-1).values).any(-1).any(-1)
@@ -300,8 +309,8 @@ class GRPODemo(pl.LightningModule):
         step = getattr(getattr(self.trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", batch_idx)
         run = self.wandb_logger.run if self.wandb_logger is not None else None
         if run is not None:
-            # "reward" is the callback's rollout/reward/mean: not logged twice
-            run.log({f"demo/{k}": v for k, v in self._last.items() if k != "reward"}, step=int(step))
+            # The per-stream figures are charted once at the end, a line per stream (stream_charts).
+            run.log({"demo/loss": self._last["loss"]}, step=int(step))
         if self.verbose and (batch_idx % self.print_every == 0 or batch_idx == self.cfg.steps - 1):
             mix = collections.Counter(d.action.value for d in outputs["opbc"]["opbc_decisions"].decisions)
             parts = [
@@ -400,6 +409,21 @@ def _format_table(values: dict[str, dict[str, float]], streams: list[str]) -> li
             cells.append(f"{'-' if v is None or math.isnan(v) else form.format(v):>14}")
         lines.append(f"{label:<{width}}" + "".join(cells))
     return lines
+
+
+def stream_charts(stream_steps: dict[str, dict[str, list[tuple[int, float]]]], streams: list[str]) -> dict[str, Any]:
+    """One W&B line chart per figure, a line per stream over the steps (``demo/<figure>_by_stream``): the
+    streams side by side in one chart instead of one chart per stream and figure."""
+    import wandb
+
+    out = {}
+    for figure, by_stream in stream_steps.items():
+        names = [s for s in streams if by_stream.get(s)]
+        out[f"demo/{figure}_by_stream"] = wandb.plot.line_series(
+            xs=[[x for x, _ in by_stream[s]] for s in names], ys=[[y for _, y in by_stream[s]] for s in names],
+            keys=names, title=f"{figure} by rollout stream", xname="step",
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -525,6 +549,9 @@ def main(
         for s in module.streams:
             for key, _, _ in KEY_METRICS:
                 run.summary[f"final/{s}/{key}"] = values[s][key]
+            for action in DECISIONS:
+                run.summary[f"final/{s}/decisions/{action}"] = module.decisions[s][action]
+        run.log(stream_charts(module.stream_steps, module.streams))
         run_dir = str(Path(run.dir).parent)
         wandb_logger.finish()
         result["wandb_dir"] = run_dir

@@ -15,8 +15,8 @@ How it logs, and why:
   :class:`~opbc_metrics.integrations.wandb_logger.OPBCWandbLogger`, which attaches to the run
   Lightning's ``WandbLogger`` started) they go only to the sinks, so no key is written twice. Either way
   at the step Lightning itself uses for the same batch (``fit_loop.epoch_loop._batches_that_stepped``),
-  so the chosen interval is exact whatever ``Trainer(log_every_n_steps=...)`` says. Keys that equal
-  another key by definition and overflow counters that stayed zero are not written (``log_all=True``
+  so the chosen interval is exact whatever ``Trainer(log_every_n_steps=...)`` says. Keys that are a
+  fixed function of another key and counts of events that stayed zero are not written (``log_all=True``
   writes them; see :mod:`opbc_metrics.integrations.dashboard`). Window values are also logged, every
   key, with ``pl_module.log(..., on_step=True, on_epoch=False, sync_dist=False, logger=False)`` so that
   they appear in ``trainer.callback_metrics`` (for ``ModelCheckpoint``/``EarlyStopping`` monitors and
@@ -110,7 +110,7 @@ class OPBCCallback(Callback):
             ``log(values, step)`` and optionally ``update(batch)``. They are called on every rank (their own
             sync, if any, is collective) and write on rank 0. With sinks, ``trainer.loggers`` get nothing
             from the callback.
-        log_all: write every key to ``trainer.loggers``, aliases and zero overflow counters included.
+        log_all: write every key to ``trainer.loggers``, aliases and event counts that stayed zero included.
         skip_missing: skip batches where ``source`` (or ``source[key]``) is ``None`` or absent, instead
             of raising.
 

@@ -2,10 +2,13 @@
 
 * Scalars are logged under their keys unchanged. W&B builds its panel sections from the text before
   the first ``/``, so each section (``opbc``, ``moe``, ...) becomes a dashboard with no configuration.
-* One key per quantity: keys that equal another by definition (``opbc/log_ratio/max_abs`` =
-  ``opbc/logprob/abs_diff_max``, ...) and overflow counters that stayed zero are not written (see
-  :mod:`opbc_metrics.integrations.dashboard`; ``log_all=True`` writes everything). Keys missing from the
-  computed values are never written or filled in.
+* One key per quantity: keys that are a fixed function of others (``opbc/log_ratio/max_abs`` =
+  ``opbc/logprob/abs_diff_max``, ``opbc/kl/chi2_token`` = ``opbc/is/second_moment - 1``, ...) are written
+  only from the first step they differ from it, and counts of events that stayed zero (overflows,
+  decisions other than ``train`` and their reasons, clipped or vetoed tokens) from their first nonzero
+  value; until then such a count is 0 in the run summary (see :mod:`opbc_metrics.integrations.dashboard`;
+  ``log_all=True`` writes everything). Keys missing from the computed values are never written or
+  filled in.
 * Sharing a run: when a W&B run is already active (``wandb.init`` by your script, Lightning's
   ``WandbLogger``, verl's tracker) the logger writes into it, says so once, and never finishes it.
   Every row carries the logger's own step metric (``opbc/step``: the ``step`` you pass, else a row
@@ -565,7 +568,7 @@ class OPBCWandbLogger:
         num_layers: the model's MoE layer count, for the per-layer bar charts.
         layer_bars: also draw ``.../layer_<i>/...`` scalars as one per-layer bar chart (they duplicate
             the per-layer scalars, so off by default).
-        log_all: write every key, aliases and zero overflow counters included.
+        log_all: write every key, aliases and event counts that stayed zero included.
         log_glossary: log the glossary table ``opbc/glossary`` with the first row.
         init_kwargs: ``wandb.init`` arguments (``project``, ``mode="offline"``, ``dir``, ...).
 
@@ -615,6 +618,7 @@ class OPBCWandbLogger:
         self._rows = 0
         self._open_row: int | None = None  # W&B step of this logger's last row while it may still be open
         self._open_step: int | None = None
+        self._zero_summaries: set[str] = set()  # quiet keys put in the summary as 0
 
     # -- run handling ------------------------------------------------------------------------
     @property
@@ -742,6 +746,11 @@ class OPBCWandbLogger:
         for key, (heights, edges) in hists.items():
             data[key] = wandb.Histogram(np_histogram=(np.asarray(heights), np.asarray(edges)))
         self._write(run, data, step, commit)
+        zeros = self.key_filter.zero_so_far - self._zero_summaries
+        if zeros and self._configured:  # not charted while 0, but the summary answers "was anything vetoed?"
+            self._define(run, zeros)
+            run.summary.update(dict.fromkeys(sorted(zeros), 0.0))
+            self._zero_summaries |= zeros
 
     def log_batch_distributions(self, batch: Any, step: int | None = None, bins: int = 64) -> None:
         """Log :func:`batch_histograms` of one batch (rank-local: this rank's batch only)."""

@@ -91,8 +91,8 @@ def test_demo_end_to_end_subprocess(tmp_path: Path):
     # the W&B offline run holds the library's keys, the demo's per-stream scalars and the final summary
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     data = run_file.read_bytes()
-    for key in (b"opbc/is/ess", b"moe/router/flip_rate", b"opbc/decision/group_share/train", b"demo/fp8/flip_rate",
-                b"final/bf16/opbc/is/ess", b"opbc/dist/log_ratio"):
+    for key in (b"opbc/is/ess", b"moe/router/flip_rate", b"opbc/decision/group_share/train",
+                b"demo/flip_rate_by_stream", b"final/bf16/opbc/is/ess", b"opbc/dist/log_ratio"):
         assert key in data, key
     assert f"W&B run (offline): {tmp_path / 'wandb'}" in out
 
@@ -120,6 +120,39 @@ def test_demo_without_fp8_is_reproducible_and_measures_real_mismatch(
     assert 0.0 <= bf16["moe/router/flip_rate"] < 0.1
     assert bf16["moe/router/topk_disagreement_rate"] > 0.0
     assert sum(first["decisions"]["bf16"].values()) >= 2 * 6  # 6 fresh bf16 groups per step (+ any replayed)
+
+
+def test_demo_wandb_dashboard_has_one_chart_per_quantity(demo: ModuleType, tmp_path: Path):
+    """The demo's W&B run read back: at most 80 scalar charts (the full 100-step run has 79; compute()
+    returns over 150 keys a step), no two keys equal on every step, the per-stream figures as one chart per
+    figure with a line per stream, and the event counts that stayed zero in the summary."""
+    pytest.importorskip("wandb")
+    from tests.wandb_run import chart_report, read_offline_run
+
+    threads = torch.get_num_threads()
+    try:
+        result = demo.main(12, out_dir=tmp_path, use_wandb=True, report=False, verbose=False)
+    finally:
+        torch.set_num_threads(threads)
+    run = read_offline_run(tmp_path)
+    report = chart_report(run)
+    assert report["rows"] == 12
+    assert report["scalar_charts"] <= 80, report
+    assert report["pairs"] == []
+    assert not any(k.startswith(("demo/bf16/", "demo/fp8/", "demo/async/")) for row in run["history"] for k in row)
+    media = [(k, v) for row in run["history"] for k, v in row.items() if isinstance(v, dict)]
+    tables = {k for k, v in media if v.get("_type") == "table-file"}
+    assert {f"demo/{f}_by_stream_table" for f in ("ess", "abs_diff_mean", "flip_rate", "reward")} <= tables
+    ref = next(row["demo/ess_by_stream_table"] for row in run["history"] if "demo/ess_by_stream_table" in row)
+    ess = json.loads((Path(run["path"]).parent / "files" / ref["path"]).read_text())
+    assert ess["columns"] == ["step", "lineKey", "lineVal"]
+    for stream in result["streams"]:  # every step of every stream
+        assert [step for step, line, _ in ess["data"] if line == stream] == list(range(12))
+    summary = run["summary"]
+    assert summary["opbc/is/veto_fraction"] == 0.0 and summary["opbc/decision/reason_count/veto"] == 0.0
+    for stream in result["streams"]:
+        assert summary[f"final/{stream}/opbc/is/ess"] == result["metrics"][stream]["opbc/is/ess"]
+        assert summary[f"final/{stream}/decisions/train"] == result["decisions"][stream].get("train", 0)
 
 
 def test_readme_quotes_the_demo_summary_of_the_default_run(demo: ModuleType, tmp_path: Path):

@@ -19,7 +19,7 @@ from torch import Tensor
 wandb = pytest.importorskip("wandb")
 
 from opbc_metrics import OPBCCollection  # noqa: E402
-from opbc_metrics.integrations.dashboard import KeyFilter  # noqa: E402
+from opbc_metrics.integrations.dashboard import KeyFilter, resolve_alias  # noqa: E402
 from opbc_metrics.integrations.wandb_logger import (  # noqa: E402
     GLOSSARY_KEY,
     MAX_HISTOGRAM_BINS,
@@ -231,14 +231,20 @@ def test_one_key_per_quantity_missing_keys_stay_missing_and_log_all(tmp_path: Pa
         if log_all:
             assert dropped == set()
         else:
-            # the three aliases and the per-round keys: every sequence of these batches has one round, so
-            # they repeat the whole-sequence keys (compute() leaves out overflow keys while nothing overflowed)
+            # the aliases (the log-ratio extreme that is max |r| here), event counts that are zero, and the
+            # per-round keys: every sequence of these batches has one round, so they repeat the whole-sequence keys
             assert values["per_round/total_rounds"] == 1.0 and "moe/router/layer_overflow/flip_rate" not in values
+            top = values["opbc/logprob/abs_diff_max"]
+            extreme = "opbc/log_ratio/max" if values["opbc/log_ratio/max"] == top else "opbc/log_ratio/min"
             assert dropped == {
-                "opbc/log_ratio/max_abs", "opbc/kl/k1", "opbc/ppl/log_ppl_diff",
+                "opbc/log_ratio/max_abs", "opbc/kl/k1", "opbc/ppl/log_ppl_diff", "opbc/kl/chi2_token", extreme,
+                "opbc/is/clipped_fraction", "opbc/is/veto_fraction", "opbc/input/nonfinite_count",
                 *(k for k in values if k.startswith("per_round/")),
             }, dropped
-        assert {k for k in rows[1] if not k.startswith("_") and k != "opbc/step"} == set(partial)
+            # the zero counts are in the summary, not charted
+            summary = read_offline_run(root)["summary"]
+            assert summary["opbc/is/veto_fraction"] == 0.0 and summary["opbc/input/nonfinite_count"] == 0.0
+        assert {k for k in rows[1] if not k.startswith("_") and k != "opbc/step"} == set(partial) - dropped
 
 
 def test_an_alias_is_written_from_the_first_step_it_differs_and_overflow_from_its_first_nonzero_value():
@@ -251,6 +257,43 @@ def test_an_alias_is_written_from_the_first_step_it_differs_and_overflow_from_it
     assert [key in f({key: v}) for v in (0.0, 0.0, 3.0, 0.0)] == [False, False, True, True]
     prefixed = {"bf16/opbc/log_ratio/max_abs": 1.0, "bf16/opbc/logprob/abs_diff_max": 1.0}
     assert list(KeyFilter()(prefixed)) == ["bf16/opbc/logprob/abs_diff_max"]
+
+
+def test_linear_identities_and_quiet_event_counts():
+    f = KeyFilter()
+    # chi2 = E[w^2] - 1; total tokens = completion + the one prompt length; the discard shares add to 100
+    step = {"opbc/is/second_moment": 1.25, "opbc/kl/chi2_token": 0.25,
+            "rollout/tokens_prompt/mean": 3.0, "rollout/tokens_prompt/max": 3.0, "rollout/tokens_prompt/min": 3.0,
+            "rollout/tokens_prompt/std": 0.0,
+            "rollout/tokens_completion/mean": 7.5, "rollout/tokens_total/mean": 10.5,
+            "rollout/tokens_completion/max": 12.0, "rollout/tokens_total/max": 15.0,
+            "rollout/discarded/max_async_pct": 25.0, "rollout/discarded/zero_advantage_pct": 75.0,
+            "opbc/decision/group_share/train": 1.0, "opbc/decision/group_share/reject": 0.0,
+            "opbc/decision/reason_count/veto": 0.0, "opbc/decision/reason_count/lag_above_max": 2.0}
+    assert sorted(f(step)) == sorted([
+        "opbc/is/second_moment", "rollout/tokens_prompt/mean", "rollout/tokens_completion/mean",
+        "rollout/tokens_completion/max", "rollout/discarded/max_async_pct", "opbc/decision/group_share/train",
+        "opbc/decision/reason_count/lag_above_max",
+    ])
+    assert f.zero_so_far == {"opbc/decision/group_share/reject", "opbc/decision/reason_count/veto",
+                             "rollout/tokens_prompt/std"}
+    # a second prompt length: the prompt spread and the total's extremes are their own quantities from then on
+    varied = {**step, "rollout/tokens_prompt/max": 5.0, "rollout/tokens_prompt/std": 1.0,
+              "rollout/tokens_total/max": 16.0, "opbc/decision/reason_count/veto": 1.0}
+    written = f(varied)
+    assert {"rollout/tokens_prompt/max", "rollout/tokens_prompt/std", "rollout/tokens_total/max",
+            "opbc/decision/reason_count/veto"} <= set(written)
+    assert "rollout/tokens_total/mean" not in written and "opbc/kl/chi2_token" not in written
+    assert f.zero_so_far == {"opbc/decision/group_share/reject"}
+    assert "rollout/tokens_prompt/std" in f(step)  # written from its first nonzero value on
+    # the most specific alias names a key; a prefix renames every source
+    assert resolve_alias("rollout/discarded/zero_advantage_pct").describe() == (
+        "rollout/discarded/zero_advantage_pct = -rollout/discarded/max_async_pct + 100")
+    assert resolve_alias("bf16/rollout/tokens_total/max").describe() == (
+        "bf16/rollout/tokens_total/max = bf16/rollout/tokens_completion/max + bf16/rollout/tokens_prompt/mean"
+        " when every prompt has one length")
+    first_row = KeyFilter()(step)  # every key left out of it reads back from the ones written
+    assert {key: read_back(first_row, key)[0] for key in step} == step
 
 
 def test_per_round_keys_start_with_the_first_multi_round_window():

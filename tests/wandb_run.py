@@ -117,16 +117,16 @@ def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
     """``(value, relative tolerance)`` of a computed key in a logged row: the logged value, or the value the
-    rule that left the key out gives (an alias of its canonical key, a zero overflow counter, a per-round
-    key of a single-round window). Raises ``KeyError`` for a key that is missing without a rule."""
-    from opbc_metrics.integrations.dashboard import resolve_alias
+    rule that left the key out gives (an alias from its sources, a quiet event count that stayed zero, a
+    per-round key of a single-round window). Raises ``KeyError`` for a key that is missing without a rule."""
+    from opbc_metrics.integrations.dashboard import SPARSE_PATTERNS, resolve_alias
 
     if key in row:
         return row[key], 1e-12
     alias = resolve_alias(key)
     if alias is not None:
-        return alias.sign * row[alias.canonical], 1e-12
-    if "overflow" in key:
+        return alias.value(lambda k: read_back(row, k)[0]), 1e-12
+    if any(p.search(key) for p in SPARSE_PATTERNS):
         return 0.0, 0.0
     at = key.find("per_round/")
     if at >= 0:  # round 0 is the whole response (accumulated in another order: float rounding differs)
@@ -136,7 +136,6 @@ def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
                    "round_0_token_count": row[head + "opbc/input/num_tokens"]}
         return derived.get(name, 0.0), 1e-9
     raise KeyError(f"{key} was not logged")
-
 
 
 def scalar_series(run: dict[str, Any]) -> dict[str, dict[int, float]]:
