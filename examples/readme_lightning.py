@@ -1,5 +1,4 @@
-from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch import Trainer, loggers
 from lightning.pytorch.demos import BoringModel
 
 from opbc_metrics.integrations.lightning import OPBCCallback
@@ -12,5 +11,5 @@ class Policy(BoringModel):  # your LightningModule: training_step returns the ba
         return {"loss": -logp.mean(), "opbc": fields}
 
 
-trainer = Trainer(max_epochs=1, log_every_n_steps=16, logger=CSVLogger("."), callbacks=[OPBCCallback(key="opbc")])
-trainer.fit(Policy())  # -> trainer.loggers; OPBCCallback(key="opbc", sinks=[OPBCWandbLogger()]) -> W&B instead
+callback = OPBCCallback(key="opbc")  # -> trainer.loggers; OPBCCallback(key="opbc", sinks=[OPBCWandbLogger()]) -> W&B
+Trainer(max_epochs=1, log_every_n_steps=16, logger=loggers.CSVLogger("."), callbacks=[callback]).fit(Policy())

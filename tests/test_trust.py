@@ -140,7 +140,7 @@ def test_merge_and_load_invalidate_the_cache():
 
 
 MERGE_MISMATCHES = {
-    "num_layers": ({"section_options": {"moe": {"num_layers": 4}}}, "num_layers differs"),
+    "num_layers": ({"section_options": {"moe": {"num_layers": 4}}}, "(num_layers|configured_layers) differs"),
     "round_capacity": ({"section_options": {"per_round": {"capacity": 3}}}, "capacity differs"),
     "top_mass_bins": ({"top_mass_bins": 512}, "top_mass_bins differs"),
     "clamp": ({"clamp": 5.0}, "clamp differs"),
@@ -229,12 +229,12 @@ def test_standalone_metric_checks():
     with pytest.raises(ValueError, match="clamp differs"):
         m.merge_state(ImportanceSamplingESS(clamp=5.0))
     with pytest.raises(ValueError, match=r"has dtype torch\.float32"):
-        m.merge_state({"sum_w": torch.tensor(1.0), "sum_w2": torch.tensor(1.0), "count": torch.tensor(1.0)})
+        m.merge_state({name: torch.tensor(1.0) for name in m._defaults})  # float32 states
     with pytest.raises(ValueError, match="no opbc-metrics configuration"):
         m.load_state_dict({k: v for k, v in before.items() if k != "_extra_state"})
     with pytest.raises(ValueError, match="clamp differs"):
         ImportanceSamplingESS(clamp=5.0).load_state_dict(before)
-    assert torch.equal(m.state_dict()["sum_w"], before["sum_w"])
+    assert all(torch.equal(m.state_dict()[name], before[name]) for name in m._defaults)
     fresh = ImportanceSamplingESS()
     fresh.load_state_dict(before)
     assert fresh.compute() == m.compute()
