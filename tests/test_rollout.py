@@ -684,3 +684,14 @@ def test_each_class_alone():
         empty = type(m)(NAMES) if isinstance(m, SampleMetricStats) else type(m)()
         with pytest.raises(ValueError, match=f"`{fields[0]}` is required"):
             empty.update()
+
+
+def test_sample_metric_no_sample_reported_has_no_keys():
+    """A declared name that no sample reported in the window (absent or all NaN) gets no keys, not a mean of 0;
+    the other names keep theirs."""
+    metric = SampleMetricStats(["a", "b", "c"])
+    metric.update(sample_metrics={"a": torch.tensor([1.0, 3.0]), "b": torch.tensor([math.nan, math.nan])},
+                  group_ids=torch.tensor([0, 0]))
+    out = metric.compute()
+    assert {k.split("/")[1] for k in out} == {"a"}
+    assert out["sample_metrics/a/mean"].item() == 2.0 and out["sample_metrics/a/std"].item() == math.sqrt(2.0)

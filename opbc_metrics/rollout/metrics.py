@@ -766,10 +766,13 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
             raise ValueError(f"batch field `{F.SAMPLE_METRICS}` held infinite values for {bad}")
         self._observe(self.min, self.max)
         gini = dict(gini_sum=self.gini_sum, groups=self.groups) if self.group_gini else {}
-        return F._sample_compute(
+        out = F._sample_compute(
             self.names, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max,
             total_hi=self.total_hi, total_sq_hi=self.total_sq_hi, **gini
         )
+        # A name no sample reported in the window has no value (no made-up mean 0): its keys are left out.
+        unseen = [n for n, c in zip(self.names, self.count.tolist(), strict=True) if c == 0]
+        return {k: v for k, v in out.items() if k.split("/")[1] not in unseen}
 
     def chart_ranges(self) -> dict[str, tuple[float, float]]:
         """``{key: (lo, hi)}`` per metric: ``metrics_ranges`` where declared, else the run's observed range.
