@@ -78,17 +78,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from opbc_metrics.collection import OPBCCollection
 from opbc_metrics.integrations.dashboard import KeyFilter
-from opbc_metrics.metric import OPBCMetric
 
 __all__ = ["OPBCCallback"]
-
-LOG_DICT_ADVICE = (
-    "`self.log_dict(<OPBCCollection>)` / `self.log(name, <OPBC metric>)` hands OPBC metrics to Lightning, which "
-    "cannot log them: each computes a dict of `section/group/metric` keys. Give the collection to the callback "
-    "instead (`OPBCCallback('{attr}')` logs its global values every `log_every_n_steps` batches), or log its "
-    "values yourself: `self.log_dict(self.{attr}.compute(), sync_dist=False)`, then `self.{attr}.reset()`."
-)
-
 
 class OPBCCallback(Callback):
     """Update an :class:`~opbc_metrics.OPBCCollection` from training batches and log its global values.
@@ -211,7 +202,6 @@ class OPBCCallback(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        _refuse_logged_opbc_metrics(trainer, pl_module)
         metrics = self.metrics if self.metrics is not None else self._resolve(pl_module)
         fields = self._select(outputs, batch)
         if fields is not None:
@@ -246,12 +236,6 @@ class OPBCCallback(Callback):
                     dst._computed = None
         self.metrics.reset()
         self.window_batches = 0
-
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
-        _refuse_logged_opbc_metrics(trainer, pl_module)
-
-    def on_test_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any, **kwargs: Any) -> None:
-        _refuse_logged_opbc_metrics(trainer, pl_module)
 
     # -- epoch end ---------------------------------------------------------------------------------
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -319,16 +303,6 @@ class OPBCCallback(Callback):
             self.metrics.load_state_dict(pending["window"])
         if "epoch" in pending and self._epoch_metrics is not None:
             self._epoch_metrics.load_state_dict(pending["epoch"])
-
-
-def _refuse_logged_opbc_metrics(trainer: Trainer, pl_module: LightningModule) -> None:
-    """Raise at once when the step logged OPBC metrics through Lightning (which would fail at epoch end or
-    log nothing)."""
-    results = getattr(trainer, "_results", None)
-    for result in (results or {}).values():
-        if isinstance(getattr(result, "value", None), OPBCMetric):
-            attrs = [n for n, m in pl_module.named_children() if isinstance(m, OPBCCollection)]
-            raise TypeError("OPBCCallback: " + LOG_DICT_ADVICE.format(attr=attrs[0] if attrs else "opbc"))
 
 
 def _logger_step(trainer: Trainer) -> int:

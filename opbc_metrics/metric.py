@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,13 @@ class GlossaryEntry:
     action: str
     aliases: tuple[str, ...] = ()
 
+
+LIGHTNING_LOG_ADVICE = (
+    "`self.log_dict(<OPBCCollection>)` / `self.log(name, <OPBC metric>)` hands OPBC metrics to Lightning, which "
+    "cannot log them: each computes a dict of `section/group/metric` keys. Give the collection to the callback "
+    "instead (`OPBCCallback('{attr}')` logs its global values every `log_every_n_steps` batches), or log its "
+    "values yourself: `self.log_dict(self.{attr}.compute(), sync_dist=False)`, then `self.{attr}.reset()`."
+)
 
 _REGISTRY: list[type[OPBCMetric]] = []
 
@@ -183,6 +191,20 @@ class OPBCMetric(Metric):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+    # Lightning's ``self.log(name, metric)`` / ``self.log_dict(collection)`` (the torchmetrics habit) reads a
+    # metric's ``_forward_cache`` at once and calls ``compute()`` at epoch end, expecting one scalar; an OPBC
+    # metric computes a dict of keys, so Lightning would log nothing or fail at epoch end. Reading the cache
+    # from Lightning's code raises at the first ``log`` call instead, saying what to do.
+    @property
+    def _forward_cache(self) -> Any:
+        if sys._getframe(1).f_globals.get("__name__", "").startswith(("lightning.", "pytorch_lightning.")):
+            raise TypeError(LIGHTNING_LOG_ADVICE.format(attr="opbc"))
+        return self.__dict__.get("_opbc_forward_cache")
+
+    @_forward_cache.setter
+    def _forward_cache(self, value: Any) -> None:
+        self.__dict__["_opbc_forward_cache"] = value
 
     # -- update / compute -----------------------------------------------------------------
     def update(self, batch: Any = None, **fields: Any) -> None:
