@@ -52,8 +52,8 @@ module's checkpoints. Give the callback the attribute name::
 
 Without the callback, the same pattern logs by hand -- compute on every rank, no Lightning
 reduction, reset yourself. ``self.log_dict(self.opbc)`` (the torchmetrics habit) cannot work: Lightning
-would log each member metric, and each computes a dict of keys (Lightning fails at epoch end or logs
-nothing); with the callback in the trainer it fails at the end of the first batch, saying what to do.
+would log each member metric, and each computes a dict of keys; the first such call raises a
+``TypeError`` saying what to do.
 By hand::
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
