@@ -64,6 +64,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from opbc_metrics.functional.perf import DEFAULT_STAGES
 from opbc_metrics.integrations._common import (
     OPBCIntegrationWarning,
     ReportOnce,
@@ -93,16 +94,7 @@ VERL_KEY_ALIASES: dict[str, str] = {
 # The stage names verl's trainers put in ``timing_raw`` (V1 and legacy, verl 0.9), profiler bookkeeping
 # included: the training section's timing members are built with these.
 VERL_TIMING_STAGES: tuple[str, ...] = (
-    "gen",
-    "reward",
-    "old_log_prob",
-    "ref",
-    "values",
-    "adv",
-    "update_critic",
-    "update_actor",
-    "update_weights",
-    "step",
+    *DEFAULT_STAGES,
     "start_profile",
     "stop_profile",
     "save_checkpoint",
