@@ -314,10 +314,11 @@ def _set_differs_tokens(
     differs, outside = [], []
     for start in range(0, b * t, rows):
         r, tr = rollout[start : start + rows].contiguous(), trainer[start : start + rows].contiguous()
+        if check_range:  # while the chunk is in cache; amin and amax are each faster than aminmax
+            low = torch.minimum(r.amin(dim=-1), tr.amin(dim=-1))
+            high = torch.maximum(r.amax(dim=-1), tr.amax(dim=-1))
+            outside.append((low < 0) | (high >= num_experts))
         differs.append(_bitmasks_differ(r.view(-1, k), tr.view(-1, k), words).view(-1, n_layers).any(dim=-1))
-        if check_range:
-            (r_lo, r_hi), (t_lo, t_hi) = r.aminmax(dim=-1), tr.aminmax(dim=-1)
-            outside.append((torch.minimum(r_lo, t_lo) < 0) | (torch.maximum(r_hi, t_hi) >= num_experts))
     return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t) if check_range else None
 
 
