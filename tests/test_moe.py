@@ -600,6 +600,13 @@ def test_bitmask_path_matches_python_sets_for_wide_and_repeated_ids(num_experts,
     assert metric.compute().item() == want
 
 
+def test_bitmask_path_on_an_empty_batch_reports_no_key():
+    metric = RouterSetDisagreement(num_experts=64)
+    metric.update(rollout_experts=torch.zeros(0, 3, 2, 2, dtype=torch.long),
+                  trainer_experts=torch.zeros(0, 3, 2, 2, dtype=torch.long))
+    assert metric.compute_dict() == {}
+
+
 def test_bitmask_path_in_cpu_chunks_equals_one_pass(monkeypatch):
     rollout, trainer, _ = _wide_batch(128, 8, seed=3, b=5, t=7)
     whole = FM._set_differs_tokens(rollout, trainer, 128)

@@ -312,6 +312,9 @@ def _set_differs_tokens(
         return _set_differs(rollout, trainer).any(dim=-1), None
     words = set_words(num_experts)
     b, t, n_layers, k = rollout.shape
+    if b * t == 0:
+        none = torch.zeros((b, t), dtype=torch.bool, device=rollout.device)
+        return none, none if check_range else None
     rollout, trainer = rollout.reshape(b * t, n_layers * k), trainer.reshape(b * t, n_layers * k)
     if rollout.dtype != torch.int64:
         rollout, trainer = rollout.long(), trainer.long()  # shifts of int64 words
