@@ -70,7 +70,7 @@ def logprob_batch(b: int, t: int, group_size: int = 8, seed: int = 0) -> dict[st
 def bench_moe(quick: bool, repeats: int) -> None:
     shape = (2, 512, 16, 8, 64) if quick else (4, 2048, 48, 8, 128)
     batch = router_batch(*shape)
-    flip, sets = RouterFlipRate(), RouterSetDisagreement()
+    flip, sets = RouterFlipRate(), RouterSetDisagreement(num_experts=shape[4])  # E known from the config
     times = interleaved({"flip": lambda: flip.update(batch), "set": lambda: sets.update(batch)}, repeats)
     ids = batch["rollout_experts"].numel()
     print(f"moe: {ids / 1e6:.1f}M expert ids (B, T, L, K = {shape[:4]}): top-1 flip rate {times['flip'] * 1e3:.1f} ms, "

@@ -15,6 +15,7 @@ from opbc_metrics import OPBCCollection, RouterFlipRate, RouterSetDisagreement, 
 from opbc_metrics import functional as F
 from opbc_metrics.batch import BatchView
 from opbc_metrics.collection import DEFAULT_SECTIONS
+from opbc_metrics.functional import moe as FM
 from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch
@@ -492,7 +493,7 @@ def test_state_size_is_fixed_and_state_dict_round_trips():
         for m in first:
             m.update(p)
         sizes.append(sum(v.numel() for m in first for k, v in m.state_dict().items() if k != "_extra_state"))
-    assert sizes[0] == sizes[1] == 2 * 9 + 2
+    assert sizes[0] == sizes[1] == 2 * 9 + 3  # flip: 2 x (8 + 1); set: disagreements, tokens, out_of_range
     resumed = _router_metrics(8)
     for src, dst in zip(first, resumed):
         buf = io.BytesIO()
@@ -550,3 +551,102 @@ def test_bad_helper_and_constructor_arguments():
             RouterFlipRate(num_layers=bad)
         with pytest.raises(ValueError, match="top_k"):
             RouterSetDisagreement(top_k=bad)
+
+
+# --- the bitmask path (num_experts known) ------------------------------------------------------------
+def _python_set_rate(rollout, trainer, mask):
+    """Plain Python: share of valid tokens with a layer whose two id lists differ as sets."""
+    tokens = differing = 0
+    for r_tok, t_tok, valid in zip(rollout.flatten(0, 1).tolist(), trainer.flatten(0, 1).tolist(),
+                                   mask.flatten().tolist()):
+        if valid:
+            tokens += 1
+            differing += any(set(r) != set(t) for r, t in zip(r_tok, t_tok))
+    return differing / tokens if tokens else 0.0
+
+
+def _wide_batch(num_experts, k, seed, b=3, t=40, layers=2):
+    """Ids over the whole [0, num_experts), 63/64/127/128 boundaries included; the trainer's rows are
+    the rollout's permuted, with a repeated id (same set or one id lost), or with a new id."""
+    g = torch.Generator().manual_seed(seed)
+    edges = torch.tensor([0, 63, 64, 127, 128, 191, 192, 255, 256, num_experts - 1])
+    edges = edges[edges < num_experts]
+    rollout = torch.randint(0, num_experts, (b, t, layers, k), generator=g)
+    pick = torch.rand(b, t, layers, k, generator=g) < 0.3
+    rollout = torch.where(pick, edges[torch.randint(0, len(edges), (b, t, layers, k), generator=g)], rollout)
+    trainer = torch.gather(rollout, -1, torch.argsort(torch.rand(b, t, layers, k, generator=g), dim=-1))
+    kind = torch.randint(0, 8, (b, t, layers, 1), generator=g)  # 0 and 4..7: only permuted
+    col = torch.randint(0, k, (b, t, layers, 1), generator=g)
+    repeated = torch.gather(trainer, -1, (col + 1) % k)  # a copy of another column of the row
+    fresh = torch.randint(0, num_experts, (b, t, layers, 1), generator=g)
+    trainer = trainer.scatter(-1, col, torch.where(kind == 1, repeated, torch.where(kind == 2, fresh,
+                                                                                   trainer.gather(-1, col))))
+    rollout[..., 0] = torch.where(kind[..., 0] == 3, rollout[..., -1], rollout[..., 0])  # a repeat in the rollout
+    mask = torch.rand(b, t, generator=g) < 0.8
+    return rollout, trainer, mask
+
+
+@pytest.mark.parametrize("num_experts", [8, 64, 65, 128, 200, 256, 300])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_bitmask_path_matches_python_sets_for_wide_and_repeated_ids(num_experts, k):
+    rollout, trainer, mask = _wide_batch(num_experts, k, seed=num_experts * 10 + k)
+    want = _python_set_rate(rollout, trainer, mask)
+    assert 0.0 < want < 1.0 or k == 1
+    got = F.router_topk_disagreement_rate(rollout, trainer, mask, num_experts=num_experts).item()
+    assert got == want
+    assert F.router_topk_disagreement_rate(rollout, trainer, mask).item() == want  # the K x K path agrees
+    metric = RouterSetDisagreement(num_experts=num_experts)
+    metric.update(rollout_experts=rollout.int(), trainer_experts=trainer.int(), response_mask=mask)
+    assert metric.compute().item() == want
+
+
+def test_bitmask_path_on_an_empty_batch_reports_no_key():
+    metric = RouterSetDisagreement(num_experts=64)
+    metric.update(rollout_experts=torch.zeros(0, 3, 2, 2, dtype=torch.long),
+                  trainer_experts=torch.zeros(0, 3, 2, 2, dtype=torch.long))
+    assert metric.compute_dict() == {}
+
+
+def test_bitmask_path_in_cpu_chunks_equals_one_pass(monkeypatch):
+    rollout, trainer, _ = _wide_batch(128, 8, seed=3, b=5, t=7)
+    whole = FM._set_differs_tokens(rollout, trainer, 128)
+    monkeypatch.setattr(FM, "_CPU_CHUNK_IDS", 3 * 2 * 8)  # 3 tokens of 2 layers x 8 ids per chunk
+    chunked = FM._set_differs_tokens(rollout, trainer, 128)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+def test_bitmask_path_raises_at_compute_on_ids_outside_the_experts():
+    rollout, trainer, mask = _wide_batch(64, 2, seed=5)
+    for bad in (-1, 64, 2**40):
+        r = rollout.clone()
+        r[0, 0, 1, 1] = bad
+        metric = RouterSetDisagreement(num_experts=64)
+        with assert_no_host_sync():
+            metric.update(rollout_experts=r, trainer_experts=trainer, response_mask=torch.ones_like(mask))
+        with pytest.raises(ValueError, match=r"outside \[0, num_experts\) = \[0, 64\) in 1 valid tokens"):
+            metric.compute()
+        with pytest.raises(ValueError, match="num_experts"):
+            F.router_topk_disagreement_rate(r, trainer, num_experts=64)
+        masked = mask.clone()
+        masked[0, 0] = False  # a padding token may hold anything
+        assert F.router_topk_disagreement_rate(r, trainer, masked, num_experts=64).item() == \
+            _python_set_rate(r, trainer, masked)
+
+
+@given(router_batches(max_k=4), st.integers(0, 200), st.integers(0, 3))
+def test_property_bitmask_path_equals_k_by_k_path(batch, offset, extra):
+    r, t = batch["rollout_experts"] + offset, batch["trainer_experts"] + offset
+    num_experts = int(max(r.max(), t.max())) + 1 + extra
+    fast = RouterSetDisagreement(num_experts=num_experts)
+    plain = RouterSetDisagreement()
+    for m in (fast, plain):
+        m.update(rollout_experts=r, trainer_experts=t, response_mask=batch["response_mask"])
+    assert fast.compute_dict() == plain.compute_dict()
+
+
+def test_num_experts_reaches_the_collection_and_is_validated():
+    collection = OPBCCollection(sections=("moe",), section_options={"moe": {"num_experts": 128}})
+    assert [m.num_experts for m in collection.values() if isinstance(m, RouterSetDisagreement)] == [128]
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="num_experts"):
+            RouterSetDisagreement(num_experts=bad)

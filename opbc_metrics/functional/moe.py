@@ -22,7 +22,10 @@ are not in the tensor).
 * ``moe/router/topk_disagreement_rate``: share of valid tokens whose top-K expert *set* differs in at
   least one layer. The sets are compared as sets: every id of one side occurs among the other side's
   ids and vice versa (K x K comparisons of each (token, layer), fixed shapes), so the order within the
-  top-K does not matter and an id repeated in a row counts once.
+  top-K does not matter and an id repeated in a row counts once. With the number of experts E known
+  (``num_experts``, or both sides given as router logits), each set is an OR of one-hot int64 bitmask
+  words instead: a few passes over the ids, the same result; an id outside ``[0, E)`` in a valid
+  token then makes the stateful metric's ``compute()`` raise.
 * ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
   capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
   ``moe/router/layer_overflow/flip_rate``. The stateful metric reports a layer's key only for layers
@@ -233,10 +236,98 @@ def _set_differs(rollout: Tensor, trainer: Tensor) -> Tensor:
     """``[B, T, L]``: the top-K sets differ: some id of one side is not among the other side's ids.
 
     ``equal[..., i, j]`` = rollout id i equals trainer id j; a set contains the other when each of its
-    rows (columns) has a match. Repeated ids count once, as in a set.
+    rows (columns) has a match. Repeated ids count once, as in a set. Exact for any ids; K x K work.
     """
     equal = rollout.unsqueeze(-1) == trainer.unsqueeze(-2)
     return ~(equal.any(dim=-1).all(dim=-1) & equal.any(dim=-2).all(dim=-1))
+
+
+# Ids per chunk of the bitmask comparison on CPU: a chunk's int64 words stay in a 2 MiB L2 cache.
+# Measured (benchmarks/bench_controller_moe.py, one thread, 3.1M ids, E = 128, 2 words): ~5.5x the top-1
+# flip rate against ~15x for K x K; the OR trees take about 60% of it (rows of K = 8 are short runs),
+# the range check about 20%. Tried and slower here: a transposed [K, n] layout (the transposing copy
+# costs more than the trees save), both sides stacked in one tensor, flat shifted-OR trees, uint8
+# K x K rotations, scatter into one-hot rows.
+_CPU_CHUNK_IDS = 1 << 18
+
+
+def check_num_experts(num_experts: int | None) -> int | None:
+    """Validate a ``num_experts`` argument (``None`` or an integer >= 1)."""
+    if num_experts is None:
+        return None
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"`num_experts` must be None or an integer >= 1, got {num_experts!r}")
+    return num_experts
+
+
+def set_words(num_experts: int) -> int:
+    """Bitmask words per top-K set for ``num_experts`` experts: ``ceil(num_experts / 64)`` rounded up to
+    a power of two, so that the bitmasks hold every id in ``[0, 64 * words)``.
+
+    Example:
+        >>> [set_words(e) for e in (8, 64, 65, 128, 160, 256)]
+        [1, 1, 2, 2, 4, 4]
+    """
+    return 1 << (-(-num_experts // 64) - 1).bit_length()
+
+
+def _or_over_k(x: Tensor) -> Tensor:
+    """``[n]``: the bitwise OR of ``x`` ``[n, K]`` over K, a tree of halves (an odd width sets its last
+    column aside). OR is idempotent: an id repeated in a row counts once."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        folded = x[:, :half] | x[:, half : 2 * half]
+        x = folded if x.shape[-1] % 2 == 0 else torch.cat([folded, x[:, -1:]], dim=-1)
+    return x[:, 0]
+
+
+def _bitmasks_differ(rollout: Tensor, trainer: Tensor, words: int) -> Tensor:
+    """``[n]``: the sets of the rows of ``rollout`` / ``trainer`` ``[n, K]`` (int64) differ, compared as
+    ``words`` int64 bitmasks, id ``i`` at bit ``i % 64`` of word ``i // 64``. Exact for ids in
+    ``[0, 64 * words)``; other ids set no bit.
+
+    A shift by a negative or a >= 64 amount gives 0, so word ``w`` is ``OR_k 1 << (id_k - 64 w)``: per
+    word one shift per id and a log2 K tree of ORs, instead of K x K comparisons.
+    """
+    one = torch.ones((), dtype=torch.int64, device=rollout.device)
+    differs = None
+    for w in range(words):
+        masks = [_or_over_k(one << (ids if w == 0 else ids - 64 * w)) for ids in (rollout, trainer)]
+        differs = masks[0] != masks[1] if differs is None else differs | (masks[0] != masks[1])
+    assert differs is not None
+    return differs
+
+
+def _set_differs_tokens(
+    rollout: Tensor, trainer: Tensor, num_experts: int | None, check_range: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """``([B, T] differs, [B, T] outside or None)``: the top-K set differs in at least one layer.
+
+    ``num_experts`` unknown: the K x K comparison, exact for any ids. Known: bitmasks of
+    :func:`set_words` words; ``outside`` (with ``check_range``) marks the tokens holding an id outside
+    ``[0, num_experts)``, which the caller reports (reading it here would be a host sync). On CPU the
+    tokens go in chunks whose words stay in cache.
+    """
+    if num_experts is None:
+        return _set_differs(rollout, trainer).any(dim=-1), None
+    words = set_words(num_experts)
+    b, t, n_layers, k = rollout.shape
+    if b * t == 0:
+        none = torch.zeros((b, t), dtype=torch.bool, device=rollout.device)
+        return none, none if check_range else None
+    rollout, trainer = rollout.reshape(b * t, n_layers * k), trainer.reshape(b * t, n_layers * k)
+    if rollout.dtype != torch.int64:
+        rollout, trainer = rollout.long(), trainer.long()  # shifts of int64 words
+    rows = b * t if rollout.device.type != "cpu" else max(1, _CPU_CHUNK_IDS // (n_layers * k))
+    differs, outside = [], []
+    for start in range(0, b * t, rows):
+        r, tr = rollout[start : start + rows].contiguous(), trainer[start : start + rows].contiguous()
+        if check_range:  # while the chunk is in cache; amin and amax are each faster than aminmax
+            low = torch.minimum(r.amin(dim=-1), tr.amin(dim=-1))
+            high = torch.maximum(r.amax(dim=-1), tr.amax(dim=-1))
+            outside.append((low < 0) | (high >= num_experts))
+        differs.append(_bitmasks_differ(r.view(-1, k), tr.view(-1, k), words).view(-1, n_layers).any(dim=-1))
+    return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t) if check_range else None
 
 
 def router_top1_flips(rollout_experts: Tensor, trainer_experts: Tensor) -> Tensor:
@@ -373,13 +464,33 @@ def router_flip_rate(
 # ---------------------------------------------------------------------------------------------
 # moe/router/topk_disagreement_rate
 # ---------------------------------------------------------------------------------------------
-def _set_disagreement_update(view: BatchView, top_k: int | None = None) -> Stats:
+def _set_disagreement_update(view: BatchView, top_k: int | None = None, num_experts: int | None = None) -> Stats:
     rollout, trainer, mask = router_inputs(view, top_k)
-    differs = _set_differs(rollout, trainer).any(dim=-1) & mask
-    return {"disagreements": differs.sum().to(torch.float64), "tokens": mask.sum().to(torch.float64)}
+    check_range = num_experts is not None
+    if num_experts is None and not (view.has(ROLLOUT_EXPERTS) or view.has(TRAINER_EXPERTS)):
+        # both sides are top-Ks of router logits: their ids are below the logits' width
+        num_experts = max(view.field(name).shape[-1] for name in LOGIT_FIELDS)
+    differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range)
+    out_of_range = torch.zeros((), dtype=torch.float64, device=mask.device)
+    if outside is not None:
+        out_of_range = (outside & mask).sum().to(torch.float64)
+    return {
+        "disagreements": (differs & mask).sum().to(torch.float64),
+        "tokens": mask.sum().to(torch.float64),
+        "out_of_range": out_of_range,
+    }
 
 
-def _set_disagreement_compute(disagreements: Tensor, tokens: Tensor) -> Tensor:
+def _set_disagreement_compute(
+    disagreements: Tensor, tokens: Tensor, out_of_range: Tensor | None = None, num_experts: int | None = None
+) -> Tensor:
+    """The rate; raises when valid tokens held expert ids outside ``[0, num_experts)`` (one host read)."""
+    if out_of_range is not None and num_experts is not None and bool(out_of_range > 0):
+        raise ValueError(
+            f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` held expert ids outside [0, num_experts) = "
+            f"[0, {num_experts}) in {int(out_of_range)} valid tokens: pass the model's number of experts as "
+            "`num_experts` (or None to compare any ids)"
+        )
     return _safe_div(disagreements, tokens, 0.0)
 
 
@@ -389,6 +500,7 @@ def router_topk_disagreement_rate(
     response_mask: Tensor | None = None,
     *,
     top_k: int | None = None,
+    num_experts: int | None = None,
 ) -> Tensor:
     r"""``moe/router/topk_disagreement_rate``: share of valid tokens whose top-K set differs in some layer.
 
@@ -399,6 +511,9 @@ def router_topk_disagreement_rate(
         trainer: the trainer's, in either form.
         response_mask: ``[B, T]``; all ones when absent.
         top_k: K for router logits (required with logits); cuts expert ids to their first ``top_k``.
+        num_experts: the model's number of experts E, when known: the sets are compared as bitmasks of
+            ``ceil(E / 64)`` words (much cheaper than the K x K comparison); an id outside ``[0, E)`` in
+            a valid token raises. ``None``: any integer ids, compared K x K.
 
     Example:
         >>> import torch
@@ -406,9 +521,13 @@ def router_topk_disagreement_rate(
         >>> t = torch.tensor([[[[2, 1], [3, 4]], [[5, 6], [7, 1]]]])  # token 0: a swap; token 1: a new expert
         >>> router_topk_disagreement_rate(r, t)
         tensor(0.5000, dtype=torch.float64)
+        >>> router_topk_disagreement_rate(r, t, num_experts=8)
+        tensor(0.5000, dtype=torch.float64)
         >>> logits = torch.tensor([[[[0.0, 3.0, 2.0]]]])  # top-2 {1, 2}
         >>> router_topk_disagreement_rate(torch.tensor([[[[2, 1]]]]), logits, top_k=2)
         tensor(0., dtype=torch.float64)
     """
     view = _view_of(rollout, trainer, response_mask)
-    return _set_disagreement_compute(**_set_disagreement_update(view, check_top_k(top_k)))
+    num_experts = check_num_experts(num_experts)
+    stats = _set_disagreement_update(view, check_top_k(top_k), num_experts)
+    return _set_disagreement_compute(**stats, num_experts=num_experts)

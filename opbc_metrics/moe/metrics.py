@@ -137,11 +137,14 @@ class RouterSetDisagreement(_RouterMetric):
     Args:
         top_k: the number of routed experts, needed to read router logits; with expert ids it compares
             the first ``top_k`` of each side.
+        num_experts: the model's number of experts E, when known: sets compared as bitmasks (a few
+            passes over the ids instead of K x K comparisons); ids outside ``[0, E)`` in valid tokens
+            make :meth:`compute` raise. ``None``: any integer ids.
         kwargs: torchmetrics ``Metric`` arguments.
 
     Example:
         >>> import torch
-        >>> metric = RouterSetDisagreement()
+        >>> metric = RouterSetDisagreement(num_experts=8)
         >>> r = torch.tensor([[[[1, 2], [3, 4]], [[5, 6], [7, 0]]]])
         >>> t = torch.tensor([[[[2, 1], [3, 4]], [[5, 6], [7, 1]]]])  # token 0: a swap; token 1: a new expert
         >>> metric.update(rollout_experts=r, trainer_experts=t)
@@ -164,16 +167,18 @@ class RouterSetDisagreement(_RouterMetric):
         aliases=("top-k set disagreement", "topk_disagreement_rate"),
     )
 
-    def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, top_k: int | None = None, num_experts: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
+        self.num_experts = F.check_num_experts(num_experts)
         self.add_sum("disagreements")
         self.add_sum("tokens")
+        self.add_sum("out_of_range")
 
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._set_disagreement_update(view, self.top_k))
+        self.accumulate(**F._set_disagreement_update(view, self.top_k, self.num_experts))
 
     def compute(self) -> Tensor:
-        return F._set_disagreement_compute(self.disagreements, self.tokens)
+        return F._set_disagreement_compute(self.disagreements, self.tokens, self.out_of_range, self.num_experts)
 
 
 MOE_METRICS: tuple[type[_RouterMetric], ...] = (RouterFlipRate, RouterSetDisagreement)
@@ -185,11 +190,15 @@ def moe_section(
     top_mass_bins: int = 0,
     num_layers: int | None = None,
     top_k: int | None = None,
+    num_experts: int | None = None,
     **kwargs: Any,
 ) -> list[OPBCMetric]:
     """The ``moe`` section of :class:`~opbc_metrics.collection.OPBCCollection`: both router metrics.
 
-    The mismatch settings (``clamp``, ``veto``, ``top_mass_bins``) do not apply. ``num_layers`` and
-    ``top_k`` come from ``OPBCCollection(section_options={"moe": {...}})``.
+    The mismatch settings (``clamp``, ``veto``, ``top_mass_bins``) do not apply. ``num_layers``,
+    ``top_k`` and ``num_experts`` come from ``OPBCCollection(section_options={"moe": {...}})``.
     """
-    return [RouterFlipRate(num_layers=num_layers, top_k=top_k, **kwargs), RouterSetDisagreement(top_k=top_k, **kwargs)]
+    return [
+        RouterFlipRate(num_layers=num_layers, top_k=top_k, **kwargs),
+        RouterSetDisagreement(top_k=top_k, num_experts=num_experts, **kwargs),
+    ]
