@@ -31,7 +31,8 @@ def _mismatch_section(clamp: float, veto: float, top_mass_bins: int, **kwargs: A
 # batches without their fields, and compute() leaves out the keys of those that never saw data, so a
 # dense model's run shows no MoE keys and a run without trajectories no agent keys.
 SECTIONS: dict[str, Callable[..., list[OPBCMetric]]] = {"mismatch": _mismatch_section}
-# moe: router members (expert ids or router logits); section_options {"num_layers": 64, "top_k": None}.
+# moe: router members (expert ids or router logits); section_options {"num_layers": None, "top_k": None,
+# "num_experts": None} (num_experts: the exact bitmask path of the top-K set comparison, several times faster).
 SECTIONS["moe"] = moe_section
 # per_round: needs only the core logprob fields; section_options {"capacity": 16}.
 SECTIONS["per_round"] = per_round_section

@@ -182,6 +182,9 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
         for name in sample_names:
             col = np.asarray(sm[name], dtype=np.float64) if name in sm else np.full(len(gid), np.nan)
             present = ~np.isnan(col)
+            if not present.any():  # no sample reported this metric in the window: it has no keys
+                out.update({f"sample_metrics/{name}/{k}": None for k in ("mean", "min", "max", "group_gini_mean")})
+                continue
             out.update({f"sample_metrics/{name}/{k}": v for k, v in describe(col[present]).items()})
             gs = [g for g in groups_of(gid, col)]
             ginis = [gini_pairwise(g[~np.isnan(g)]) for g in gs if (~np.isnan(g)).any()]
