@@ -322,15 +322,24 @@ class BatchView:
 
     @property
     def logprob_range(self) -> tuple[Tensor, Tensor]:
-        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs (0 stands in for invalid tokens):
-        a side with min >= 0 holds probabilities (see :func:`raise_if_probabilities`)."""
+        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs on a fixed sample of at most ~128
+        token columns (0 stands in for invalid tokens): a side with min >= 0 holds probabilities (see
+        :func:`raise_if_probabilities`).
+
+        Probabilities passed as logprobs lie in [0, 1] on every token, so a strided sample of the columns
+        finds them as surely as the whole batch, at ~1/64 of the cost of a full pass (the full pass doubled
+        a collection's update at 1M tokens). Rows shorter than 128 tokens are read whole.
+        """
 
         def make() -> tuple[Tensor, Tensor]:
-            trainer, rollout, _ = self.token_inputs
+            trainer, rollout, mask = self.token_inputs
             zero = torch.zeros((), dtype=self.dtype, device=self.device)
             if self.numel == 0:
                 return zero.expand(2), zero.expand(2)
-            ranges = [torch.aminmax(torch.where(self.valid, x, zero)) for x in (trainer, rollout)]
+            stride = max(1, trainer.shape[-1] // 64)
+            trainer, rollout, mask = trainer[:, ::stride], rollout[:, ::stride], mask[:, ::stride]
+            valid = mask & torch.isfinite(trainer - rollout)  # the rule of :attr:`valid`, on the sample
+            ranges = [torch.aminmax(torch.where(valid, x, zero)) for x in (trainer, rollout)]
             return torch.stack([r.min for r in ranges]), torch.stack([r.max for r in ranges])
 
         return self._cached("logprob_range", make)

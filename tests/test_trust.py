@@ -293,6 +293,22 @@ def test_probabilities_passed_as_logprobs_are_refused_at_compute():
     assert "opbc/is/ess" in sentinel.compute()
 
 
+@pytest.mark.parametrize("seq", [127, 128, 4096, 8193])
+def test_probabilities_in_long_rows_are_found_on_the_column_sample(seq: int):
+    """Long rows are checked on a strided sample of their columns: probabilities are still found, with a
+    response mask that leaves most sampled columns out, and real logprobs are still accepted."""
+    batch = make_batch(batch=2, seq=seq, seed=6)
+    batch["response_mask"] = torch.zeros(2, seq, dtype=torch.bool)
+    batch["response_mask"][1, seq // 3 :] = True
+    probs = OPBCCollection(sections=("mismatch",))
+    probs.update({**batch, "trainer_logprobs": batch["trainer_logprobs"].exp()})
+    with pytest.raises(ValueError, match=r"`trainer_logprobs` holds values in \[0, 1\] only"):
+        probs.compute()
+    real = OPBCCollection(sections=("mismatch",))
+    real.update(batch)
+    assert "opbc/is/ess" in real.compute()
+
+
 @pytest.mark.parametrize(
     ("field", "adapter"),
     [
