@@ -13,8 +13,9 @@
   whole response); they are written from the first window with a multi-round sequence on.
 * **Quiet keys** (:data:`SPARSE_PATTERNS`): counts and shares of events that are zero in a healthy run
   (overflows beyond the configured capacity, controller decisions other than ``train`` and their
-  reasons, clipped, vetoed or non-finite tokens, rollouts discarded as too stale). They are written from
-  their first nonzero value on, then on every step; until then :attr:`KeyFilter.zero_so_far` lists them
+  reasons, clipped, vetoed or non-finite tokens, rollouts discarded as too stale, the smallest policy lag).
+  They are written from their first nonzero value on, then on every step; until then
+  :attr:`KeyFilter.zero_so_far` lists them
   (the W&B logger puts them in the run summary as 0, so "was anything vetoed?" has an answer).
 
 Keys that are absent from the computed values are never written or filled in. ``KeyFilter(log_all=True)``
@@ -111,6 +112,7 @@ SPARSE_PATTERNS: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
     r"(^|/)opbc/is/(clipped|veto)_fraction",
     r"(^|/)rollout/discarded/max_async",
     r"(^|/)rollout/tokens_prompt/std",  # every prompt has one length
+    r"(^|/)rollout/off_policy_steps/min",  # the freshest sample's lag: 0 while any sample is on-policy
 ))
 
 

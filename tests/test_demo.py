@@ -123,7 +123,7 @@ def test_demo_without_fp8_is_reproducible_and_measures_real_mismatch(
 
 
 def test_demo_wandb_dashboard_has_one_chart_per_quantity(demo: ModuleType, tmp_path: Path):
-    """The demo's W&B run read back: at most 80 scalar charts (the full 100-step run has 79; compute()
+    """The demo's W&B run read back: at most 80 scalar charts (the full 100-step run has 80; compute()
     returns over 150 keys a step), no two keys equal on every step, the per-stream figures as one chart per
     figure with a line per stream, and the event counts that stayed zero in the summary."""
     pytest.importorskip("wandb")
