@@ -14,34 +14,20 @@ Lines:
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench import interleaved  # noqa: E402  (same timing method as bench.py)
+from peak_memory import fixed_malloc, peak_extra_bytes  # noqa: E402
 
 from opbc_metrics import OPBCCollection, OPBCController, RouterFlipRate, RouterSetDisagreement  # noqa: E402
-
-
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median CPU seconds per call of each function, timed in turn within each repeat."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.process_time()
-            fn()
-            times[name].append(time.process_time() - start)
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def router_batch(b: int, t: int, layers: int, k: int, experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -89,28 +75,14 @@ def bench_controller(quick: bool, repeats: int) -> None:
               f"{times['step'] * 1e3:.1f} ms -> {times['step'] / times['collection']:.2f}x (target <= 3x)")
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _peak_child(what: str, b: int, t: int) -> None:
     """In a fresh process: the peak extra memory of one controller step (or collection update), per token."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed: freed temporaries are unmapped, not reused
+    libc = fixed_malloc()
     batch = logprob_batch(b, t)
     target = OPBCController() if what == "step" else OPBCCollection()
     run = target.step if what == "step" else target.update
     run({k: v[:2] for k, v in batch.items()})  # warm-up
-    libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status_kb("VmRSS")
-    run(batch)
-    extra = (_status_kb("VmHWM") - before) * 1024
+    extra = peak_extra_bytes(lambda: run(batch), libc)
     print(extra / (b * t))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -36,10 +37,29 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def main() -> None:
+def fixed_malloc() -> ctypes.CDLL | None:
+    """Fix glibc's mmap threshold (call first in the measuring process): freed large temporaries are then
+    unmapped, not kept for reuse, so the peak RSS sees every temporary of the measured call."""
     libc = _libc()
     if libc is not None:
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so large blocks are never kept for reuse
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    return libc
+
+
+def peak_extra_bytes(run: Callable[[], object], libc: ctypes.CDLL | None) -> int:
+    """Peak resident memory that ``run()`` adds, in bytes: the heap trimmed, the peak RSS reset to the
+    current RSS, then ``run()``. Warm ``run``'s code paths up before, with a small input."""
+    if libc is not None:
+        libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS to the current RSS
+    before = _status_kb("VmRSS")
+    run()
+    return (_status_kb("VmHWM") - before) * 1024
+
+
+def main() -> None:
+    libc = fixed_malloc()
     b, t = int(sys.argv[1]), int(sys.argv[2])
     g = torch.Generator().manual_seed(0)
     trainer = -torch.rand(b, t, generator=g) * 3.0
@@ -49,14 +69,8 @@ def main() -> None:
     metrics = OPBCCollection(sections=sections) if sections else OPBCCollection()
     metrics.update(trainer_logprobs=trainer[:2], rollout_logprobs=rollout[:2], response_mask=mask[:2])  # warm-up
     input_bytes = sum(x.numel() * x.element_size() for x in (trainer, rollout, mask))
-    if libc is not None:
-        libc.malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS to the current RSS
-    before = _status_kb("VmRSS")
-    metrics.update(trainer_logprobs=trainer, rollout_logprobs=rollout, response_mask=mask)
-    peak = _status_kb("VmHWM")
-    extra = (peak - before) * 1024
+    extra = peak_extra_bytes(lambda: metrics.update(trainer_logprobs=trainer, rollout_logprobs=rollout,
+                                                    response_mask=mask), libc)
     what = "+".join(sections) if sections else "default sections"
     print(f"update ({what}) at {b}x{t}: inputs {input_bytes / 2**20:.1f} MiB, "
           f"peak extra memory {extra / 2**20:.1f} MiB = {extra / input_bytes:.1f}x the inputs")
