@@ -6,14 +6,16 @@ import hashlib
 import json
 import sys
 import warnings
+from abc import ABCMeta
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_max, dim_zero_sum
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from opbc_metrics.batch import BatchView, as_view
@@ -60,13 +62,100 @@ class NoDataError(ValueError):
     """``compute()`` of a metric that saw no data (no valid token, sequence, pair or sample) in its window."""
 
 
-class OPBCMetric(Metric):
+# A state's reduction: its initial value and torchmetrics' dist_reduce_fx.
+_REDUCTIONS = {"sum": (0.0, dim_zero_sum), "max": (float("-inf"), dim_zero_max), "min": (float("inf"), dim_zero_min)}
+
+# One entry of a state's shape: a size, the name of a setting (an instance attribute), or a function of the metric.
+Size = int | str | Callable[[Any], int]
+
+
+@dataclass(frozen=True)
+class State:
+    """One entry of a metric's state table: how the state reduces and its shape.
+
+    ``reduce`` is ``"sum"`` (starts at 0), ``"max"`` (starts at -inf) or ``"min"`` (starts at +inf), across
+    updates and ranks alike. ``shape`` entries are sizes, names of settings the constructor sets
+    (``"slots"``), or functions of the metric (``lambda m: m.num_layers + 1``), resolved when the metric
+    is built; the state's size is fixed from then on.
+    """
+
+    reduce: str
+    shape: tuple[Size, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.reduce not in _REDUCTIONS:
+            raise ValueError(f"unknown state reduction {self.reduce!r}: use one of {sorted(_REDUCTIONS)}")
+
+    def of(self, *shape: Size) -> State:
+        """The same reduction with a shape: ``SUM.of("slots", 5)``."""
+        return State(self.reduce, shape)
+
+    def resolve(self, metric: Any) -> tuple[int, ...]:
+        return tuple(
+            int(getattr(metric, s)) if isinstance(s, str) else int(s(metric)) if callable(s) else int(s)
+            for s in self.shape
+        )
+
+
+SUM, MAX, MIN = State("sum"), State("max"), State("min")
+
+
+def table(*sums: str, **states: State) -> Mapping[str, State]:
+    """A read-only state table: ``sums`` (scalar sums) first, then ``states`` in the order given.
+
+    Example:
+        >>> list(table("count", "total", min=MIN).items())[-1]
+        ('min', State(reduce='min', shape=()))
+    """
+    return MappingProxyType({**dict.fromkeys(sums, SUM), **states})
+
+
+class BySettings:
+    """A class attribute (``keys``, ``required_fields``) whose value depends on the constructor's settings.
+
+    On the class it is ``pattern`` (the glossary shows ``"sample_metrics/<name>/mean"``); on an instance it is
+    ``build(instance)``, computed once, after the constructor.
+    """
+
+    def __init__(self, pattern: tuple[str, ...], build: Callable[[Any], tuple[str, ...]]) -> None:
+        self.pattern, self.build = tuple(pattern), build
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}_by_settings"
+
+    def __get__(self, metric: Any, owner: type | None = None) -> tuple[str, ...]:
+        if metric is None:
+            return self.pattern
+        value = metric.__dict__.get(self.slot)
+        if value is None:
+            value = metric.__dict__[self.slot] = tuple(self.build(metric))
+        return value
+
+
+class _BuildStates(ABCMeta):
+    """Registers a metric's declared states once its whole ``__init__`` chain has run (shapes may use settings)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        metric = super().__call__(*args, **kwargs)
+        metric._register_states()
+        return metric
+
+
+class OPBCMetric(Metric, metaclass=_BuildStates):
     """A ``torchmetrics.Metric`` whose states are fixed-size sufficient statistics.
 
     Subclasses declare ``keys`` (the ``section/group/metric`` keys they produce), a ``glossary``
     entry, the ``section`` they belong to, the batch fields they need, ``data_counts`` (the states
-    that count their data), and implement ``_update_view(view)`` and ``compute()``. ``update`` accepts
-    a batch mapping, keyword fields, or a shared :class:`~opbc_metrics.batch.BatchView`.
+    that count their data), their ``states`` and implement ``statistics(view)`` and ``compute()``.
+    ``update`` accepts a batch mapping, keyword fields, or a shared :class:`~opbc_metrics.batch.BatchView`.
+
+    **States are declared once**, in the class-level table ``states`` (``{name: SUM | MAX | MIN}``, with
+    ``.of(shape)`` for vectors; see :class:`State`); :meth:`state_table` returns it and a class whose state
+    names depend on its settings overrides that. The base class registers the states after the
+    constructor (so shapes may read settings); ``update`` folds :meth:`statistics` into them by each
+    state's reduction (:meth:`accumulate`), and :meth:`state_values` hands them to a ``_x_compute``
+    by name. ``_x_update`` (in ``functional/``) has one meaning everywhere: one batch (a ``BatchView``
+    and the metric's settings) to a dict of that batch's statistics named like the states.
 
     All states are float64 tensors reduced by sum, max or min, so that DDP sync is exact (global sums
     and extremes, never a mean of per-rank means) and packs into at most one collective per
@@ -93,6 +182,7 @@ class OPBCMetric(Metric):
     is_differentiable: bool = False
     higher_is_better: bool | None = None
     keys: ClassVar[tuple[str, ...]] = ()
+    states: ClassVar[Mapping[str, State]] = MappingProxyType({})
     glossary: ClassVar[GlossaryEntry | None] = None
     section: ClassVar[str] = ""
     required_fields: ClassVar[tuple[str, ...]] = ()
@@ -139,6 +229,20 @@ class OPBCMetric(Metric):
         self._install_compute()
 
     # -- states ---------------------------------------------------------------------------
+    def state_table(self) -> Mapping[str, State]:
+        """The metric's states, ``{name: State}``, in registration (and state dict) order."""
+        return self.states
+
+    def _register_states(self) -> None:
+        for name, state in self.state_table().items():
+            if not isinstance(state, State):
+                raise TypeError(f"{type(self).__name__}.states[{name!r}] must be a State (SUM, MAX, MIN): {state!r}")
+            self._add(name, state.reduce, _REDUCTIONS[state.reduce][0], state.resolve(self))
+
+    def state_values(self, *names: str, exclude: tuple[str, ...] = ()) -> dict[str, Tensor]:
+        """``{name: state}`` for ``names`` (default: every state but ``exclude``), to pass to a ``_x_compute``."""
+        return {name: getattr(self, name) for name in names or self._defaults if name not in exclude}
+
     def _add(self, name: str, reduce: str, fill: float = 0.0, shape: tuple[int, ...] = ()) -> None:
         default = torch.full(shape, fill, dtype=torch.float64)
         self.add_state(name, default=default, dist_reduce_fx=reduce, persistent=True)
@@ -164,7 +268,14 @@ class OPBCMetric(Metric):
         """
         # Runs once per metric per batch, 15+ times per collection update: one pass over the states,
         # checked before any is touched (no partial update on refusal), then folded in.
-        pairs = [(getattr(self, name), value, self._reductions[name]) for name, value in stats.items()]
+        reductions = self._reductions
+        unknown = [name for name in stats if name not in reductions]
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}: the batch statistics {unknown} are not states of the metric "
+                f"(its states: {list(reductions)}); the kernel and the state table disagree"
+            )
+        pairs = [(getattr(self, name), value, reductions[name]) for name, value in stats.items()]
         for state, value, _ in pairs:
             if value.device != state.device and value.device.type != "cpu":
                 fields = ", ".join(f"`{f}`" for f in self.required_fields) or "the batch"
@@ -212,6 +323,10 @@ class OPBCMetric(Metric):
         self._update_view(as_view(batch, **fields).check_fields())
 
     def _update_view(self, view: BatchView) -> None:
+        self.accumulate(**self.statistics(view))
+
+    def statistics(self, view: BatchView) -> Mapping[str, Tensor]:
+        """One batch's statistics named like the states (the section's functional ``_x_update``)."""
         raise NotImplementedError
 
     def accepts(self, view: BatchView) -> bool:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, BatchView
 from opbc_metrics.functional import rollout as F
-from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.metric import MAX, MIN, BySettings, GlossaryEntry, OPBCMetric, State, table
 
 Range = tuple[float | None, float | None]
 
@@ -85,38 +85,30 @@ class _ObservedRange(OPBCMetric):
         torch.maximum(self.observed_max, hi, out=self.observed_max)
 
 
+_MOMENTS = table("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid", min=MIN, max=MAX)
+
+
 class _MomentStats(_RolloutMetric, _ObservedRange):
     """Mean, sample std (n - 1), min and max of one per-sample quantity (keys ``<prefix>/{mean,std,min,max}``).
 
     The std key is left out while the window holds fewer than two samples (the sample std is undefined).
+    ``invalid_field`` (default: the first required field) is the field a bad value is reported against.
     """
 
     prefix: ClassVar[str] = ""
     invalid_field: ClassVar[str] = ""
     invalid_what: ClassVar[str] = F.NONFINITE
+    states = _MOMENTS
 
     def __init__(self, value_range: Range = (None, None), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        for name in ("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid"):
-            self.add_sum(name)
-        self.add_min("min")
-        self.add_max("max")
         self.declared_range = _check_range("value_range", value_range)
         self._init_observed()
 
-    def _stats(self, view: BatchView) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**self._stats(view))
-
     def compute(self) -> dict[str, Tensor]:
-        F.raise_if_invalid(self.invalid, self.invalid_field, self.invalid_what)
+        F.raise_if_invalid(self.invalid, self.invalid_field or self.required_fields[0], self.invalid_what)
         self._observe(self.min, self.max)
-        return F._moments_dict(
-            self.keys, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max,
-            total_hi=self.total_hi, total_sq_hi=self.total_sq_hi,
-        )
+        return F._moments_dict(self.keys, **self.state_values(exclude=("invalid",)))
 
     def chart_ranges(self) -> dict[str, tuple[float, float]]:
         """``{key: (lo, hi)}`` for the charts: the declared range, else the run's observed min/max.
@@ -158,7 +150,6 @@ class RolloutRewardStats(_MomentStats):
     keys = F.REWARD_KEYS
     prefix = F.REWARD_PREFIX
     required_fields = (F.REWARDS,)
-    invalid_field = F.REWARDS
     higher_is_better = True
     glossary = GlossaryEntry(
         name="Reward (rollout)",
@@ -175,7 +166,7 @@ class RolloutRewardStats(_MomentStats):
         super().__init__(value_range=(reward_min, reward_max), **kwargs)
         self.reward_min, self.reward_max = self.declared_range
 
-    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._reward_stats_update(view)
 
 
@@ -198,7 +189,6 @@ class RolloutAdvantageStats(_MomentStats):
     keys = F.ADVANTAGE_KEYS
     prefix = F.ADVANTAGE_PREFIX
     required_fields = (F.ADVANTAGES,)
-    invalid_field = F.ADVANTAGES
     glossary = GlossaryEntry(
         name="Advantage (rollout)",
         what="Per-step statistics (mean, sample std (n - 1), min, max) of the per-sample advantage. A std near 0 "
@@ -209,7 +199,7 @@ class RolloutAdvantageStats(_MomentStats):
         aliases=("advantage",),
     )
 
-    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._advantage_stats_update(view)
 
 
@@ -232,7 +222,6 @@ class PromptTokenStats(_MomentStats):
     keys = F.PROMPT_TOKEN_KEYS
     prefix = F.PROMPT_TOKENS_PREFIX
     required_fields = (F.PROMPT_LENGTHS,)
-    invalid_field = F.PROMPT_LENGTHS
     invalid_what = F.BAD_COUNTS
     glossary = GlossaryEntry(
         name="Tokens (Prompt)",
@@ -243,7 +232,7 @@ class PromptTokenStats(_MomentStats):
         action=_NO_ACTION,
     )
 
-    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._prompt_token_stats_update(view)
 
 
@@ -264,7 +253,6 @@ class CompletionTokenStats(_MomentStats):
     keys = F.COMPLETION_TOKEN_KEYS
     prefix = F.COMPLETION_TOKENS_PREFIX
     required_fields = (F.RESPONSE_LENGTHS,)
-    invalid_field = F.RESPONSE_LENGTHS
     invalid_what = F.BAD_COUNTS
     glossary = GlossaryEntry(
         name="Tokens (Completion)",
@@ -275,7 +263,7 @@ class CompletionTokenStats(_MomentStats):
         action=_NO_ACTION,
     )
 
-    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._length_stats_update(view, F.RESPONSE_LENGTHS)
 
 
@@ -304,30 +292,19 @@ class TotalTokenStats(_MomentStats):
         action=_NO_ACTION,
     )
 
-    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._total_token_stats_update(view)
 
 
 class _GroupMean(_RolloutMetric):
     """A per-group value averaged over the groups of the window: states ``(value_sum, groups)``."""
 
-    invalid_field: ClassVar[str] = ""
     invalid_what: ClassVar[str] = ""
     empty_value: ClassVar[float] = 0.0
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("value_sum", "groups", "invalid"):
-            self.add_sum(name)
-
-    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**self._group_stats(view))
+    states = table("value_sum", "groups", "invalid")
 
     def compute(self) -> Tensor:
-        F.raise_if_invalid(self.invalid, self.invalid_field, self.invalid_what)
+        F.raise_if_invalid(self.invalid, self.required_fields[0], self.invalid_what)
         return F._mean_over_groups(self.value_sum, self.groups, self.empty_value)
 
 
@@ -351,7 +328,6 @@ class RolloutRewardGini(_GroupMean):
 
     keys = (F.REWARD_GINI_KEY,)
     required_fields = (F.REWARDS, GROUP_IDS)
-    invalid_field = F.REWARDS
     invalid_what = F.NONFINITE
     glossary = GlossaryEntry(
         name="Reward Gini (group mean)",
@@ -363,7 +339,7 @@ class RolloutRewardGini(_GroupMean):
         aliases=("reward_gini", "group_reward_gini_mean"),
     )
 
-    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._reward_gini_update(view)
 
 
@@ -383,7 +359,6 @@ class CompletionLengthGini(_GroupMean):
 
     keys = (F.LENGTH_GINI_KEY,)
     required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
-    invalid_field = F.RESPONSE_LENGTHS
     invalid_what = F.BAD_COUNTS
     glossary = GlossaryEntry(
         name="group_length_gini_mean",
@@ -394,7 +369,7 @@ class CompletionLengthGini(_GroupMean):
         action=_NO_ACTION,
     )
 
-    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._length_gini_update(view)
 
 
@@ -416,7 +391,6 @@ class CompletionLengthMaxMedianRatio(_GroupMean):
 
     keys = (F.LENGTH_RATIO_KEY,)
     required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
-    invalid_field = F.RESPONSE_LENGTHS
     invalid_what = F.BAD_COUNTS
     empty_value = 1.0
     higher_is_better = False
@@ -430,7 +404,7 @@ class CompletionLengthMaxMedianRatio(_GroupMean):
         action="no OPBC action; high values mean a few long generations hold up each group's step",
     )
 
-    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._length_ratio_update(view)
 
 
@@ -452,7 +426,6 @@ class CompletionLengthCV(_GroupMean):
 
     keys = (F.LENGTH_CV_KEY,)
     required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
-    invalid_field = F.RESPONSE_LENGTHS
     invalid_what = F.BAD_COUNTS
     higher_is_better = False
     glossary = GlossaryEntry(
@@ -465,7 +438,7 @@ class CompletionLengthCV(_GroupMean):
         action=_NO_ACTION,
     )
 
-    def _group_stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._length_cv_update(view)
 
 
@@ -488,7 +461,6 @@ class OffPolicySteps(_MomentStats):
     keys = F.OFF_POLICY_KEYS
     prefix = F.OFF_POLICY_PREFIX
     required_fields = (F.POLICY_LAG,)
-    invalid_field = F.POLICY_LAG
     invalid_what = F.BAD_COUNTS
     higher_is_better = False
     glossary = GlossaryEntry(
@@ -501,7 +473,7 @@ class OffPolicySteps(_MomentStats):
         aliases=("policy_lag", "off_policy_steps_mean", "async_level"),
     )
 
-    def _stats(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._off_policy_update(view)
 
 
@@ -528,6 +500,7 @@ class StopReasonLengthPct(_RolloutMetric):
     keys = (F.STOP_LENGTH_PCT_KEY,)
     required_fields = (F.STOP_REASONS,)
     higher_is_better = False
+    states = table("length", "count")
     plot_lower_bound = 0.0
     plot_upper_bound = 100.0
     glossary = GlossaryEntry(
@@ -544,12 +517,10 @@ class StopReasonLengthPct(_RolloutMetric):
         if not isinstance(length_code, int) or isinstance(length_code, bool):
             raise ValueError(f"`length_code` must be an int, got {length_code!r}")
         self.length_code = length_code
-        self.add_sum("length")
-        self.add_sum("count")
 
-    def _update_view(self, view: BatchView) -> None:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         stats = F._stop_update(view, self.length_code, self.device)
-        self.accumulate(length=stats["length"], count=stats["count"])
+        return {"length": stats["length"], "count": stats["count"]}  # not the per-sample hits
 
     def compute(self) -> Tensor:
         return F._stop_compute(self.length, self.count)
@@ -601,20 +572,15 @@ class DiscardedRollouts(_RolloutMetric):
         aliases=("max_async", "zero_advantage", "discarded"),
     )
 
-    _SPLIT = ("rewarded", "za_rewarded", "za_all_zero", "za_all_positive", "za_reward_sum")
+    states = table("max_async", "zero_advantage", "seen", "invalid", "rewarded", "za_rewarded", "za_all_zero",
+                   "za_all_positive", "za_reward_sum")
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("max_async", "zero_advantage", "seen", "invalid", *self._SPLIT):
-            self.add_sum(name)
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._discard_update(view, self.device))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._discard_update(view, self.device)
 
     def compute(self) -> dict[str, Tensor]:
         F.raise_if_invalid(self.invalid, F.DISCARD_REASONS, "codes outside {0, 1, 2}")
-        split = {name: getattr(self, name) for name in self._SPLIT}
-        return F._discard_compute(self.max_async, self.zero_advantage, self.seen, **split)
+        return F._discard_compute(**self.state_values(exclude=("invalid",)))
 
 
 class DiscardedRolloutStats(_RolloutMetric):
@@ -655,26 +621,24 @@ class DiscardedRolloutStats(_RolloutMetric):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-    _STATES = ("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid", "gini_sum", "gini_groups",
-               "ratio_sum", "ratio_groups", "stop_length", "stop_count")
+    states = table("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid", "gini_sum", "gini_groups",
+                   "ratio_sum", "ratio_groups", "stop_length", "stop_count", min=MIN, max=MAX)
 
     def __init__(self, length_code: int = F.LENGTH_CODE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not isinstance(length_code, int) or isinstance(length_code, bool):
             raise ValueError(f"`length_code` must be an int, got {length_code!r}")
         self.length_code = length_code
-        for name in self._STATES:
-            self.add_sum(name)
-        self.add_min("min")
-        self.add_max("max")
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._discarded_stats_update(view, self.length_code, self.device))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._discarded_stats_update(view, self.length_code, self.device)
 
     def compute(self) -> dict[str, Tensor]:
         F.raise_if_invalid(self.invalid, F.RESPONSE_LENGTHS, F.BAD_COUNTS + " or discard codes outside {0, 1, 2}")
-        states = {name: getattr(self, name) for name in self._STATES if name != "invalid"}
-        return F._discarded_stats_compute(min=self.min, max=self.max, **states)
+        return F._discarded_stats_compute(**self.state_values(exclude=("invalid",)))
+
+
+_SAMPLE_FIELDS = (F.SAMPLE_METRICS, GROUP_IDS)
 
 
 class SampleMetricStats(_RolloutMetric, _ObservedRange):
@@ -715,8 +679,9 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         ((0.0, 1.0), (0.0, 2.0))
     """
 
-    keys = tuple(F.sample_metric_keys("<name>"))  # per instance: one block of keys per declared name
-    required_fields = (F.SAMPLE_METRICS, GROUP_IDS)
+    keys = BySettings(F.sample_metric_keys("<name>"), lambda m: tuple(
+        f"{F.SAMPLE_METRICS_SECTION}/{n}/{s}" for n in m.names for s in (F.SAMPLE_STATS if m.group_gini else F.STATS)))
+    required_fields = BySettings(_SAMPLE_FIELDS, lambda m: _SAMPLE_FIELDS[: 1 + m.group_gini])  # ids for the Gini
     glossary = GlossaryEntry(
         name="Sample metrics",
         what="Any per-sample metric the environment returns (reward components, response length, reasoning "
@@ -738,26 +703,19 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         super().__init__(**kwargs)
         self.names = F.check_sample_metric_names(names)
         self.group_gini = bool(group_gini)
-        stats = F.SAMPLE_STATS if self.group_gini else F.STATS
-        self.keys = tuple(f"{F.SAMPLE_METRICS_SECTION}/{n}/{s}" for n in self.names for s in stats)
-        self.required_fields = (F.SAMPLE_METRICS, GROUP_IDS) if self.group_gini else (F.SAMPLE_METRICS,)
         ranges = dict(metrics_ranges or {})
         unknown = sorted(set(ranges) - set(self.names))
         if unknown:
             raise ValueError(f"`metrics_ranges` names {unknown} are not among the metric names {list(self.names)}")
         self.metrics_ranges = {n: _check_range(f"metrics_ranges[{n!r}]", r) for n, r in ranges.items()}
-        k = (len(self.names),)
-        for name in ("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid"):
-            self.add_sum(name, k)
-        self.add_min("min", k)
-        self.add_max("max", k)
-        if self.group_gini:
-            self.add_sum("gini_sum", k)
-            self.add_sum("groups", k)
-        self._init_observed(k)
+        self._init_observed((len(self.names),))
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._sample_update(view, self.names, self.group_gini, self.device))
+    def state_table(self) -> dict[str, State]:
+        gini = table("gini_sum", "groups") if self.group_gini else {}
+        return {name: state.of(len(self.names)) for name, state in {**_MOMENTS, **gini}.items()}
+
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._sample_update(view, self.names, self.group_gini, self.device)
 
     def compute(self) -> dict[str, Tensor]:
         invalid = self.invalid
@@ -765,11 +723,7 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
             bad = [n for n, c in zip(self.names, invalid.tolist(), strict=True) if c > 0]
             raise ValueError(f"batch field `{F.SAMPLE_METRICS}` held infinite values for {bad}")
         self._observe(self.min, self.max)
-        gini = dict(gini_sum=self.gini_sum, groups=self.groups) if self.group_gini else {}
-        out = F._sample_compute(
-            self.names, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max,
-            total_hi=self.total_hi, total_sq_hi=self.total_sq_hi, **gini
-        )
+        out = F._sample_compute(self.names, **self.state_values(exclude=("invalid",)))
         # A name no sample reported in the window has no value (no made-up mean 0): its keys are left out.
         unseen = [n for n, c in zip(self.names, self.count.tolist(), strict=True) if c == 0]
         return {k: v for k, v in out.items() if k.split("/")[1] not in unseen}
