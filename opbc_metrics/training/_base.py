@@ -11,7 +11,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import OPBCMetric
+from opbc_metrics.metric import MAX, MIN, SUM, OPBCMetric, table
 
 DIAGNOSTIC = "none (diagnostic)"
 NO_ACTION = "no OPBC action; a dashboard signal for the operator"
@@ -40,19 +40,13 @@ class _TrainingMetric(OPBCMetric):
 class _TurnCounts(_TrainingMetric):
     """Min, max and mean of a per-sample count with negative / non-finite entries counted (``invalid``)."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("sum")
-        self.add_max("max")
-        self.add_min("min")
-        self.add_sum("count")
-        self.add_sum("invalid")
+    states = table(sum=SUM, max=MAX, min=MIN, count=SUM, invalid=SUM)
 
 
 class _TrainerScalar(_TrainingMetric):
     """A scalar the trainer already has (loss, grad norm, learning rate), averaged over the window.
 
-    The batch field (``field``) is a number, a 0-d tensor, or a list / 1-D tensor of several
+    The batch field (``required_fields[0]``) is a number, a 0-d tensor, or a list / 1-D tensor of several
     observations (e.g. one per micro-batch). Loss-like scalars (``weight_field = "loss_tokens"``) are
     weighted by the batch's ``loss_tokens`` when it is given (the tokens the loss was averaged over),
     so the result is the token mean of a token-mean loss across micro-batches and ranks; otherwise
@@ -61,22 +55,20 @@ class _TrainerScalar(_TrainingMetric):
     tensor weights) are left out and counted, and ``compute()`` raises a ``ValueError`` naming the field.
     """
 
-    field: ClassVar[str] = ""
     weight_field: ClassVar[str | None] = None
+    states = table("sum_wx", "sum_w", "count", "nonfinite")
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_wx", "sum_w", "count", "nonfinite"):
-            self.add_sum(name)
-        fields = (self.field,) if self.weight_field is None else (self.field, self.weight_field)
-        self._deferred = (("nonfinite", fields, "non-finite observations (or non-finite / negative weights)"),)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        fields = cls.required_fields + ((cls.weight_field,) if cls.weight_field else ())
+        cls._deferred = (("nonfinite", fields, "non-finite observations (or non-finite / negative weights)"),)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._scalar_update(view, self.field, self.weight_field, self.device))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._scalar_update(view, self.required_fields[0], self.weight_field, self.device)
 
     def compute(self) -> Tensor:
         self.check_deferred()
-        return F._scalar_compute(self.sum_wx, self.sum_w, self.count)
+        return F._scalar_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 def dist_rank_world(group: Any = None) -> tuple[int, int]:

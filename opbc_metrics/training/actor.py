@@ -9,7 +9,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView, check_positive
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.metric import SUM, BySettings, GlossaryEntry, State, table
 from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
 
 _STEPS = "trainer observations (optimizer steps or micro-batches) over the window and all ranks"
@@ -34,7 +34,6 @@ class ActorLoss(_TrainerScalar):
     """
 
     keys = ("actor/loss",)
-    field = "actor_loss"
     weight_field = F.LOSS_TOKENS
     required_fields = ("actor_loss",)
     higher_is_better = False
@@ -59,7 +58,6 @@ class PolicyGradientLoss(_TrainerScalar):
     """
 
     keys = ("actor/pg_loss",)
-    field = "pg_loss"
     weight_field = F.LOSS_TOKENS
     required_fields = ("pg_loss",)
     glossary = GlossaryEntry(
@@ -82,7 +80,6 @@ class EntropyLoss(_TrainerScalar):
     """
 
     keys = ("actor/entropy_loss",)
-    field = "entropy_loss"
     weight_field = F.LOSS_TOKENS
     required_fields = ("entropy_loss",)
     glossary = GlossaryEntry(
@@ -106,7 +103,6 @@ class KLLoss(_TrainerScalar):
     """
 
     keys = ("actor/kl_loss",)
-    field = "kl_loss"
     weight_field = F.LOSS_TOKENS
     required_fields = ("kl_loss",)
     higher_is_better = False
@@ -130,7 +126,6 @@ class KLCoef(_TrainerScalar):
     """
 
     keys = ("actor/kl_coef",)
-    field = "kl_coef"
     required_fields = ("kl_coef",)
     glossary = GlossaryEntry(
         name="actor/kl_coef",
@@ -156,7 +151,6 @@ class ActorGradNorm(_TrainerScalar):
     """
 
     keys = ("actor/grad_norm",)
-    field = "actor_grad_norm"
     required_fields = ("actor_grad_norm",)
     higher_is_better = False
     glossary = GlossaryEntry(
@@ -181,7 +175,6 @@ class ActorLR(_TrainerScalar):
     """
 
     keys = ("actor/lr",)
-    field = "actor_lr"
     required_fields = ("actor_lr",)
     glossary = GlossaryEntry(
         name="actor/lr",
@@ -214,8 +207,8 @@ class PolicyEntropy(_TrainingMetric):
     """
 
     keys = ("actor/entropy",)
-    required_fields = (F.ENTROPIES,)
-    _deferred = (("nonfinite", F.ENTROPIES, "non-finite entropies on response tokens"),)
+    required_fields = BySettings((F.ENTROPIES,), lambda m: (F.LOGITS,) if m.from_logits else (F.ENTROPIES,))
+    states = table("sum", "count", "nonfinite")
     glossary = GlossaryEntry(
         name="actor/entropy",
         what="Mean entropy of the policy over response tokens. High early (exploration), lower later "
@@ -231,24 +224,24 @@ class PolicyEntropy(_TrainingMetric):
         super().__init__(**kwargs)
         self.from_logits = bool(from_logits)
         self.temperature = check_positive("temperature", temperature)
-        self.required_fields = (F.LOGITS,) if self.from_logits else (F.ENTROPIES,)
-        if self.from_logits:
-            self._deferred = (("nonfinite", F.LOGITS, "non-finite entropies on response tokens"),)
-        for name in ("sum", "count", "nonfinite"):
-            self.add_sum(name)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._entropy_update(view, self.from_logits, self.temperature))
+    @property
+    def _deferred(self) -> tuple[tuple[str, str, str], ...]:
+        return (("nonfinite", self.required_fields[0], "non-finite entropies on response tokens"),)
+
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._entropy_update(view, self.from_logits, self.temperature)
 
     def compute(self) -> Tensor:
         self.check_deferred()
-        return F._entropy_compute(self.sum, self.count)
+        return F._entropy_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 class _PolicyKL(_TrainingMetric):
     required_fields = (F.POLICY_LOGPROBS, F.OLD_LOGPROBS)
     higher_is_better = False
     default_estimator = "k1"
+    states = table("sum", "count", "nonfinite")
     _deferred = (("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS), "non-finite logprobs on response tokens"),)
 
     def __init__(self, estimator: str | None = None, clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
@@ -258,15 +251,13 @@ class _PolicyKL(_TrainingMetric):
             raise ValueError(f"`estimator` must be one of {F.KL_ESTIMATORS}, got {estimator!r}")
         self.estimator = estimator
         self.clamp = check_positive("clamp", clamp)
-        for name in ("sum", "count", "nonfinite"):
-            self.add_sum(name)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._policy_kl_update(view, self.estimator, self.clamp))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._policy_kl_update(view, self.estimator, self.clamp)
 
     def compute(self) -> Tensor:
         self.check_deferred()
-        return F._policy_kl_compute(self.sum, self.count)
+        return F._policy_kl_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 class PPOKL(_PolicyKL):
@@ -357,6 +348,7 @@ class PolicyClipFraction(_TrainingMetric):
     higher_is_better = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
+    states = table("clipped", "clipped_lower", "count", "nonfinite")
     _deferred = (
         ("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS, F.ADVANTAGES),
          "non-finite logprobs or advantages on response tokens"),
@@ -384,15 +376,13 @@ class PolicyClipFraction(_TrainingMetric):
         super().__init__(**kwargs)
         self.low, self.high, self.c = F.check_clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
         self.clamp = check_positive("clamp", clamp)
-        for name in ("clipped", "clipped_lower", "count", "nonfinite"):
-            self.add_sum(name)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._clipfrac_update(view, self.low, self.high, self.c, self.clamp))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._clipfrac_update(view, self.low, self.high, self.c, self.clamp)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return F._clipfrac_compute(self.clipped, self.clipped_lower, self.count)
+        return F._clipfrac_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 LR_SCHEDULER = "lr_scheduler"
@@ -418,7 +408,7 @@ class LRSchedulerState(_TrainingMetric):
         {'lr_scheduler/last_lr': 2e-06, 'lr_scheduler/step': 10.5}
     """
 
-    keys = ("lr_scheduler/<name>",)
+    keys = BySettings(("lr_scheduler/<name>",), lambda m: tuple(f"lr_scheduler/{n}" for n in m.names))
     required_fields = (LR_SCHEDULER,)
     higher_is_better = None
     glossary = GlossaryEntry(
@@ -437,14 +427,16 @@ class LRSchedulerState(_TrainingMetric):
         if not names or any(not isinstance(n, str) or not n or "/" in n for n in names) or len(set(names)) < len(names):
             raise ValueError(f"`names` must be distinct non-empty strings without '/', got {names!r}")
         self.names = names
-        self.keys = tuple(f"lr_scheduler/{n}" for n in names)
-        for i in range(len(names)):
-            for stat in ("sum_wx", "sum_w", "count", "nonfinite"):
-                self.add_sum(f"{stat}_{i}")
-        self._deferred = tuple((f"nonfinite_{i}", (LR_SCHEDULER,), f"non-finite `{n}` values")
-                               for i, n in enumerate(names))
 
-    def _update_view(self, view: BatchView) -> None:
+    def state_table(self) -> dict[str, State]:
+        # One block of trainer-scalar states per name, suffixed by the name's index.
+        return {f"{stat}_{i}": SUM for i in range(len(self.names)) for stat in _TrainerScalar.states}
+
+    @property
+    def _deferred(self) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+        return tuple((f"nonfinite_{i}", (LR_SCHEDULER,), f"non-finite `{n}` values") for i, n in enumerate(self.names))
+
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         state = view.field(LR_SCHEDULER)
         if not isinstance(state, Mapping):
             raise ValueError(f"batch field `{LR_SCHEDULER}` must be a mapping of state names to values, "
@@ -454,13 +446,15 @@ class LRSchedulerState(_TrainingMetric):
             raise ValueError(f"batch field `{LR_SCHEDULER}` has names {unknown} not declared in `names` "
                              f"{list(self.names)}")
         inner = BatchView(dict(state))
+        out: dict[str, Tensor] = {}
         for i, name in enumerate(self.names):
             if inner.has(name):
                 try:
                     stats = F._scalar_update(inner, name, None, self.device)
                 except ValueError as err:
                     raise ValueError(f"batch field `{LR_SCHEDULER}`: {err}") from err
-                self.accumulate(**{f"{k}_{i}": v for k, v in stats.items()})
+                out.update({f"{k}_{i}": v for k, v in stats.items()})
+        return out
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()

@@ -3,13 +3,13 @@ explained variance."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.metric import MAX, MIN, SUM, GlossaryEntry, table
 from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
 
 _TOKENS = (
@@ -32,7 +32,6 @@ class CriticLoss(_TrainerScalar):
     """
 
     keys = ("critic/loss",)
-    field = "critic_loss"
     weight_field = F.LOSS_TOKENS
     required_fields = ("critic_loss",)
     higher_is_better = False
@@ -57,7 +56,6 @@ class CriticLR(_TrainerScalar):
     """
 
     keys = ("critic/lr",)
-    field = "critic_lr"
     required_fields = ("critic_lr",)
     glossary = GlossaryEntry(
         name="critic/lr",
@@ -69,30 +67,18 @@ class CriticLR(_TrainerScalar):
 
 
 class _FieldStats(_TrainingMetric):
-    """mean/max/min (and std) of one batch field, token-level or per-sequence sums."""
+    """mean/max/min (and std) of one batch field (``required_fields[0]``), token-level or per-sequence sums."""
 
-    stat_field: ClassVar[str] = ""
     per_sequence: ClassVar[bool] = False
+    states = table("sum", "sum_sq", "sum_hi", "sum_sq_hi", max=MAX, min=MIN, count=SUM, nonfinite=SUM)
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("sum")
-        self.add_sum("sum_sq")
-        self.add_sum("sum_hi")
-        self.add_sum("sum_sq_hi")
-        self.add_max("max")
-        self.add_min("min")
-        self.add_sum("count")
-        self.add_sum("nonfinite")
-
-    def _update_view(self, view: BatchView) -> None:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         update = F._sequence_sum_update if self.per_sequence else F._token_stats_update
-        self.accumulate(**update(view, self.stat_field))
+        return update(view, self.required_fields[0])
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return F._critic_stats_compute(self.stat_field, self.sum, self.sum_sq, self.max, self.min, self.count,
-                                       self.sum_hi, self.sum_sq_hi)
+        return F._critic_stats_compute(self.required_fields[0], **self.state_values(exclude=("nonfinite",)))
 
 
 class ValueStats(_FieldStats):
@@ -109,7 +95,6 @@ class ValueStats(_FieldStats):
     """
 
     keys = F.CRITIC_STAT_KEYS[F.VALUES]
-    stat_field = F.VALUES
     required_fields = (F.VALUES,)
     _deferred = (("nonfinite", F.VALUES, "non-finite values on response tokens"),)
     glossary = GlossaryEntry(
@@ -134,7 +119,6 @@ class ReturnStats(_FieldStats):
     """
 
     keys = F.CRITIC_STAT_KEYS[F.RETURNS]
-    stat_field = F.RETURNS
     required_fields = (F.RETURNS,)
     _deferred = (("nonfinite", F.RETURNS, "non-finite returns on response tokens"),)
     glossary = GlossaryEntry(
@@ -160,7 +144,6 @@ class AdvantageStats(_FieldStats):
     """  # noqa: E501
 
     keys = F.CRITIC_STAT_KEYS[F.ADVANTAGES]
-    stat_field = F.ADVANTAGES
     required_fields = (F.ADVANTAGES,)
     _deferred = (("nonfinite", F.ADVANTAGES, "non-finite advantages on response tokens"),)
     glossary = GlossaryEntry(
@@ -186,7 +169,6 @@ class RewardStats(_FieldStats):
     """
 
     keys = F.CRITIC_STAT_KEYS[F.REWARDS]
-    stat_field = F.REWARDS
     per_sequence = True
     required_fields = (F.REWARDS,)
     higher_is_better = True
@@ -215,7 +197,6 @@ class ScoreStats(_FieldStats):
     """
 
     keys = F.CRITIC_STAT_KEYS[F.SCORES]
-    stat_field = F.SCORES
     per_sequence = True
     required_fields = (F.SCORES,)
     higher_is_better = True
@@ -259,16 +240,12 @@ class ExplainedVariance(_TrainingMetric):
         aliases=("vf_explained_var",),
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_r", "sum_r2", "sum_d", "sum_d2", "sum_r_hi", "sum_r2_hi", "sum_d_hi", "sum_d2_hi", "count",
-                     "nonfinite"):
-            self.add_sum(name)
+    states = table("sum_r", "sum_r2", "sum_d", "sum_d2", "sum_r_hi", "sum_r2_hi", "sum_d_hi", "sum_d2_hi", "count",
+                   "nonfinite")
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._explained_var_update(view))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._explained_var_update(view)
 
     def compute(self) -> Tensor:
         self.check_deferred()
-        return F._explained_var_compute(self.sum_r, self.sum_r2, self.sum_d, self.sum_d2, self.count, self.sum_r_hi,
-                                        self.sum_r2_hi, self.sum_d_hi, self.sum_d2_hi)
+        return F._explained_var_compute(**self.state_values(exclude=("nonfinite",)))

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.metric import MAX, MIN, SUM, BySettings, GlossaryEntry, table
 from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric, _TurnCounts
 
 _SEQUENCES = "sequences (samples) over the window and all ranks"
@@ -23,26 +23,27 @@ def _check_max_length(name: str, value: int | None) -> int | None:
     return value
 
 
+def _length_keys(m: _LengthStats) -> tuple[str, ...]:
+    return F.length_keys(m.prefix, m.max_length)  # clip_ratio only with a maximum length
+
+
 class _LengthStats(_TrainingMetric):
+    """mean/max/min of one length field (``required_fields[0]``), and the clipped share given a maximum."""
+
     prefix: ClassVar[str] = ""
-    length_field: ClassVar[str] = ""
+    states = table(sum=SUM, max=MAX, min=MIN, count=SUM, clipped=SUM, zero=SUM, invalid=SUM)
 
     def __init__(self, max_length: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.max_length = _check_max_length("max_length", max_length)
-        self.keys = F.length_keys(self.prefix, self.max_length)
-        self.add_sum("sum")
-        self.add_max("max")
-        self.add_min("min")
-        for name in ("count", "clipped", "zero", "invalid"):
-            self.add_sum(name)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._length_update(view, self.length_field, self.max_length))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._length_update(view, self.required_fields[0], self.max_length)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return F._length_compute(self.prefix, self.max_length, self.sum, self.max, self.min, self.count, self.clipped)
+        return F._length_compute(self.prefix, self.max_length, **self.state_values("sum", "max", "min", "count",
+                                                                                  "clipped"))
 
 
 class ResponseLength(_LengthStats):
@@ -64,9 +65,8 @@ class ResponseLength(_LengthStats):
          ('response_length/clip_ratio', 0.25)]
     """
 
-    keys = ("response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio")
+    keys = BySettings(F.length_keys("response_length", 1), _length_keys)
     prefix = "response_length"
-    length_field = F.RESPONSE_LENGTHS
     required_fields = (F.RESPONSE_LENGTHS,)
     _deferred = (("invalid", F.RESPONSE_LENGTHS, "negative or non-finite lengths"),)
     glossary = GlossaryEntry(
@@ -96,9 +96,8 @@ class PromptLength(_LengthStats):
         [70.0, 100.0, 40.0, 0.5]
     """
 
-    keys = ("prompt_length/mean", "prompt_length/max", "prompt_length/min", "prompt_length/clip_ratio")
+    keys = BySettings(F.length_keys("prompt_length", 1), _length_keys)
     prefix = "prompt_length"
-    length_field = F.PROMPT_LENGTHS
     required_fields = (F.PROMPT_LENGTHS,)
     _deferred = (("invalid", F.PROMPT_LENGTHS, "negative or non-finite lengths"),)
     glossary = GlossaryEntry(
@@ -140,17 +139,14 @@ class AbortedRatio(_TrainingMetric):
         action=NO_ACTION,
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("aborted", "count", "invalid"):
-            self.add_sum(name)
+    states = table("aborted", "count", "invalid")
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._aborted_update(view))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._aborted_update(view)
 
     def compute(self) -> Tensor:
         self.check_deferred()
-        return F._aborted_compute(self.aborted, self.count)
+        return F._aborted_compute(**self.state_values(exclude=("invalid",)))
 
 
 class NumTurns(_TurnCounts):
@@ -176,9 +172,9 @@ class NumTurns(_TurnCounts):
         action=NO_ACTION,
     )
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._turns_update(view))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._turns_update(view)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return F._turns_compute(self.sum, self.max, self.min, self.count)
+        return F._turns_compute(**self.state_values(exclude=("invalid",)))

@@ -30,7 +30,7 @@ from torch import Tensor
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.metric import MAX, MIN, SUM, BySettings, GlossaryEntry, table
 from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _PerRank, _TrainingMetric
 
 F64 = torch.float64
@@ -105,6 +105,8 @@ class GlobalSeqlen(_PerRank):
     keys = P.SEQLEN_KEYS
     required_fields = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
     higher_is_better = None
+    states = table(workload=SUM.of("slots"), active=SUM.of("slots"), hist=SUM.of(lambda m: m.max_seqlen + 1),
+                   overflow_count=SUM, overflow_sum=SUM, invalid=SUM, bad_rank=SUM)
     _deferred = (
         ("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),
         ("bad_rank", RANK_IDS, "rank ids outside [0, world_size)"),
@@ -139,13 +141,8 @@ class GlobalSeqlen(_PerRank):
         if algorithm not in P.PARTITION_ALGORITHMS:
             raise ValueError(f"`algorithm` must be one of {P.PARTITION_ALGORITHMS}, got {algorithm!r}")
         self.max_seqlen, self.algorithm, self.equal_size = max_seqlen, algorithm, bool(equal_size)
-        self.add_sum("workload", (self.slots,))
-        self.add_sum("active", (self.slots,))
-        self.add_sum("hist", (max_seqlen + 1,))
-        for name in ("overflow_count", "overflow_sum", "invalid", "bad_rank"):
-            self.add_sum(name)
 
-    def _update_view(self, view: BatchView) -> None:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         lengths, invalid = _workload(view)
         device = lengths.device
         if view.has(RANK_IDS):
@@ -173,15 +170,15 @@ class GlobalSeqlen(_PerRank):
         idx = lengths.round().clamp(0, self.max_seqlen).long()
         hist = torch.zeros(self.max_seqlen + 1, dtype=F64, device=device)
         hist.index_add_(0, idx, (~over).to(F64))
-        self.accumulate(
-            workload=workload,
-            active=active,
-            hist=hist,
-            overflow_count=over.to(F64).sum(),
-            overflow_sum=torch.where(over, lengths, torch.zeros((), dtype=F64, device=device)).sum(),
-            invalid=invalid,
-            bad_rank=bad_rank,
-        )
+        return {
+            "workload": workload,
+            "active": active,
+            "hist": hist,
+            "overflow_count": over.to(F64).sum(),
+            "overflow_sum": torch.where(over, lengths, torch.zeros((), dtype=F64, device=device)).sum(),
+            "invalid": invalid,
+            "bad_rank": bad_rank,
+        }
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
@@ -310,24 +307,20 @@ class _StageClock(_PerRank):
     Every ``update`` may carry ``timing_s`` (one step of this rank: adds its stage times) and/or both
     ``prompt_lengths`` and ``response_lengths`` (adds the sequences' tokens), so in a collection the
     step's lengths can arrive with the micro-batches and the timings once at the end of the step.
+    Subclasses set ``clock_stages`` (the stages timed) in their constructor.
     """
 
     strict_stages = False
-    required_fields = ()  # timing_s and the lengths are each optional; see _update_view
+    required_fields = ()  # timing_s and the lengths are each optional; see statistics
     _deferred = (("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),)
-
-    def _init_clock(self, stages: tuple[str, ...]) -> None:
-        self.clock_stages = stages
-        self.add_sum("time", (self.slots, len(stages)))
-        self.add_sum("steps", (self.slots,))
-        for name in ("tokens_response", "tokens_all", "sum_sq", "invalid"):
-            self.add_sum(name)
+    states = table(time=SUM.of("slots", lambda m: len(m.clock_stages)), steps=SUM.of("slots"), tokens_response=SUM,
+                   tokens_all=SUM, sum_sq=SUM, invalid=SUM)
 
     def accepts(self, view: BatchView) -> bool:
         """A collection updates this metric with batches carrying ``timing_s`` or both length fields."""
         return view.has(TIMING_S) or view.has(F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
 
-    def _update_view(self, view: BatchView) -> None:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         stats: dict[str, Tensor] = {}
         if view.has(TIMING_S):
             rank = self.current_rank()
@@ -340,7 +333,7 @@ class _StageClock(_PerRank):
             stats.update(
                 tokens_response=r.sum(), tokens_all=lengths.sum(), sum_sq=(lengths * lengths).sum(), invalid=invalid
             )
-        self.accumulate(**stats)
+        return stats
 
     def per_step(self) -> tuple[Tensor, Tensor]:
         """``(seconds per step of the slowest rank [S], steps of the window)``."""
@@ -379,7 +372,8 @@ class StageTiming(_StageClock):
          'timing_per_token_ms/gen': 2.0, 'timing_per_token_ms/update_actor': 0.8333333333333334}
     """
 
-    keys = ("timing_s/<stage>", "timing_per_token_ms/<stage>")
+    keys = BySettings(("timing_s/<stage>", "timing_per_token_ms/<stage>"), lambda m: (
+        *(f"timing_s/{s}" for s in m.stages), *(f"timing_per_token_ms/{s}" for s in m.per_token_stages)))
     higher_is_better = False
     glossary = GlossaryEntry(
         name="timing_s",
@@ -413,10 +407,7 @@ class StageTiming(_StageClock):
             raise ValueError(f"`per_token_stages` {missing} are not in `stages`")
         self.response_token_stages = _check_stage_names("response_token_stages", response_token_stages)
         self.strict_stages = bool(strict)
-        self.keys = tuple(f"timing_s/{s}" for s in self.stages) + tuple(
-            f"timing_per_token_ms/{s}" for s in self.per_token_stages
-        )
-        self._init_clock(self.stages)
+        self.clock_stages = self.stages
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
@@ -471,7 +462,7 @@ class Throughput(_StageClock):
         if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1):
             raise ValueError(f"`num_gpus` must be a positive integer, got {num_gpus!r}")
         self.num_gpus = num_gpus
-        self._init_clock((self.step_stage,))
+        self.clock_stages = (self.step_stage,)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
@@ -523,7 +514,7 @@ class ModelFlopsUtilization(_StageClock):
         tensor(0.5010, dtype=torch.float64)
     """
 
-    keys = ("perf/mfu/<name>",)
+    keys = BySettings(("perf/mfu/<name>",), lambda m: tuple(f"perf/mfu/{n}" for n in m.mfu_stages))
     higher_is_better = True
     glossary = GlossaryEntry(
         name="perf/mfu",
@@ -566,8 +557,7 @@ class ModelFlopsUtilization(_StageClock):
         if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1):
             raise ValueError(f"`num_gpus` must be a positive integer, got {num_gpus!r}")
         self.num_gpus = num_gpus
-        self.keys = tuple(f"perf/mfu/{n}" for n in names)
-        self._init_clock(timing)
+        self.clock_stages = timing
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
@@ -613,6 +603,8 @@ class AgentLoopTiming(_TrainingMetric):
     required_fields = (AGENT_GENERATE_S,)
     higher_is_better = False
     _deferred = (("invalid", (AGENT_GENERATE_S, AGENT_TOOL_CALLS_S), "negative or non-finite sample times"),)
+    states = table(**{f"{part}_{stat}": state for part in ("gen", "tool")
+                      for stat, state in (("sum", SUM), ("max", MAX), ("min", MIN), ("count", SUM))}, invalid=SUM)
     glossary = GlossaryEntry(
         name="timing_s/agent_loop",
         what="Distribution of per-sample generation and tool-call time in agentic rollouts: min, max, mean. A "
@@ -623,16 +615,7 @@ class AgentLoopTiming(_TrainingMetric):
         action=NO_ACTION,
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for part in ("gen", "tool"):
-            self.add_sum(f"{part}_sum")
-            self.add_max(f"{part}_max")
-            self.add_min(f"{part}_min")
-            self.add_sum(f"{part}_count")
-        self.add_sum("invalid")
-
-    def _update_view(self, view: BatchView) -> None:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         view.field(AGENT_GENERATE_S)  # required (a clear error when missing); the tool-call times are optional
         stats: dict[str, Tensor] = {}
         invalid = []
@@ -648,7 +631,7 @@ class AgentLoopTiming(_TrainingMetric):
                           f"{part}_count": s["count"]})
             invalid.append(bad)
         stats["invalid"] = sum(invalid[1:], invalid[0])
-        self.accumulate(**stats)
+        return stats
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
@@ -695,6 +678,8 @@ class AgentLoopSlowest(_PerRank):
     higher_is_better = False
     _FIELDS = (AGENT_GENERATE_S, AGENT_TOOL_CALLS_S, "prompt_lengths", "response_lengths")
     _deferred = (("invalid", _FIELDS, "negative or non-finite values"),)
+    # Per slot: total seconds, generation, tool calls, prompt length, response length.
+    states = table(slowest=SUM.of("slots", 5), seen=SUM.of("slots"), invalid=SUM)
     glossary = GlossaryEntry(
         name="timing_s/agent_loop/slowest",
         what="Details of the slowest agentic rollout sample of the step (largest generation + tool-call time): "
@@ -704,13 +689,6 @@ class AgentLoopSlowest(_PerRank):
         cap=DIAGNOSTIC,
         action=NO_ACTION,
     )
-
-    def __init__(self, world_size: int | None = None, **kwargs: Any) -> None:
-        super().__init__(world_size=world_size, **kwargs)
-        # Per slot: total seconds, generation, tool calls, prompt length, response length.
-        self.add_sum("slowest", (self.slots, 5))
-        self.add_sum("seen", (self.slots,))
-        self.add_sum("invalid")
 
     def _update_view(self, view: BatchView) -> None:
         gen, invalid = F.nonnegative_field(view, AGENT_GENERATE_S)

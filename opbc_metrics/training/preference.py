@@ -9,7 +9,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView, check_positive
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.metric import GlossaryEntry, table
 from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
 
 _PAIRS = "preference pairs (chosen, rejected) over the window and all ranks"
@@ -43,6 +43,7 @@ class DPOMetrics(_TrainingMetric):
     keys = F.DPO_KEYS
     required_fields = F.DPO_FIELDS
     _deferred = (("nonfinite", F.DPO_FIELDS, "pairs with non-finite logps"),)
+    states = table("sum_loss", "sum_chosen", "sum_rejected", "correct", "count", "nonfinite")
     glossary = GlossaryEntry(
         name="dpo",
         what="DPO loss and implicit rewards: rewards/chosen and rewards/rejected are beta times the policy-vs-"
@@ -62,15 +63,13 @@ class DPOMetrics(_TrainingMetric):
         if not 0.0 <= label_smoothing < 0.5 or math.isnan(label_smoothing):
             raise ValueError(f"`label_smoothing` must be in [0, 0.5), got {label_smoothing}")
         self.label_smoothing = label_smoothing
-        for name in ("sum_loss", "sum_chosen", "sum_rejected", "correct", "count", "nonfinite"):
-            self.add_sum(name)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._dpo_update(view, self.beta, self.label_smoothing))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._dpo_update(view, self.beta, self.label_smoothing)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return F._dpo_compute(self.sum_loss, self.sum_chosen, self.sum_rejected, self.correct, self.count)
+        return F._dpo_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 class RewardModelMetrics(_TrainingMetric):
@@ -103,17 +102,14 @@ class RewardModelMetrics(_TrainingMetric):
         aliases=("rm/loss", "rm/accuracy", "rm/reward_margin"),
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_loss", "correct", "sum_margin", "count", "nonfinite"):
-            self.add_sum(name)
+    states = table("sum_loss", "correct", "sum_margin", "count", "nonfinite")
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._rm_update(view))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._rm_update(view)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return F._rm_compute(self.sum_loss, self.correct, self.sum_margin, self.count)
+        return F._rm_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 class RMGradNorm(_TrainerScalar):
@@ -127,7 +123,6 @@ class RMGradNorm(_TrainerScalar):
     """
 
     keys = ("rm/grad_norm",)
-    field = "rm_grad_norm"
     required_fields = ("rm_grad_norm",)
     higher_is_better = False
     glossary = GlossaryEntry(

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import validation as V
-from opbc_metrics.metric import GlossaryEntry
+from opbc_metrics.metric import SUM, BySettings, GlossaryEntry, table
 from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric, _TurnCounts
 
 _PROMPTS = (
@@ -24,9 +24,17 @@ _PROMPTS = (
 )
 
 
+def _validation_keys(m: _PerSource) -> tuple[str, ...]:
+    return V.validation_keys(m.data_sources, m.n_samples, m.ks, m.mode)
+
+
 class _PerSource(_TrainingMetric):
-    value_field: ClassVar[str] = ""
+    """Per data source statistics of the value field (``required_fields[0]``), ``[S]`` and ``[S, K]`` sums."""
+
     mode: ClassVar[str] = ""
+    states = table(prompts=SUM.of(lambda m: len(m.data_sources)), sum_mean=SUM.of(lambda m: len(m.data_sources)),
+                   sum_at_k=SUM.of(lambda m: len(m.data_sources), lambda m: len(m.ks)),
+                   prompts_at_k=SUM.of(lambda m: len(m.data_sources), lambda m: len(m.ks)), nonfinite=SUM)
 
     def __init__(
         self,
@@ -41,25 +49,20 @@ class _PerSource(_TrainingMetric):
         self.data_sources = V.check_sources(data_sources, self.allow_other)
         self.n_samples = n_samples
         self.ks = V.check_ks(ks, n_samples)
-        self.keys = V.validation_keys(self.data_sources, self.n_samples, self.ks, self.mode)
-        S, K = len(self.data_sources), len(self.ks)
-        self.add_sum("prompts", (S,))
-        self.add_sum("sum_mean", (S,))
-        self.add_sum("sum_at_k", (S, K))
-        self.add_sum("prompts_at_k", (S, K))
-        self.add_sum("nonfinite")
-        self._deferred = (("nonfinite", self.value_field, V.NONFINITE_SAMPLES),)
 
-    def _update_view(self, view: BatchView) -> None:
-        stats = V._validation_update(
-            view, self.value_field, self.data_sources, self.allow_other, self.n_samples, self.ks, self.mode
+    @property
+    def _deferred(self) -> tuple[tuple[str, str, str], ...]:
+        return (("nonfinite", self.required_fields[0], V.NONFINITE_SAMPLES),)
+
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return V._validation_update(
+            view, self.required_fields[0], self.data_sources, self.allow_other, self.n_samples, self.ks, self.mode
         )
-        self.accumulate(**stats)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
         return V._validation_compute(
-            self.prompts, self.sum_mean, self.sum_at_k, self.prompts_at_k,
+            **self.state_values(exclude=("nonfinite",)),
             sources=self.data_sources, n_samples=self.n_samples, ks=self.ks, mode=self.mode,
         )
 
@@ -88,8 +91,7 @@ class ValidationAccuracy(_PerSource):
          'val-core/math/acc/mean@4': 0.375, 'val-aux/math/acc/pass@1': 0.375, 'val-aux/math/acc/pass@2': 0.5}
     """
 
-    keys = ("val-core/<source>/acc/mean@<n>", "val-aux/<source>/acc/pass@<k>")
-    value_field = V.VAL_ACC
+    keys = BySettings(("val-core/<source>/acc/mean@<n>", "val-aux/<source>/acc/pass@<k>"), _validation_keys)
     mode = "pass"
     required_fields = (V.VAL_ACC, V.DATA_SOURCES)
     higher_is_better = True
@@ -119,8 +121,7 @@ class ValidationReward(_PerSource):
         {'val-aux/gsm8k/reward/mean@4': 1.5, 'val-aux/gsm8k/reward/best@2': 2.3333}
     """
 
-    keys = ("val-aux/<source>/reward/mean@<n>", "val-aux/<source>/reward/best@<k>")
-    value_field = V.VAL_REWARDS
+    keys = BySettings(("val-aux/<source>/reward/mean@<n>", "val-aux/<source>/reward/best@<k>"), _validation_keys)
     mode = "best"
     required_fields = (V.VAL_REWARDS, V.DATA_SOURCES)
     higher_is_better = True
@@ -157,9 +158,9 @@ class ValidationTurns(_TurnCounts):
         action=NO_ACTION,
     )
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**V._val_turns_update(view))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return V._val_turns_update(view)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
-        return V._val_turns_compute(self.sum, self.max, self.min, self.count)
+        return V._val_turns_compute(**self.state_values(exclude=("invalid",)))
