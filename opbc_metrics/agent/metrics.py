@@ -10,13 +10,13 @@ the four classes does the host work once. The inputs are optional: inside an
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import agent as F
-from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.metric import MIN, GlossaryEntry, OPBCMetric, table
 
 _PAIRS = "(rollout, reference) trajectory pairs, summed over the window and all ranks"
 _DIAGNOSTIC = "none (diagnostic)"
@@ -33,23 +33,14 @@ class _AgentMetric(OPBCMetric):
     required_fields = (F.TRAJECTORY_PAIRS,)
     optional_inputs = True
     data_counts = ("pairs",)
-    _sums: ClassVar[tuple[str, ...]] = ()
-    _mins: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in self._sums:
-            self.add_sum(name)
-        for name in self._mins:
-            self.add_min(name)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trajectory_pairs``: a list of ``(rollout, reference)`` pairs."""
         super().update(batch, **fields)
 
-    def _update_view(self, view: BatchView) -> None:
-        stats = F._agent_update(view)
-        self.accumulate(**{name: stats[name].to(self.device) for name in (*self._sums, *self._mins)})
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        stats = F._agent_update(view)  # the statistics of every agent metric, computed once per view
+        return {name: stats[name] for name in self.states}
 
 
 class ToolCallJaccard(_AgentMetric):
@@ -84,10 +75,10 @@ class ToolCallJaccard(_AgentMetric):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-    _sums = ("jaccard_sum", "pairs")
+    states = table("jaccard_sum", "pairs")
 
     def compute(self) -> Tensor:
-        return F._jaccard_compute(self.jaccard_sum, self.pairs)
+        return F._jaccard_compute(**self.state_values())
 
 
 class FirstDivergenceStep(_AgentMetric):
@@ -128,20 +119,10 @@ class FirstDivergenceStep(_AgentMetric):
         action=_NO_ACTION,
         aliases=("diverged_fraction", "divergence_kind"),
     )
-    _sums = ("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in F.DIVERGENCE_KINDS))
-    _mins = ("step_min",)
+    states = table("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in F.DIVERGENCE_KINDS), step_min=MIN)
 
     def compute(self) -> dict[str, Tensor]:
-        return F._divergence_compute(
-            self.pairs,
-            self.diverged,
-            self.step_sum,
-            self.step_min,
-            self.kind_tool_choice,
-            self.kind_tool_arguments,
-            self.kind_content,
-            self.kind_length,
-        )
+        return F._divergence_compute(**self.state_values())
 
 
 class AnswerMatchRate(_AgentMetric):
@@ -177,10 +158,10 @@ class AnswerMatchRate(_AgentMetric):
         action=_NO_ACTION,
         aliases=("answer_match_rate",),
     )
-    _sums = ("matches", "pairs")
+    states = table("matches", "pairs")
 
     def compute(self) -> Tensor:
-        return F._answer_compute(self.matches, self.pairs)
+        return F._answer_compute(**self.state_values())
 
 
 class SoftAnswerMatch(_AgentMetric):
@@ -214,10 +195,10 @@ class SoftAnswerMatch(_AgentMetric):
         action=_NO_ACTION,
         aliases=("soft_answer_match", "answer_f1"),
     )
-    _sums = ("soft_sum", "pairs")
+    states = table("soft_sum", "pairs")
 
     def compute(self) -> Tensor:
-        return F._soft_answer_compute(self.soft_sum, self.pairs)
+        return F._soft_answer_compute(**self.state_values())
 
 
 class TrajectoryStepCounts(_AgentMetric):
@@ -246,10 +227,10 @@ class TrajectoryStepCounts(_AgentMetric):
         action=_NO_ACTION,
         aliases=("rollout_steps", "reference_steps", "num_steps"),
     )
-    _sums = ("rollout_steps", "reference_steps", "pairs")
+    states = table("rollout_steps", "reference_steps", "pairs")
 
     def compute(self) -> dict[str, Tensor]:
-        return F._step_count_compute(self.rollout_steps, self.reference_steps, self.pairs)
+        return F._step_count_compute(**self.state_values())
 
 
 class ToolChoiceDisagreementRate(_AgentMetric):
@@ -285,10 +266,10 @@ class ToolChoiceDisagreementRate(_AgentMetric):
     )
     # ``pairs`` is not needed for the rate; it marks that the window saw pairs, so a collection reports the
     # key (0) for pairs without any tool call instead of leaving it out as "no data".
-    _sums = ("disagree", "tool_steps", "pairs")
+    states = table("disagree", "tool_steps", "pairs")
 
     def compute(self) -> Tensor:
-        return F._tool_choice_compute(self.disagree, self.tool_steps)
+        return F._tool_choice_compute(**self.state_values(exclude=("pairs",)))
 
 
 AGENT_METRICS: tuple[type[_AgentMetric], ...] = (
