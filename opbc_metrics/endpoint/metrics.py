@@ -10,13 +10,13 @@ No response in the window: no keys.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import endpoint as F
-from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.metric import GlossaryEntry, OPBCMetric, table
 
 _RESPONSES = (
     "OpenAI-compatible responses probed (one per request, all of its choices), summed over the window and "
@@ -26,31 +26,26 @@ _DIAGNOSTIC = "none (diagnostic)"
 
 
 class _CoverageMetric(OPBCMetric):
-    """Base: the fraction of probed responses with each of ``_flags``."""
+    """Base: the fraction of probed responses with each capability flag (the states after ``responses``)."""
 
     section = "endpoint"
     required_fields = (F.ENDPOINT_RESPONSES,)
     optional_inputs = True
     data_counts = ("responses",)
-    _flags: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("responses")
-        for flag in self._flags:
-            self.add_sum(flag)
+    states = table("responses")
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate ``endpoint_responses`` (a list of responses) and the optional ``endpoint_requests``
         (their request bodies: a parallel list, or one body for all)."""
         super().update(batch, **fields)
 
-    def _update_view(self, view: BatchView) -> None:
-        stats = F._endpoint_update(view)
-        self.accumulate(**{name: stats[name].to(self.device) for name in ("responses", *self._flags)})
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        stats = F._endpoint_update(view)  # the statistics of every endpoint metric, computed once per view
+        return {name: stats[name] for name in self.states}
 
     def compute(self) -> Tensor | dict[str, Tensor]:
-        out = {F.capability_key(f): F._coverage_compute(getattr(self, f), self.responses) for f in self._flags}
+        flags = self.state_values(exclude=("responses",))
+        out = {F.capability_key(f): F._coverage_compute(v, self.responses) for f, v in flags.items()}
         return out if len(out) > 1 else next(iter(out.values()))
 
 
@@ -89,7 +84,7 @@ class TokenIdsCoverage(_CoverageMetric):
         "comparisons can misalign (a misaligned batch is a contract failure the OPBC rejects)",
         aliases=("prompt_token_ids_available",),
     )
-    _flags = ("token_ids_available", "prompt_token_ids_available")
+    states = table("responses", "token_ids_available", "prompt_token_ids_available")
 
 
 class SampledLogprobsCoverage(_CoverageMetric):
@@ -120,7 +115,7 @@ class SampledLogprobsCoverage(_CoverageMetric):
         action="no OPBC action by itself; a rollout without sampled logprobs fails the OPBC input contract "
         "(missing rollout_logprobs), and its group is rejected",
     )
-    _flags = ("sampled_logprobs_available",)
+    states = table("responses", "sampled_logprobs_available")
 
 
 class TopLogprobsCoverage(_CoverageMetric):
@@ -151,7 +146,7 @@ class TopLogprobsCoverage(_CoverageMetric):
         cap=_DIAGNOSTIC,
         action="no OPBC action; without top-k only sampled-token statistics can be computed",
     )
-    _flags = ("top_logprobs_available",)
+    states = table("responses", "top_logprobs_available")
 
 
 class SeedSupportCoverage(_CoverageMetric):
@@ -186,7 +181,7 @@ class SeedSupportCoverage(_CoverageMetric):
         "rollout, so replayed groups cannot be regenerated bit-for-bit",
         aliases=("seed_requested",),
     )
-    _flags = ("seed_supported", "seed_requested")
+    states = table("responses", "seed_supported", "seed_requested")
 
 
 class EndpointResponseCount(_CoverageMetric):
