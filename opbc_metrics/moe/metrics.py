@@ -9,7 +9,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import moe as F
-from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.metric import SUM, BySettings, GlossaryEntry, OPBCMetric, table
 
 _PAIRS = (
     "valid (token, layer) pairs: response tokens (response_mask = 1) times MoE layers, over the window and all ranks"
@@ -31,13 +31,11 @@ class _RouterMetric(OPBCMetric):
     section = "moe"
     optional_inputs = True
     data_counts = ("layer_pairs", "tokens")
-    required_fields = F.EXPERT_FIELDS
+    required_fields = BySettings(F.EXPERT_FIELDS, lambda m: F.EXPERT_FIELDS if m.top_k is None else F.LOGIT_FIELDS)
 
     def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.top_k = F.check_top_k(top_k)
-        if self.top_k is not None:
-            self.required_fields = F.LOGIT_FIELDS
 
     def accepts(self, view: BatchView) -> bool:
         """Whether each side of the batch carries expert ids, or router logits with ``top_k`` set."""
@@ -94,7 +92,7 @@ class RouterFlipRate(_RouterMetric):
         moe/router/layer_1/flip_rate 0.6667
     """
 
-    keys = F.flip_rate_keys(F.DEFAULT_MOE_LAYERS)
+    keys = BySettings(F.flip_rate_keys(F.DEFAULT_MOE_LAYERS), lambda m: F.flip_rate_keys(m.num_layers))
     higher_is_better = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
@@ -110,20 +108,18 @@ class RouterFlipRate(_RouterMetric):
         "gradient is not the gradient of the policy that sampled it",
         aliases=("top-1 flip rate", "top1_flip_rate"),
     )
+    states = table(layer_flips=SUM.of(lambda m: m.num_layers + 1), layer_pairs=SUM.of(lambda m: m.num_layers + 1))
 
     def __init__(self, num_layers: int | None = None, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
         self.configured_layers = 0 if num_layers is None else F.check_num_layers(num_layers)
         self.num_layers = self.configured_layers or F.DEFAULT_MOE_LAYERS
-        self.keys = F.flip_rate_keys(self.num_layers)
-        self.add_sum("layer_flips", (self.num_layers + 1,))
-        self.add_sum("layer_pairs", (self.num_layers + 1,))
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._flip_rate_update(view, self.num_layers, self.top_k))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._flip_rate_update(view, self.num_layers, self.top_k)
 
     def compute(self) -> dict[str, Tensor]:
-        return F._flip_rate_compute(self.layer_flips, self.layer_pairs, self.configured_layers)
+        return F._flip_rate_compute(**self.state_values(), configured_layers=self.configured_layers)
 
 
 class RouterSetDisagreement(_RouterMetric):
@@ -166,19 +162,17 @@ class RouterSetDisagreement(_RouterMetric):
         action="no OPBC action; read it against router_flip_rate, which carries the cap (max_flip)",
         aliases=("top-k set disagreement", "topk_disagreement_rate"),
     )
+    states = table("disagreements", "tokens", "out_of_range")
 
     def __init__(self, top_k: int | None = None, num_experts: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
         self.num_experts = F.check_num_experts(num_experts)
-        self.add_sum("disagreements")
-        self.add_sum("tokens")
-        self.add_sum("out_of_range")
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._set_disagreement_update(view, self.top_k, self.num_experts))
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return F._set_disagreement_update(view, self.top_k, self.num_experts)
 
     def compute(self) -> Tensor:
-        return F._set_disagreement_compute(self.disagreements, self.tokens, self.out_of_range, self.num_experts)
+        return F._set_disagreement_compute(**self.state_values(), num_experts=self.num_experts)
 
 
 MOE_METRICS: tuple[type[_RouterMetric], ...] = (RouterFlipRate, RouterSetDisagreement)
