@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_sum
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from opbc_metrics.batch import BatchView, as_view
@@ -62,8 +62,8 @@ class NoDataError(ValueError):
     """``compute()`` of a metric that saw no data (no valid token, sequence, pair or sample) in its window."""
 
 
-# A state's reduction: its initial value and torchmetrics' dist_reduce_fx.
-_REDUCTIONS = {"sum": (0.0, dim_zero_sum), "max": (float("-inf"), dim_zero_max), "min": (float("inf"), dim_zero_min)}
+# A state's reduction (across updates and ranks) and the value it starts from.
+_FILLS = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 # One entry of a state's shape: a size, the name of a setting (an instance attribute), or a function of the metric.
 Size = int | str | Callable[[Any], int]
@@ -83,8 +83,8 @@ class State:
     shape: tuple[Size, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.reduce not in _REDUCTIONS:
-            raise ValueError(f"unknown state reduction {self.reduce!r}: use one of {sorted(_REDUCTIONS)}")
+        if self.reduce not in _FILLS:
+            raise ValueError(f"unknown state reduction {self.reduce!r}: use one of {sorted(_FILLS)}")
 
     def of(self, *shape: Size) -> State:
         """The same reduction with a shape: ``SUM.of("slots", 5)``."""
@@ -237,27 +237,27 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
         for name, state in self.state_table().items():
             if not isinstance(state, State):
                 raise TypeError(f"{type(self).__name__}.states[{name!r}] must be a State (SUM, MAX, MIN): {state!r}")
-            self._add(name, state.reduce, _REDUCTIONS[state.reduce][0], state.resolve(self))
+            self._add(name, state.reduce, state.resolve(self))
 
     def state_values(self, *names: str, exclude: tuple[str, ...] = ()) -> dict[str, Tensor]:
         """``{name: state}`` for ``names`` (default: every state but ``exclude``), to pass to a ``_x_compute``."""
         return {name: getattr(self, name) for name in names or self._defaults if name not in exclude}
 
-    def _add(self, name: str, reduce: str, fill: float = 0.0, shape: tuple[int, ...] = ()) -> None:
-        default = torch.full(shape, fill, dtype=torch.float64)
+    def _add(self, name: str, reduce: str, shape: tuple[int, ...] = ()) -> None:
+        default = torch.full(shape, _FILLS[reduce], dtype=torch.float64)
         self.add_state(name, default=default, dist_reduce_fx=reduce, persistent=True)
 
     def add_sum(self, name: str, shape: tuple[int, ...] = ()) -> None:
         """A float64 state reduced by sum across updates and ranks."""
-        self._add(name, "sum", 0.0, shape)
+        self._add(name, "sum", shape)
 
     def add_max(self, name: str, shape: tuple[int, ...] = ()) -> None:
         """A float64 state reduced by max, starting at -inf."""
-        self._add(name, "max", float("-inf"), shape)
+        self._add(name, "max", shape)
 
     def add_min(self, name: str, shape: tuple[int, ...] = ()) -> None:
         """A float64 state reduced by min, starting at +inf."""
-        self._add(name, "min", float("inf"), shape)
+        self._add(name, "min", shape)
 
     def accumulate(self, **stats: Tensor) -> None:
         """Fold one batch's statistics into the states, by each state's reduction.
