@@ -7,7 +7,7 @@ import json
 import sys
 import warnings
 from abc import ABCMeta
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -65,7 +65,8 @@ class NoDataError(ValueError):
 # A state's reduction (across updates and ranks) and the value it starts from.
 _FILLS = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
-# One entry of a state's shape: a size, the name of a setting (an instance attribute), or a function of the metric.
+# One entry of a state's shape: a size, the name of a setting (a size, or a sequence: its length), or a function
+# of the metric.
 Size = int | str | Callable[[Any], int]
 
 
@@ -75,8 +76,8 @@ class State:
 
     ``reduce`` is ``"sum"`` (starts at 0), ``"max"`` (starts at -inf) or ``"min"`` (starts at +inf), across
     updates and ranks alike. ``shape`` entries are sizes, names of settings the constructor sets
-    (``"slots"``), or functions of the metric (``lambda m: m.num_layers + 1``), resolved when the metric
-    is built; the state's size is fixed from then on.
+    (``"slots"``; a sequence setting such as ``"names"`` gives its length), or functions of the metric
+    (``lambda m: m.num_layers + 1``), resolved when the metric is built; the size is fixed from then on.
     """
 
     reduce: str
@@ -91,10 +92,13 @@ class State:
         return State(self.reduce, shape)
 
     def resolve(self, metric: Any) -> tuple[int, ...]:
-        return tuple(
-            int(getattr(metric, s)) if isinstance(s, str) else int(s(metric)) if callable(s) else int(s)
-            for s in self.shape
-        )
+        def size(s: Size) -> int:
+            if isinstance(s, str):
+                value = getattr(metric, s)
+                return len(value) if isinstance(value, Sized) else int(value)
+            return int(s(metric)) if callable(s) else int(s)
+
+        return tuple(size(s) for s in self.shape)
 
 
 SUM, MAX, MIN = State("sum"), State("max"), State("min")

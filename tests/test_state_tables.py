@@ -20,16 +20,16 @@ class _Toy(OPBCMetric):
     """Sum, max and min of ``x``, a histogram of ``bins`` x ``width + 1`` (no keys: not a registered metric)."""
 
     data_counts = ("count",)
-    states = table("count", "total", hi=MAX, lo=MIN, hist=SUM.of("bins", lambda m: m.width + 1))
+    states = table("count", "total", hi=MAX, lo=MIN, hist=SUM.of("bins", lambda m: m.width + 1, "names"))
 
-    def __init__(self, bins: int = 2, width: int = 0, **kwargs: Any) -> None:
+    def __init__(self, bins: int = 2, width: int = 0, names: tuple[str, ...] = ("a",), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.bins, self.width = bins, width
+        self.bins, self.width, self.names = bins, width, names
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         x = view.field("x").to(torch.float64)
-        hist = torch.zeros(self.bins, self.width + 1, dtype=torch.float64)
-        hist[0, 0] = x.numel()
+        hist = torch.zeros(self.bins, self.width + 1, len(self.names), dtype=torch.float64)
+        hist[0, 0, 0] = x.numel()
         return {"count": torch.tensor(float(x.numel())), "total": x.sum(), "hi": x.max(), "lo": x.min(), "hist": hist}
 
     def compute(self) -> dict[str, Tensor]:
@@ -52,8 +52,8 @@ def test_states_are_registered_from_the_table_in_order_with_their_reductions_and
 
 
 def test_shapes_resolve_from_the_constructors_settings():
-    assert _Toy(bins=3, width=1).hist.shape == (3, 2)
-    assert _Toy(bins=5, width=0).hist.shape == (5, 1)
+    assert _Toy(bins=3, width=1).hist.shape == (3, 2, 1)
+    assert _Toy(bins=5, width=0, names=("a", "b")).hist.shape == (5, 1, 2)  # a sequence setting: its length
     assert SampleMetricStats(["a", "b", "c"]).count.shape == (3,)
     assert GlobalSeqlen(world_size=2, max_seqlen=7).hist.shape == (8,)
     assert StageTiming(stages=("gen", "step"), world_size=4).time.shape == (4, 2)
@@ -65,7 +65,7 @@ def test_the_base_update_folds_statistics_by_each_states_reduction():
     m.update(x=torch.tensor([-2.0, 3.0, 4.0]))
     out = m.compute()
     assert {k: float(v) for k, v in out.items()} == {"count": 5.0, "total": 11.0, "hi": 5.0, "lo": -2.0}
-    assert float(m.hist[0, 0]) == 5.0
+    assert float(m.hist[0, 0, 0]) == 5.0
 
 
 def test_an_unknown_reduction_is_refused():

@@ -712,7 +712,7 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
 
     def state_table(self) -> dict[str, State]:
         gini = table("gini_sum", "groups") if self.group_gini else {}
-        return {name: state.of(len(self.names)) for name, state in {**_MOMENTS, **gini}.items()}
+        return {name: state.of("names") for name, state in {**_MOMENTS, **gini}.items()}
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._sample_update(view, self.names, self.group_gini, self.device)

@@ -313,7 +313,7 @@ class _StageClock(_PerRank):
     strict_stages = False
     required_fields = ()  # timing_s and the lengths are each optional; see statistics
     _deferred = (("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),)
-    states = table(time=SUM.of("slots", lambda m: len(m.clock_stages)), steps=SUM.of("slots"), tokens_response=SUM,
+    states = table(time=SUM.of("slots", "clock_stages"), steps=SUM.of("slots"), tokens_response=SUM,
                    tokens_all=SUM, sum_sq=SUM, invalid=SUM)
 
     def accepts(self, view: BatchView) -> bool:

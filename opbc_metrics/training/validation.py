@@ -32,9 +32,8 @@ class _PerSource(_TrainingMetric):
     """Per data source statistics of the value field (``required_fields[0]``), ``[S]`` and ``[S, K]`` sums."""
 
     mode: ClassVar[str] = ""
-    states = table(prompts=SUM.of(lambda m: len(m.data_sources)), sum_mean=SUM.of(lambda m: len(m.data_sources)),
-                   sum_at_k=SUM.of(lambda m: len(m.data_sources), lambda m: len(m.ks)),
-                   prompts_at_k=SUM.of(lambda m: len(m.data_sources), lambda m: len(m.ks)), nonfinite=SUM)
+    states = table(prompts=SUM.of("data_sources"), sum_mean=SUM.of("data_sources"),
+                   sum_at_k=SUM.of("data_sources", "ks"), prompts_at_k=SUM.of("data_sources", "ks"), nonfinite=SUM)
 
     def __init__(
         self,
