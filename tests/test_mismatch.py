@@ -16,7 +16,7 @@ from opbc_metrics import functional as F
 from opbc_metrics.functional.mismatch import sketch_relative_error_bound
 from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import concat_batches, make_batch
+from tests.data import concat_batches, logprob_batches, logprobs_numpy, make_batch
 from tests.reference import DESIGN_KEYS, mismatch_reference
 
 # The sketch's documented bound for the default 8192 bins and C = 20.
@@ -29,10 +29,6 @@ def _assert_matches_reference(out, ref, rtol, atol, sketch_rtol=SKETCH_RTOL):
         tol_r = sketch_rtol * 1.01 + rtol if key == "opbc/is/top_1pct_gradient_mass" else rtol
         assert math.isclose(got, expected, rel_tol=tol_r, abs_tol=atol), (key, got, expected)
 
-
-def _numpy(batch):
-    return (batch["trainer_logprobs"].double().numpy(), batch["rollout_logprobs"].double().numpy(),
-            batch["response_mask"].numpy())
 
 
 def test_collection_produces_every_design_key():
@@ -50,7 +46,7 @@ def test_collection_matches_reference(dtype, rtol, atol, heavy):
         metrics.update(b)
     out = metrics.compute()
     # The reference sees the same (dtype-rounded) numbers as the metric, concatenated.
-    ref = mismatch_reference(*_numpy(concat_batches(batches)))
+    ref = mismatch_reference(*logprobs_numpy(concat_batches(batches)))
     _assert_matches_reference(out, ref, rtol, atol)
 
 
@@ -60,7 +56,7 @@ def test_large_log_ratios_hit_clamp_and_veto():
     b["rollout_logprobs"][1, 0] = b["trainer_logprobs"][1, 0] - 25.0  # clipped, not vetoed
     b["response_mask"][:2, 0] = 1
     out = OPBCCollection()(b)
-    ref = mismatch_reference(*_numpy(b))
+    ref = mismatch_reference(*logprobs_numpy(b))
     assert ref["opbc/is/veto_fraction"] > 0 and ref["opbc/is/clipped_fraction"] > ref["opbc/is/veto_fraction"]
     _assert_matches_reference(out, ref, 1e-9, 1e-12)
 
@@ -70,7 +66,7 @@ def test_low_precision_inputs_computed_in_float32(in_dtype):
     b = make_batch(seed=4, dtype=in_dtype)
     out = OPBCCollection()(b)
     assert all(v.dtype == torch.float64 for v in out.values())
-    ref = mismatch_reference(*_numpy(b))  # same rounded inputs
+    ref = mismatch_reference(*logprobs_numpy(b))  # same rounded inputs
     _assert_matches_reference(out, ref, 2e-5, 1e-5)
 
 
@@ -85,7 +81,7 @@ def test_functional_equals_class_after_one_update():
         for k, v in fn(*args).items():
             assert v.item() == pytest.approx(out[k].item(), rel=1e-12, abs=1e-15), k
     exact = F.top_gradient_mass(*args)
-    ref = mismatch_reference(*_numpy(b))["opbc/is/top_1pct_gradient_mass"]
+    ref = mismatch_reference(*logprobs_numpy(b))["opbc/is/top_1pct_gradient_mass"]
     assert exact.item() == pytest.approx(ref, rel=1e-12)
 
 
@@ -100,7 +96,7 @@ def test_top_mass_sketch_within_bound_on_heavy_tails(bins, seed):
         metric.update(p)
         exact.update(p)
     sketch, truth = metric.compute().item(), exact.compute().item()
-    ref = mismatch_reference(*_numpy(concat_batches(parts)))["opbc/is/top_1pct_gradient_mass"]
+    ref = mismatch_reference(*logprobs_numpy(concat_batches(parts)))["opbc/is/top_1pct_gradient_mass"]
     assert truth == pytest.approx(ref, rel=1e-6)
     bound = metric.error_bound
     assert bound == pytest.approx(math.expm1(20.0 / bins))  # e^(h/2) - 1 with h = 2C / bins
@@ -117,27 +113,12 @@ def test_top_mass_uses_at_least_one_token_and_handles_clamp():
 
 
 # --- properties ----------------------------------------------------------------------------------
-finite_logprobs = st.floats(-30.0, 0.0, allow_nan=False, width=64)
-
-
-@st.composite
-def batches(draw, max_b=6, max_t=8):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    trainer = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    rollout = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    mask = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
-    return {
-        "trainer_logprobs": torch.tensor(trainer, dtype=torch.float64).view(b, t),
-        "rollout_logprobs": torch.tensor(rollout, dtype=torch.float64).view(b, t),
-        "response_mask": torch.tensor(mask).view(b, t),
-    }
 
 
 def _well_conditioned(batch) -> bool:
     """Pearson from raw moments rounds like 1e-16 * mean^2 / variance (documented): compare it only
     when both probability vectors vary."""
-    t, r, m = _numpy(batch)
+    t, r, m = logprobs_numpy(batch)
     valid = m != 0
     return bool(valid.sum() > 1 and np.exp(t[valid]).var() > 1e-4 and np.exp(r[valid]).var() > 1e-4)
 
@@ -151,7 +132,7 @@ def _close(a, b, pearson=True):
         assert torch.allclose(a[k], b[k], rtol=1e-9, atol=atol, equal_nan=False), (k, a[k], b[k])
 
 
-@given(batches(), st.integers(1, 5))
+@given(logprob_batches(), st.integers(1, 5))
 def test_chunked_updates_equal_one_update(batch, n_chunks):
     whole, chunked = OPBCCollection(), OPBCCollection()
     whole.update(batch)
@@ -161,7 +142,7 @@ def test_chunked_updates_equal_one_update(batch, n_chunks):
     _close(whole.compute(), chunked.compute(), pearson=_well_conditioned(batch))
 
 
-@given(batches(), st.randoms(use_true_random=False))
+@given(logprob_batches(), st.randoms(use_true_random=False))
 def test_permuting_sequences_changes_nothing(batch, rnd):
     n = batch["trainer_logprobs"].shape[0]
     perm = list(range(n))
@@ -172,7 +153,7 @@ def test_permuting_sequences_changes_nothing(batch, rnd):
     _close(a.compute(), b.compute(), pearson=_well_conditioned(batch))
 
 
-@given(batches())
+@given(logprob_batches())
 def test_bounds(batch):
     out = OPBCCollection()(batch)
     # A batch without a valid token (sequence) has no token (sequence) statistics at all.
@@ -192,7 +173,7 @@ def test_bounds(batch):
     assert all(torch.isfinite(v).all() for v in out.values())
 
 
-@given(batches())
+@given(logprob_batches())
 def test_equal_logprobs_are_on_policy(batch):
     batch = dict(batch, rollout_logprobs=batch["trainer_logprobs"].clone())
     out = OPBCCollection()(batch)
@@ -268,7 +249,7 @@ def test_nonfinite_tokens_are_counted_and_excluded():
     b["trainer_logprobs"][1, 0] = float("nan")
     b["rollout_logprobs"][2, -1] = float("nan")  # on a masked token when row 2 is short: ignored
     out = OPBCCollection()(b)
-    ref = mismatch_reference(*_numpy(b))
+    ref = mismatch_reference(*logprobs_numpy(b))
     assert out["opbc/input/nonfinite_count"].item() == ref["opbc/input/nonfinite_count"] >= 2
     assert all(torch.isfinite(v) for v in out.values())
     _assert_matches_reference(out, ref, 1e-9, 1e-12)
@@ -337,7 +318,7 @@ def test_bad_constructor_arguments():
 def test_clamp_and_veto_are_constructor_arguments():
     b = make_batch(seed=9, dtype=torch.float64, heavy_tail=True, drift=5.0)
     out = OPBCCollection(clamp=5.0, veto=8.0)(b)
-    ref = mismatch_reference(*_numpy(b), clamp=5.0, veto=8.0)
+    ref = mismatch_reference(*logprobs_numpy(b), clamp=5.0, veto=8.0)
     assert ref["opbc/is/clipped_fraction"] > 0
     _assert_matches_reference(out, ref, 1e-9, 1e-12, sketch_rtol=sketch_relative_error_bound(5.0))
 
@@ -433,7 +414,7 @@ def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
         std_metric.update(b)
         prob_metric.update(b)
     cat = concat_batches(batches)
-    tr, ro, mask = _numpy(cat)
+    tr, ro, mask = logprobs_numpy(cat)
     valid = (mask != 0) & np.isfinite(tr) & np.isfinite(ro)
     w = np.exp(np.clip(tr - ro, -20.0, 20.0))[valid]
     assert std_metric.compute().item() == pytest.approx(float(np.sqrt(np.mean((w - w.mean()) ** 2))), rel=1e-9)

@@ -18,81 +18,9 @@ from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional import moe as FM
 from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import make_batch
+from tests.data import concat_batches, make_batch, make_router_batch, router_batches
 from tests.ddp import count_collectives, run_distributed
-
-FLIP = "moe/router/flip_rate"
-SET = "moe/router/topk_disagreement_rate"
-WORST = "moe/router/worst_layer"
-WORST_RATE = "moe/router/worst_layer_flip_rate"
-
-
-# --- independent reference (NumPy + plain loops, written from the design text) ----------------------
-def router_reference(rollout, trainer, mask=None, num_layers=None, configured=True) -> dict[str, float]:
-    """Loops over tokens and layers; Python sets for the top-K comparison. ``configured=False``: the
-    capacity ``num_layers`` is the default one, not the model's, so only observed layers get a key."""
-    rollout, trainer = np.asarray(rollout), np.asarray(trainer)
-    b, t, n_layers, _ = rollout.shape
-    mask = np.ones((b, t), dtype=bool) if mask is None else np.asarray(mask) != 0
-    cap = n_layers if num_layers is None else num_layers
-    flips = np.zeros(cap + 1)
-    pairs = np.zeros(cap + 1)
-    tokens = 0
-    set_diff = 0
-    for i in range(b):
-        for j in range(t):
-            if not mask[i, j]:
-                continue
-            tokens += 1
-            differs = False
-            for layer in range(n_layers):
-                bucket = min(layer, cap)
-                pairs[bucket] += 1
-                if rollout[i, j, layer, 0] != trainer[i, j, layer, 0]:
-                    flips[bucket] += 1
-                if set(rollout[i, j, layer].tolist()) != set(trainer[i, j, layer].tolist()):
-                    differs = True
-            set_diff += differs
-    rates = [flips[k] / pairs[k] if pairs[k] else 0.0 for k in range(cap + 1)]
-    out = {
-        FLIP: flips.sum() / pairs.sum() if pairs.sum() else 0.0,
-        SET: set_diff / tokens if tokens else 0.0,
-    }
-    worst, worst_rate = -1, 0.0
-    for k in range(cap + 1):
-        if pairs[k] and (worst < 0 or rates[k] > worst_rate):
-            worst, worst_rate = k, rates[k]
-    out[WORST] = float(worst)
-    out[WORST_RATE] = worst_rate
-    for k in range(cap):  # layers that exist: configured, or seen with a valid token
-        if (configured and num_layers is not None and k < num_layers) or pairs[k]:
-            out[f"moe/router/layer_{k}/flip_rate"] = rates[k]
-    if pairs[cap]:  # something overflowed the capacity
-        out["moe/router/layer_overflow/flip_rate"] = rates[cap]
-    return out
-
-
-def make_router_batch(batch=4, seq=10, layers=3, k=2, experts=8, seed=0, swap=0.2, replace=0.15, empty_rows=0):
-    """Distinct top-K ids per (token, layer); the trainer swaps the top two (top-1 flip, same set) or
-    replaces the last expert with one outside the set (set differs), at the given rates."""
-    rng = np.random.default_rng(seed)
-    order = np.argsort(rng.random((batch, seq, layers, experts)), axis=-1)
-    rollout = order[..., :k].copy()
-    trainer = rollout.copy()
-    if k > 1:
-        sw = rng.random((batch, seq, layers)) < swap
-        trainer[sw, 0], trainer[sw, 1] = rollout[sw, 1], rollout[sw, 0]
-    if k < experts:
-        rep = rng.random((batch, seq, layers)) < replace
-        trainer[rep, k - 1] = order[rep, k]  # an expert outside the rollout's top-K
-    lengths = rng.integers(1, seq + 1, size=batch)
-    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
-    mask[:empty_rows] = 0
-    return {
-        "rollout_experts": torch.from_numpy(rollout),
-        "trainer_experts": torch.from_numpy(trainer),
-        "response_mask": torch.from_numpy(mask),
-    }
+from tests.reference import FLIP, SET, WORST, router_reference
 
 
 def _numpy(batch):
@@ -118,26 +46,13 @@ def _assert_close(got, want, tol=1e-12):
         assert math.isclose(got[key], value, rel_tol=tol, abs_tol=tol), (key, got[key], value)
 
 
-def concat_padded(batches):
-    """Concatenate along B, right-padding T (dim 1) of every [B, T, ...] field with masked zeros."""
-    seq = max(b["response_mask"].shape[1] for b in batches)
-    out = {}
-    for b in batches:
-        for key, v in b.items():
-            if v.ndim >= 2:
-                pad = [0, 0] * (v.ndim - 2) + [0, seq - v.shape[1]]
-                v = torch.nn.functional.pad(v, pad, value=0)
-            out.setdefault(key, []).append(v)
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
 # --- reference comparisons --------------------------------------------------------------------------
 @pytest.mark.parametrize("layers,num_layers", [(3, 3), (3, 8), (6, 4)])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_matches_reference(layers, num_layers, k):
     batches = [make_router_batch(layers=layers, k=k, seed=s, swap=0.3, replace=0.2 + 0.1 * s) for s in range(3)]
     got = _values(_router_metrics(num_layers), *batches)
-    want = router_reference(*_numpy(concat_padded(batches)), num_layers=num_layers)
+    want = router_reference(*_numpy(concat_batches(batches)), num_layers=num_layers)
     assert want[FLIP] > 0 and want[SET] > 0
     _assert_close(got, want)
     overflow = set() if layers > num_layers else {"moe/router/layer_overflow/flip_rate"}
@@ -283,7 +198,7 @@ def test_forward_returns_batch_values_and_accumulates():
     out_b = {k: v.item() for k, v in metrics(b).items()}
     _assert_close(out_b, router_reference(*_numpy(b), num_layers=3))
     _assert_close({k: v.item() for k, v in metrics.compute().items()},
-                  router_reference(*_numpy(concat_padded([a, b])), num_layers=3))
+                  router_reference(*_numpy(concat_batches([a, b])), num_layers=3))
 
 
 def test_custom_collection_with_logits_member():
@@ -358,7 +273,7 @@ def _ddp_worker(rank, world_size):
 def test_ddp_sync_equals_single_process_on_concatenated_data():
     results = run_distributed(_ddp_worker, world_size=2)
     for scenario, shards in SHARDS.items():
-        cat = concat_padded([b for specs in shards for b in _full_batches(specs)])
+        cat = concat_batches([b for specs in shards for b in _full_batches(specs)])
         want_default = router_reference(*_numpy(cat), num_layers=DEFAULT_MOE_LAYERS, configured=False)
         want_small = router_reference(*_numpy(cat), num_layers=4)
         assert want_default[FLIP] > 0
@@ -371,27 +286,6 @@ def test_ddp_sync_equals_single_process_on_concatenated_data():
 
 
 # --- properties -------------------------------------------------------------------------------------
-@st.composite
-def router_batches(draw, max_b=4, max_t=6, max_l=3, max_k=3):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    layers = draw(st.integers(1, max_l))
-    k = draw(st.integers(1, max_k))
-    experts = draw(st.integers(k, k + 3))
-    seed = draw(st.integers(0, 2**32 - 1))
-    rng = np.random.default_rng(seed)
-    order = np.argsort(rng.random((b, t, layers, experts)), axis=-1)
-    rollout = order[..., :k]
-    # Trainer: draw each expert id freely from [0, E) (so any overlap with the rollout's set can occur).
-    trainer = rng.integers(0, experts, size=(b, t, layers, k))
-    keep = rng.random((b, t, layers)) < draw(st.floats(0.0, 1.0))
-    trainer = np.where(keep[..., None], rollout, trainer)
-    mask = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
-    return {
-        "rollout_experts": torch.from_numpy(rollout.copy()),
-        "trainer_experts": torch.from_numpy(trainer),
-        "response_mask": torch.tensor(mask).view(b, t),
-    }
 
 
 @given(router_batches())

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from tests.data import NAMES, concat_batches, make_rollouts
 from tests.ddp import count_collectives, run_distributed
-from tests.test_rollout import NAMES, concat, make_rollouts
-from tests.test_rollout_reference import rollout_reference
+from tests.reference import rollout_reference
 
 # Whole prompt groups per rank, uneven: rank 0 gets two batches of different sizes, rank 1 one batch
 # and one empty batch (B = 0). Group ids are disjoint across ranks (a group lives on one rank).
@@ -82,9 +82,9 @@ def test_rollout_metrics_sync_exactly():
     shards = [_batches(specs) for specs in SHARDS]
     flat = [b for shard in shards for b in shard]
     single = OPBCCollection(rollout_metrics(NAMES))
-    single.update(concat(flat))
+    single.update(concat_batches(flat))
     expected = {k: v.item() for k, v in single.compute().items()}
-    ref = rollout_reference(concat(flat), NAMES)
+    ref = rollout_reference(concat_batches(flat), NAMES)
     for key, want in ref.items():
         assert math.isclose(expected[key], want, rel_tol=1e-9, abs_tol=1e-12), (key, expected[key], want)
 

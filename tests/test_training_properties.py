@@ -34,7 +34,7 @@ from opbc_metrics.training import (
     ValidationReward,
     ValueStats,
 )
-from tests.test_training_data import make_training_batch
+from tests.data import make_training_batch
 
 
 def _batch_metrics():
