@@ -1,11 +1,10 @@
 """Endpoint-capability probe and coverage metrics: real-format fixtures with hand-written expectations,
-an independent plain-Python reference on generated responses, properties and contracts."""
+an independent plain-Python reference on generated responses, properties and bad input (the shared
+contracts are in test_contracts.py)."""
 
 from __future__ import annotations
 
 import copy
-import io
-import itertools
 import json
 import math
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 from opbc_metrics import OPBCCollection, glossary
 from opbc_metrics.endpoint import (
@@ -24,18 +22,14 @@ from opbc_metrics.endpoint import (
     probe_response,
 )
 from opbc_metrics.functional import endpoint as FE
-from opbc_metrics.testing import assert_no_host_sync
 from tests.data import exchange_lists, make_batch, random_exchanges, split_exchanges
-from tests.ddp import count_collectives, run_distributed
 from tests.reference import ENDPOINT_KEYS, FLAGS, endpoint_reference, ref_flags
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "endpoint").glob("*.json"))
 
+
 def load(path):
     return json.loads(Path(path).read_text())
-
-
-# --- the independent reference ---------------------------------------------------------------------
 
 
 def assert_window(out, expected, keys=ENDPOINT_KEYS):
@@ -45,8 +39,6 @@ def assert_window(out, expected, keys=ENDPOINT_KEYS):
         got = out[key].item()
         assert math.isclose(got, expected[key], rel_tol=1e-12, abs_tol=1e-15), (key, got, expected[key])
 
-
-# --- generated responses ---------------------------------------------------------------------------
 
 # --- fixtures in the real formats ------------------------------------------------------------------
 def test_fixtures_cover_each_format():
@@ -141,27 +133,6 @@ def test_probe_and_window_match_reference(exchanges):
     assert_window(FE.endpoint_capabilities(responses, requests), endpoint_reference(exchanges))
 
 
-@given(exchange_lists(), st.lists(st.integers(0, 10), max_size=3))
-def test_chunked_updates_equal_one_update(exchanges, cuts):
-    responses, requests = split_exchanges(exchanges)
-    whole, chunked = OPBCCollection(sections=["endpoint"]), OPBCCollection(sections=["endpoint"])
-    whole.update(endpoint_responses=responses, endpoint_requests=requests)
-    bounds = [0, *sorted(min(c, len(responses)) for c in cuts), len(responses)]
-    for lo, hi in itertools.pairwise(bounds):
-        chunked.update(endpoint_responses=responses[lo:hi], endpoint_requests=requests[lo:hi])
-    # A collection leaves out optional-input members that saw no data: no response, no endpoint keys.
-    expected = {k: v.item() for k, v in whole.compute().items()}
-    assert_window(chunked.compute(), expected, keys=ENDPOINT_KEYS if responses else [])
-
-
-@given(exchange_lists(), st.randoms(use_true_random=False))
-def test_permuting_responses_changes_nothing(exchanges, rnd):
-    shuffled = list(exchanges)
-    rnd.shuffle(shuffled)
-    expected = {k: v.item() for k, v in FE.endpoint_capabilities(*split_exchanges(exchanges)).items()}
-    assert_window(FE.endpoint_capabilities(*split_exchanges(shuffled)), expected)
-
-
 @given(exchange_lists())
 def test_bounds(exchanges):
     out = FE.endpoint_capabilities(*split_exchanges(exchanges))
@@ -178,33 +149,6 @@ def test_requests_one_body_for_all_or_none():
     assert one["endpoint/capabilities/seed_supported"].item() == pytest.approx(fingerprinted)
     none = FE.endpoint_capabilities(responses)
     assert none["endpoint/capabilities/seed_requested"].item() == 0.0
-
-
-def test_update_never_syncs_host_and_device():
-    responses, requests = split_exchanges(random_exchanges(1, 12))
-    for metric in (OPBCCollection(sections=["endpoint"]), *[cls() for cls in ENDPOINT_METRICS]):
-        with assert_no_host_sync():
-            metric.update(endpoint_responses=responses, endpoint_requests=requests)
-
-
-def test_state_size_fixed_and_round_trip():
-    parts = [split_exchanges(random_exchanges(s, 6)) for s in range(4)]
-    straight = OPBCCollection(sections=["endpoint"])
-    for responses, requests in parts:
-        straight.update(endpoint_responses=responses, endpoint_requests=requests)
-    first = OPBCCollection(sections=["endpoint"])
-    first.update(endpoint_responses=parts[0][0], endpoint_requests=parts[0][1])
-    size = sum(v.numel() for v in first.state_dict().values())
-    first.update(endpoint_responses=parts[1][0], endpoint_requests=parts[1][1])
-    assert sum(v.numel() for v in first.state_dict().values()) == size
-    buf = io.BytesIO()
-    torch.save(first.state_dict(), buf)
-    buf.seek(0)
-    resumed = OPBCCollection(sections=["endpoint"])
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
-    for responses, requests in parts[2:]:
-        resumed.update(endpoint_responses=responses, endpoint_requests=requests)
-    assert_window(resumed.compute(), {k: v.item() for k, v in straight.compute().items()})
 
 
 def test_empty_window_values():
@@ -306,47 +250,3 @@ def test_glossary_entries_and_aliases():
     md = glossary.glossary_markdown()
     for key in ENDPOINT_KEYS:
         assert f"`{key}`" in md
-
-
-# --- DDP -------------------------------------------------------------------------------------------
-SHARDS = {"uneven": [[(20, 9), (21, 3)], [(22, 5)]], "rank_without_data": [[(23, 7)], []]}
-
-
-def _compute_counting_collectives(metrics):
-    """``metrics.compute()`` as floats, and the number of collectives it issued."""
-    with count_collectives() as calls:
-        out = {k: v.item() for k, v in metrics.compute().items()}
-    return out, calls["n"]
-
-
-def _endpoint_worker(rank, world_size):
-    out = {}
-    for scenario, shards in SHARDS.items():
-        metrics = OPBCCollection(sections=["endpoint"])
-        alone = [cls() for cls in ENDPOINT_METRICS]
-        for seed, n in shards[rank]:
-            responses, requests = split_exchanges(random_exchanges(seed, n))
-            metrics.update(endpoint_responses=responses, endpoint_requests=requests)
-            for m in alone:
-                m.update(endpoint_responses=responses, endpoint_requests=requests)
-        values, n_collectives = _compute_counting_collectives(metrics)
-        single = {}
-        for m in alone:
-            single.update({k: v.item() for k, v in m.compute_dict().items()})
-        out[scenario] = (values, single, n_collectives, metrics["EndpointResponseCount"].responses.item())
-    return out
-
-
-def test_ddp_sync_equals_single_process_on_concatenated_responses():
-    results = run_distributed(_endpoint_worker, world_size=2)
-    for scenario, shards in SHARDS.items():
-        exchanges = [e for rank_shards in shards for seed, n in rank_shards for e in random_exchanges(seed, n)]
-        expected = endpoint_reference(exchanges)
-        for rank, result in enumerate(results):
-            values, single, n_collectives, local = result[scenario]
-            assert 1 <= n_collectives <= 4  # 3 reductions + the layout check
-            assert local == sum(n for _, n in shards[rank])
-            for got in (values, single):
-                assert set(got) == set(ENDPOINT_KEYS)
-                for key in ENDPOINT_KEYS:
-                    assert math.isclose(got[key], expected[key], rel_tol=1e-12, abs_tol=1e-15), (scenario, key)
