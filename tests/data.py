@@ -447,3 +447,15 @@ def make_scalars(n: int = 2, seed: int = 0) -> dict:
     out = {name: (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 0.5).tolist() for name in SCALARS}
     out["loss_tokens"] = torch.randint(10, 500, (n,), generator=g).tolist()
     return out
+
+
+# --- controller steps ------------------------------------------------------------------------------------
+def grouped_batch(batch: int = 8, seq: int = 12, seed: int = 0, **kwargs) -> dict:
+    """Logprobs (float64) of ``batch`` sequences in up to four prompt groups whose ids are unique to ``seed``
+    (batches of different seeds share no group), with a policy lag per sequence; ``batch=0`` is empty."""
+    b = make_batch(batch=max(batch, 1), seq=seq, seed=seed, dtype=torch.float64, **kwargs)
+    b = {k: v[:batch] for k, v in b.items()}
+    g = torch.Generator().manual_seed(seed)
+    b["group_ids"] = torch.randint(0, 4, (batch,), generator=g) * 1000 + seed
+    b["policy_lag"] = torch.randint(0, 10, (batch,), generator=g)
+    return b

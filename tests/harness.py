@@ -20,7 +20,7 @@ import torch
 from hypothesis import strategies as st
 
 import opbc_metrics as M
-from opbc_metrics import OPBCCollection
+from opbc_metrics import OPBCCollection, OPBCController
 from opbc_metrics import functional as F
 from opbc_metrics.agent import AGENT_METRICS
 from opbc_metrics.endpoint import ENDPOINT_METRICS
@@ -94,12 +94,21 @@ class Section:
     ref_tol: Callable[[str], tuple[float, float]] | None = None  # (rtol, atol) against the reference, per key
     absent_ok: Callable[[float | None], bool] = lambda want: want is None  # reference keys a metric may leave out
     unstable: Callable[[Batch], set[str]] = lambda b: set()  # keys too ill-conditioned on this batch to compare
+    prepare: Callable[[Batch], Batch] | None = None  # turns a batch into the metrics' input (a controller step)
     alone: tuple[str, ...] = ()  # members whose keys clash with another member's: kept out of the collection
     per_rank: tuple[str, ...] = ()  # members configured for one rank's figures: no DDP == concatenation
 
     def collection(self, ddp: bool = False) -> OPBCCollection:
         left_out = (*self.alone, *(self.per_rank if ddp else ()))
         return OPBCCollection(metrics=[make() for name, make in self.members.items() if name not in left_out])
+
+    def input(self, batch: Batch) -> Batch:
+        return self.prepare(batch) if self.prepare else batch
+
+    def feed(self, metric: Any, batches: list[Batch]) -> Any:
+        for b in batches:
+            metric.update(self.input(b))
+        return metric
 
     def runs(self) -> list[Any]:
         """Fresh metrics that together cover every member: the collection and the members kept out of it."""
@@ -307,8 +316,30 @@ TRAINING = Section(
     reference=None,
 )
 
-SECTIONS = {s.name: s for s in (MISMATCH, MOE, PER_ROUND, AGENT, ENDPOINT, ROLLOUT, TRAINING)}
+def _controller(preset: str) -> Section:
+    def step(batch: Batch) -> Batch:
+        return {"opbc_decisions": OPBCController(preset, track_budget=False).step(batch)}
+
+    return Section(
+        f"controller-{preset}",
+        members={cls.__name__: cls for cls in (M.DecisionGroupShare, M.DecisionTokenShare, M.DecisionReasonCount,
+                                               M.CorrectionTokenShare)},
+        batches=lambda: [D.grouped_batch(9, 14, seed=1, drift=1.5, heavy_tail=True), D.grouped_batch(5, 30, seed=2),
+                         D.grouped_batch(6, 7, seed=3, empty_rows=1, drift=3.0, heavy_tail=True),
+                         D.grouped_batch(8, 16, seed=5, drift=2.0, heavy_tail=True)],
+        strategy=st.builds(lambda b, t, seed: D.grouped_batch(b, t, seed=seed, drift=2.0, heavy_tail=True),
+                           st.integers(1, 10), st.integers(1, 8), st.integers(0, 10_000)),
+        reference=None,  # the budget's values by hand: test_controller.py
+        unit="group",  # a decision is per prompt group: shards and chunks keep groups whole
+        prepare=step,
+        rtol=1e-12,
+    )
+
+
+SECTIONS = {s.name: s for s in (MISMATCH, MOE, PER_ROUND, AGENT, ENDPOINT, ROLLOUT, TRAINING,
+                                _controller("masked_is"), _controller("truncated_is"))}
 MEMBERS = [(s.name, m) for s in SECTIONS.values() for m in s.members]
+ONE_COLLECTION = [name for name in SECTIONS if name != "controller-truncated_is"]  # every class once
 
 
 # --- DDP ------------------------------------------------------------------------------------------------
@@ -322,9 +353,9 @@ def ddp_worker(rank: int, world_size: int) -> dict:
             collection = section.collection(ddp=True)
             alone = {name: make() for name, make in section.ddp_members().items()}
             for b in shard:
-                collection.update(b)
+                collection.update(section.input(b))
                 for m in alone.values():
-                    m.update(b)
+                    m.update(section.input(b))
             local = {k: v.clone() for k, v in collection.state_dict().items()}
             with count_collectives() as calls:
                 values = floats(collection.compute())
@@ -332,13 +363,13 @@ def ddp_worker(rank: int, world_size: int) -> dict:
             restored = all(torch.equal(v, local[k]) for k, v in collection.state_dict().items())
             out[section.name, scenario] = (values, calls["n"], {n: floats(m.compute_dict()) for n, m in alone.items()},
                                            restored)
-    everything = OPBCCollection(metrics=[m for s in SECTIONS.values() for m in s.collection(ddp=True).members()])
-    for section in SECTIONS.values():
+    everything = OPBCCollection(metrics=[m for s in ONE_COLLECTION for m in SECTIONS[s].collection(ddp=True).members()])
+    for section in map(SECTIONS.get, ONE_COLLECTION):
         own = {type(m) for m in section.collection(ddp=True).members()}
         for b in section.shards("uneven")[rank]:
             for m in everything.members():
                 if type(m) in own:
-                    m.update(b)
+                    m.update(section.input(b))
     with count_collectives() as calls:
         out["everything"] = (floats(everything.compute()), calls["n"])
     return out
