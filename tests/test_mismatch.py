@@ -77,8 +77,11 @@ def test_top_mass_sketch_within_bound_on_heavy_tails(bins, seed):
         metric.update(p)
         exact.update(p)
     sketch, truth = metric.compute().item(), exact.compute().item()
-    ref = mismatch_reference(*logprobs_numpy(concat_batches(parts)))["opbc/is/top_1pct_gradient_mass"]
+    cat = concat_batches(parts)
+    ref = mismatch_reference(*logprobs_numpy(cat))["opbc/is/top_1pct_gradient_mass"]
     assert truth == pytest.approx(ref, rel=1e-6)
+    exact_functional = F.top_gradient_mass(cat["trainer_logprobs"], cat["rollout_logprobs"], cat["response_mask"])
+    assert exact_functional.item() == pytest.approx(ref, rel=1e-6)
     bound = metric.error_bound
     assert bound == pytest.approx(math.expm1(20.0 / bins))  # e^(h/2) - 1 with h = 2C / bins
     # Bin edges are computed in float32: allow the bound a hair of slack for tokens on an edge.
