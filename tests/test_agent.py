@@ -1,6 +1,7 @@
-"""Agent-trajectory metrics against an independent plain-Python reference, plus properties and contracts.
+"""Agent-trajectory metrics against an independent plain-Python reference, by hand, properties and bad input
+(the shared contracts are in test_contracts.py).
 
-The reference below works on the raw OpenAI-style message lists (dicts), never on the library's data
+The reference (tests/reference.py) works on the raw OpenAI-style message lists (dicts), never on the library's data
 model: it re-derives steps, canonical arguments, divergence and the window values from the definitions
 in DESIGN.md / the source glossary.
 """
@@ -9,12 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
-import itertools
-import json
 import math
-import random
-import re
 
 import pytest
 import torch
@@ -32,203 +28,15 @@ from opbc_metrics.agent import (
     Trajectory,
 )
 from opbc_metrics.functional import agent as FA
-from opbc_metrics.testing import assert_no_host_sync
-from tests.data import make_batch
-from tests.ddp import count_collectives, run_distributed
-
-KINDS = ("tool_choice", "tool_arguments", "content", "length")
-KEYS = [
-    "agent/trajectory/tool_call_jaccard",
-    "agent/trajectory/first_divergence_step_mean",
-    "agent/trajectory/first_divergence_step_min",
-    "agent/trajectory/diverged_fraction",
-    *(f"agent/trajectory/divergence_kind/{k}" for k in KINDS),
-    "agent/trajectory/num_pairs",
-    "agent/answer/match_rate",
-    "agent/answer/soft_match_mean",
-    "agent/steps/tool_choice_disagreement_rate",
-    "agent/steps/rollout_mean",
-    "agent/steps/reference_mean",
-]
+from tests.data import make_batch, message_lists, pair_lists, random_pairs
+from tests.reference import AGENT_KEYS, KINDS, agent_reference, ref_norm, ref_pair, ref_parse
 
 
-# --- the independent reference ---------------------------------------------------------------------
-def ref_canon(arguments):
-    """('json', canonical text) or ('raw', stripped text) for malformed JSON; None/blank mean {}."""
-    if arguments is None or (isinstance(arguments, str) and arguments.strip() == ""):
-        return ("json", "{}")
-    if isinstance(arguments, str):
-        try:
-            value = json.loads(arguments)
-        except json.JSONDecodeError:
-            return ("raw", arguments.strip())
-    else:
-        value = arguments
-    return ("json", json.dumps(value, sort_keys=True, separators=(",", ":")))
-
-
-def ref_norm(text):
-    return re.sub(r"\s+", " ", text or "").strip().lower()
-
-
-def ref_parse(messages):
-    steps = []
-    for m in messages:
-        if m["role"] != "assistant":
-            continue
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            content = "".join(part["text"] for part in content)
-        calls = [(tc["function"]["name"], ref_canon(tc["function"].get("arguments")))
-                 for tc in m.get("tool_calls") or []]
-        steps.append((content, calls))
-    answer = steps[-1][0] if not steps[-1][1] else None
-    return steps, answer
-
-
-def ref_pair(rollout, reference):
-    (sa, ans_a), (sb, ans_b) = ref_parse(rollout), ref_parse(reference)
-    set_a = {c for _, calls in sa for c in calls}
-    set_b = {c for _, calls in sb for c in calls}
-    jac = 1.0 if not (set_a | set_b) else len(set_a & set_b) / len(set_a | set_b)
-    div = None
-    for i in range(min(len(sa), len(sb))):
-        names_a, names_b = [c[0] for c in sa[i][1]], [c[0] for c in sb[i][1]]
-        if names_a != names_b:
-            div = (i, "tool_choice")
-        elif [c[1] for c in sa[i][1]] != [c[1] for c in sb[i][1]]:
-            div = (i, "tool_arguments")
-        elif not sa[i][1] and ref_norm(sa[i][0]) != ref_norm(sb[i][0]):  # text is the action without tools
-            div = (i, "content")
-        if div:
-            break
-    if div is None and len(sa) != len(sb):
-        div = (min(len(sa), len(sb)), "length")
-    match = ref_norm(ans_a) != "" and ref_norm(ans_a) == ref_norm(ans_b)  # no answer on both sides: no match
-    soft = ref_token_f1(ref_norm(ans_a), ref_norm(ans_b))
-    disagree = either = 0
-    for i in range(max(len(sa), len(sb))):
-        names_a = [c[0] for c in sa[i][1]] if i < len(sa) else []
-        names_b = [c[0] for c in sb[i][1]] if i < len(sb) else []
-        if names_a or names_b:
-            either += 1
-            if names_a != names_b:
-                disagree += 1
-    return jac, div, match, disagree, either, soft, len(sa), len(sb)
-
-
-def ref_token_f1(a, b):
-    """SQuAD's token F1 of two normalised answers, counted token by token."""
-    ta, tb = a.split(), b.split()
-    rest, common = list(tb), 0
-    for tok in ta:
-        if tok in rest:
-            rest.remove(tok)
-            common += 1
-    if common == 0:
-        return 0.0
-    p, r = common / len(ta), common / len(tb)
-    return 2 * p * r / (p + r)
-
-
-def ref_window(pairs):
-    rows = [ref_pair(a, b) for a, b in pairs]
-    n = len(rows)
-    diverged = [r[1] for r in rows if r[1] is not None]
-    either = sum(r[4] for r in rows)
-    out = {
-        "agent/trajectory/tool_call_jaccard": sum(r[0] for r in rows) / n if n else 1.0,
-        "agent/trajectory/first_divergence_step_mean": (
-            sum(d[0] for d in diverged) / len(diverged) if diverged else -1.0
-        ),
-        "agent/trajectory/first_divergence_step_min": min(d[0] for d in diverged) if diverged else -1.0,
-        "agent/trajectory/diverged_fraction": len(diverged) / n if n else 0.0,
-        "agent/trajectory/num_pairs": float(n),
-        "agent/answer/match_rate": sum(r[2] for r in rows) / n if n else 1.0,
-        "agent/steps/tool_choice_disagreement_rate": sum(r[3] for r in rows) / either if either else 0.0,
-        "agent/answer/soft_match_mean": sum(r[5] for r in rows) / n if n else 1.0,
-        "agent/steps/rollout_mean": sum(r[6] for r in rows) / n if n else 0.0,
-        "agent/steps/reference_mean": sum(r[7] for r in rows) / n if n else 0.0,
-    }
-    for kind in KINDS:
-        out[f"agent/trajectory/divergence_kind/{kind}"] = sum(d[1] == kind for d in diverged) / n if n else 0.0
-    return out
-
-
-def assert_window(out, expected, rel=1e-12, keys=KEYS):
+def assert_window(out, expected, rel=1e-12, keys=AGENT_KEYS):
     assert set(out) == set(keys)
     for key in keys:
         assert out[key].dtype == torch.float64
         assert math.isclose(out[key].item(), expected[key], rel_tol=rel, abs_tol=1e-15), (key, out[key], expected[key])
-
-
-# --- data ------------------------------------------------------------------------------------------
-TOOLS = ["search", "calc", "open_url"]
-CONTENTS = ["Paris", " paris ", "The answer\nis 42", "the answer is   42", "ok", "", None, "Ok."]
-# Argument texts as models write them: key order and spacing vary; some are malformed or blank.
-ARGUMENTS = ['{"q": "x"}', '{ "q":"x" }', '{"q": "y"}', '{"k": 1, "q": "x"}', '{"q": "x", "k": 1}', '{"q": ',
-             '{"q": ', "not json", "", None, "[1, 2]", '{"q": "é"}', '{"q": "\\u00e9"}']
-
-
-def random_messages(rng: random.Random, max_steps: int = 4):
-    msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "task"}]
-    n = rng.randint(1, max_steps)
-    for i in range(n):
-        msg = {"role": "assistant", "content": rng.choice(CONTENTS)}
-        k = rng.choice([0, 0, 1, 1, 2])
-        if k:
-            msg["tool_calls"] = [
-                {"id": f"call_{i}_{j}", "type": "function",
-                 "function": {"name": rng.choice(TOOLS), "arguments": rng.choice(ARGUMENTS)}}
-                for j in range(k)
-            ]
-        msgs.append(msg)
-        if k:
-            msgs.append({"role": "tool", "tool_call_id": f"call_{i}_0", "content": "result"})
-    return msgs
-
-
-def mutate(rng: random.Random, msgs):
-    out = copy.deepcopy(msgs)
-    assistant = [m for m in out if m["role"] == "assistant"]
-    what = rng.randrange(5)
-    target = rng.choice(assistant)
-    if what == 0:
-        target["content"] = rng.choice(CONTENTS)
-    elif what == 1 and target.get("tool_calls"):
-        target["tool_calls"][0]["function"]["arguments"] = rng.choice(ARGUMENTS)
-    elif what == 2 and target.get("tool_calls"):
-        target["tool_calls"][0]["function"]["name"] = rng.choice(TOOLS)
-    elif what == 3 and len(assistant) > 1:
-        out = out[: next(i for i, m in enumerate(out) if m is assistant[-1])]  # ends early
-    elif what == 4:
-        out.append({"role": "assistant", "content": rng.choice(CONTENTS)})
-    return out
-
-
-def random_pairs(seed: int, n: int):
-    rng = random.Random(seed)
-    pairs = []
-    for _ in range(n):
-        a = random_messages(rng)
-        r = rng.random()
-        b = copy.deepcopy(a) if r < 0.3 else mutate(rng, a) if r < 0.8 else random_messages(rng)
-        pairs.append((a, b))
-    return pairs
-
-
-@st.composite
-def message_lists(draw):
-    return random_messages(random.Random(draw(st.integers(0, 2**32 - 1))))
-
-
-@st.composite
-def pair_lists(draw, max_size=8):
-    n = draw(st.integers(0, max_size))
-    seed = draw(st.integers(0, 2**32 - 1))
-    return random_pairs(seed, n)
 
 
 # --- against the reference -------------------------------------------------------------------------
@@ -238,12 +46,12 @@ def test_collection_matches_reference(seed):
     metrics = OPBCCollection(sections=["agent"])
     metrics.update(trajectory_pairs=pairs[:25])
     metrics.update({"trajectory_pairs": pairs[25:]})
-    assert_window(metrics.compute(), ref_window(pairs))
+    assert_window(metrics.compute(), agent_reference(pairs))
 
 
 @given(pair_lists())
 def test_functional_matches_reference(pairs):
-    assert_window(FA.agent_metrics(pairs), ref_window(pairs))
+    assert_window(FA.agent_metrics(pairs), agent_reference(pairs))
     for a, b in pairs:
         jac, div, match, disagree, either, soft, _, _ = ref_pair(a, b)
         assert FA.tool_call_jaccard(a, b) == pytest.approx(jac, rel=1e-15)
@@ -419,26 +227,6 @@ def test_identical_trajectories_agree_completely(trajs):
         assert FA.first_divergence(t, t) is None
 
 
-@given(pair_lists(max_size=10), st.lists(st.integers(0, 10), max_size=4))
-def test_chunked_updates_equal_one_update(pairs, cuts):
-    whole, chunked = OPBCCollection(sections=["agent"]), OPBCCollection(sections=["agent"])
-    whole.update(trajectory_pairs=pairs)
-    bounds = [0, *sorted(min(c, len(pairs)) for c in cuts), len(pairs)]
-    for lo, hi in itertools.pairwise(bounds):
-        chunked.update(trajectory_pairs=pairs[lo:hi])  # empty chunks included
-    expected = {k: v.item() for k, v in whole.compute().items()}
-    # A collection leaves out optional-input members that saw no data: no pair, no agent keys.
-    assert_window(chunked.compute(), expected, keys=KEYS if pairs else [])
-
-
-@given(pair_lists(), st.randoms(use_true_random=False))
-def test_permuting_pairs_changes_nothing(pairs, rnd):
-    shuffled = list(pairs)
-    rnd.shuffle(shuffled)
-    a = {k: v.item() for k, v in FA.agent_metrics(pairs).items()}
-    assert_window(FA.agent_metrics(shuffled), a)
-
-
 @given(pair_lists())
 def test_bounds_and_consistency(pairs):
     out = {k: v.item() for k, v in FA.agent_metrics(pairs).items()}
@@ -453,49 +241,11 @@ def test_bounds_and_consistency(pairs):
 
 
 # --- contracts -------------------------------------------------------------------------------------
-def test_update_never_syncs_host_and_device():
-    pairs = random_pairs(1, 10)
-    for metric in (OPBCCollection(sections=["agent"]), *[cls() for cls in AGENT_METRICS]):
-        with assert_no_host_sync():
-            metric.update(trajectory_pairs=pairs)
-
-
-def test_state_size_is_fixed_and_states_are_float64():
+def test_states_are_float64():
     m = OPBCCollection(sections=["agent"])
     m.update(trajectory_pairs=random_pairs(0, 3))
-    size = sum(v.numel() for v in m.state_dict().values())
-    for s in range(1, 4):
-        m.update(trajectory_pairs=random_pairs(s, 20 * s))
     state = m.state_dict()
-    assert sum(v.numel() for v in state.values()) == size
     assert all(v.dtype == torch.float64 for k, v in state.items() if not k.endswith("._extra_state"))
-
-
-def test_state_dict_round_trip_mid_accumulation():
-    parts = [random_pairs(s, 7) for s in range(4)]
-    straight = OPBCCollection(sections=["agent"])
-    for p in parts:
-        straight.update(trajectory_pairs=p)
-    first = OPBCCollection(sections=["agent"])
-    for p in parts[:2]:
-        first.update(trajectory_pairs=p)
-    buf = io.BytesIO()
-    torch.save(first.state_dict(), buf)
-    buf.seek(0)
-    resumed = OPBCCollection(sections=["agent"])
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
-    for p in parts[2:]:
-        resumed.update(trajectory_pairs=p)
-    assert_window(resumed.compute(), {k: v.item() for k, v in straight.compute().items()})
-
-
-def test_forward_returns_batch_values_and_accumulates():
-    a, b = random_pairs(3, 6), random_pairs(4, 5)
-    m = OPBCCollection(sections=["agent"])
-    m(trajectory_pairs=a)
-    out_b = m(trajectory_pairs=b)
-    assert_window(out_b, ref_window(b))
-    assert_window(m.compute(), ref_window(a + b))
 
 
 def test_empty_window_values():
@@ -505,7 +255,7 @@ def test_empty_window_values():
         metric.update(trajectory_pairs=[])
         out.update({k: v.item() for k, v in metric.compute_dict().items()})
     assert out == {}  # no pair in the window: no keys (the functional API keeps its documented values)
-    assert ref_window([]) == {k: v.item() for k, v in FA.agent_metrics([]).items()}
+    assert agent_reference([]) == {k: v.item() for k, v in FA.agent_metrics([]).items()}
     # A collection leaves out members whose optional inputs never carried data.
     m = OPBCCollection(sections=["agent"])
     assert m.compute() == {}
@@ -521,7 +271,7 @@ def test_joins_collection_by_choice_and_skips_batches_without_pairs():
     both.update(dict(batch, trajectory_pairs=pairs))
     out = both.compute()
     assert "opbc/is/ess" in out
-    assert_window({k: v for k, v in out.items() if k.startswith("agent/")}, ref_window(pairs))
+    assert_window({k: v for k, v in out.items() if k.startswith("agent/")}, agent_reference(pairs))
     # As explicit members.
     members = OPBCCollection([ToolCallJaccard(), AnswerMatchRate()])
     members.update(trajectory_pairs=pairs)
@@ -532,7 +282,7 @@ def test_joins_collection_by_choice_and_skips_batches_without_pairs():
     default.update(batch)
     assert not any(k.startswith("agent/") for k in default.compute())
     default.update(dict(batch, trajectory_pairs=pairs))
-    assert_window({k: v for k, v in default.compute().items() if k.startswith("agent/")}, ref_window(pairs))
+    assert_window({k: v for k, v in default.compute().items() if k.startswith("agent/")}, agent_reference(pairs))
 
 
 def test_metric_alone_requires_the_field():
@@ -593,51 +343,5 @@ def test_glossary_entries_and_aliases():
     assert glossary.lookup("answer_match_rate").name == "answer_match"
     assert glossary.lookup("agent/trajectory/diverged_fraction").name == "first_divergence_step"
     md = glossary.glossary_markdown()
-    for key in KEYS:
+    for key in AGENT_KEYS:
         assert f"`{key}`" in md
-
-
-# --- DDP -------------------------------------------------------------------------------------------
-# Uneven shards: rank 0 two updates of different sizes, rank 1 one; then rank 1 with no update at all.
-SHARDS = {"uneven": [[(10, 7), (11, 2)], [(12, 5)]], "rank_without_data": [[(13, 6)], []]}
-
-
-def _compute_counting_collectives(metrics):
-    """``metrics.compute()`` as floats, and the number of collectives it issued."""
-    with count_collectives() as calls:
-        out = {k: v.item() for k, v in metrics.compute().items()}
-    return out, calls["n"]
-
-
-def _agent_worker(rank, world_size):
-    out = {}
-    for scenario, shards in SHARDS.items():
-        metrics = OPBCCollection(sections=["agent"])
-        alone = [cls() for cls in AGENT_METRICS]
-        for seed, n in shards[rank]:
-            pairs = random_pairs(seed, n)
-            metrics.update(trajectory_pairs=pairs)
-            for m in alone:
-                m.update(trajectory_pairs=pairs)
-        values, n_collectives = _compute_counting_collectives(metrics)
-        single = {}
-        for m in alone:
-            single.update({k: v.item() for k, v in m.compute_dict().items()})
-        local_pairs = metrics["FirstDivergenceStep"].pairs.item()  # compute() restored the local state
-        out[scenario] = (values, single, n_collectives, local_pairs)
-    return out
-
-
-def test_ddp_sync_equals_single_process_on_concatenated_pairs():
-    results = run_distributed(_agent_worker, world_size=2)
-    for scenario, shards in SHARDS.items():
-        all_pairs = [p for rank_shards in shards for seed, n in rank_shards for p in random_pairs(seed, n)]
-        expected = ref_window(all_pairs)
-        for rank, result in enumerate(results):
-            values, single, n_collectives, local_pairs = result[scenario]
-            assert 1 <= n_collectives <= 4  # 3 reductions + the layout check
-            assert local_pairs == sum(n for _, n in shards[rank])
-            for got in (values, single):
-                assert set(got) == set(KEYS)
-                for key in KEYS:
-                    assert math.isclose(got[key], expected[key], rel_tol=1e-12, abs_tol=1e-15), (scenario, key)

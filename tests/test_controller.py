@@ -657,24 +657,6 @@ def test_budget_metrics_sit_in_a_collection_and_skip_batches_without_decisions()
         DecisionGroupShare().update({"opbc_decisions": "nope"})
 
 
-@given(st.integers(0, 10**6), st.integers(1, 4))
-def test_budget_of_group_aligned_chunks_equals_one_step(seed, n_chunks):
-    b = _grouped_batch(seed % 500, batch=10, seq=8)
-    order = torch.argsort(b["group_ids"], stable=True)
-    b = {k: v[order] for k, v in b.items()}
-    whole, chunked = OPBCController("truncated_is"), OPBCController("truncated_is")
-    whole.step(b)
-    ids = b["group_ids"]
-    distinct = sorted(set(ids.tolist()))
-    for part in (distinct[i::n_chunks] for i in range(n_chunks)):
-        if part:
-            rows = torch.isin(ids, torch.tensor(part)).nonzero().flatten()
-            chunked.step({k: v[rows] for k, v in b.items()})
-    a, c = whole.compute_budget(), chunked.compute_budget()
-    for k in a:
-        assert a[k].item() == pytest.approx(c[k].item(), rel=1e-12, abs=1e-12), k
-
-
 def test_empty_batch():
     b = {"trainer_logprobs": torch.zeros(0, 5), "rollout_logprobs": torch.zeros(0, 5),
          "group_ids": torch.zeros(0, dtype=torch.long)}

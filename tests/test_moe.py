@@ -1,8 +1,8 @@
-"""MoE router drift against an independent NumPy reference, plus DDP, properties and contracts."""
+"""MoE router drift against an independent NumPy reference on crafted inputs, the logits path, the wide-expert
+bitmask path, properties and bad input (the shared contracts are in test_contracts.py)."""
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -18,81 +18,8 @@ from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional import moe as FM
 from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import make_batch
-from tests.ddp import count_collectives, run_distributed
-
-FLIP = "moe/router/flip_rate"
-SET = "moe/router/topk_disagreement_rate"
-WORST = "moe/router/worst_layer"
-WORST_RATE = "moe/router/worst_layer_flip_rate"
-
-
-# --- independent reference (NumPy + plain loops, written from the design text) ----------------------
-def router_reference(rollout, trainer, mask=None, num_layers=None, configured=True) -> dict[str, float]:
-    """Loops over tokens and layers; Python sets for the top-K comparison. ``configured=False``: the
-    capacity ``num_layers`` is the default one, not the model's, so only observed layers get a key."""
-    rollout, trainer = np.asarray(rollout), np.asarray(trainer)
-    b, t, n_layers, _ = rollout.shape
-    mask = np.ones((b, t), dtype=bool) if mask is None else np.asarray(mask) != 0
-    cap = n_layers if num_layers is None else num_layers
-    flips = np.zeros(cap + 1)
-    pairs = np.zeros(cap + 1)
-    tokens = 0
-    set_diff = 0
-    for i in range(b):
-        for j in range(t):
-            if not mask[i, j]:
-                continue
-            tokens += 1
-            differs = False
-            for layer in range(n_layers):
-                bucket = min(layer, cap)
-                pairs[bucket] += 1
-                if rollout[i, j, layer, 0] != trainer[i, j, layer, 0]:
-                    flips[bucket] += 1
-                if set(rollout[i, j, layer].tolist()) != set(trainer[i, j, layer].tolist()):
-                    differs = True
-            set_diff += differs
-    rates = [flips[k] / pairs[k] if pairs[k] else 0.0 for k in range(cap + 1)]
-    out = {
-        FLIP: flips.sum() / pairs.sum() if pairs.sum() else 0.0,
-        SET: set_diff / tokens if tokens else 0.0,
-    }
-    worst, worst_rate = -1, 0.0
-    for k in range(cap + 1):
-        if pairs[k] and (worst < 0 or rates[k] > worst_rate):
-            worst, worst_rate = k, rates[k]
-    out[WORST] = float(worst)
-    out[WORST_RATE] = worst_rate
-    for k in range(cap):  # layers that exist: configured, or seen with a valid token
-        if (configured and num_layers is not None and k < num_layers) or pairs[k]:
-            out[f"moe/router/layer_{k}/flip_rate"] = rates[k]
-    if pairs[cap]:  # something overflowed the capacity
-        out["moe/router/layer_overflow/flip_rate"] = rates[cap]
-    return out
-
-
-def make_router_batch(batch=4, seq=10, layers=3, k=2, experts=8, seed=0, swap=0.2, replace=0.15, empty_rows=0):
-    """Distinct top-K ids per (token, layer); the trainer swaps the top two (top-1 flip, same set) or
-    replaces the last expert with one outside the set (set differs), at the given rates."""
-    rng = np.random.default_rng(seed)
-    order = np.argsort(rng.random((batch, seq, layers, experts)), axis=-1)
-    rollout = order[..., :k].copy()
-    trainer = rollout.copy()
-    if k > 1:
-        sw = rng.random((batch, seq, layers)) < swap
-        trainer[sw, 0], trainer[sw, 1] = rollout[sw, 1], rollout[sw, 0]
-    if k < experts:
-        rep = rng.random((batch, seq, layers)) < replace
-        trainer[rep, k - 1] = order[rep, k]  # an expert outside the rollout's top-K
-    lengths = rng.integers(1, seq + 1, size=batch)
-    mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
-    mask[:empty_rows] = 0
-    return {
-        "rollout_experts": torch.from_numpy(rollout),
-        "trainer_experts": torch.from_numpy(trainer),
-        "response_mask": torch.from_numpy(mask),
-    }
+from tests.data import concat_batches, make_batch, make_router_batch, router_batches
+from tests.reference import FLIP, SET, WORST, router_reference
 
 
 def _numpy(batch):
@@ -118,26 +45,13 @@ def _assert_close(got, want, tol=1e-12):
         assert math.isclose(got[key], value, rel_tol=tol, abs_tol=tol), (key, got[key], value)
 
 
-def concat_padded(batches):
-    """Concatenate along B, right-padding T (dim 1) of every [B, T, ...] field with masked zeros."""
-    seq = max(b["response_mask"].shape[1] for b in batches)
-    out = {}
-    for b in batches:
-        for key, v in b.items():
-            if v.ndim >= 2:
-                pad = [0, 0] * (v.ndim - 2) + [0, seq - v.shape[1]]
-                v = torch.nn.functional.pad(v, pad, value=0)
-            out.setdefault(key, []).append(v)
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
 # --- reference comparisons --------------------------------------------------------------------------
 @pytest.mark.parametrize("layers,num_layers", [(3, 3), (3, 8), (6, 4)])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_matches_reference(layers, num_layers, k):
     batches = [make_router_batch(layers=layers, k=k, seed=s, swap=0.3, replace=0.2 + 0.1 * s) for s in range(3)]
     got = _values(_router_metrics(num_layers), *batches)
-    want = router_reference(*_numpy(concat_padded(batches)), num_layers=num_layers)
+    want = router_reference(*_numpy(concat_batches(batches)), num_layers=num_layers)
     assert want[FLIP] > 0 and want[SET] > 0
     _assert_close(got, want)
     overflow = set() if layers > num_layers else {"moe/router/layer_overflow/flip_rate"}
@@ -276,16 +190,6 @@ def test_default_collection_includes_router_members_with_optional_inputs():
     _assert_close({k: v.item() for k, v in metrics.compute().items()}, want)
 
 
-def test_forward_returns_batch_values_and_accumulates():
-    a, b = make_router_batch(seed=30, layers=3), make_router_batch(seed=31, layers=3, swap=0.6)
-    metrics = OPBCCollection(_router_metrics(3))
-    metrics(a)
-    out_b = {k: v.item() for k, v in metrics(b).items()}
-    _assert_close(out_b, router_reference(*_numpy(b), num_layers=3))
-    _assert_close({k: v.item() for k, v in metrics.compute().items()},
-                  router_reference(*_numpy(concat_padded([a, b])), num_layers=3))
-
-
 def test_custom_collection_with_logits_member():
     rng = np.random.default_rng(8)
     logits = torch.from_numpy(rng.normal(size=(2, 6, 3, 5)))
@@ -312,86 +216,7 @@ def test_glossary_aliases_resolve():
         assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
 
 
-# --- DDP --------------------------------------------------------------------------------------------
-SHARDS = {
-    "uneven": [
-        [dict(batch=5, seq=12, layers=6, seed=11), dict(batch=3, seq=30, layers=6, seed=12, swap=0.5)],
-        [dict(batch=2, seq=7, layers=6, seed=13, empty_rows=1, replace=0.6)],
-    ],
-    "rank_without_valid_tokens": [
-        [dict(batch=4, seq=16, layers=6, seed=14)],
-        [dict(batch=3, seq=9, layers=6, seed=15, empty_rows=3)],
-    ],
-}
-
-
-def _full_batches(specs):
-    out = []
-    for s in specs:
-        router = make_router_batch(**s)
-        lp = make_batch(batch=s["batch"], seq=s["seq"], seed=s["seed"], dtype=torch.float64)
-        lp["response_mask"] = router["response_mask"]
-        out.append({**lp, **router})
-    return out
-
-
-def _compute_counting_all_reduce(collection):
-    with count_collectives() as calls:
-        out = collection.compute()
-    return out, calls["n"]
-
-
-def _ddp_worker(rank, world_size):
-    results = {}
-    for scenario, shards in SHARDS.items():
-        batches = _full_batches(shards[rank])
-        collection = OPBCCollection()
-        for b in batches:
-            collection.update(b)
-        out, n_calls = _compute_counting_all_reduce(collection)
-        synced = {k: v.item() for k, v in out.items() if k.startswith("moe/")}
-        alone = _values(_router_metrics(4), *batches)  # the member's own sync path, overflow used
-        results[scenario] = (synced, n_calls, alone)
-    return results
-
-
-def test_ddp_sync_equals_single_process_on_concatenated_data():
-    results = run_distributed(_ddp_worker, world_size=2)
-    for scenario, shards in SHARDS.items():
-        cat = concat_padded([b for specs in shards for b in _full_batches(specs)])
-        want_default = router_reference(*_numpy(cat), num_layers=DEFAULT_MOE_LAYERS, configured=False)
-        want_small = router_reference(*_numpy(cat), num_layers=4)
-        assert want_default[FLIP] > 0
-        for per_rank in results:
-            synced, n_collectives, alone = per_rank[scenario]
-            assert n_collectives <= 4  # 3 reductions + the layout check
-            _assert_close(synced, want_default)
-            _assert_close(alone, want_small)
-        assert results[0][scenario] == results[1][scenario]
-
-
 # --- properties -------------------------------------------------------------------------------------
-@st.composite
-def router_batches(draw, max_b=4, max_t=6, max_l=3, max_k=3):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    layers = draw(st.integers(1, max_l))
-    k = draw(st.integers(1, max_k))
-    experts = draw(st.integers(k, k + 3))
-    seed = draw(st.integers(0, 2**32 - 1))
-    rng = np.random.default_rng(seed)
-    order = np.argsort(rng.random((b, t, layers, experts)), axis=-1)
-    rollout = order[..., :k]
-    # Trainer: draw each expert id freely from [0, E) (so any overlap with the rollout's set can occur).
-    trainer = rng.integers(0, experts, size=(b, t, layers, k))
-    keep = rng.random((b, t, layers)) < draw(st.floats(0.0, 1.0))
-    trainer = np.where(keep[..., None], rollout, trainer)
-    mask = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
-    return {
-        "rollout_experts": torch.from_numpy(rollout.copy()),
-        "trainer_experts": torch.from_numpy(trainer),
-        "response_mask": torch.tensor(mask).view(b, t),
-    }
 
 
 @given(router_batches())
@@ -439,24 +264,9 @@ def test_with_k1_set_disagreement_is_any_layer_flip(batch):
     assert got.get(SET, 0.0) >= got.get(FLIP, 0.0) - 1e-15
 
 
-@given(router_batches(), st.integers(1, 4), st.booleans())
-def test_chunked_updates_equal_one_update(batch, n_chunks, along_time):
+@given(router_batches())
+def test_side_swap_changes_nothing(batch):
     whole = _values(_router_metrics(2), batch)
-    dim = 1 if along_time else 0
-    chunks = [
-        {k: v.index_select(dim, idx) for k, v in batch.items()}
-        for idx in torch.tensor_split(torch.arange(batch["response_mask"].shape[dim]), n_chunks)
-        if idx.numel()
-    ]
-    assert _values(_router_metrics(2), *chunks) == whole
-
-
-@given(router_batches(), st.randoms(use_true_random=False))
-def test_sequence_order_and_side_swap_change_nothing(batch, rnd):
-    perm = list(range(batch["response_mask"].shape[0]))
-    rnd.shuffle(perm)
-    whole = _values(_router_metrics(2), batch)
-    assert _values(_router_metrics(2), {k: v[perm] for k, v in batch.items()}) == whole
     swapped = dict(batch, rollout_experts=batch["trainer_experts"], trainer_experts=batch["rollout_experts"])
     assert _values(_router_metrics(2), swapped) == whole
 
@@ -472,35 +282,11 @@ def test_update_never_syncs_host_and_device():
     for metric, batch in [
         (OPBCCollection(), full),
         (OPBCCollection(), make_batch(seed=9)),
-        (RouterFlipRate(), router),
-        (RouterSetDisagreement(), router),
         (RouterFlipRate(num_layers=2, top_k=2), logits),
         (RouterSetDisagreement(top_k=2), mixed),
     ]:
         with assert_no_host_sync():
             metric.update(batch)
-
-
-def test_state_size_is_fixed_and_state_dict_round_trips():
-    parts = [make_router_batch(batch=2 + s, seq=5 * (s + 1), layers=3 + s % 2, seed=20 + s) for s in range(4)]
-    straight = _router_metrics(8)
-    for p in parts:
-        for m in straight:
-            m.update(p)
-    first = _router_metrics(8)
-    sizes = []
-    for p in parts[:2]:
-        for m in first:
-            m.update(p)
-        sizes.append(sum(v.numel() for m in first for k, v in m.state_dict().items() if k != "_extra_state"))
-    assert sizes[0] == sizes[1] == 2 * 9 + 3  # flip: 2 x (8 + 1); set: disagreements, tokens, out_of_range
-    resumed = _router_metrics(8)
-    for src, dst in zip(first, resumed):
-        buf = io.BytesIO()
-        torch.save(src.state_dict(), buf)
-        buf.seek(0)
-        dst.load_state_dict(torch.load(buf, weights_only=True))
-    assert _values(resumed, *parts[2:]) == _values(straight)
 
 
 def _bad(**changes):

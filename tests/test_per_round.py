@@ -1,11 +1,10 @@
-"""Per-round (multi-turn) mismatch against a plain-Python reference, plus DDP, properties, contracts."""
+"""Per-round (multi-turn) mismatch against a plain-Python reference on crafted inputs, properties and bad input
+(the shared contracts are in test_contracts.py)."""
 
 from __future__ import annotations
 
-import io
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -16,86 +15,8 @@ from opbc_metrics import functional as F
 from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional.per_round import DEFAULT_ROUND_CAPACITY, per_round_keys
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import concat_batches
-from tests.ddp import run_distributed
-
-P = "per_round/"
-
-
-# --- independent reference (plain Python loops, after verl PR #5229's semantics) ----------------------
-def segments(row) -> list[tuple[int, int]]:
-    """(start, end) of each run of nonzero values, end exclusive, scanning token by token."""
-    out, start = [], None
-    for i, value in enumerate(row):
-        if value != 0 and start is None:
-            start = i
-        elif value == 0 and start is not None:
-            out.append((start, i))
-            start = None
-    if start is not None:
-        out.append((start, len(row)))
-    return out
-
-
-def per_round_reference(trainer, rollout, mask=None, capacity=DEFAULT_ROUND_CAPACITY) -> dict[str, float]:
-    trainer = np.asarray(trainer, dtype=np.float64).tolist()
-    rollout = np.asarray(rollout, dtype=np.float64).tolist()
-    mask = [[1] * len(row) for row in trainer] if mask is None else np.asarray(mask).tolist()
-    diffs: dict[int, list[float]] = {}  # bucket -> |r| of finite tokens
-    counts: dict[int, int] = {}  # bucket -> response tokens
-    most = 0
-    for tr, ro, m in zip(trainer, rollout, mask):
-        segs = segments(m)
-        most = max(most, len(segs))
-        for i, (start, end) in enumerate(segs):
-            bucket = min(i, capacity)
-            counts[bucket] = counts.get(bucket, 0) + (end - start)
-            for j in range(start, end):
-                if math.isfinite(tr[j]) and math.isfinite(ro[j]):
-                    diffs.setdefault(bucket, []).append(abs(tr[j] - ro[j]))
-    out = {P + "total_rounds": float(most)}
-    means = {}
-    for i in range(capacity + 1):
-        values = diffs.get(i, [])
-        means[i] = sum(values) / len(values) if values else 0.0
-        name = f"round_{i}" if i < capacity else "overflow"
-        out[P + f"{name}_abs_diff_mean"] = means[i]
-        out[P + f"{name}_token_count"] = float(counts.get(i, 0))
-    best, best_value = -1, -1.0
-    for i in range(capacity + 1):  # verl's strict ">" scan in round order
-        if diffs.get(i) and means[i] > best_value:
-            best, best_value = i, means[i]
-    out[P + "max_round_diff"] = float(best)
-    out[P + "max_diff_value"] = best_value if best >= 0 else 0.0
-    return out
-
-
-def multi_turn_batch(batch=5, seq=40, seed=0, p_on=0.55, p_switch=0.25, drift=0.3, dtype=torch.float64,
-                     empty_rows=0):
-    """Masks made of alternating runs (a two-state Markov chain): many rounds of random lengths."""
-    rng = np.random.default_rng(seed)
-    mask = np.zeros((batch, seq), dtype=np.int64)
-    for b in range(batch):
-        state = rng.random() < p_on
-        for t in range(seq):
-            mask[b, t] = state
-            if rng.random() < p_switch:
-                state = not state
-    mask[:empty_rows] = 0
-    trainer = -rng.random((batch, seq)) * 4.0
-    # A drift that grows with the round, so the worst round is not round 0.
-    rounds = np.maximum(np.cumsum(np.diff(mask, axis=1, prepend=0) == 1, axis=1) - 1, 0)
-    rollout = np.minimum(trainer - rng.normal(size=(batch, seq)) * drift * (1 + rounds), 0.0)
-    return {
-        "trainer_logprobs": torch.from_numpy(trainer).to(dtype),
-        "rollout_logprobs": torch.from_numpy(rollout).to(dtype),
-        "response_mask": torch.from_numpy(mask),
-    }
-
-
-def _numpy(batch):
-    return (batch["trainer_logprobs"].double().numpy(), batch["rollout_logprobs"].double().numpy(),
-            batch["response_mask"].numpy())
+from tests.data import concat_batches, logprobs_numpy, multi_turn_batch, round_batches
+from tests.reference import P, per_round_reference
 
 
 def _values(metric, *batches):
@@ -118,7 +39,7 @@ def _assert_close(got, want, rel=1e-12, abs_tol=1e-12):
 def test_matches_reference(capacity, seed):
     batches = [multi_turn_batch(seed=10 * seed + i, batch=3 + i, seq=20 + 10 * i) for i in range(3)]
     got = _values(PerRoundMismatch(capacity=capacity), *batches)
-    want = per_round_reference(*_numpy(concat_batches(batches)), capacity=capacity)
+    want = per_round_reference(*logprobs_numpy(concat_batches(batches)), capacity=capacity)
     assert want[P + "total_rounds"] >= 3
     _assert_close(got, want)
     rounds = int(want[P + "total_rounds"])
@@ -129,7 +50,7 @@ def test_matches_reference(capacity, seed):
 
 def test_worst_round_in_overflow_reports_the_capacity_index():
     b = multi_turn_batch(seed=4, drift=0.5)
-    want = per_round_reference(*_numpy(b), capacity=2)
+    want = per_round_reference(*logprobs_numpy(b), capacity=2)
     assert want[P + "max_round_diff"] == 2.0  # drift grows with the round: the pooled deep rounds win
     _assert_close(_values(PerRoundMismatch(capacity=2), b), want)
 
@@ -150,7 +71,7 @@ def test_verl_docstring_example():
 
 def test_float32_inputs():
     b = multi_turn_batch(seed=5, dtype=torch.float32)
-    _assert_close(_values(PerRoundMismatch(), b), per_round_reference(*_numpy(b)), rel=2e-6, abs_tol=1e-6)
+    _assert_close(_values(PerRoundMismatch(), b), per_round_reference(*logprobs_numpy(b)), rel=2e-6, abs_tol=1e-6)
 
 
 def test_nonfinite_tokens_stay_in_their_round_but_not_in_its_mean():
@@ -161,7 +82,7 @@ def test_nonfinite_tokens_stay_in_their_round_but_not_in_its_mean():
     b["trainer_logprobs"][row, cols[-1]] = float("nan")
     b["rollout_logprobs"][0, :] = torch.where(b["response_mask"][0] == 0, float("nan"), b["rollout_logprobs"][0])
     got = _values(PerRoundMismatch(), b)
-    want = per_round_reference(*_numpy(b))
+    want = per_round_reference(*logprobs_numpy(b))
     _assert_close(got, want)
     assert all(math.isfinite(v) for v in got.values())
     clean = _values(PerRoundMismatch(), multi_turn_batch(seed=6))
@@ -189,13 +110,6 @@ def test_empty_window_and_missing_mask():
     assert _values(PerRoundMismatch(capacity=2), t0) == {}
 
 
-def test_functional_equals_class_after_one_update():
-    b = multi_turn_batch(seed=8)
-    func = F.per_round_mismatch(b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"], capacity=5)
-    got = _values(PerRoundMismatch(capacity=5), b)
-    assert {k: v.item() for k, v in func.items()} == got
-
-
 # --- collection -------------------------------------------------------------------------------------
 def test_default_collection_includes_per_round():
     assert "per_round" in DEFAULT_SECTIONS
@@ -204,7 +118,7 @@ def test_default_collection_includes_per_round():
     for b in batches:
         metrics.update(b)
     out = {k: v.item() for k, v in metrics.compute().items()}
-    want = per_round_reference(*_numpy(concat_batches(batches)))
+    want = per_round_reference(*logprobs_numpy(concat_batches(batches)))
     _assert_close({k: v for k, v in out.items() if k.startswith(P)}, want)
     assert len(metrics.keys_produced) == len(set(metrics.keys_produced))
     # Every key is there except those of the optional-input members (router, agent, endpoint), which saw
@@ -225,76 +139,19 @@ def test_glossary_entry():
     assert "`per_round/round_0_abs_diff_mean`" in glossary.glossary_markdown()
 
 
-# --- DDP --------------------------------------------------------------------------------------------
-SHARDS = {
-    "uneven": [
-        [dict(batch=5, seq=24, seed=21), dict(batch=3, seq=50, seed=22, p_switch=0.4)],
-        [dict(batch=2, seq=9, seed=23, empty_rows=1)],
-    ],
-    "rank_without_rounds": [
-        [dict(batch=4, seq=30, seed=24, drift=1.0)],
-        [dict(batch=3, seq=11, seed=25, empty_rows=3)],
-    ],
-}
-
-
-def _ddp_worker(rank, world_size):
-    results = {}
-    for scenario, shards in SHARDS.items():
-        batches = [multi_turn_batch(**s) for s in shards[rank]]
-        collection = OPBCCollection()
-        for b in batches:
-            collection.update(b)
-        synced = {k: v.item() for k, v in collection.compute().items() if k.startswith(P)}
-        alone = _values(PerRoundMismatch(capacity=3), *batches)  # the member's own sync path, overflow used
-        results[scenario] = (synced, alone)
-    return results
-
-
-def test_ddp_sync_equals_single_process_on_concatenated_data():
-    results = run_distributed(_ddp_worker, world_size=2)
-    for scenario, shards in SHARDS.items():
-        cat = concat_batches([multi_turn_batch(**s) for specs in shards for s in specs])
-        want_default = per_round_reference(*_numpy(cat))
-        want_small = per_round_reference(*_numpy(cat), capacity=3)
-        assert want_small[P + "overflow_token_count"] > 0
-        for per_rank in results:
-            synced, alone = per_rank[scenario]
-            _assert_close(synced, want_default, rel=1e-10)
-            _assert_close(alone, want_small, rel=1e-10)
-        assert results[0][scenario] == results[1][scenario]
-
-
 # --- properties -------------------------------------------------------------------------------------
-finite_logprobs = st.floats(-30.0, 0.0, allow_nan=False, width=64)
-
-
-@st.composite
-def batches(draw, max_b=5, max_t=12):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    trainer = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    rollout = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    mask = draw(st.lists(st.sampled_from([0, 1, 1, 2]), min_size=b * t, max_size=b * t))  # 2 is "on" too
-    return {
-        "trainer_logprobs": torch.tensor(trainer, dtype=torch.float64).view(b, t),
-        "rollout_logprobs": torch.tensor(rollout, dtype=torch.float64).view(b, t),
-        "response_mask": torch.tensor(mask).view(b, t),
-    }
-
-
 def _counts(out):
     return [v for k, v in out.items() if k.endswith("_token_count")]
 
 
-@given(batches(), st.integers(1, 4))
+@given(round_batches(), st.integers(1, 4))
 def test_property_matches_reference_and_counts_sum_to_the_mask(batch, capacity):
     got = _values(PerRoundMismatch(capacity=capacity), batch)
     valid = (batch["response_mask"] != 0) & torch.isfinite(batch["trainer_logprobs"] - batch["rollout_logprobs"])
     if not valid.any():  # no valid token: no keys
         assert got == {}
         return
-    _assert_close(got, per_round_reference(*_numpy(batch), capacity=capacity), rel=1e-9, abs_tol=1e-12)
+    _assert_close(got, per_round_reference(*logprobs_numpy(batch), capacity=capacity), rel=1e-9, abs_tol=1e-12)
     assert sum(_counts(got)) == (batch["response_mask"] != 0).sum().item()
     t = batch["response_mask"].shape[1]
     assert 0 <= got[P + "total_rounds"] <= (t + 1) // 2
@@ -305,7 +162,7 @@ def test_property_matches_reference_and_counts_sum_to_the_mask(batch, capacity):
         assert (P + f"round_{i}_token_count" in got) == (i < got[P + "total_rounds"])
 
 
-@given(batches())
+@given(round_batches())
 def test_equal_logprobs_give_zero_mismatch(batch):
     batch = dict(batch, rollout_logprobs=batch["trainer_logprobs"].clone())
     got = _values(PerRoundMismatch(capacity=3), batch)
@@ -316,57 +173,14 @@ def test_equal_logprobs_give_zero_mismatch(batch):
     assert got[P + "max_round_diff"] == (0.0 if (batch["response_mask"] != 0).any() else -1.0)
 
 
-@given(batches(), st.integers(1, 5))
-def test_chunked_updates_equal_one_update(batch, n_chunks):
-    whole = _values(PerRoundMismatch(capacity=3), batch)
-    chunks = [
-        {k: v[idx] for k, v in batch.items()}
-        for idx in torch.tensor_split(torch.arange(batch["response_mask"].shape[0]), n_chunks)
-        if idx.numel()
-    ]
-    chunked = _values(PerRoundMismatch(capacity=3), *chunks)
-    _assert_close(chunked, whole, rel=1e-12, abs_tol=1e-13)
-    assert _counts(chunked) == _counts(whole)
-
-
-@given(batches(), st.randoms(use_true_random=False))
-def test_permuting_sequences_changes_nothing(batch, rnd):
-    perm = list(range(batch["response_mask"].shape[0]))
-    rnd.shuffle(perm)
-    a = _values(PerRoundMismatch(capacity=3), batch)
-    b = _values(PerRoundMismatch(capacity=3), {k: v[perm] for k, v in batch.items()})
-    _assert_close(b, a, rel=1e-12, abs_tol=1e-13)
-
-
 # --- contracts --------------------------------------------------------------------------------------
-def test_update_never_syncs_host_and_device():
+def test_default_collection_helpers_and_empty_shapes_never_sync():
     b = multi_turn_batch(seed=11, dtype=torch.float32)
-    for metric in (OPBCCollection(), PerRoundMismatch(), PerRoundMismatch(capacity=1)):
-        with assert_no_host_sync():
-            metric.update(b)
     with assert_no_host_sync():
+        OPBCCollection().update(b)
         F.round_index(b["response_mask"])
         PerRoundMismatch().update({k: v[:, :0] for k, v in b.items()})
         PerRoundMismatch().update({k: v[:0] for k, v in b.items()})
-
-
-def test_state_size_is_fixed_and_state_dict_round_trips():
-    parts = [multi_turn_batch(seed=30 + s, batch=2 + s, seq=10 * (s + 1)) for s in range(4)]
-    straight = PerRoundMismatch(capacity=4)
-    for p in parts:
-        straight.update(p)
-    first = PerRoundMismatch(capacity=4)
-    sizes = []
-    for p in parts[:2]:
-        first.update(p)
-        sizes.append(sum(v.numel() for k, v in first.state_dict().items() if k != "_extra_state"))
-    assert sizes == [3 * 5 + 1] * 2
-    buf = io.BytesIO()
-    torch.save(first.state_dict(), buf)
-    buf.seek(0)
-    resumed = PerRoundMismatch(capacity=4)
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
-    _assert_close(_values(resumed, *parts[2:]), _values(straight), rel=1e-12, abs_tol=1e-13)
 
 
 @pytest.mark.parametrize(

@@ -83,7 +83,7 @@ def test_verl_v1_hook_reads_the_step_from_transfer_queue(ray_session):
     from omegaconf import OmegaConf
 
     from opbc_metrics.integrations import verl as opbc_verl
-    from tests.test_verl_real import TIMING_RAW, make_dataproto, v1_transfer_queue_form
+    from tests.verl_data import TIMING_RAW, make_dataproto, v1_transfer_queue_form
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -45,7 +45,7 @@ def test_world_sizes_3_and_4_with_uneven_update_counts(world_size):
 
 
 def _optional_members_worker(rank, world_size):
-    from tests.test_moe import make_router_batch
+    from tests.data import make_router_batch
 
     metrics = OPBCCollection()
     b = make_batch(batch=4, seq=12, seed=rank, dtype=torch.float64)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
@@ -33,8 +32,9 @@ from opbc_metrics.rollout import (
     rollout_metrics,
 )
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import make_batch
-from tests.test_rollout_reference import (
+from tests.data import NAMES, concat_batches, groups_batch, make_batch, make_rollouts, rollout_groups
+from tests.harness import take
+from tests.reference import (
     gini_pairwise,
     gini_sorted_rank,
     group_gini_mean,
@@ -42,63 +42,6 @@ from tests.test_rollout_reference import (
     rollout_reference,
     zero_advantage_reference,
 )
-
-NAMES = ("tool_calls", "format")
-STOP_STRINGS = ("stop", "length", "abort", "tool_calls")
-
-
-def make_rollouts(groups: int = 4, seed: int = 0, first_id: int = 0, tokens: bool = False, t: int = 6,
-                  missing: bool = True) -> dict:
-    """A batch of whole prompt groups (sizes 1-5, interleaved), ids ``first_id * 1000 + 37 k`` (arbitrary ints)."""
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(1, 6, groups)
-    gid = np.concatenate([np.full(s, first_id * 1000 + 37 * k - 50) for k, s in enumerate(sizes)])
-    rng.shuffle(gid)  # a group need not be contiguous in the batch
-    b = gid.size
-    rewards = rng.choice([0.0, 0.5, 1.0, 2.0], size=b) * rng.integers(0, 2, b)
-    lengths = rng.integers(0, 200, b)
-    out = {
-        "group_ids": torch.tensor(gid),
-        "prompt_lengths": torch.tensor(rng.integers(5, 100, b)),
-        "response_lengths": torch.tensor(lengths),
-        "stop_reasons": [STOP_STRINGS[i] for i in rng.integers(0, 4, b)],
-        "discard_reasons": torch.tensor(rng.integers(0, 3, b)),
-    }
-    tool_calls = rng.integers(0, 5, b).astype(np.float64)
-    fmt = rng.random(b)
-    if missing:
-        fmt[rng.random(b) < 0.3] = np.nan  # not reported by some samples
-    out["sample_metrics"] = {"tool_calls": torch.tensor(tool_calls), "format": torch.tensor(fmt)}
-    out["policy_lag"] = torch.tensor(rng.integers(0, 5, b))
-    if tokens:
-        mask = (np.arange(t)[None, :] < rng.integers(0, t + 1, b)[:, None]).astype(np.int64)
-        out["response_mask"] = torch.tensor(mask)
-        out["rewards"] = torch.tensor(rng.normal(size=(b, t)))
-        out["advantages"] = torch.tensor(rng.normal(size=(b, t)))
-    else:
-        out["rewards"] = torch.tensor(rewards)
-        out["advantages"] = torch.tensor(rng.normal(size=b))
-    return out
-
-
-def concat(batches: list[dict]) -> dict:
-    out: dict = {}
-    for b in batches:
-        for k, v in b.items():
-            if k == "sample_metrics":
-                for n, col in v.items():
-                    out.setdefault(k, {}).setdefault(n, []).append(col)
-            else:
-                out.setdefault(k, []).append(v)
-    res = {}
-    for k, parts in out.items():
-        if k == "sample_metrics":
-            res[k] = {n: torch.cat(c) for n, c in parts.items()}
-        elif isinstance(parts[0], list):
-            res[k] = [x for p in parts for x in p]
-        else:
-            res[k] = torch.cat(parts)
-    return res
 
 
 def collection(**kwargs) -> OPBCCollection:
@@ -114,19 +57,6 @@ def assert_matches(out: dict, ref: dict, rtol: float = 1e-9, atol: float = 1e-12
         assert math.isclose(got, want, rel_tol=rtol, abs_tol=atol), (key, got, want)
 
 
-def _subset(b: dict, idx) -> dict:
-    idx = list(idx)
-    out = {}
-    for k, v in b.items():
-        if k == "sample_metrics":
-            out[k] = {n: c[idx] for n, c in v.items()}
-        elif isinstance(v, list):
-            out[k] = [v[i] for i in idx]
-        else:
-            out[k] = v[idx]
-    return out
-
-
 # --- reference ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tokens", [False, True])
 def test_collection_matches_reference(tokens):
@@ -135,19 +65,9 @@ def test_collection_matches_reference(tokens):
     for b in batches:
         metrics.update(b)
     out = metrics.compute()
-    ref = rollout_reference(concat(batches) if not tokens else _concat_tokens(batches), NAMES)
+    ref = rollout_reference(concat_batches(batches), NAMES)
     assert set(ref) == set(out)
     assert_matches(out, ref)
-
-
-def _concat_tokens(batches):
-    t = max(b["rewards"].shape[1] for b in batches)
-    padded = []
-    for b in batches:
-        pad = t - b["rewards"].shape[1]
-        padded.append({k: (torch.nn.functional.pad(v, (0, pad)) if isinstance(v, torch.Tensor) and v.ndim == 2 else v)
-                       for k, v in b.items()})
-    return concat(padded)
 
 
 def test_token_level_fields_are_reduced_per_sample():
@@ -307,75 +227,10 @@ def test_gini_bounds_and_scale_invariance(values, scale):
     assert g == pytest.approx(gini_sorted_rank(values), rel=1e-9, abs=1e-12)
 
 
-@st.composite
-def rollout_groups(draw, max_groups=5):
-    """A list of whole groups: (id, [(reward, length, stop, discard, metric or None), ...])."""
-    ids = draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=max_groups, unique=True))
-    groups = []
-    for gid in ids:
-        size = draw(st.integers(1, 5))
-        samples = [
-            (
-                draw(st.sampled_from([0.0, 0.25, 1.0, 3.0])),
-                draw(st.integers(0, 64)),
-                draw(st.sampled_from(STOP_STRINGS)),
-                draw(st.integers(0, 2)),
-                draw(st.one_of(st.none(), st.floats(0.0, 10.0))),
-            )
-            for _ in range(size)
-        ]
-        groups.append((gid, samples))
-    return groups
-
-
-def _batch_of(groups, order=None) -> dict:
-    rows = [(gid, s) for gid, samples in groups for s in samples]
-    if order is not None:
-        rows = [rows[i] for i in order]
-    return {
-        "group_ids": torch.tensor([g for g, _ in rows], dtype=torch.long),
-        "rewards": torch.tensor([s[0] for _, s in rows], dtype=torch.float64),
-        "advantages": torch.tensor([s[0] - 1.0 for _, s in rows], dtype=torch.float64),
-        "prompt_lengths": torch.tensor([abs(g) % 17 for g, _ in rows], dtype=torch.long),  # one prompt per group
-        "response_lengths": torch.tensor([s[1] for _, s in rows], dtype=torch.long),
-        "stop_reasons": [s[2] for _, s in rows],
-        "discard_reasons": torch.tensor([s[3] for _, s in rows], dtype=torch.long),
-        "sample_metrics": {
-            "tool_calls": torch.tensor([float(s[1] % 5) for _, s in rows], dtype=torch.float64),
-            "format": torch.tensor([math.nan if s[4] is None else s[4] for _, s in rows], dtype=torch.float64),
-        },
-    }
-
-
-def _close(a: dict, b: dict) -> None:
-    assert set(a) == set(b)
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), (k, a[k], b[k])
-
-
-@given(rollout_groups(), st.integers(1, 5))
-def test_chunked_updates_by_whole_groups_equal_one_update(groups, n_chunks):
-    whole, chunked = collection(), collection()
-    whole.update(_batch_of(groups))
-    for part in np.array_split(np.arange(len(groups)), n_chunks):
-        chunked.update(_batch_of([groups[i] for i in part]))  # an empty part is an empty batch
-    _close(whole.compute(), chunked.compute())
-
-
-@given(rollout_groups(), st.randoms(use_true_random=False))
-def test_permuting_samples_changes_nothing(groups, rnd):
-    n = sum(len(s) for _, s in groups)
-    order = list(range(n))
-    rnd.shuffle(order)
-    a, b = collection(), collection()
-    a.update(_batch_of(groups))
-    b.update(_batch_of(groups, order))
-    _close(a.compute(), b.compute())
-
 
 @given(rollout_groups())
 def test_matches_reference_and_bounds(groups):
-    batch = _batch_of(groups)
+    batch = groups_batch(groups)
     out = collection()(batch)
     assert_matches(out, rollout_reference(batch, NAMES), rtol=1e-9, atol=1e-9)
     for key in ("rollout/stop_reason/length_pct", "rollout/discarded/pct"):
@@ -445,57 +300,16 @@ def _all_metrics():
     return [*[cls() for cls in ROLLOUT_METRICS], SampleMetricStats(NAMES), collection()]
 
 
-def test_update_never_syncs_host_and_device():
+def test_token_fields_stop_codes_and_helpers_never_sync():
     b = make_rollouts(groups=6, seed=2, tokens=True)
     b["stop_reasons"] = torch.tensor([1, 0, 2] * (len(b["stop_reasons"]) // 3) + [0] * (len(b["stop_reasons"]) % 3))
     for m in _all_metrics():
         with assert_no_host_sync():
             m.update(b)
-    # [B] fields too, and the helpers
     b = make_rollouts(groups=6, seed=3)
-    b["stop_reasons"] = torch.ones(b["group_ids"].shape[0], dtype=torch.long)
-    for m in _all_metrics():
-        with assert_no_host_sync():
-            m.update(b)
     with assert_no_host_sync():
         R.zero_advantage_mask(b["rewards"], b["group_ids"])
         R.discard_reasons(b["rewards"], b["group_ids"], policy_lag=b["prompt_lengths"], max_off_policy_steps=50)
-
-
-def test_state_size_is_fixed():
-    metrics = collection()
-    metrics.update(make_rollouts(groups=2, seed=0))
-    size = sum(v.numel() for v in metrics.state_dict().values())
-    for s in range(1, 5):
-        metrics.update(make_rollouts(groups=2 + 3 * s, seed=s))
-    assert sum(v.numel() for v in metrics.state_dict().values()) == size
-
-
-def test_state_dict_round_trip_mid_accumulation():
-    parts = [make_rollouts(groups=3, seed=s, first_id=s) for s in range(4)]
-    straight = collection()
-    for p in parts:
-        straight.update(p)
-    first = collection()
-    for p in parts[:2]:
-        first.update(p)
-    buf = io.BytesIO()
-    torch.save(first.state_dict(), buf)
-    buf.seek(0)
-    resumed = collection()
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
-    for p in parts[2:]:
-        resumed.update(p)
-    _close(straight.compute(), resumed.compute())
-
-
-def test_forward_returns_batch_values_and_accumulates():
-    a, b = make_rollouts(groups=3, seed=1, first_id=1), make_rollouts(groups=4, seed=2, first_id=2)
-    metrics = collection()
-    metrics(a)
-    out_b = metrics(b)
-    _close(out_b, collection()(b))
-    _close(metrics.compute(), collection()(concat([a, b])))
 
 
 def test_empty_window_values():
@@ -504,7 +318,7 @@ def test_empty_window_values():
         assert m.compute_dict() == {}
     assert collection().compute() == {}
     metrics = collection()
-    metrics.update(_subset(make_rollouts(groups=2, seed=0), []))
+    metrics.update(take(make_rollouts(groups=2, seed=0), []))
     assert metrics.compute() == {}
 
 

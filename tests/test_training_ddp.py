@@ -8,8 +8,8 @@ import math
 
 import torch
 
+from tests.data import concat_batches, make_scalars, make_training_batch
 from tests.ddp import count_collectives, run_distributed
-from tests.test_training_data import concat_training, make_scalars, make_training_batch
 
 SOURCES = ("gsm8k", "math")
 FLOPS_ARGS = dict(active_params=1e9, num_layers=4, attention_dim=256)
@@ -73,7 +73,7 @@ def _expected():
     from opbc_metrics.functional.perf import TransformerFlops
 
     batches, vals, scalars, timings = _shards()
-    everything = concat_training(batches[0] + batches[1])
+    everything = concat_batches(batches[0] + batches[1])
     single = OPBCCollection(metrics=_members(world_size=2))
     single.update(everything)
     for v in vals[0]:

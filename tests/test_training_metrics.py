@@ -44,8 +44,8 @@ from opbc_metrics.training import (
     ValueStats,
     training_metrics,
 )
-from tests.test_training_data import SCALARS, concat_training, make_scalars, make_training_batch
-from tests.test_training_reference import (
+from tests.data import SCALARS, concat_batches, make_scalars, make_training_batch
+from tests.training_reference import (
     ref_best_at_k,
     ref_clipfrac,
     ref_dpo,
@@ -74,7 +74,7 @@ def _np(t):
 
 
 BATCHES = [make_training_batch(seed=s, batch=5 + s, seq=8 + 3 * s, empty_rows=s % 2) for s in range(3)]
-ALL = concat_training(BATCHES)
+ALL = concat_batches(BATCHES)
 
 
 def _fed(metric, batches=BATCHES, **extra):
@@ -161,7 +161,7 @@ def test_clipfrac_matches_reference(low, high, c, adv_shape):
         batches.append(b)
     m = _fed(PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c), batches)
     out = m.compute()
-    cat = concat_training(batches)
+    cat = concat_batches(batches)
     want = ref_clipfrac(_np(cat["policy_logprobs"]), _np(cat["old_logprobs"]), _np(cat["advantages"]),
                         _np(cat["response_mask"]), low, high, c)
     assert 0 < want[0] < 1 and want[1] > 0

@@ -1,4 +1,5 @@
-"""Hypothesis properties of the training metrics: bounds, monotonicity, chunking and order invariance."""
+"""Hypothesis properties of the training metrics: bounds and monotonicity (chunking and order invariance:
+test_contracts.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from opbc_metrics import OPBCCollection
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as FT
 from opbc_metrics.functional import validation as FV
@@ -17,42 +17,17 @@ from opbc_metrics.training import (
     PPOKL,
     AbortedRatio,
     AdvantageStats,
-    ApproxKL,
     DPOMetrics,
     ExplainedVariance,
     GlobalSeqlen,
-    NumTurns,
     PolicyClipFraction,
     PolicyEntropy,
-    PromptLength,
     ResponseLength,
-    ReturnStats,
     RewardModelMetrics,
-    RewardStats,
-    ScoreStats,
     ValidationAccuracy,
     ValidationReward,
-    ValueStats,
 )
-from tests.test_training_data import make_training_batch
-
-
-def _batch_metrics():
-    return [PPOKL(), ApproxKL(estimator="k2"), PolicyClipFraction(clip_ratio_low=0.1, clip_ratio_high=0.3),
-            PolicyEntropy(), PolicyEntropy(from_logits=True), ValueStats(), ReturnStats(), AdvantageStats(),
-            RewardStats(), ScoreStats(), ExplainedVariance(), ResponseLength(max_response_length=5),
-            PromptLength(max_prompt_length=20), AbortedRatio(), NumTurns(), DPOMetrics(), RewardModelMetrics(),
-            GlobalSeqlen(world_size=1)]
-
-
-def _collection():
-    # PolicyEntropy twice would clash on keys in one collection: keep the logits one apart.
-    members = _batch_metrics()
-    return OPBCCollection(metrics=[m for m in members if not getattr(m, "from_logits", False)]), members[4]
-
-
-def _rows(batch, idx):
-    return {k: v[idx] for k, v in batch.items()}
+from tests.data import make_training_batch
 
 
 def _assert_close(a, b):
@@ -62,34 +37,6 @@ def _assert_close(a, b):
 
 
 batch_params = st.tuples(st.integers(1, 7), st.integers(1, 9), st.integers(0, 10_000), st.integers(0, 2))
-
-
-@given(batch_params, st.integers(1, 4))
-def test_chunked_updates_equal_one_update(params, n_chunks):
-    b, t, seed, empty = params
-    batch = make_training_batch(batch=b, seq=t, seed=seed, empty_rows=min(empty, b))
-    (whole, ent_whole), (chunked, ent_chunked) = _collection(), _collection()
-    whole.update(batch)
-    ent_whole.update(batch)
-    for idx in torch.tensor_split(torch.arange(b), n_chunks):
-        if idx.numel():
-            chunked.update(_rows(batch, idx))
-            ent_chunked.update(_rows(batch, idx))
-    _assert_close(whole.compute(), chunked.compute())
-    a, c = ent_whole.compute_dict(), ent_chunked.compute_dict()  # {} when no token was valid
-    assert a.keys() == c.keys() and all(torch.allclose(a[k], c[k], rtol=1e-9) for k in a)
-
-
-@given(batch_params, st.randoms(use_true_random=False))
-def test_permuting_sequences_changes_nothing(params, rnd):
-    b, t, seed, empty = params
-    batch = make_training_batch(batch=b, seq=t, seed=seed, empty_rows=min(empty, b))
-    perm = list(range(b))
-    rnd.shuffle(perm)
-    (x, _), (y, _) = _collection(), _collection()
-    x.update(batch)
-    y.update(_rows(batch, torch.tensor(perm)))
-    _assert_close(x.compute(), y.compute())
 
 
 @given(batch_params, st.floats(0.0, 0.9), st.floats(0.0, 2.0), st.floats(1.01, 10.0), st.floats(0.01, 3.0))

@@ -2,8 +2,8 @@
 
 Plain Python and NumPy, deliberately naive: boolean indexing, loops over sequences and pairs, exact
 binomials (``math.comb``), enumeration of subsets. Equivalent reformulations are used where they make the
-check independent (e.g. the clip fractions via ``A > 0 and rho > 1 + eps``). The tests in this file check
-the references themselves against brute force.
+check independent (e.g. the clip fractions via ``A > 0 and rho > 1 + eps``). ``tests/test_reference.py``
+checks the references themselves against brute force.
 """
 
 from __future__ import annotations
@@ -257,37 +257,3 @@ def ref_transformer_active_params(hidden, layers, heads, vocab, inter, kv_heads=
         mlp = 3 * hidden * inter
     embed = vocab * hidden if count_embedding else 0
     return layers * (q_proj + k_proj + v_proj + o_proj + mlp) + vocab * hidden + embed
-
-
-# ---------------------------------------------------------------------------------------------------
-# self-checks of the references
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_pass_at_k_reference_matches_enumeration():
-    for n in range(1, 7):
-        for c in range(n + 1):
-            for k in range(1, n + 1):
-                outcomes = [1] * c + [0] * (n - c)
-                subsets = list(itertools.combinations(outcomes, k))
-                brute = sum(any(s) for s in subsets) / len(subsets)
-                assert math.isclose(ref_pass_at_k(n, c, k), brute, rel_tol=1e-12), (n, c, k)
-
-
-def test_best_at_k_reference_matches_enumeration():
-    rng = np.random.default_rng(0)
-    for n in range(1, 7):
-        vals = [float(v) for v in rng.normal(size=n).round(3)]
-        vals[0] = vals[-1]  # a tie
-        for k in range(1, n + 1):
-            assert math.isclose(ref_best_at_k(vals, k), brute_best_at_k(vals, k), rel_tol=1e-12, abs_tol=1e-12)
-
-
-def test_karmarkar_karp_reference_is_sane():
-    rng = np.random.default_rng(1)
-    for _ in range(20):
-        k = int(rng.integers(2, 4))
-        lengths = [int(x) for x in rng.integers(1, 50, size=int(rng.integers(k, 8)))]
-        sums = ref_karmarkar_karp_sums(lengths, k)
-        assert math.isclose(sum(sums), sum(lengths))
-        assert max(sums) >= brute_min_max_partition(lengths, k) - 1e-9

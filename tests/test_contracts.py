@@ -1,0 +1,222 @@
+"""The contracts every metric keeps, for every metric class of the case table in ``tests/harness.py``:
+the independent reference, no host sync in ``update``, chunked updates equal one update, permutation
+invariance, functional equals class, ``forward`` semantics, state round trip and merge, fixed state size,
+and DDP on uneven shards (gloo, two ranks) equal to one process on the concatenated data, with a constant
+number of collectives per collection. Section test files keep only what is specific to them."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from opbc_metrics.testing import assert_no_host_sync
+from tests.data import concat_batches
+from tests.ddp import run_distributed
+from tests.harness import (
+    MEMBERS,
+    ONE_COLLECTION,
+    SCENARIOS,
+    SECTIONS,
+    assert_close,
+    assert_matches_reference,
+    floats,
+    missing_reference_keys,
+    take,
+    units,
+)
+
+SECTION_IDS = sorted(SECTIONS)
+MEMBER_IDS = [f"{s}-{m}" for s, m in MEMBERS]
+
+
+def _values(metric) -> dict[str, float]:
+    compute = metric.compute_dict if hasattr(metric, "compute_dict") else metric.compute
+    return floats(compute())
+
+
+def _state_numel(metric) -> int:
+    return sum(v.numel() for k, v in metric.state_dict().items() if not k.endswith("_extra_state"))
+
+
+@pytest.fixture(params=MEMBERS, ids=MEMBER_IDS)
+def case(request):
+    """(section, factory) of one metric class."""
+    section_name, name = request.param
+    section = SECTIONS[section_name]
+    return section, section.members[name]
+
+
+# --- per metric class -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [c for c in MEMBERS if SECTIONS[c[0]].reference is not None], indirect=True,
+                         ids=lambda c: f"{c[0]}-{c[1]}")
+def test_matches_the_independent_reference(case):
+    section, make = case
+    batches = section.batches()
+    got = _values(section.feed(make(), batches))
+    want = section.reference(concat_batches(batches))
+    assert_matches_reference(section, got, want, where=type(make()).__name__)
+    assert not missing_reference_keys(section, set(got), want, set(make().keys))
+
+
+def test_update_never_syncs_host_and_device(case):
+    section, make = case
+    metric = make()
+    for b in [*section.batches(), section.blank(section.batches()[0])]:
+        b = section.input(b)
+        with assert_no_host_sync():
+            metric.update(b)
+
+
+def test_chunked_updates_equal_one_update(case):
+    section, make = case
+    batches = section.batches()
+    assert_close(_values(section.feed(make(), batches)), _values(section.feed(make(), [concat_batches(batches)])),
+                 section)
+
+
+def test_forward_returns_the_batch_value_and_accumulates(case):
+    section, make = case
+    a, b, c, _ = section.batches()
+    metric = make()
+    metric.as_dict(metric(section.input(a)))
+    out_b = floats(metric.as_dict(metric(section.input(b))))
+    assert_close(out_b, _values(section.feed(make(), [b])), section)
+    metric(section.input(section.blank(c)))  # a batch without data: zero counts at most, the window unchanged
+    assert_close(_values(metric), _values(section.feed(make(), [a, b])), section)
+
+
+def test_state_round_trip_and_merge_mid_accumulation(case):
+    section, make = case
+    parts = section.batches()
+    straight = _values(section.feed(make(), parts))
+    first = section.feed(make(), parts[:2])
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = make()
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    assert_close(_values(section.feed(resumed, parts[2:])), straight, section, where="state_dict")
+    merged = section.feed(make(), parts[:2])
+    merged.merge_state(section.feed(make(), parts[2:]))
+    assert_close(_values(merged), straight, section, where="merge_state")
+
+
+def test_state_size_is_fixed(case):
+    section, make = case
+    metric = make()
+    batches = section.batches()
+    section.feed(metric, batches[:1])
+    size = _state_numel(metric)
+    for b in [*batches[1:], concat_batches(batches)]:
+        section.feed(metric, [b])
+        assert _state_numel(metric) == size
+
+
+# --- per section (every member in one collection) --------------------------------------------------------
+@pytest.mark.parametrize("name", [n for n in SECTION_IDS if SECTIONS[n].functional is not None])
+def test_functional_equals_class(name):
+    section = SECTIONS[name]
+    for b in section.batches()[:2]:
+        got = {k: v for run in section.runs() for k, v in _values(section.feed(run, [b])).items()}
+        func = floats(section.functional(b))
+        assert func and set(func) <= set(got), set(func) - set(got)
+        assert_close({k: got[k] for k in func}, func, section)
+
+
+@pytest.mark.parametrize("name", SECTION_IDS)
+def test_collection_update_never_syncs_host_and_device(name):
+    section = SECTIONS[name]
+    for run in section.runs():
+        for b in map(section.input, section.batches()):
+            with assert_no_host_sync():
+                run.update(b)
+
+
+def _chunks(section, batch, n_chunks, dim):
+    if dim == 1:  # along time: every field of rank >= 2 is cut at the same columns
+        cols = torch.arange(batch["response_mask"].shape[1])
+        return [{k: v.index_select(1, idx) for k, v in batch.items()} for idx in torch.tensor_split(cols, n_chunks)
+                if idx.numel()]
+    groups = units(batch, section.unit)
+    parts = torch.tensor_split(torch.arange(len(groups)), n_chunks)
+    return [take(batch, [i for g in p.tolist() for i in groups[g]]) for p in parts if p.numel()]
+
+
+@pytest.mark.parametrize("name", SECTION_IDS)
+@given(data=st.data(), n_chunks=st.integers(1, 5))
+def test_property_chunked_updates_equal_one_update(name, data, n_chunks):
+    section = SECTIONS[name]
+    batch = data.draw(section.strategy)
+    for i, whole in enumerate(section.runs()):
+        expected = _values(section.feed(whole, [batch]))
+        for dim in (0, 1) if section.time_split else (0,):
+            chunked = section.feed(section.runs()[i], _chunks(section, batch, n_chunks, dim))
+            assert_close(_values(chunked), expected, section, skip=section.unstable(batch))
+
+
+@pytest.mark.parametrize("name", [n for n in SECTION_IDS if SECTIONS[n].permutable])
+@given(data=st.data(), rnd=st.randoms(use_true_random=False))
+def test_property_permuting_units_changes_nothing(name, data, rnd):
+    section = SECTIONS[name]
+    batch = data.draw(section.strategy)
+    order = list(range(len(units(batch, "sequence"))))
+    rnd.shuffle(order)
+    for i, a in enumerate(section.runs()):
+        b = section.runs()[i]
+        assert_close(_values(section.feed(b, [take(batch, order)])), _values(section.feed(a, [batch])), section,
+                     skip=section.unstable(batch))
+
+
+# --- DDP: one spawned run for every case -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ddp_results():
+    from tests.harness import ddp_worker
+
+    return run_distributed(ddp_worker, world_size=2, timeout=300)
+
+
+def _single(section, scenario):
+    """One process on the concatenation of every rank's shard."""
+    flat = [b for shard in section.shards(scenario) for b in shard]
+    return concat_batches(flat)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("name", SECTION_IDS)
+def test_ddp_collection_equals_one_process_on_the_concatenation(ddp_results, name, scenario):
+    section = SECTIONS[name]
+    cat = _single(section, scenario)
+    expected = floats(section.feed(section.collection(ddp=True), [cat]).compute())
+    if section.reference is not None:
+        assert_matches_reference(section, expected, section.reference(cat), where="single process")
+    for rank, result in enumerate(ddp_results):
+        values, n_collectives, _, restored = result[name, scenario]
+        assert n_collectives <= 4, f"{n_collectives} collectives (3 reductions + the layout check)"
+        assert restored, "compute() left synced states behind"
+        assert_close(values, expected, section, where=f"rank {rank}")
+    assert ddp_results[0][name, scenario][0] == ddp_results[1][name, scenario][0]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("case", [c for c in MEMBERS if c[1] not in SECTIONS[c[0]].per_rank], indirect=True,
+                         ids=lambda c: f"{c[0]}-{c[1]}")
+def test_ddp_each_metric_alone_equals_one_process(ddp_results, case, scenario):
+    section, make = case
+    name = next(n for n, m in section.members.items() if m is make)
+    expected = _values(section.feed(make(), [_single(section, scenario)]))
+    for rank, result in enumerate(ddp_results):
+        assert_close(result[section.name, scenario][2][name], expected, section, where=f"rank {rank}")
+
+
+def test_ddp_one_collection_of_every_section_syncs_in_constant_collectives(ddp_results):
+    (values, n0), (values1, n1) = ddp_results[0]["everything"], ddp_results[1]["everything"]
+    assert n0 == n1 and n0 <= 4, (n0, n1)
+    assert values == values1
+    for name in ONE_COLLECTION:  # the same values as each section's collection
+        section = SECTIONS[name]
+        own = ddp_results[0][name, "uneven"][0]
+        assert_close({k: values[k] for k in own}, own, section, where=name)
