@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional.mismatch import _safe_div
+from opbc_metrics.functional.statistics import Stats, safe_div
 
 if TYPE_CHECKING:
     from opbc_metrics.agent.trajectory import Trajectory
@@ -92,7 +92,6 @@ AGENT_KEYS = (JACCARD_KEY, *DIVERGENCE_KEYS, ANSWER_KEY, SOFT_ANSWER_KEY, TOOL_C
 # The divergence step reported when no pair diverged.
 NO_DIVERGENCE = -1.0
 
-Stats = dict[str, Tensor]
 AnyTrajectory = Any  # a Trajectory or a list of chat messages
 
 
@@ -326,7 +325,7 @@ def _agent_update(view: BatchView) -> Stats:
 
 
 def _jaccard_compute(jaccard_sum: Tensor, pairs: Tensor) -> Tensor:
-    return _safe_div(jaccard_sum, pairs, 1.0)
+    return safe_div(jaccard_sum, pairs, 1.0)
 
 
 def _divergence_compute(
@@ -342,29 +341,29 @@ def _divergence_compute(
     none = torch.full_like(step_min, NO_DIVERGENCE)
     kinds = (kind_tool_choice, kind_tool_arguments, kind_content, kind_length)
     return {
-        DIVERGENCE_KEYS[0]: _safe_div(step_sum, diverged, NO_DIVERGENCE),
+        DIVERGENCE_KEYS[0]: safe_div(step_sum, diverged, NO_DIVERGENCE),
         DIVERGENCE_KEYS[1]: torch.where(diverged > 0, step_min, none),
-        DIVERGENCE_KEYS[2]: _safe_div(diverged, pairs, 0.0),
-        **{key: _safe_div(k, pairs, 0.0) for key, k in zip(DIVERGENCE_KEYS[3:7], kinds)},
+        DIVERGENCE_KEYS[2]: safe_div(diverged, pairs, 0.0),
+        **{key: safe_div(k, pairs, 0.0) for key, k in zip(DIVERGENCE_KEYS[3:7], kinds)},
         DIVERGENCE_KEYS[7]: pairs.clone(),
     }
 
 
 def _answer_compute(matches: Tensor, pairs: Tensor) -> Tensor:
-    return _safe_div(matches, pairs, 1.0)
+    return safe_div(matches, pairs, 1.0)
 
 
 def _soft_answer_compute(soft_sum: Tensor, pairs: Tensor) -> Tensor:
-    return _safe_div(soft_sum, pairs, 1.0)
+    return safe_div(soft_sum, pairs, 1.0)
 
 
 def _step_count_compute(rollout_steps: Tensor, reference_steps: Tensor, pairs: Tensor) -> dict[str, Tensor]:
-    return dict(zip(STEP_COUNT_KEYS, (_safe_div(rollout_steps, pairs, 0.0), _safe_div(reference_steps, pairs, 0.0)),
+    return dict(zip(STEP_COUNT_KEYS, (safe_div(rollout_steps, pairs, 0.0), safe_div(reference_steps, pairs, 0.0)),
                     strict=True))
 
 
 def _tool_choice_compute(disagree: Tensor, tool_steps: Tensor) -> Tensor:
-    return _safe_div(disagree, tool_steps, 0.0)
+    return safe_div(disagree, tool_steps, 0.0)
 
 
 def _all_compute(s: Stats) -> dict[str, Tensor]:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional.mismatch import _safe_div
+from opbc_metrics.functional.statistics import Stats, safe_div
 
 if TYPE_CHECKING:
     from opbc_metrics.endpoint.probe import EndpointCapabilities
@@ -52,7 +52,6 @@ CAPABILITY_PREFIX = "endpoint/capabilities/"
 NUM_RESPONSES_KEY = CAPABILITY_PREFIX + "num_responses"
 ENDPOINT_KEYS = (*(CAPABILITY_PREFIX + f for f in CAPABILITY_FLAGS), NUM_RESPONSES_KEY)
 
-Stats = dict[str, Tensor]
 
 
 def capability_key(flag: str) -> str:
@@ -130,7 +129,7 @@ def _endpoint_update(view: BatchView) -> Stats:
 
 
 def _coverage_compute(hits: Tensor, responses: Tensor) -> Tensor:
-    return _safe_div(hits, responses, 0.0)
+    return safe_div(hits, responses, 0.0)
 
 
 def endpoint_capabilities(responses: Sequence[Any], requests: Any = None) -> dict[str, Tensor]:

@@ -66,8 +66,8 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_bool_mask
+from opbc_metrics.functional.statistics import Stats, raise_if_invalid
 
-Stats = dict[str, Tensor]
 F64 = torch.float64
 
 REWARDS = "rewards"
@@ -474,22 +474,6 @@ def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def raise_if_invalid(invalid: Tensor, field: str, what: str) -> None:
-    """Raise the deferred ``ValueError`` for values ``update()`` counted as invalid (reads one scalar).
-
-    Example:
-        >>> import torch
-        >>> raise_if_invalid(torch.tensor(0.0), "response_lengths", "negative or non-finite token counts")
-        >>> raise_if_invalid(torch.tensor(2.0), "response_lengths", "negative or non-finite token counts")
-        Traceback (most recent call last):
-        ...
-        ValueError: batch field `response_lengths` held 2 invalid value(s) (negative or non-finite token counts)
-    """
-    bad = float(invalid.sum())
-    if bad > 0:
-        raise ValueError(f"batch field `{field}` held {bad:.0f} invalid value(s) ({what})")
-
-
 NONFINITE = "non-finite values"
 BAD_COUNTS = "negative or non-finite token counts"
 
@@ -532,7 +516,7 @@ def _total_token_stats_update(view: BatchView) -> Stats:
 
 
 def _checked(stats: Stats, field: str, what: str) -> Stats:
-    raise_if_invalid(stats.pop("invalid"), field, what)
+    raise_if_invalid(field, stats.pop("invalid"), what)
     return stats
 
 
@@ -682,7 +666,7 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
     view = BatchView(values=values, group_ids=group_ids)
     x, w = _per_sample(view, "values", "sum")
     x, w, invalid = _finite(x, w)
-    raise_if_invalid(invalid, "values", NONFINITE)
+    raise_if_invalid("values", invalid, NONFINITE)
     stats = _gini_update(_segments(view, "values", x), x[:, None], (w > 0)[:, None])
     return _gini_compute(stats["gini_sum"][0], stats["groups"][0])
 
@@ -936,7 +920,7 @@ def discarded_counts(discard_reasons: Any, rewards: Tensor | None = None) -> dic
         [2.0, 1.0, 0.3333333333333333]
     """
     stats = _discard_update(BatchView(discard_reasons=discard_reasons, rewards=rewards))
-    raise_if_invalid(stats.pop("invalid"), DISCARD_REASONS, "codes outside {0, 1, 2}")
+    raise_if_invalid(DISCARD_REASONS, stats.pop("invalid"), "codes outside {0, 1, 2}")
     return _discard_compute(**stats)
 
 
@@ -1003,7 +987,7 @@ def discarded_rollout_stats(
     view = BatchView(discard_reasons=discard_reasons, response_lengths=response_lengths, group_ids=group_ids,
                      stop_reasons=stop_reasons)
     stats = _discarded_stats_update(view, length_code)
-    raise_if_invalid(stats.pop("invalid"), RESPONSE_LENGTHS, BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+    raise_if_invalid(RESPONSE_LENGTHS, stats.pop("invalid"), BAD_COUNTS + " or discard codes outside {0, 1, 2}")
     zero = torch.zeros((), dtype=F64)
     for name in ("gini_sum", "gini_groups", "ratio_sum", "ratio_groups", "stop_length", "stop_count"):
         stats.setdefault(name, zero)
@@ -1172,5 +1156,5 @@ def sample_metric_stats(sample_metrics: Any, group_ids: Any = None) -> dict[str,
     stats = _sample_update(view, names, group_gini=group_ids is not None)
     invalid = stats.pop("invalid")
     for k, n in enumerate(names):
-        raise_if_invalid(invalid[k], SAMPLE_METRICS, f"infinite values of {n!r}")
+        raise_if_invalid(SAMPLE_METRICS, invalid[k], f"infinite values of {n!r}")
     return _sample_compute(names, **stats)

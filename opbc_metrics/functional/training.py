@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
+from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
 
-Stats = dict[str, Tensor]
 F64 = torch.float64
 
 # Batch fields of this section (beyond the core schema). See the design's batch schema.
@@ -62,11 +62,6 @@ DEFAULT_DPO_BETA = 0.1
 # ---------------------------------------------------------------------------------------------
 def _f64(stats: Stats) -> Stats:
     return {k: v.to(F64) for k, v in stats.items()}
-
-
-def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
-    """``num / den`` where ``den > 0``, else ``empty`` (no branch on data)."""
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
 
 
 def _amax(x: Tensor) -> Tensor:
@@ -161,17 +156,6 @@ def response_mask_for(view: BatchView, shape: torch.Size, device: torch.device, 
     return as_bool_mask(mask)
 
 
-def raise_if_invalid(name: str | Sequence[str], count: Tensor, what: str) -> None:
-    """Raise the deferred value error of a batch field, or of the fields a count is shared by (``compute()``
-    only: this reads ``count``)."""
-    n = float(count)
-    if n > 0:
-        names = (name,) if isinstance(name, str) else tuple(name)
-        fields = ", ".join(f"`{x}`" for x in names)
-        where = f"batch field {fields}" if len(names) == 1 else f"batch fields {fields}"
-        raise ValueError(f"{where} had {n:g} {what} in this window; fix the input (see the docs)")
-
-
 def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
     """A clear error for two batch fields on different devices (moving one would be a hidden copy)."""
     if t.device != ref.device:
@@ -218,7 +202,7 @@ def _masked_moments(x: Tensor, valid: Tensor, scaled: bool = False) -> Stats:
 
 
 def _mean(total: Tensor, count: Tensor) -> Tensor:
-    return _safe_div(total, count, 0.0)
+    return safe_div(total, count, 0.0)
 
 
 def _extreme(value: Tensor, count: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, BatchView
 from opbc_metrics.functional import rollout as F
+from opbc_metrics.functional.statistics import raise_if_invalid
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric
 
 Range = tuple[float | None, float | None]
@@ -92,7 +93,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
     """
 
     prefix: ClassVar[str] = ""
-    invalid_field: ClassVar[str] = ""
+    invalid_field: ClassVar[str | tuple[str, ...]] = ""
     invalid_what: ClassVar[str] = F.NONFINITE
 
     def __init__(self, value_range: Range = (None, None), **kwargs: Any) -> None:
@@ -111,7 +112,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
         self.accumulate(**self._stats(view))
 
     def compute(self) -> dict[str, Tensor]:
-        F.raise_if_invalid(self.invalid, self.invalid_field, self.invalid_what)
+        raise_if_invalid(self.invalid_field, self.invalid, self.invalid_what)
         self._observe(self.min, self.max)
         return F._moments_dict(
             self.keys, count=self.count, total=self.total, total_sq=self.total_sq, min=self.min, max=self.max,
@@ -293,7 +294,7 @@ class TotalTokenStats(_MomentStats):
     keys = F.TOTAL_TOKEN_KEYS
     prefix = F.TOTAL_TOKENS_PREFIX
     required_fields = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
-    invalid_field = f"{F.PROMPT_LENGTHS}` or `{F.RESPONSE_LENGTHS}"
+    invalid_field = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
     invalid_what = F.BAD_COUNTS
     glossary = GlossaryEntry(
         name="Tokens (Total)",
@@ -311,7 +312,7 @@ class TotalTokenStats(_MomentStats):
 class _GroupMean(_RolloutMetric):
     """A per-group value averaged over the groups of the window: states ``(value_sum, groups)``."""
 
-    invalid_field: ClassVar[str] = ""
+    invalid_field: ClassVar[str | tuple[str, ...]] = ""
     invalid_what: ClassVar[str] = ""
     empty_value: ClassVar[float] = 0.0
 
@@ -327,7 +328,7 @@ class _GroupMean(_RolloutMetric):
         self.accumulate(**self._group_stats(view))
 
     def compute(self) -> Tensor:
-        F.raise_if_invalid(self.invalid, self.invalid_field, self.invalid_what)
+        raise_if_invalid(self.invalid_field, self.invalid, self.invalid_what)
         return F._mean_over_groups(self.value_sum, self.groups, self.empty_value)
 
 
@@ -612,7 +613,7 @@ class DiscardedRollouts(_RolloutMetric):
         self.accumulate(**F._discard_update(view, self.device))
 
     def compute(self) -> dict[str, Tensor]:
-        F.raise_if_invalid(self.invalid, F.DISCARD_REASONS, "codes outside {0, 1, 2}")
+        raise_if_invalid(F.DISCARD_REASONS, self.invalid, "codes outside {0, 1, 2}")
         split = {name: getattr(self, name) for name in self._SPLIT}
         return F._discard_compute(self.max_async, self.zero_advantage, self.seen, **split)
 
@@ -672,7 +673,7 @@ class DiscardedRolloutStats(_RolloutMetric):
         self.accumulate(**F._discarded_stats_update(view, self.length_code, self.device))
 
     def compute(self) -> dict[str, Tensor]:
-        F.raise_if_invalid(self.invalid, F.RESPONSE_LENGTHS, F.BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+        raise_if_invalid(F.RESPONSE_LENGTHS, self.invalid, F.BAD_COUNTS + " or discard codes outside {0, 1, 2}")
         states = {name: getattr(self, name) for name in self._STATES if name != "invalid"}
         return F._discarded_stats_compute(min=self.min, max=self.max, **states)
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
+from opbc_metrics.functional.statistics import raise_if_invalid
 from opbc_metrics.metric import OPBCMetric
 
 DIAGNOSTIC = "none (diagnostic)"
@@ -34,7 +35,7 @@ class _TrainingMetric(OPBCMetric):
     def check_deferred(self) -> None:
         """Raise the ``ValueError`` of any bad value counted by ``update()`` (reads the counts: compute only)."""
         for state, field, what in self._deferred:
-            F.raise_if_invalid(field, getattr(self, state), what)
+            raise_if_invalid(field, getattr(self, state), what)
 
 
 class _TurnCounts(_TrainingMetric):
