@@ -2,7 +2,7 @@
 :mod:`opbc_metrics.functional.agent`.
 
 Each class reads the batch field ``trajectory_pairs`` (a list of ``(rollout, reference)`` pairs, each
-side a :class:`~opbc_metrics.agent.trajectory.Trajectory` or an OpenAI-style chat message list). The
+side a :class:`~opbc_metrics.trajectory.Trajectory` or an OpenAI-style chat message list). The
 pairs of one batch are compared once per :class:`~opbc_metrics.batch.BatchView`, so a collection of
 the four classes does the host work once. The inputs are optional: inside an
 :class:`~opbc_metrics.collection.OPBCCollection` the classes skip batches without ``trajectory_pairs``.

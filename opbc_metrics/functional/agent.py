@@ -1,7 +1,7 @@
 r"""Agent trajectories: rollout vs reference behaviour, pure functions over (rollout, reference) pairs.
 
 A pair is one task run twice: by the rollout engine and by a reference engine (e.g. bf16 vs fp8, or
-vLLM vs the trainer's own sampler). Each side is a :class:`~opbc_metrics.agent.trajectory.Trajectory`
+vLLM vs the trainer's own sampler). Each side is a :class:`~opbc_metrics.trajectory.Trajectory`
 or an OpenAI-style chat message list (converted with ``Trajectory.from_messages``). Per pair:
 
 * ``tool_call_jaccard`` = :math:`|A \cap B| / |A \cup B|` over the *sets* of
@@ -60,16 +60,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional.statistics import Stats, safe_div
-
-if TYPE_CHECKING:
-    from opbc_metrics.agent.trajectory import Trajectory
+from opbc_metrics.trajectory import Trajectory, as_trajectory
 
 TRAJECTORY_PAIRS = "trajectory_pairs"
 
@@ -112,15 +110,8 @@ def normalize_text(text: str | None) -> str:
     return " ".join((text or "").split()).lower()
 
 
-def _as_trajectory(value: AnyTrajectory, where: str) -> Trajectory:
-    # Imported here: opbc_metrics.agent imports this module for its classes.
-    from opbc_metrics.agent.trajectory import as_trajectory
-
-    return as_trajectory(value, where)
-
-
 def _pair(rollout: AnyTrajectory, reference: AnyTrajectory) -> tuple[Trajectory, Trajectory]:
-    return _as_trajectory(rollout, "rollout"), _as_trajectory(reference, "reference")
+    return as_trajectory(rollout, "rollout"), as_trajectory(reference, "reference")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,8 +265,8 @@ def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
             )
         pairs.append(
             (
-                _as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
-                _as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]"),
+                as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
+                as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]"),
             )
         )
     return pairs
