@@ -223,7 +223,7 @@ class OPBCCollection(MetricCollection):
                 raise ValueError(f"merge_state: {_first_name_difference(names, theirs)}")
             pairs = [(m, incoming._modules[name]) for name, m in self.items(keep_base=True, copy_state=False)]
             for m, other in pairs:
-                state = {k: getattr(other, k) for k in other._defaults}
+                state = dict(other.metric_state)
                 problem = m.state_problem(state, where=_member_name(self, m), config=other.config())
                 if problem:
                     raise ValueError(f"merge_state: {problem}")
