@@ -417,7 +417,6 @@ class DistributionHistograms(OPBCMetric):
     """
 
     keys: ClassVar[tuple[str, ...]] = ()
-    section: ClassVar[str] = "dist"
     required_fields: ClassVar[tuple[str, ...]] = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)
     data_counts: ClassVar[tuple[str, ...]] = ()  # histograms() drops empty distributions itself
 

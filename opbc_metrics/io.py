@@ -1,7 +1,7 @@
 """Readers of rollout dumps for offline analysis: JSONL (one sample per line), JSON arrays and ``.pt`` tensor files.
 
-Both readers turn a file into batches in the design's batch schema (``trainer_logprobs`` [B, T],
-``rollout_logprobs`` [B, T], ``response_mask`` [B, T], ``group_ids`` [B], ...), ready for
+Both readers turn a file into batches in the batch schema of :mod:`opbc_metrics.batch`
+(``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T], ``response_mask`` [B, T], ``group_ids`` [B], ...), ready for
 :class:`~opbc_metrics.collection.OPBCCollection`. Bad input never raises out of a reader: every
 problem becomes an :class:`InputIssue` with the line (JSONL) or record/row range (``.pt``) it came
 from, and the caller decides whether to skip it or stop.

@@ -29,7 +29,6 @@ _NO_ACTION = (
 class _AgentMetric(OPBCMetric):
     """Base of the trajectory metrics: one batch field, per-pair host work shared through the view."""
 
-    section = "agent"
     required_fields = (F.TRAJECTORY_PAIRS,)
     optional_inputs = True
     data_counts = ("pairs",)

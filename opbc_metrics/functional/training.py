@@ -36,7 +36,7 @@ from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
 
 F64 = torch.float64
 
-# Batch fields of this section (beyond the core schema). See the design's batch schema.
+# Batch fields of this section (beyond the core schema of opbc_metrics.batch).
 POLICY_LOGPROBS = "policy_logprobs"  # [B, T] log pi_theta(token) of the policy being updated
 OLD_LOGPROBS = "old_logprobs"  # [B, T] log pi_old(token), the policy the PPO ratio is taken against
 ADVANTAGES = "advantages"

@@ -65,7 +65,6 @@ def _stat_ranges(prefix: str, rng: tuple[float, float], gini: bool = False) -> d
 class _RolloutMetric(OPBCMetric):
     """Base of the rollout metrics: optional inputs (a collection skips them on batches without their fields)."""
 
-    section = "rollout"
     optional_inputs = True
     data_counts = ("count", "groups", "seen", "invalid")  # invalid: compute() raises on them
 

@@ -28,7 +28,6 @@ class _TrainingMetric(OPBCMetric):
     a count shared by several fields names them all). Host-built statistics move to the states' device in
     :meth:`~opbc_metrics.metric.OPBCMetric.accumulate`."""
 
-    section = "training"
     optional_inputs = True
     _deferred: ClassVar[tuple[tuple[str, str | tuple[str, ...], str], ...]] = ()
 
