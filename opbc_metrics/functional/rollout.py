@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_bool_mask
-from opbc_metrics.functional.statistics import Stats, raise_if_invalid
+from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid
 
 F64 = torch.float64
 
@@ -87,8 +87,6 @@ DISCARD_REASON_CODES: dict[str, int] = {"kept": 0, "max_async": 1, "zero_advanta
 
 STATS = ("mean", "std", "min", "max")
 SAMPLE_STATS = (*STATS, "group_gini_mean")
-#: Variances below this fraction of E[x^2] are under the rounding resolution of the raw moments.
-STD_RESOLUTION = 1e-13
 
 
 def stat_keys(prefix: str) -> tuple[str, ...]:
@@ -417,53 +415,23 @@ def _first_of_group(segs: GroupSegments) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # moments: mean / sample std / min / max
 # ---------------------------------------------------------------------------------------------
-#: Scale of the second set of sums, used when the plain sums overflow (values beyond ~1e154): with
-#: |x| <= 1.8e308, (x * 2^-600)^2 <= 1e255, so sums stay finite for any realistic count.
-_SCALE = 2.0**-600
+# The rollout states' names for the statistics of functional.statistics.moments.
+_STATE_NAMES = {"count": "count", "sum": "total", "sum_sq": "total_sq", "sum_hi": "total_hi",
+                "sum_sq_hi": "total_sq_hi", "min": "min", "max": "max"}
 
 
 def _moments_update(x: Tensor, w: Tensor, invalid: Tensor) -> Stats:
-    """Sufficient statistics of ``x`` (``[B]`` or ``[B, F]``) over the samples with weight ``w = 1``.
-
-    Two sets of sums: plain (``total``, ``total_sq``) and scaled by 2^-600 (``total_hi``,
-    ``total_sq_hi``), which stay finite for values up to the float64 limit.
-    """
-    has = w > 0
-    inf = torch.full(x.shape[1:], float("inf"), dtype=F64, device=x.device)
-    if x.shape[0] == 0:
-        lo, hi = inf, -inf
-    else:
-        lo = torch.where(has, x, float("inf")).amin(dim=0)
-        hi = torch.where(has, x, float("-inf")).amax(dim=0)
-    xw = x * w
-    xs = xw * _SCALE
-    return {"count": w.sum(dim=0), "total": xw.sum(dim=0), "total_sq": (xw * x).sum(dim=0),
-            "total_hi": xs.sum(dim=0), "total_sq_hi": (xs * xs).sum(dim=0), "min": lo, "max": hi, "invalid": invalid}
+    """Sufficient statistics (:func:`~opbc_metrics.functional.statistics.moments`) of ``x`` (``[B]`` or
+    ``[B, F]``) over the samples with weight ``w = 1``, and the count of invalid values."""
+    return {**{_STATE_NAMES[k]: v for k, v in moments(x, w > 0).items()}, "invalid": invalid}
 
 
 def _moments_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor, total_hi: Tensor,
                      total_sq_hi: Tensor) -> tuple[Tensor, ...]:
-    """``(mean, sample std, min, max)``; 0 each over an empty window, std NaN for fewer than two samples.
-
-    The sample variance ``n / (n - 1) (E[x^2] - E[x]^2)``, from the plain sums, or from the scaled ones
-    where a plain sum overflowed (then rescaled), so finite inputs give finite statistics.
-    """
-    n = count.clamp_min(1.0)
-    big = ~(torch.isfinite(total) & torch.isfinite(total_sq))
-    mean = torch.where(big, total_hi / n, total / n)
-    mean_sq = torch.where(big, total_sq_hi / n, total_sq / n)
-    var = mean_sq - mean * mean
-    var = torch.where(var > STD_RESOLUTION * mean_sq, var, 0.0) * (n / (n - 1.0).clamp_min(1.0))
-    scale = torch.where(big, torch.full_like(mean, 1.0 / _SCALE), torch.ones_like(mean))
-    mean = torch.minimum(torch.maximum(mean * scale, min), max)  # never outside the data by rounding
+    """``(mean, sample std, min, max)``; 0 each over an empty window, std NaN for fewer than two samples."""
+    mean, std = mean_std(count, total, total_sq, total_hi, total_sq_hi, min, max, ddof=1)
     nonempty = count > 0
-    zero = torch.zeros_like(mean)
-    return (
-        torch.where(nonempty, mean, zero),
-        torch.where(count > 1, var.sqrt() * scale, torch.full_like(mean, float("nan"))),
-        torch.where(nonempty, min, zero),
-        torch.where(nonempty, max, zero),
-    )
+    return mean, std, torch.where(nonempty, min, 0.0), torch.where(nonempty, max, 0.0)
 
 
 def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:

@@ -45,3 +45,71 @@ def raise_if_invalid(fields: str | Sequence[str], count: Tensor, what: str) -> N
         names = (fields,) if isinstance(fields, str) else tuple(fields)
         where = ("batch field " if len(names) == 1 else "batch fields ") + ", ".join(f"`{x}`" for x in names)
         raise ValueError(f"{where} held {n:g} invalid value(s) ({what}); fix the input")
+
+
+# ---------------------------------------------------------------------------------------------
+# moments: count, mean, standard deviation, min, max from mergeable sums
+# ---------------------------------------------------------------------------------------------
+#: Scale of the second set of sums, used where the plain sums overflow (values beyond ~1e154): with
+#: |x| up to the float64 limit, (x * 2^-600)^2 <= 1e255, so those sums stay finite for any realistic count.
+SCALE = 2.0**-600
+#: A variance below this fraction of E[x^2] is under the rounding resolution of the raw moments (a few ulps
+#: of E[x^2]) and reads as 0, so a constant quantity has std exactly 0.
+VARIANCE_RESOLUTION = 1e-13
+
+
+def moments(x: Tensor, valid: Tensor) -> Stats:
+    """Sufficient statistics of float64 ``x`` over ``valid``, reduced over the first dimension.
+
+    ``count``, ``sum``, ``sum_sq``, the same sums of ``x * 2^-600`` (``sum_hi``, ``sum_sq_hi``, finite for
+    values up to the float64 limit) and ``min``/``max`` (+inf/-inf without data). Each merges by sum,
+    min or max, so the statistics of a window are exact whatever the split into batches and ranks.
+
+    Example:
+        >>> import torch
+        >>> m = moments(torch.tensor([1.0, 2.0, 9.0], dtype=torch.float64), torch.tensor([True, True, False]))
+        >>> [m[k].item() for k in ("count", "sum", "sum_sq", "min", "max")]
+        [2.0, 3.0, 5.0, 1.0, 2.0]
+    """
+    inf = torch.full(x.shape[1:], float("inf"), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        lo, hi = inf, -inf
+    else:
+        lo = torch.where(valid, x, inf).amin(dim=0)
+        hi = torch.where(valid, x, -inf).amax(dim=0)
+    xv = torch.where(valid, x, 0.0)
+    xs = xv * SCALE
+    return {"count": valid.to(torch.float64).sum(dim=0), "sum": xv.sum(dim=0), "sum_sq": (xv * xv).sum(dim=0),
+            "sum_hi": xs.sum(dim=0), "sum_sq_hi": (xs * xs).sum(dim=0), "min": lo, "max": hi}
+
+
+def variance(total: Tensor, total_sq: Tensor, count: Tensor, ddof: int = 0) -> Tensor:
+    """``(E[x^2] - E[x]^2) n / (n - ddof)`` from raw moments (0 under :data:`VARIANCE_RESOLUTION`, or empty)."""
+    n = count.clamp_min(1.0)
+    mean, second = total / n, total_sq / n
+    var = second - mean * mean
+    return torch.where(var > VARIANCE_RESOLUTION * second, var, 0.0) * (n / (n - ddof).clamp_min(1.0))
+
+
+def mean_std(count: Tensor, total: Tensor, total_sq: Tensor, total_hi: Tensor, total_sq_hi: Tensor, lo: Tensor,
+             hi: Tensor, ddof: int) -> tuple[Tensor, Tensor]:
+    """``(mean, std)`` of :func:`moments` statistics; 0 each over an empty window.
+
+    From the plain sums, or from the 2^-600-scaled ones (then rescaled) where a plain sum overflowed, so
+    finite values give finite statistics. ``ddof`` 0 is the population std, 1 the sample std (NaN for fewer
+    than two values). The mean is kept in ``[lo, hi]`` (the data's min and max) against rounding.
+
+    Example:
+        >>> import torch
+        >>> m = moments(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64), torch.ones(4, dtype=torch.bool))
+        >>> [round(v.item(), 4) for d in (0, 1) for v in mean_std(m["count"], m["sum"], m["sum_sq"],
+        ...     m["sum_hi"], m["sum_sq_hi"], m["min"], m["max"], ddof=d)]
+        [2.5, 1.118, 2.5, 1.291]
+    """
+    big = ~(torch.isfinite(total) & torch.isfinite(total_sq))
+    scale = torch.where(big, torch.full_like(total, 1.0 / SCALE), torch.ones_like(total))
+    mean = torch.where(big, total_hi, total) / count.clamp_min(1.0) * scale
+    mean = torch.where(count > 0, torch.minimum(torch.maximum(mean, lo), hi), torch.zeros_like(mean))
+    var = torch.where(big, variance(total_hi, total_sq_hi, count, ddof), variance(total, total_sq, count, ddof))
+    std = var.sqrt() * scale
+    return mean, torch.where(count > ddof, std, torch.full_like(std, float("nan") if ddof else 0.0))

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
-from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
+from opbc_metrics.functional.statistics import SCALE, Stats, mean_std, moments, raise_if_invalid, safe_div, variance
 
 F64 = torch.float64
 
@@ -174,30 +174,12 @@ def _zero(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=F64, device=device)
 
 
-#: Scale of the second set of sums kept beside the plain ones where values may be huge: with |x| up to
-#: the float64 limit, (x * 2^-600)^2 <= 1e255, so those sums stay finite where the plain ones overflow.
-_SCALE = 2.0**-600
-
-
 def _masked_moments(x: Tensor, valid: Tensor, scaled: bool = False) -> Stats:
-    """Sum, sum of squares, max, min and count of ``x`` (float64) over ``valid``; invalid values ignored.
-
-    ``scaled``: also the sums of ``x * 2^-600`` and its square (``sum_hi``, ``sum_sq_hi``), which
-    :func:`_mean_var` uses where the plain sums overflow.
-    """
-    zero = torch.zeros((), dtype=F64, device=x.device)
-    inf = torch.full((), float("inf"), dtype=F64, device=x.device)
-    xv = torch.where(valid, x, zero)
-    out = {
-        "sum": xv.sum(),
-        "sum_sq": (xv * xv).sum(),
-        "max": _amax(torch.where(valid, x, -inf)),
-        "min": _amin(torch.where(valid, x, inf)),
-        "count": valid.to(F64).sum(),
-    }
-    if scaled:
-        xs = xv * _SCALE
-        out["sum_hi"], out["sum_sq_hi"] = xs.sum(), (xs * xs).sum()
+    """:func:`~opbc_metrics.functional.statistics.moments` of every element of ``x`` (float64) over ``valid``;
+    the 2^-600-scaled sums only with ``scaled``."""
+    out = moments(x.reshape(-1), valid.reshape(-1))
+    if not scaled:
+        del out["sum_hi"], out["sum_sq_hi"]
     return out
 
 
@@ -207,25 +189,6 @@ def _mean(total: Tensor, count: Tensor) -> Tensor:
 
 def _extreme(value: Tensor, count: Tensor) -> Tensor:
     return torch.where(count > 0, value, torch.zeros_like(value))
-
-
-def _variance(sum_: Tensor, sum_sq: Tensor, count: Tensor) -> Tensor:
-    """Population variance from raw moments; rounding residue (|var| <= 1e-12 E[x^2]) reads as 0."""
-    n = count.clamp_min(1.0)
-    mean = sum_ / n
-    second = sum_sq / n
-    var = (second - mean * mean).clamp_min(0.0)
-    return torch.where((count > 0) & (var > 1e-12 * second), var, torch.zeros_like(var))
-
-
-def _mean_std(sum_: Tensor, sum_sq: Tensor, count: Tensor, sum_hi: Tensor, sum_sq_hi: Tensor) -> tuple[Tensor, Tensor]:
-    """``(mean, population std)`` from the plain sums, or from the 2^-600-scaled ones (then rescaled) where
-    a plain sum overflowed: finite for finite values up to the float64 limit."""
-    big = ~(torch.isfinite(sum_) & torch.isfinite(sum_sq))
-    scale = torch.where(big, torch.full_like(sum_, 1.0 / _SCALE), torch.ones_like(sum_))
-    mean = torch.where(big, _mean(sum_hi, count), _mean(sum_, count)) * scale
-    std = torch.where(big, _variance(sum_hi, sum_sq_hi, count), _variance(sum_, sum_sq, count)).sqrt() * scale
-    return mean, std
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,7 +552,7 @@ def _critic_stats_compute(name: str, sum: Tensor, sum_sq: Tensor, max: Tensor, m
                           sum_hi: Tensor, sum_sq_hi: Tensor, nonfinite: Tensor | None = None) -> dict[str, Tensor]:
     keys = CRITIC_STAT_KEYS[name]
     prefix = keys[0].rsplit("/", 1)[0]
-    mean, std = _mean_std(sum, sum_sq, count, sum_hi, sum_sq_hi)
+    mean, std = mean_std(count, sum, sum_sq, sum_hi, sum_sq_hi, min, max, ddof=0)
     out = {f"{prefix}/mean": mean}
     if f"{prefix}/std" in keys:
         out[f"{prefix}/std"] = std
@@ -632,8 +595,8 @@ def _explained_var_update(view: BatchView) -> Stats:
     zero = _zero(r.device)
     rv = torch.where(valid, r, zero)
     d = torch.where(valid, r - v, zero)  # r - v may overflow for finite r, v near the limit: scale first
-    d_hi = torch.where(valid, r * _SCALE - v * _SCALE, zero)
-    r_hi = rv * _SCALE
+    d_hi = torch.where(valid, r * SCALE - v * SCALE, zero)
+    r_hi = rv * SCALE
     return {
         "sum_r": rv.sum(),
         "sum_r2": (rv * rv).sum(),
@@ -653,8 +616,8 @@ def _explained_var_compute(sum_r: Tensor, sum_r2: Tensor, sum_d: Tensor, sum_d2:
                            nonfinite: Tensor | None = None) -> Tensor:
     # Both variances on one scale: the scaled sums when any plain sum overflowed (the ratio is scale-free).
     big = ~torch.isfinite(torch.stack([sum_r, sum_r2, sum_d, sum_d2])).all()
-    var_r = torch.where(big, _variance(sum_r_hi, sum_r2_hi, count), _variance(sum_r, sum_r2, count))
-    var_d = torch.where(big, _variance(sum_d_hi, sum_d2_hi, count), _variance(sum_d, sum_d2, count))
+    var_r = torch.where(big, variance(sum_r_hi, sum_r2_hi, count), variance(sum_r, sum_r2, count))
+    var_d = torch.where(big, variance(sum_d_hi, sum_d2_hi, count), variance(sum_d, sum_d2, count))
     ev = 1.0 - var_d / var_r.clamp_min(torch.finfo(F64).tiny)
     # Var(returns) = 0: 1 if the values are exact too, else 0 (scikit-learn's force_finite convention).
     degenerate = torch.where(var_d > 0, torch.zeros_like(ev), torch.ones_like(ev))
