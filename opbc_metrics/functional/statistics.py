@@ -113,3 +113,22 @@ def mean_std(count: Tensor, total: Tensor, total_sq: Tensor, total_hi: Tensor, t
     var = torch.where(big, variance(total_hi, total_sq_hi, count, ddof), variance(total, total_sq, count, ddof))
     std = var.sqrt() * scale
     return mean, torch.where(count > ddof, std, torch.full_like(std, float("nan") if ddof else 0.0))
+
+
+def bin_counts(values: Tensor, weights: Tensor, inner_edges: Tensor, right: bool = False) -> Tensor:
+    """Weighted float64 counts of ``values`` in the fixed bins cut by the sorted ``inner_edges``.
+
+    ``len(inner_edges) + 1`` bins, the outer two open-ended (nothing is dropped); a bin is ``(lo, hi]``, or
+    ``[lo, hi)`` with ``right``. Fixed size and no host sync, so counts merge by sum. Give non-finite values
+    weight 0.
+
+    Example:
+        >>> import torch
+        >>> v, w = torch.tensor([-3.0, 0.0, 0.5, 9.0]), torch.ones(4)
+        >>> edges = torch.tensor([-1.0, 0.0, 1.0])
+        >>> bin_counts(v, w, edges).tolist(), bin_counts(v, w, edges, right=True).tolist()
+        ([1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 2.0, 1.0])
+    """
+    idx = torch.bucketize(values.reshape(-1), inner_edges.to(values.device, values.dtype), right=right)
+    counts = torch.zeros(inner_edges.numel() + 1, dtype=torch.float64, device=values.device)
+    return counts.index_add_(0, idx, weights.reshape(-1).to(torch.float64))
