@@ -285,15 +285,25 @@ def as_trajectory(value: Any, where: str = "trajectory") -> Trajectory:
         raise ValueError(f"field `{where}`: {err}") from None
 
 
+def as_json_object(value: Any) -> Mapping[str, Any] | None:
+    """A parsed JSON object: a mapping, or a client object's ``model_dump()`` (OpenAI / pydantic); else None.
+
+    Example:
+        >>> as_json_object({"role": "user"}), as_json_object("text")
+        ({'role': 'user'}, None)
+    """
+    if isinstance(value, Mapping):
+        return value
+    dump = getattr(value, "model_dump", None)
+    out = dump() if callable(dump) else None
+    return out if isinstance(out, Mapping) else None
+
+
 def _as_mapping(raw: Any, where: str) -> Mapping[str, Any]:
-    if isinstance(raw, Mapping):
-        return raw
-    dump = getattr(raw, "model_dump", None)
-    if callable(dump):
-        out = dump()
-        if isinstance(out, Mapping):
-            return out
-    raise ValueError(f"field `{where}` must be a mapping (a chat message), got {type(raw).__name__}")
+    out = as_json_object(raw)
+    if out is None:
+        raise ValueError(f"field `{where}` must be a mapping (a chat message), got {type(raw).__name__}")
+    return out
 
 
 def _content_text(content: Any, where: str) -> str:

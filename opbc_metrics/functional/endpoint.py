@@ -71,6 +71,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional.statistics import Stats, safe_div
+from opbc_metrics.trajectory import as_json_object
 
 ENDPOINT_RESPONSES = "endpoint_responses"
 ENDPOINT_REQUESTS = "endpoint_requests"
@@ -213,14 +214,10 @@ def _is_number(value: Any) -> bool:
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if isinstance(value, Mapping):
-        return value
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        out = dump()
-        if isinstance(out, Mapping):
-            return out
-    raise ValueError(f"response field `{where}` must be a JSON object, got {_describe(value)}")
+    out = as_json_object(value)
+    if out is None:
+        raise ValueError(f"response field `{where}` must be a JSON object, got {_describe(value)}")
+    return out
 
 
 def _int_list(value: Any, where: str) -> list[int]:
