@@ -562,21 +562,9 @@ def _length_gini_update(view: BatchView) -> Stats:
     return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
 
 
-def _gini_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
-    return _mean_over_groups(value_sum, groups, 0.0)
-
-
 def _length_ratio_update(view: BatchView) -> Stats:
     x, invalid = _lengths(view, RESPONSE_LENGTHS)
     return {**_max_median_update(_segments(view, RESPONSE_LENGTHS, x), x), "invalid": invalid}
-
-
-def _ratio_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
-    return _mean_over_groups(value_sum, groups, 1.0)
-
-
-def _cv_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
-    return _mean_over_groups(value_sum, groups, 0.0)
 
 
 def _length_cv_update(view: BatchView) -> Stats:
@@ -596,7 +584,8 @@ def group_length_cv(response_lengths: Tensor, group_ids: Any) -> Tensor:
         tensor(0.3536, dtype=torch.float64)
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
-    return _cv_compute(**_checked(_length_cv_update(view), RESPONSE_LENGTHS, BAD_COUNTS))
+    stats = _checked(_length_cv_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
+    return _mean_over_groups(stats["value_sum"], stats["groups"], 0.0)
 
 
 def gini(values: Tensor) -> Tensor:
@@ -636,7 +625,7 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
     x, w, invalid = _finite(x, w)
     raise_if_invalid("values", invalid, NONFINITE)
     stats = _gini_update(_segments(view, "values", x), x[:, None], (w > 0)[:, None])
-    return _gini_compute(stats["gini_sum"][0], stats["groups"][0])
+    return _mean_over_groups(stats["gini_sum"][0], stats["groups"][0], 0.0)
 
 
 def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
@@ -654,7 +643,8 @@ def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
         tensor(2., dtype=torch.float64)
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
-    return _ratio_compute(**_checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS))
+    stats = _checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
+    return _mean_over_groups(stats["value_sum"], stats["groups"], 1.0)
 
 
 def zero_advantage_mask(

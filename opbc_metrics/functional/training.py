@@ -480,6 +480,18 @@ def pg_clipfrac(
 # ---------------------------------------------------------------------------------------------
 # critic/*: value, returns, advantages, rewards, score, explained variance
 # ---------------------------------------------------------------------------------------------
+def _sequence_mask(view: BatchView, name: str, x: Tensor) -> Tensor:
+    """The ``[B, T]`` ``response_mask`` beside the ``[B]`` values ``x`` of field ``name`` (same B and device)."""
+    mask = view.tensor(RESPONSE_MASK)
+    if mask.ndim != 2 or mask.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{name}` has {x.shape[0]} sequences; "
+            "a per-sequence field needs a [B, T] mask"
+        )
+    check_same_device(RESPONSE_MASK, mask, name, x)
+    return mask
+
+
 def _token_values(view: BatchView, name: str, device: torch.device | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A [B, T] or [B] field as float64 with its valid mask and the mask of non-finite entries.
 
@@ -491,14 +503,7 @@ def _token_values(view: BatchView, name: str, device: torch.device | None = None
     x, _ = field_tensor(view, name, ndims=(1, 2), check="finite", device=device)
     x = x.to(F64)
     if x.ndim == 1 and view.has(RESPONSE_MASK):
-        mask_t = view.tensor(RESPONSE_MASK)
-        if mask_t.ndim != 2 or mask_t.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"batch field `{RESPONSE_MASK}` has shape {tuple(mask_t.shape)} but `{name}` has shape "
-                f"{tuple(x.shape)}; a [B] field needs a [B, T] mask"
-            )
-        check_same_device(RESPONSE_MASK, mask_t, name, x)
-        x = x[:, None].expand(mask_t.shape)
+        x = x[:, None].expand(_sequence_mask(view, name, x).shape)
     mask = response_mask_for(view, x.shape, x.device, like=name)
     finite = torch.isfinite(x)
     return x, mask & finite, mask & ~finite
@@ -534,14 +539,7 @@ def _sequence_sum_update(view: BatchView, name: str) -> Stats:
         x = x.sum(dim=1)
     keep = torch.ones(x.shape, dtype=torch.bool, device=x.device)
     if view.has(RESPONSE_MASK):
-        mask_t = view.tensor(RESPONSE_MASK)
-        if mask_t.ndim != 2 or mask_t.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"batch field `{RESPONSE_MASK}` has shape {tuple(mask_t.shape)} but `{name}` has "
-                f"{x.shape[0]} sequences"
-            )
-        check_same_device(RESPONSE_MASK, mask_t, name, x)
-        keep = (mask_t != 0).any(dim=1)
+        keep = (_sequence_mask(view, name, x) != 0).any(dim=1)
     finite = torch.isfinite(x)
     stats = _masked_moments(x, keep & finite, scaled=True)
     stats["nonfinite"] = (keep & ~finite).to(F64).sum()
