@@ -34,7 +34,6 @@ from opbc_metrics import __version__
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView
 from opbc_metrics.collection import DEFAULT_SECTIONS, SECTIONS, OPBCCollection
 from opbc_metrics.controller import DECISIONS_FIELD, OPBCController, OPBCPolicy
-from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
 from opbc_metrics.io import Batch, GroupLabels, InputIssue, detect_format, is_stdin, read_batches
 from opbc_metrics.metric import OPBCMetric
 from opbc_metrics.report import DECISIONS, STEP_KEYS, FixedHistogram, symlog_edges
@@ -181,14 +180,12 @@ class Analysis:
         unknown = [s for s in names if s not in SECTIONS]
         if unknown:
             raise AnalysisError(f"unknown sections {unknown}; known: {', '.join(sorted(SECTIONS))}")
-        settings = dict(clamp=self.clamp, veto=self.veto, top_mass_bins=DEFAULT_TOP_MASS_BINS)
         self.sections = names
-        self.collection = OPBCCollection([m for name in names for m in SECTIONS[name](**settings)])
+        self.collection = OPBCCollection(sections=names, clamp=self.clamp, veto=self.veto)
         self.members = self.collection.members()
         # The headline metrics again, reset at every step: the report's time series.
-        step_members = [m for name in ("mismatch", "moe") for m in SECTIONS[name](**settings)
-                        if set(m.keys) & set(STEP_KEYS)]
-        self.step_collection = OPBCCollection(step_members)
+        headline = OPBCCollection(sections=("mismatch", "moe"), clamp=self.clamp, veto=self.veto).members()
+        self.step_collection = OPBCCollection([m for m in headline if set(m.keys) & set(STEP_KEYS)])
         self.token_hist = FixedHistogram(symlog_edges())
         self.seq_hist = FixedHistogram(symlog_edges())
         self.controller = ControllerStep(self.clamp, self.veto, self.preset)
