@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 INTEGRATIONS_STAMP := $(VENV)/.installed-integrations
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean test-torchmetrics-range
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,20 @@ demo: $(STAMP)
 
 test: $(INTEGRATIONS_STAMP)
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+# The packed sync writes torchmetrics' private states: run the sync/DDP tests against the lowest and the newest
+# torchmetrics that pyproject.toml allows, each in a throwaway venv under /tmp (torch pinned by constraints.txt).
+TORCHMETRICS_LOWEST := 1.4.0
+SYNC_TESTS := tests/test_distributed.py tests/test_trust_ddp.py tests/test_training_ddp.py tests/test_rollout_distributed.py
+test-torchmetrics-range:
+	set -e; for spec in "torchmetrics==$(TORCHMETRICS_LOWEST)" "torchmetrics"; do \
+	  env=$$(mktemp -d /tmp/opbc-torchmetrics-XXXXXX); \
+	  $(PY) -m venv $$env; \
+	  $$env/bin/python -m pip install -q -c constraints.txt --upgrade "$$spec" torch numpy tqdm pytest pytest-timeout hypothesis; \
+	  echo "== $$($$env/bin/python -c 'import torchmetrics; print("torchmetrics", torchmetrics.__version__)')"; \
+	  $$env/bin/python -m pytest -q -p no:cacheprovider $(SYNC_TESTS) || { rm -rf $$env; exit 1; }; \
+	  rm -rf $$env; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

@@ -9,22 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# The batch schema of DESIGN.md: adapters pass these names through unchanged when a trainer's batch
-# already uses them.
+from opbc_metrics.batch import PER_SEQUENCE_FIELDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS
+from opbc_metrics.functional.moe import ROLLOUT_EXPERTS, TRAINER_EXPERTS
+
+# The batch schema's fields: adapters pass them through unchanged when a trainer's batch already uses them.
 SCHEMA_FIELDS: tuple[str, ...] = (
-    "trainer_logprobs",
-    "rollout_logprobs",
-    "response_mask",
-    "group_ids",
-    "rollout_experts",
-    "trainer_experts",
-    "rewards",
-    "advantages",
-    "values",
-    "returns",
-    "prompt_lengths",
-    "response_lengths",
-    "stop_reasons",
+    TRAINER_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK, ROLLOUT_EXPERTS, TRAINER_EXPERTS, *PER_SEQUENCE_FIELDS,
 )
 
 
@@ -62,11 +52,12 @@ def ids_to_group_ids(ids: Any, *, offset: int = 0, device: torch.device | str | 
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ValueError(f"group identifiers must be a sequence, got {type(ids).__name__}")
     numbering: dict[Any, int] = {}
-    values = [numbering.setdefault(_hashable(i), len(numbering)) + offset for i in ids]
+    values = [numbering.setdefault(hashable_key(i), len(numbering)) + offset for i in ids]
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def _hashable(value: Any) -> Any:
+def hashable_key(value: Any) -> Any:
+    """``value`` itself when it is hashable, else its ``repr`` (a dict key for any group identifier)."""
     try:
         hash(value)
     except TypeError:
@@ -82,6 +73,22 @@ def passthrough(*containers: Any) -> dict[str, Any]:
             value = lookup(container, name)
             if value is not None and name not in out:
                 out[name] = value
+    return out
+
+
+def logprob_fields(container: Any, keys: tuple[str, str], missing: tuple[str, str] | None) -> dict[str, Any]:
+    """``trainer_logprobs`` and ``rollout_logprobs`` read from the framework's names ``keys`` (those present).
+
+    With ``missing`` (one message per key) both are required: an absent one raises a ``ValueError`` with its
+    message.
+    """
+    out: dict[str, Any] = {}
+    for schema, key, message in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), keys, missing or (None, None)):
+        value = lookup(container, key)
+        if value is None and message is not None:
+            raise ValueError(message)
+        if value is not None:
+            out[schema] = value
     return out
 
 

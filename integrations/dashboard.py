@@ -1,6 +1,7 @@
 """Which computed keys a logger writes: one key per quantity, no chart that is always zero.
 
-``OPBCCollection.compute()`` returns every key of the design (a contract). A dashboard needs less:
+``OPBCCollection.compute()`` returns every key of the glossary (:mod:`opbc_metrics.glossary`; a contract).
+A dashboard needs less:
 
 * **Aliases** (:data:`ALIASES`): keys that are a fixed linear function of other keys (equal, negated,
   offset by a constant, or a sum), by definition or under a condition that usually holds. The loggers

@@ -230,10 +230,8 @@ class OPBCCallback(Callback):
         assert self.metrics is not None
         if self._epoch_metrics is not None and self.window_batches:
             for dst, src in zip(self._epoch_metrics.members(), self.metrics.members()):
-                if src._update_count:
-                    dst.merge_state(src)
-                    dst._update_count += src._update_count
-                    dst._computed = None
+                if src.update_called:
+                    dst.merge_state(src)  # also drops dst's cached result; data presence is read from the states
         self.metrics.reset()
         self.window_batches = 0
 

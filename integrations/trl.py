@@ -78,6 +78,7 @@ from opbc_metrics.integrations._common import (
     as_plain_mapping,
     ids_to_group_ids,
     loggable,
+    logprob_fields,
     lookup,
     passthrough,
 )
@@ -142,23 +143,12 @@ def trl_to_batch(
     inputs = as_plain_mapping(inputs, "TRL inputs")
     out = passthrough(inputs)
 
-    trainer = lookup(inputs, trainer_key)
-    rollout = lookup(inputs, rollout_key)
-    if require_logprobs:
-        if trainer is None:
-            raise ValueError(
-                f"TRL inputs have no `{trainer_key}` (the training model's logprobs recomputed after generation); "
-                "GRPOTrainer returns it with use_vllm=True and vllm_importance_sampling_correction=True"
-            )
-        if rollout is None:
-            raise ValueError(
-                f"TRL inputs have no `{rollout_key}` (vLLM's sampling logprobs); GRPOTrainer returns it with "
-                "use_vllm=True and vllm_importance_sampling_correction=True"
-            )
-    if trainer is not None:
-        out["trainer_logprobs"] = trainer
-    if rollout is not None:
-        out["rollout_logprobs"] = rollout
+    how = "GRPOTrainer returns it with use_vllm=True and vllm_importance_sampling_correction=True"
+    missing = (
+        f"TRL inputs have no `{trainer_key}` (the training model's logprobs recomputed after generation); {how}",
+        f"TRL inputs have no `{rollout_key}` (vLLM's sampling logprobs); {how}",
+    )
+    out.update(logprob_fields(inputs, (trainer_key, rollout_key), missing if require_logprobs else None))
 
     completion_mask = lookup(inputs, TRL_COMPLETION_MASK)
     if completion_mask is None:

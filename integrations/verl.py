@@ -69,8 +69,10 @@ from opbc_metrics.integrations._common import (
     OPBCIntegrationWarning,
     ReportOnce,
     as_plain_mapping,
+    hashable_key,
     ids_to_group_ids,
     loggable,
+    logprob_fields,
     lookup,
     passthrough,
 )
@@ -196,23 +198,14 @@ def verl_to_batch(
     tensors, non_tensors = split_dataproto(data)
     out = passthrough(tensors, non_tensors)
 
-    trainer = lookup(tensors, trainer_key)
-    rollout = lookup(tensors, rollout_key)
-    if require_logprobs:
-        if trainer is None:
-            raise ValueError(
-                f"verl batch has no `{trainer_key}` (the actor's recomputed logprobs of the response tokens); "
-                "call the adapter after `batch = batch.union(old_log_prob)`"
-            )
-        if rollout is None:
-            raise ValueError(
-                f"verl batch has no `{rollout_key}` (the rollout engine's logprobs); enable "
-                "`actor_rollout_ref.rollout.calculate_log_probs=True`"
-            )
-    if trainer is not None:
-        out["trainer_logprobs"] = trainer
-    if rollout is not None:
-        out["rollout_logprobs"] = rollout
+    missing = (
+        f"verl batch has no `{trainer_key}` (the actor's recomputed logprobs of the response tokens); call the "
+        "adapter after `batch = batch.union(old_log_prob)`",
+        f"verl batch has no `{rollout_key}` (the rollout engine's logprobs); enable "
+        "`actor_rollout_ref.rollout.calculate_log_probs=True`",
+    )
+    out.update(logprob_fields(tensors, (trainer_key, rollout_key), missing if require_logprobs else None))
+    trainer, rollout = out.get("trainer_logprobs"), out.get("rollout_logprobs")
 
     responses = lookup(tensors, VERL_RESPONSES)
     attention = lookup(tensors, VERL_ATTENTION_MASK)
@@ -365,7 +358,7 @@ class VerlMetrics:
             if "group_ids" in batch:
                 _, non_tensors = split_dataproto(data)
                 uids = lookup(non_tensors, VERL_UID)
-                self._group_offset += len({_key(u) for u in uids}) if uids is not None else 0
+                self._group_offset += len({hashable_key(u) for u in uids}) if uids is not None else 0
             self._fed += 1
         except Exception as err:  # never break training
             self.report(err)
@@ -410,14 +403,6 @@ class VerlMetrics:
         for key, value in values.items():
             metrics.setdefault(key, value)
         return values
-
-
-def _key(value: Any) -> Any:
-    try:
-        hash(value)
-    except TypeError:
-        return repr(value)
-    return value
 
 
 # Batch-schema fields the training section reads from verl's final batch.

@@ -64,8 +64,10 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view
+from opbc_metrics.functional.statistics import bin_counts
 from opbc_metrics.integrations.dashboard import ALIASES, KeyFilter
 from opbc_metrics.metric import OPBCMetric, registered_metrics
+from opbc_metrics.rollout import chart_ranges as member_chart_ranges
 
 __all__ = [
     "BEST_SUMMARY_PATTERNS",
@@ -230,18 +232,15 @@ def chart_ranges(
         >>> ranges["opbc/is/ess"], ranges["rollout/reward/mean"]
         ([0.0, 1.0], [0.0, 2.0])
     """
+    members = _members(source)
     out: dict[str, list[float | None]] = {}
-    for m in _members(source):
+    for m in members:
         lo, hi = getattr(m, "plot_lower_bound", None), getattr(m, "plot_upper_bound", None)
         if lo is not None or hi is not None:
             for key in m.keys:
                 if not key.endswith(LAST_VALUE_SUFFIXES):  # indices and counts keep their own scale
                     out[key] = [_opt_float(lo), _opt_float(hi)]
-        own = getattr(m, "chart_ranges", None)
-        if callable(own):
-            for key, (lo, hi) in own().items():
-                out[key] = [_opt_float(lo), _opt_float(hi)]
-    for key, (lo, hi) in (declared or {}).items():
+    for key, (lo, hi) in [*member_chart_ranges(members).items(), *(declared or {}).items()]:
         out[key] = [_opt_float(lo), _opt_float(hi)]
     return out
 
@@ -417,7 +416,6 @@ class DistributionHistograms(OPBCMetric):
     """
 
     keys: ClassVar[tuple[str, ...]] = ()
-    section: ClassVar[str] = "dist"
     required_fields: ClassVar[tuple[str, ...]] = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)
     data_counts: ClassVar[tuple[str, ...]] = ()  # histograms() drops empty distributions itself
 
@@ -452,10 +450,8 @@ class DistributionHistograms(OPBCMetric):
         return (*keys, LAYER_FLIP_HIST) if self.num_layers is not None else keys
 
     def _bin_counts(self, values: Tensor, weights: Tensor, half_width: float) -> Tensor:
-        width = 2.0 * half_width / self.bins
-        idx = ((values.to(torch.float64) + half_width) / width).floor().clamp(0, self.bins - 1).long().reshape(-1)
-        counts = torch.zeros(self.bins, dtype=torch.float64, device=values.device)
-        return counts.index_add_(0, idx, weights.to(torch.float64).reshape(-1))
+        inner = torch.linspace(-half_width, half_width, self.bins + 1, dtype=torch.float64, device=values.device)
+        return bin_counts(values.to(torch.float64), weights, inner[1:-1], right=True)  # [lo, hi) bins
 
     def _update_view(self, view: BatchView) -> None:
         stats = {

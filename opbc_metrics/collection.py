@@ -7,7 +7,6 @@ from typing import Any
 
 from torch import Tensor
 from torchmetrics import MetricCollection
-from torchmetrics.utilities.distributed import gather_all_tensors
 
 from opbc_metrics.agent import agent_section
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
@@ -18,7 +17,7 @@ from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
 from opbc_metrics.per_round import per_round_section
 from opbc_metrics.rollout import rollout_section
-from opbc_metrics.sync import all_reduce_states, packable
+from opbc_metrics.sync import packed_sync, restore_local_states
 from opbc_metrics.training import training_section
 
 
@@ -199,17 +198,14 @@ class OPBCCollection(MetricCollection):
     def compute(self) -> dict[str, Tensor]:
         """Sync all members at once (one all_reduce per reduction kind) and return the flat dict."""
         members = self.members()
-        synced = self._packed_sync(members)
+        synced = packed_sync(members)
         out: dict[str, Tensor] = {}
         try:
             for m in members:
                 # States are synced here, so every rank leaves out the same members (no data anywhere).
                 out.update(m.compute_dict())
         finally:
-            for m in synced:
-                m._to_sync = m.sync_on_compute
-                if m._is_synced:
-                    m.unsync()
+            restore_local_states(synced)
         return self._named(out)
 
     def merge_state(self, incoming: OPBCCollection | Mapping[str, Any]) -> None:
@@ -227,7 +223,7 @@ class OPBCCollection(MetricCollection):
                 raise ValueError(f"merge_state: {_first_name_difference(names, theirs)}")
             pairs = [(m, incoming._modules[name]) for name, m in self.items(keep_base=True, copy_state=False)]
             for m, other in pairs:
-                state = {k: getattr(other, k) for k in other._defaults}
+                state = dict(other.metric_state)
                 problem = m.state_problem(state, where=_member_name(self, m), config=other.config())
                 if problem:
                     raise ValueError(f"merge_state: {problem}")
@@ -282,25 +278,6 @@ class OPBCCollection(MetricCollection):
             if problem:
                 raise ValueError(f"{what}: {problem}")
         return states
-
-    def _packed_sync(self, members: list[OPBCMetric]) -> list[OPBCMetric]:
-        to_pack = [
-            m
-            for m in members
-            if m._to_sync and m.dist_sync_fn in (None, gather_all_tensors) and packable(m) and not m._is_synced
-        ]
-        if not to_pack:
-            return []
-        available = to_pack[0].distributed_available_fn
-        if not (callable(available) and available()):
-            return []
-        for m in to_pack:
-            m._cache = m._copy_state_dict()
-        all_reduce_states(to_pack, group=to_pack[0].process_group)
-        for m in to_pack:
-            m._is_synced = True
-            m._to_sync = False  # already synced: the member's own compute must not sync again
-        return to_pack
 
 
 def _member_name(collection: OPBCCollection, member: OPBCMetric) -> str:

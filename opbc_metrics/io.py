@@ -1,7 +1,7 @@
 """Readers of rollout dumps for offline analysis: JSONL (one sample per line), JSON arrays and ``.pt`` tensor files.
 
-Both readers turn a file into batches in the design's batch schema (``trainer_logprobs`` [B, T],
-``rollout_logprobs`` [B, T], ``response_mask`` [B, T], ``group_ids`` [B], ...), ready for
+Both readers turn a file into batches in the batch schema of :mod:`opbc_metrics.batch`
+(``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T], ``response_mask`` [B, T], ``group_ids`` [B], ...), ready for
 :class:`~opbc_metrics.collection.OPBCCollection`. Bad input never raises out of a reader: every
 problem becomes an :class:`InputIssue` with the line (JSONL) or record/row range (``.pt``) it came
 from, and the caller decides whether to skip it or stop.
@@ -163,7 +163,7 @@ class Batch:
 
     Attributes:
         tensors: batch fields (tensors, or a list of str for ``stop_reasons``).
-        group_labels: the group label of each row (``group_ids`` indexes :attr:`GroupIndex.labels`).
+        group_labels: the group label of each row (``group_ids`` indexes :attr:`GroupLabels.labels`).
         where: the lines or rows it came from, for messages.
         num_bytes: bytes of the file consumed so far (text dumps) or rows done (``.pt``), for progress.
         step: the training step of every row (``step`` field), or ``None`` when the input has none.
@@ -177,7 +177,7 @@ class Batch:
 
 
 @dataclass
-class GroupIndex:
+class GroupLabels:
     """Maps group labels (int or str, compared as str) to contiguous int ids, in order of appearance."""
 
     ids: dict[str, int] = field(default_factory=dict)
@@ -427,7 +427,7 @@ def parse_sample(obj: Any) -> Sample:
     )
 
 
-def collate(samples: list[Sample], groups: GroupIndex, first_index: int) -> tuple[dict[str, Any], list[str]]:
+def collate(samples: list[Sample], groups: GroupLabels, first_index: int) -> tuple[dict[str, Any], list[str]]:
     """Pad samples to the batch's longest (at least 1 token) with mask 0; returns (fields, group labels).
 
     ``first_index`` numbers samples without a ``group_id`` (each is its own group, ``"#<index>"``).
@@ -584,7 +584,7 @@ def _array_items(source: str, text: str) -> Iterator[tuple[int, Any]]:
 
 
 def read_jsonl(
-    path: str, batch_size: int, groups: GroupIndex | None = None, limit: int | None = None
+    path: str, batch_size: int, groups: GroupLabels | None = None, limit: int | None = None
 ) -> Iterator[Batch | InputIssue]:
     """Stream a text dump (JSONL or a JSON array, plain or gzip, a file or ``-``) as :class:`Batch` es of about
     ``batch_size`` samples, and :class:`InputIssue` s.
@@ -595,7 +595,7 @@ def read_jsonl(
     a field is never padded with made-up values and every batch belongs to one step. ``limit`` stops
     after that many samples.
     """
-    groups = groups if groups is not None else GroupIndex()
+    groups = groups if groups is not None else GroupLabels()
     max_rows = GROUP_SLACK * batch_size
     pending: list[Sample] = []
     first_line = last_line = taken = 0
@@ -734,13 +734,13 @@ def _check_pt_record(record: Any) -> tuple[dict[str, Any], int]:
 
 
 def read_pt(
-    path: str, batch_size: int, groups: GroupIndex | None = None, limit: int | None = None
+    path: str, batch_size: int, groups: GroupLabels | None = None, limit: int | None = None
 ) -> Iterator[Batch | InputIssue]:
     """Stream a ``.pt`` dump (a dict of tensors, or a list of them) as row slices of ``batch_size``.
 
     Raises :class:`InputFormatError` when the file cannot be loaded safely (see :func:`load_pt`).
     """
-    groups = groups if groups is not None else GroupIndex()
+    groups = groups if groups is not None else GroupLabels()
     data = load_pt(path)
     records = data if isinstance(data, (list, tuple)) else [data]
     multi = isinstance(data, (list, tuple))
@@ -785,7 +785,7 @@ def read_pt(
 
 
 def read_batches(
-    path: str, batch_size: int = 64, groups: GroupIndex | None = None, limit: int | None = None
+    path: str, batch_size: int = 64, groups: GroupLabels | None = None, limit: int | None = None
 ) -> Iterator[Batch | InputIssue]:
     """Batches and issues from a text (JSONL, JSON array; ``-`` for standard input) or ``.pt`` dump, chosen by
     extension.

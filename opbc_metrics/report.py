@@ -50,6 +50,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from opbc_metrics.functional.statistics import bin_counts
+
 DECISIONS: tuple[str, ...] = ("train", "train_with_correction", "replay", "quarantine", "reject")
 DECISION_COLOURS = {
     "train": "#2e7d32",
@@ -113,9 +115,8 @@ class FixedHistogram:
         keep = torch.isfinite(v)
         if weights is not None:
             keep = keep & (weights.reshape(-1) != 0)
-        idx = torch.bucketize(v, self._boundaries)
-        counts = torch.zeros(len(self.counts), dtype=torch.int64).scatter_add_(0, idx, keep.to(torch.int64))
-        self.counts = [a + b for a, b in zip(self.counts, counts.tolist())]
+        counts = bin_counts(v, keep, self._boundaries)
+        self.counts = [a + round(b) for a, b in zip(self.counts, counts.tolist())]
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form: ``edges`` (inner), ``counts`` (``len(edges) + 1``), ``total``."""

@@ -6,6 +6,9 @@ a fixed-size sufficient statistic reduced by sum, max or min, so the states of a
 flattened into one buffer per (reduction, dtype, device) and reduced with one ``all_reduce`` each:
 at most three collectives for the whole collection, and the exact global statistics on every rank.
 
+A collection syncs all its members this way before they compute (:func:`packed_sync`), then gives them
+back their local states (:func:`restore_local_states`).
+
 Before them, one more fixed-size collective compares a fingerprint of the metrics' configuration and
 state layout across ranks (an ``all_reduce`` max of ``(h, -h)``): ranks built differently (other
 sections, ``num_layers``, ``clamp``, ...) all raise the same :class:`RankMismatchError` instead of
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 _OPS = {dim_zero_sum: "sum", dim_zero_max: "max", dim_zero_min: "min"}
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -36,6 +40,8 @@ class RankMismatchError(ValueError):
     """The ranks hold metrics with different configurations or state layouts; nothing was reduced."""
 
 
+# torchmetrics has no public view of a state's reduction: ``_reductions`` (state name -> reduce function,
+# filled by ``add_state``) is read here and in packable / all_reduce_states / layout_fingerprint.
 def reduce_kind(metric: Metric, name: str) -> str | None:
     """``'sum'``, ``'max'`` or ``'min'`` for a packable state, ``None`` for anything else."""
     fx = metric._reductions[name]
@@ -122,3 +128,43 @@ def _check_same_layout(metrics: list[Metric], device: torch.device, group: Any) 
             "Build the same collection on every rank: same sections, section_options (num_layers, capacity, "
             "...), clamp, veto and top_mass_bins"
         )
+
+
+# -- torchmetrics' sync context, for a whole collection at once ---------------------------------------
+# torchmetrics syncs a metric inside its compute() (sync_context: cache the local states, gather, compute,
+# restore) one state at a time. A collection reduces all its members with one packed all_reduce first and
+# then lets each member compute; these two functions do what torchmetrics' sync()/unsync() would, on its
+# private flags: ``_to_sync`` (whether compute() syncs), ``_is_synced`` and ``_cache`` (the local states
+# that unsync() puts back). They are the only writes of torchmetrics privates in this library, tested
+# against the lowest and the newest torchmetrics that pyproject.toml allows (make test-torchmetrics-range).
+def packed_sync(metrics: Iterable[Metric]) -> list[Metric]:
+    """Sync the states of every metric that would sync in its own compute(), with one packed all_reduce.
+
+    Returns the metrics synced (none outside torch.distributed, or with a custom ``dist_sync_fn``, which
+    keep torchmetrics' own per-state path); give them to :func:`restore_local_states` after computing.
+    """
+    to_pack = [
+        m
+        for m in metrics
+        if m._to_sync and m.dist_sync_fn in (None, gather_all_tensors) and packable(m) and not m._is_synced
+    ]
+    if not to_pack:
+        return []
+    available = to_pack[0].distributed_available_fn
+    if not (callable(available) and available()):
+        return []
+    for m in to_pack:
+        m._cache = m._copy_state_dict()
+    all_reduce_states(to_pack, group=to_pack[0].process_group)
+    for m in to_pack:
+        m._is_synced = True
+        m._to_sync = False  # already synced: the member's own compute must not sync again
+    return to_pack
+
+
+def restore_local_states(synced: Iterable[Metric]) -> None:
+    """Undo :func:`packed_sync`: each metric gets its local (unsynced) states back and syncs on compute again."""
+    for m in synced:
+        m._to_sync = m.sync_on_compute
+        if m._is_synced:
+            m.unsync()

@@ -22,7 +22,7 @@ from opbc_metrics.agent.metrics import (
     TrajectoryStepCounts,
     agent_section,
 )
-from opbc_metrics.agent.trajectory import Step, ToolCall, Trajectory, as_trajectory, canonical_arguments
+from opbc_metrics.trajectory import Step, ToolCall, Trajectory, as_trajectory, canonical_arguments
 
 __all__ = [
     "AGENT_METRICS",

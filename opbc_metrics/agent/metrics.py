@@ -2,7 +2,7 @@
 :mod:`opbc_metrics.functional.agent`.
 
 Each class reads the batch field ``trajectory_pairs`` (a list of ``(rollout, reference)`` pairs, each
-side a :class:`~opbc_metrics.agent.trajectory.Trajectory` or an OpenAI-style chat message list). The
+side a :class:`~opbc_metrics.trajectory.Trajectory` or an OpenAI-style chat message list). The
 pairs of one batch are compared once per :class:`~opbc_metrics.batch.BatchView`, so a collection of
 the four classes does the host work once. The inputs are optional: inside an
 :class:`~opbc_metrics.collection.OPBCCollection` the classes skip batches without ``trajectory_pairs``.
@@ -29,7 +29,6 @@ _NO_ACTION = (
 class _AgentMetric(OPBCMetric):
     """Base of the trajectory metrics: one batch field, per-pair host work shared through the view."""
 
-    section = "agent"
     required_fields = (F.TRAJECTORY_PAIRS,)
     optional_inputs = True
     data_counts = ("pairs",)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import controller as FC
-from opbc_metrics.functional.mismatch import _safe_div
+from opbc_metrics.functional.statistics import safe_div as _safe_div
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric
 
 DECISIONS_FIELD = "opbc_decisions"

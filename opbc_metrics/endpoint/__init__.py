@@ -20,7 +20,7 @@ from opbc_metrics.endpoint.metrics import (
     TopLogprobsCoverage,
     endpoint_section,
 )
-from opbc_metrics.endpoint.probe import CHAT_COMPLETION, TEXT_COMPLETION, EndpointCapabilities, probe_response
+from opbc_metrics.functional.endpoint import CHAT_COMPLETION, TEXT_COMPLETION, EndpointCapabilities, probe_response
 
 __all__ = [
     "CHAT_COMPLETION",

@@ -28,7 +28,6 @@ _DIAGNOSTIC = "none (diagnostic)"
 class _CoverageMetric(OPBCMetric):
     """Base: the fraction of probed responses with each capability flag (the states after ``responses``)."""
 
-    section = "endpoint"
     required_fields = (F.ENDPOINT_RESPONSES,)
     optional_inputs = True
     data_counts = ("responses",)

@@ -1,7 +1,7 @@
 r"""Agent trajectories: rollout vs reference behaviour, pure functions over (rollout, reference) pairs.
 
 A pair is one task run twice: by the rollout engine and by a reference engine (e.g. bf16 vs fp8, or
-vLLM vs the trainer's own sampler). Each side is a :class:`~opbc_metrics.agent.trajectory.Trajectory`
+vLLM vs the trainer's own sampler). Each side is a :class:`~opbc_metrics.trajectory.Trajectory`
 or an OpenAI-style chat message list (converted with ``Trajectory.from_messages``). Per pair:
 
 * ``tool_call_jaccard`` = :math:`|A \cap B| / |A \cup B|` over the *sets* of
@@ -60,16 +60,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional.mismatch import _safe_div
-
-if TYPE_CHECKING:
-    from opbc_metrics.agent.trajectory import Trajectory
+from opbc_metrics.functional.statistics import Stats, safe_div
+from opbc_metrics.trajectory import Trajectory, as_trajectory
 
 TRAJECTORY_PAIRS = "trajectory_pairs"
 
@@ -92,7 +90,6 @@ AGENT_KEYS = (JACCARD_KEY, *DIVERGENCE_KEYS, ANSWER_KEY, SOFT_ANSWER_KEY, TOOL_C
 # The divergence step reported when no pair diverged.
 NO_DIVERGENCE = -1.0
 
-Stats = dict[str, Tensor]
 AnyTrajectory = Any  # a Trajectory or a list of chat messages
 
 
@@ -113,15 +110,8 @@ def normalize_text(text: str | None) -> str:
     return " ".join((text or "").split()).lower()
 
 
-def _as_trajectory(value: AnyTrajectory, where: str) -> Trajectory:
-    # Imported here: opbc_metrics.agent imports this module for its classes.
-    from opbc_metrics.agent.trajectory import as_trajectory
-
-    return as_trajectory(value, where)
-
-
 def _pair(rollout: AnyTrajectory, reference: AnyTrajectory) -> tuple[Trajectory, Trajectory]:
-    return _as_trajectory(rollout, "rollout"), _as_trajectory(reference, "reference")
+    return as_trajectory(rollout, "rollout"), as_trajectory(reference, "reference")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,8 +265,8 @@ def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
             )
         pairs.append(
             (
-                _as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
-                _as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]"),
+                as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
+                as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]"),
             )
         )
     return pairs
@@ -326,7 +316,7 @@ def _agent_update(view: BatchView) -> Stats:
 
 
 def _jaccard_compute(jaccard_sum: Tensor, pairs: Tensor) -> Tensor:
-    return _safe_div(jaccard_sum, pairs, 1.0)
+    return safe_div(jaccard_sum, pairs, 1.0)
 
 
 def _divergence_compute(
@@ -342,29 +332,29 @@ def _divergence_compute(
     none = torch.full_like(step_min, NO_DIVERGENCE)
     kinds = (kind_tool_choice, kind_tool_arguments, kind_content, kind_length)
     return {
-        DIVERGENCE_KEYS[0]: _safe_div(step_sum, diverged, NO_DIVERGENCE),
+        DIVERGENCE_KEYS[0]: safe_div(step_sum, diverged, NO_DIVERGENCE),
         DIVERGENCE_KEYS[1]: torch.where(diverged > 0, step_min, none),
-        DIVERGENCE_KEYS[2]: _safe_div(diverged, pairs, 0.0),
-        **{key: _safe_div(k, pairs, 0.0) for key, k in zip(DIVERGENCE_KEYS[3:7], kinds)},
+        DIVERGENCE_KEYS[2]: safe_div(diverged, pairs, 0.0),
+        **{key: safe_div(k, pairs, 0.0) for key, k in zip(DIVERGENCE_KEYS[3:7], kinds)},
         DIVERGENCE_KEYS[7]: pairs.clone(),
     }
 
 
 def _answer_compute(matches: Tensor, pairs: Tensor) -> Tensor:
-    return _safe_div(matches, pairs, 1.0)
+    return safe_div(matches, pairs, 1.0)
 
 
 def _soft_answer_compute(soft_sum: Tensor, pairs: Tensor) -> Tensor:
-    return _safe_div(soft_sum, pairs, 1.0)
+    return safe_div(soft_sum, pairs, 1.0)
 
 
 def _step_count_compute(rollout_steps: Tensor, reference_steps: Tensor, pairs: Tensor) -> dict[str, Tensor]:
-    return dict(zip(STEP_COUNT_KEYS, (_safe_div(rollout_steps, pairs, 0.0), _safe_div(reference_steps, pairs, 0.0)),
+    return dict(zip(STEP_COUNT_KEYS, (safe_div(rollout_steps, pairs, 0.0), safe_div(reference_steps, pairs, 0.0)),
                     strict=True))
 
 
 def _tool_choice_compute(disagree: Tensor, tool_steps: Tensor) -> Tensor:
-    return _safe_div(disagree, tool_steps, 0.0)
+    return safe_div(disagree, tool_steps, 0.0)
 
 
 def _all_compute(s: Stats) -> dict[str, Tensor]:

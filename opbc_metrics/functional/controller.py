@@ -45,6 +45,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import mismatch as M
+from opbc_metrics.functional.statistics import Stats
 
 # -- actions and reasons ------------------------------------------------------------------------------
 # Actions in the precedence order of the rules: a smaller code is a stricter action and wins.
@@ -101,7 +102,6 @@ STAT_NAMES: tuple[str, ...] = (
 CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
 CORRECTION_MODES: tuple[str, ...] = ("truncate", "mask")
 
-Stats = dict[str, Tensor]
 
 
 # -- group index --------------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView
+from opbc_metrics.functional.statistics import Stats
+from opbc_metrics.functional.statistics import safe_div as _safe_div
 
 # The top-1% sketch bins log-weights over [-C, C]; 8192 bins keep its relative error under 0.25%.
 DEFAULT_TOP_MASS_BINS = 8192
@@ -53,18 +55,12 @@ PPL_LOG_CAP = 600.0
 # and CPU exp takes a slow path (10-100x) on inputs whose result underflows (-inf padding, -9999 sentinels).
 PROB_LOG_FLOOR = -80.0
 
-Stats = dict[str, Tensor]
 
 
 def _view(trainer_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor | None) -> BatchView:
     return BatchView(
         trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask
     )
-
-
-def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
-    """``num / den`` where ``den > 0``, else ``empty``."""
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
 
 
 # ---------------------------------------------------------------------------------------------

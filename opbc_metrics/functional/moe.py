@@ -45,6 +45,8 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
+from opbc_metrics.functional.statistics import Stats
+from opbc_metrics.functional.statistics import safe_div as _safe_div
 
 ROLLOUT_EXPERTS = "rollout_experts"
 TRAINER_EXPERTS = "trainer_experts"
@@ -63,7 +65,6 @@ WORST_LAYER_KEY = "moe/router/worst_layer"
 WORST_LAYER_RATE_KEY = "moe/router/worst_layer_flip_rate"
 LAYER_OVERFLOW_KEY = "moe/router/layer_overflow/flip_rate"
 
-Stats = dict[str, Tensor]
 
 
 def layer_key(layer: int) -> str:
@@ -369,10 +370,6 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
 # ---------------------------------------------------------------------------------------------
 # moe/router/flip_rate, per layer and worst layer
 # ---------------------------------------------------------------------------------------------
-def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
-
-
 def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None) -> Stats:
     rollout, trainer, mask = router_inputs(view, top_k)
     n_layers = rollout.shape[2]

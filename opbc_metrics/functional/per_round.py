@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView, as_bool_mask
+from opbc_metrics.functional.statistics import Stats
+from opbc_metrics.functional.statistics import safe_div as _safe_div
 
 # 16 rounds cover the 8-turn GUI-agent trajectories verl's PR was tested on with room to spare; longer
 # agents pool into the overflow bucket (or raise ``capacity``).
@@ -51,7 +53,6 @@ MAX_VALUE_KEY = "per_round/max_diff_value"
 OVERFLOW_MEAN_KEY = "per_round/overflow_abs_diff_mean"
 OVERFLOW_COUNT_KEY = "per_round/overflow_token_count"
 
-Stats = dict[str, Tensor]
 
 
 def round_mean_key(i: int) -> str:
@@ -158,10 +159,6 @@ def _per_round_update(view: BatchView, capacity: int) -> Stats:
         "token_count": counts[1, 1:],
         "max_rounds": most.to(f64),
     }
-
-
-def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
 
 
 def _per_round_compute(

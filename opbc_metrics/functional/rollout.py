@@ -66,8 +66,8 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_bool_mask
+from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid
 
-Stats = dict[str, Tensor]
 F64 = torch.float64
 
 REWARDS = "rewards"
@@ -87,8 +87,6 @@ DISCARD_REASON_CODES: dict[str, int] = {"kept": 0, "max_async": 1, "zero_advanta
 
 STATS = ("mean", "std", "min", "max")
 SAMPLE_STATS = (*STATS, "group_gini_mean")
-#: Variances below this fraction of E[x^2] are under the rounding resolution of the raw moments.
-STD_RESOLUTION = 1e-13
 
 
 def stat_keys(prefix: str) -> tuple[str, ...]:
@@ -417,53 +415,23 @@ def _first_of_group(segs: GroupSegments) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # moments: mean / sample std / min / max
 # ---------------------------------------------------------------------------------------------
-#: Scale of the second set of sums, used when the plain sums overflow (values beyond ~1e154): with
-#: |x| <= 1.8e308, (x * 2^-600)^2 <= 1e255, so sums stay finite for any realistic count.
-_SCALE = 2.0**-600
+# The rollout states' names for the statistics of functional.statistics.moments.
+_STATE_NAMES = {"count": "count", "sum": "total", "sum_sq": "total_sq", "sum_hi": "total_hi",
+                "sum_sq_hi": "total_sq_hi", "min": "min", "max": "max"}
 
 
 def _moments_update(x: Tensor, w: Tensor, invalid: Tensor) -> Stats:
-    """Sufficient statistics of ``x`` (``[B]`` or ``[B, F]``) over the samples with weight ``w = 1``.
-
-    Two sets of sums: plain (``total``, ``total_sq``) and scaled by 2^-600 (``total_hi``,
-    ``total_sq_hi``), which stay finite for values up to the float64 limit.
-    """
-    has = w > 0
-    inf = torch.full(x.shape[1:], float("inf"), dtype=F64, device=x.device)
-    if x.shape[0] == 0:
-        lo, hi = inf, -inf
-    else:
-        lo = torch.where(has, x, float("inf")).amin(dim=0)
-        hi = torch.where(has, x, float("-inf")).amax(dim=0)
-    xw = x * w
-    xs = xw * _SCALE
-    return {"count": w.sum(dim=0), "total": xw.sum(dim=0), "total_sq": (xw * x).sum(dim=0),
-            "total_hi": xs.sum(dim=0), "total_sq_hi": (xs * xs).sum(dim=0), "min": lo, "max": hi, "invalid": invalid}
+    """Sufficient statistics (:func:`~opbc_metrics.functional.statistics.moments`) of ``x`` (``[B]`` or
+    ``[B, F]``) over the samples with weight ``w = 1``, and the count of invalid values."""
+    return {**{_STATE_NAMES[k]: v for k, v in moments(x, w > 0).items()}, "invalid": invalid}
 
 
 def _moments_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor, total_hi: Tensor,
                      total_sq_hi: Tensor) -> tuple[Tensor, ...]:
-    """``(mean, sample std, min, max)``; 0 each over an empty window, std NaN for fewer than two samples.
-
-    The sample variance ``n / (n - 1) (E[x^2] - E[x]^2)``, from the plain sums, or from the scaled ones
-    where a plain sum overflowed (then rescaled), so finite inputs give finite statistics.
-    """
-    n = count.clamp_min(1.0)
-    big = ~(torch.isfinite(total) & torch.isfinite(total_sq))
-    mean = torch.where(big, total_hi / n, total / n)
-    mean_sq = torch.where(big, total_sq_hi / n, total_sq / n)
-    var = mean_sq - mean * mean
-    var = torch.where(var > STD_RESOLUTION * mean_sq, var, 0.0) * (n / (n - 1.0).clamp_min(1.0))
-    scale = torch.where(big, torch.full_like(mean, 1.0 / _SCALE), torch.ones_like(mean))
-    mean = torch.minimum(torch.maximum(mean * scale, min), max)  # never outside the data by rounding
+    """``(mean, sample std, min, max)``; 0 each over an empty window, std NaN for fewer than two samples."""
+    mean, std = mean_std(count, total, total_sq, total_hi, total_sq_hi, min, max, ddof=1)
     nonempty = count > 0
-    zero = torch.zeros_like(mean)
-    return (
-        torch.where(nonempty, mean, zero),
-        torch.where(count > 1, var.sqrt() * scale, torch.full_like(mean, float("nan"))),
-        torch.where(nonempty, min, zero),
-        torch.where(nonempty, max, zero),
-    )
+    return mean, std, torch.where(nonempty, min, 0.0), torch.where(nonempty, max, 0.0)
 
 
 def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
@@ -472,22 +440,6 @@ def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
     if not bool(stats["count"] > 1):
         del out[keys[1]]
     return out
-
-
-def raise_if_invalid(invalid: Tensor, field: str, what: str) -> None:
-    """Raise the deferred ``ValueError`` for values ``update()`` counted as invalid (reads one scalar).
-
-    Example:
-        >>> import torch
-        >>> raise_if_invalid(torch.tensor(0.0), "response_lengths", "negative or non-finite token counts")
-        >>> raise_if_invalid(torch.tensor(2.0), "response_lengths", "negative or non-finite token counts")
-        Traceback (most recent call last):
-        ...
-        ValueError: batch field `response_lengths` held 2 invalid value(s) (negative or non-finite token counts)
-    """
-    bad = float(invalid.sum())
-    if bad > 0:
-        raise ValueError(f"batch field `{field}` held {bad:.0f} invalid value(s) ({what})")
 
 
 NONFINITE = "non-finite values"
@@ -532,7 +484,7 @@ def _total_token_stats_update(view: BatchView) -> Stats:
 
 
 def _checked(stats: Stats, field: str, what: str) -> Stats:
-    raise_if_invalid(stats.pop("invalid"), field, what)
+    raise_if_invalid(field, stats.pop("invalid"), what)
     return stats
 
 
@@ -610,21 +562,9 @@ def _length_gini_update(view: BatchView) -> Stats:
     return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
 
 
-def _gini_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
-    return _mean_over_groups(value_sum, groups, 0.0)
-
-
 def _length_ratio_update(view: BatchView) -> Stats:
     x, invalid = _lengths(view, RESPONSE_LENGTHS)
     return {**_max_median_update(_segments(view, RESPONSE_LENGTHS, x), x), "invalid": invalid}
-
-
-def _ratio_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
-    return _mean_over_groups(value_sum, groups, 1.0)
-
-
-def _cv_compute(value_sum: Tensor, groups: Tensor) -> Tensor:
-    return _mean_over_groups(value_sum, groups, 0.0)
 
 
 def _length_cv_update(view: BatchView) -> Stats:
@@ -644,7 +584,8 @@ def group_length_cv(response_lengths: Tensor, group_ids: Any) -> Tensor:
         tensor(0.3536, dtype=torch.float64)
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
-    return _cv_compute(**_checked(_length_cv_update(view), RESPONSE_LENGTHS, BAD_COUNTS))
+    stats = _checked(_length_cv_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
+    return _mean_over_groups(stats["value_sum"], stats["groups"], 0.0)
 
 
 def gini(values: Tensor) -> Tensor:
@@ -682,9 +623,9 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
     view = BatchView(values=values, group_ids=group_ids)
     x, w = _per_sample(view, "values", "sum")
     x, w, invalid = _finite(x, w)
-    raise_if_invalid(invalid, "values", NONFINITE)
+    raise_if_invalid("values", invalid, NONFINITE)
     stats = _gini_update(_segments(view, "values", x), x[:, None], (w > 0)[:, None])
-    return _gini_compute(stats["gini_sum"][0], stats["groups"][0])
+    return _mean_over_groups(stats["gini_sum"][0], stats["groups"][0], 0.0)
 
 
 def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
@@ -702,7 +643,8 @@ def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
         tensor(2., dtype=torch.float64)
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
-    return _ratio_compute(**_checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS))
+    stats = _checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
+    return _mean_over_groups(stats["value_sum"], stats["groups"], 1.0)
 
 
 def zero_advantage_mask(
@@ -936,7 +878,7 @@ def discarded_counts(discard_reasons: Any, rewards: Tensor | None = None) -> dic
         [2.0, 1.0, 0.3333333333333333]
     """
     stats = _discard_update(BatchView(discard_reasons=discard_reasons, rewards=rewards))
-    raise_if_invalid(stats.pop("invalid"), DISCARD_REASONS, "codes outside {0, 1, 2}")
+    raise_if_invalid(DISCARD_REASONS, stats.pop("invalid"), "codes outside {0, 1, 2}")
     return _discard_compute(**stats)
 
 
@@ -1003,7 +945,7 @@ def discarded_rollout_stats(
     view = BatchView(discard_reasons=discard_reasons, response_lengths=response_lengths, group_ids=group_ids,
                      stop_reasons=stop_reasons)
     stats = _discarded_stats_update(view, length_code)
-    raise_if_invalid(stats.pop("invalid"), RESPONSE_LENGTHS, BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+    raise_if_invalid(RESPONSE_LENGTHS, stats.pop("invalid"), BAD_COUNTS + " or discard codes outside {0, 1, 2}")
     zero = torch.zeros((), dtype=F64)
     for name in ("gini_sum", "gini_groups", "ratio_sum", "ratio_groups", "stop_length", "stop_count"):
         stats.setdefault(name, zero)
@@ -1172,5 +1114,5 @@ def sample_metric_stats(sample_metrics: Any, group_ids: Any = None) -> dict[str,
     stats = _sample_update(view, names, group_gini=group_ids is not None)
     invalid = stats.pop("invalid")
     for k, n in enumerate(names):
-        raise_if_invalid(invalid[k], SAMPLE_METRICS, f"infinite values of {n!r}")
+        raise_if_invalid(SAMPLE_METRICS, invalid[k], f"infinite values of {n!r}")
     return _sample_compute(names, **stats)

@@ -32,11 +32,11 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
+from opbc_metrics.functional.statistics import SCALE, Stats, mean_std, moments, raise_if_invalid, safe_div, variance
 
-Stats = dict[str, Tensor]
 F64 = torch.float64
 
-# Batch fields of this section (beyond the core schema). See the design's batch schema.
+# Batch fields of this section (beyond the core schema of opbc_metrics.batch).
 POLICY_LOGPROBS = "policy_logprobs"  # [B, T] log pi_theta(token) of the policy being updated
 OLD_LOGPROBS = "old_logprobs"  # [B, T] log pi_old(token), the policy the PPO ratio is taken against
 ADVANTAGES = "advantages"
@@ -62,11 +62,6 @@ DEFAULT_DPO_BETA = 0.1
 # ---------------------------------------------------------------------------------------------
 def _f64(stats: Stats) -> Stats:
     return {k: v.to(F64) for k, v in stats.items()}
-
-
-def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
-    """``num / den`` where ``den > 0``, else ``empty`` (no branch on data)."""
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
 
 
 def _amax(x: Tensor) -> Tensor:
@@ -161,17 +156,6 @@ def response_mask_for(view: BatchView, shape: torch.Size, device: torch.device, 
     return as_bool_mask(mask)
 
 
-def raise_if_invalid(name: str | Sequence[str], count: Tensor, what: str) -> None:
-    """Raise the deferred value error of a batch field, or of the fields a count is shared by (``compute()``
-    only: this reads ``count``)."""
-    n = float(count)
-    if n > 0:
-        names = (name,) if isinstance(name, str) else tuple(name)
-        fields = ", ".join(f"`{x}`" for x in names)
-        where = f"batch field {fields}" if len(names) == 1 else f"batch fields {fields}"
-        raise ValueError(f"{where} had {n:g} {what} in this window; fix the input (see the docs)")
-
-
 def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
     """A clear error for two batch fields on different devices (moving one would be a hidden copy)."""
     if t.device != ref.device:
@@ -190,58 +174,21 @@ def _zero(device: torch.device) -> Tensor:
     return torch.zeros((), dtype=F64, device=device)
 
 
-#: Scale of the second set of sums kept beside the plain ones where values may be huge: with |x| up to
-#: the float64 limit, (x * 2^-600)^2 <= 1e255, so those sums stay finite where the plain ones overflow.
-_SCALE = 2.0**-600
-
-
 def _masked_moments(x: Tensor, valid: Tensor, scaled: bool = False) -> Stats:
-    """Sum, sum of squares, max, min and count of ``x`` (float64) over ``valid``; invalid values ignored.
-
-    ``scaled``: also the sums of ``x * 2^-600`` and its square (``sum_hi``, ``sum_sq_hi``), which
-    :func:`_mean_var` uses where the plain sums overflow.
-    """
-    zero = torch.zeros((), dtype=F64, device=x.device)
-    inf = torch.full((), float("inf"), dtype=F64, device=x.device)
-    xv = torch.where(valid, x, zero)
-    out = {
-        "sum": xv.sum(),
-        "sum_sq": (xv * xv).sum(),
-        "max": _amax(torch.where(valid, x, -inf)),
-        "min": _amin(torch.where(valid, x, inf)),
-        "count": valid.to(F64).sum(),
-    }
-    if scaled:
-        xs = xv * _SCALE
-        out["sum_hi"], out["sum_sq_hi"] = xs.sum(), (xs * xs).sum()
+    """:func:`~opbc_metrics.functional.statistics.moments` of every element of ``x`` (float64) over ``valid``;
+    the 2^-600-scaled sums only with ``scaled``."""
+    out = moments(x.reshape(-1), valid.reshape(-1))
+    if not scaled:
+        del out["sum_hi"], out["sum_sq_hi"]
     return out
 
 
 def _mean(total: Tensor, count: Tensor) -> Tensor:
-    return _safe_div(total, count, 0.0)
+    return safe_div(total, count, 0.0)
 
 
 def _extreme(value: Tensor, count: Tensor) -> Tensor:
     return torch.where(count > 0, value, torch.zeros_like(value))
-
-
-def _variance(sum_: Tensor, sum_sq: Tensor, count: Tensor) -> Tensor:
-    """Population variance from raw moments; rounding residue (|var| <= 1e-12 E[x^2]) reads as 0."""
-    n = count.clamp_min(1.0)
-    mean = sum_ / n
-    second = sum_sq / n
-    var = (second - mean * mean).clamp_min(0.0)
-    return torch.where((count > 0) & (var > 1e-12 * second), var, torch.zeros_like(var))
-
-
-def _mean_std(sum_: Tensor, sum_sq: Tensor, count: Tensor, sum_hi: Tensor, sum_sq_hi: Tensor) -> tuple[Tensor, Tensor]:
-    """``(mean, population std)`` from the plain sums, or from the 2^-600-scaled ones (then rescaled) where
-    a plain sum overflowed: finite for finite values up to the float64 limit."""
-    big = ~(torch.isfinite(sum_) & torch.isfinite(sum_sq))
-    scale = torch.where(big, torch.full_like(sum_, 1.0 / _SCALE), torch.ones_like(sum_))
-    mean = torch.where(big, _mean(sum_hi, count), _mean(sum_, count)) * scale
-    std = torch.where(big, _variance(sum_hi, sum_sq_hi, count), _variance(sum_, sum_sq, count)).sqrt() * scale
-    return mean, std
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,6 +480,18 @@ def pg_clipfrac(
 # ---------------------------------------------------------------------------------------------
 # critic/*: value, returns, advantages, rewards, score, explained variance
 # ---------------------------------------------------------------------------------------------
+def _sequence_mask(view: BatchView, name: str, x: Tensor) -> Tensor:
+    """The ``[B, T]`` ``response_mask`` beside the ``[B]`` values ``x`` of field ``name`` (same B and device)."""
+    mask = view.tensor(RESPONSE_MASK)
+    if mask.ndim != 2 or mask.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{name}` has {x.shape[0]} sequences; "
+            "a per-sequence field needs a [B, T] mask"
+        )
+    check_same_device(RESPONSE_MASK, mask, name, x)
+    return mask
+
+
 def _token_values(view: BatchView, name: str, device: torch.device | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """A [B, T] or [B] field as float64 with its valid mask and the mask of non-finite entries.
 
@@ -544,14 +503,7 @@ def _token_values(view: BatchView, name: str, device: torch.device | None = None
     x, _ = field_tensor(view, name, ndims=(1, 2), check="finite", device=device)
     x = x.to(F64)
     if x.ndim == 1 and view.has(RESPONSE_MASK):
-        mask_t = view.tensor(RESPONSE_MASK)
-        if mask_t.ndim != 2 or mask_t.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"batch field `{RESPONSE_MASK}` has shape {tuple(mask_t.shape)} but `{name}` has shape "
-                f"{tuple(x.shape)}; a [B] field needs a [B, T] mask"
-            )
-        check_same_device(RESPONSE_MASK, mask_t, name, x)
-        x = x[:, None].expand(mask_t.shape)
+        x = x[:, None].expand(_sequence_mask(view, name, x).shape)
     mask = response_mask_for(view, x.shape, x.device, like=name)
     finite = torch.isfinite(x)
     return x, mask & finite, mask & ~finite
@@ -587,14 +539,7 @@ def _sequence_sum_update(view: BatchView, name: str) -> Stats:
         x = x.sum(dim=1)
     keep = torch.ones(x.shape, dtype=torch.bool, device=x.device)
     if view.has(RESPONSE_MASK):
-        mask_t = view.tensor(RESPONSE_MASK)
-        if mask_t.ndim != 2 or mask_t.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"batch field `{RESPONSE_MASK}` has shape {tuple(mask_t.shape)} but `{name}` has "
-                f"{x.shape[0]} sequences"
-            )
-        check_same_device(RESPONSE_MASK, mask_t, name, x)
-        keep = (mask_t != 0).any(dim=1)
+        keep = (_sequence_mask(view, name, x) != 0).any(dim=1)
     finite = torch.isfinite(x)
     stats = _masked_moments(x, keep & finite, scaled=True)
     stats["nonfinite"] = (keep & ~finite).to(F64).sum()
@@ -605,7 +550,7 @@ def _critic_stats_compute(name: str, sum: Tensor, sum_sq: Tensor, max: Tensor, m
                           sum_hi: Tensor, sum_sq_hi: Tensor, nonfinite: Tensor | None = None) -> dict[str, Tensor]:
     keys = CRITIC_STAT_KEYS[name]
     prefix = keys[0].rsplit("/", 1)[0]
-    mean, std = _mean_std(sum, sum_sq, count, sum_hi, sum_sq_hi)
+    mean, std = mean_std(count, sum, sum_sq, sum_hi, sum_sq_hi, min, max, ddof=0)
     out = {f"{prefix}/mean": mean}
     if f"{prefix}/std" in keys:
         out[f"{prefix}/std"] = std
@@ -648,8 +593,8 @@ def _explained_var_update(view: BatchView) -> Stats:
     zero = _zero(r.device)
     rv = torch.where(valid, r, zero)
     d = torch.where(valid, r - v, zero)  # r - v may overflow for finite r, v near the limit: scale first
-    d_hi = torch.where(valid, r * _SCALE - v * _SCALE, zero)
-    r_hi = rv * _SCALE
+    d_hi = torch.where(valid, r * SCALE - v * SCALE, zero)
+    r_hi = rv * SCALE
     return {
         "sum_r": rv.sum(),
         "sum_r2": (rv * rv).sum(),
@@ -669,8 +614,8 @@ def _explained_var_compute(sum_r: Tensor, sum_r2: Tensor, sum_d: Tensor, sum_d2:
                            nonfinite: Tensor | None = None) -> Tensor:
     # Both variances on one scale: the scaled sums when any plain sum overflowed (the ratio is scale-free).
     big = ~torch.isfinite(torch.stack([sum_r, sum_r2, sum_d, sum_d2])).all()
-    var_r = torch.where(big, _variance(sum_r_hi, sum_r2_hi, count), _variance(sum_r, sum_r2, count))
-    var_d = torch.where(big, _variance(sum_d_hi, sum_d2_hi, count), _variance(sum_d, sum_d2, count))
+    var_r = torch.where(big, variance(sum_r_hi, sum_r2_hi, count), variance(sum_r, sum_r2, count))
+    var_d = torch.where(big, variance(sum_d_hi, sum_d2_hi, count), variance(sum_d, sum_d2, count))
     ev = 1.0 - var_d / var_r.clamp_min(torch.finfo(F64).tiny)
     # Var(returns) = 0: 1 if the values are exact too, else 0 (scikit-learn's force_finite convention).
     degenerate = torch.where(var_d > 0, torch.zeros_like(ev), torch.ones_like(ev))

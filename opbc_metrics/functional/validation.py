@@ -35,17 +35,15 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView, as_bool_mask
+from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
 from opbc_metrics.functional.training import (
     F64,
-    Stats,
     _amax,
     _amin,
     _f64,
-    _safe_div,
     _turns_compute,
     check_same_device,
     field_tensor,
-    raise_if_invalid,
     tensor_device,
 )
 
@@ -243,7 +241,7 @@ def _validation_update(
     idx = source_index(view.field(DATA_SOURCES), sources, allow_other, num_prompts, x.device, like=name)
     n = valid.to(F64).sum(dim=1)
     has = n > 0
-    prompt_mean = _safe_div(x.sum(dim=1), n, 0.0)
+    prompt_mean = safe_div(x.sum(dim=1), n, 0.0)
     at_k, at_k_ok = [], []
     for k in ks:
         if mode == "pass":
@@ -287,8 +285,8 @@ def _validation_compute(
     mode: str,
 ) -> dict[str, Tensor]:
     keys = iter(validation_keys(sources, n_samples, ks, mode))
-    means = _safe_div(sum_mean, prompts, 0.0)
-    at_k = _safe_div(sum_at_k, prompts_at_k, 0.0)
+    means = safe_div(sum_mean, prompts, 0.0)
+    at_k = safe_div(sum_at_k, prompts_at_k, 0.0)
     out: dict[str, Tensor] = {}
     for i in range(len(sources)):
         out[next(keys)] = means[i]

@@ -1,10 +1,10 @@
 """Rollout-group metrics: the rollout-metrics UI's per-step statistics, as DDP-exact metrics.
 
-Source: the rollout-metrics UI description (``seeds/002``). Its flat names map onto this library's
+Source: Telescope's rollout-metrics UI (its description of the per-step charts). Its flat names map onto this library's
 ``section/group/metric`` keys as below: W&B panel section ``rollout`` (or ``sample_metrics``), then the
 quantity, then the statistic.
 
-| source (seed 002) | key |
+| Telescope | key |
 |---|---|
 | Reward: mean, std, min, max per step | ``rollout/reward/{mean,std,min,max}`` |
 | Reward: Gini per prompt group, averaged | ``rollout/reward/group_gini_mean`` |
@@ -34,7 +34,7 @@ quantity, then the statistic.
 | step metric ``kl_divergence_inference`` | ``opbc/kl/{k1,k2,k3}`` (mismatch section; a glossary alias) |
 | step metrics ``grad_norm``, ``learning_rate`` | ``actor/grad_norm``, ``actor/lr`` (1) |
 
-(1) Not in this package: the training section (issue 4, items 2 and 7; its stage timer gives
+(1) Not in this package: the training section (:mod:`opbc_metrics.training`; its stage timer gives
 ``timing_s/<stage>`` for the stage names above: ``step``, ``step_active``, ``forward``, ``backward``,
 ``loss_computation``, ``compute_kl``, ``compute_entropy``, ``data_to_device``, ``prepare_tensors``,
 ``waiting_for_data``, ``weight_sync_trainer``, ``weight_sync_inference``).
@@ -56,8 +56,8 @@ quantity, then the statistic.
 | ``rollout/discarded/{tokens_completion,stop_reason}/*`` | :class:`DiscardedRolloutStats` |
 | ``sample_metrics/<name>/*`` | :class:`SampleMetricStats` |
 
-Batch fields (the design's schema, plus three of this section): ``rewards``, ``advantages`` ([B] or
-[B, T]; how a [B, T] field is reduced is in :mod:`opbc_metrics.functional.rollout`),
+Batch fields (the batch schema of :mod:`opbc_metrics.batch`, plus three of this section): ``rewards``,
+``advantages`` ([B] or [B, T]; how a [B, T] field is reduced is in :mod:`opbc_metrics.functional.rollout`),
 ``prompt_lengths``, ``response_lengths`` ([B] token counts), ``group_ids`` ([B] int tensor of arbitrary
 ids, or a list of hashable ids such as verl's ``uid`` strings), ``stop_reasons`` ([B] int codes 0 stop,
 1 length, 2 abort; a [B] bool tensor; or a list of strings where ``"length"`` marks truncation),

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, BatchView
 from opbc_metrics.functional import rollout as F
+from opbc_metrics.functional.statistics import raise_if_invalid
 from opbc_metrics.metric import MAX, MIN, BySettings, GlossaryEntry, OPBCMetric, State, table
 
 Range = tuple[float | None, float | None]
@@ -64,7 +65,6 @@ def _stat_ranges(prefix: str, rng: tuple[float, float], gini: bool = False) -> d
 class _RolloutMetric(OPBCMetric):
     """Base of the rollout metrics: optional inputs (a collection skips them on batches without their fields)."""
 
-    section = "rollout"
     optional_inputs = True
     data_counts = ("count", "groups", "seen", "invalid")  # invalid: compute() raises on them
 
@@ -96,7 +96,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
     """
 
     prefix: ClassVar[str] = ""
-    invalid_field: ClassVar[str] = ""
+    invalid_field: ClassVar[str | tuple[str, ...]] = ""
     invalid_what: ClassVar[str] = F.NONFINITE
     states = _MOMENTS
 
@@ -106,7 +106,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
         self._init_observed()
 
     def compute(self) -> dict[str, Tensor]:
-        F.raise_if_invalid(self.invalid, self.invalid_field or self.required_fields[0], self.invalid_what)
+        raise_if_invalid(self.invalid_field or self.required_fields[0], self.invalid, self.invalid_what)
         self._observe(self.min, self.max)
         return F._moments_dict(self.keys, **self.state_values(exclude=("invalid",)))
 
@@ -281,7 +281,7 @@ class TotalTokenStats(_MomentStats):
     keys = F.TOTAL_TOKEN_KEYS
     prefix = F.TOTAL_TOKENS_PREFIX
     required_fields = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
-    invalid_field = f"{F.PROMPT_LENGTHS}` or `{F.RESPONSE_LENGTHS}"
+    invalid_field = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
     invalid_what = F.BAD_COUNTS
     glossary = GlossaryEntry(
         name="Tokens (Total)",
@@ -304,7 +304,7 @@ class _GroupMean(_RolloutMetric):
     states = table("value_sum", "groups", "invalid")
 
     def compute(self) -> Tensor:
-        F.raise_if_invalid(self.invalid, self.required_fields[0], self.invalid_what)
+        raise_if_invalid(self.required_fields[0], self.invalid, self.invalid_what)
         return F._mean_over_groups(self.value_sum, self.groups, self.empty_value)
 
 
@@ -579,7 +579,7 @@ class DiscardedRollouts(_RolloutMetric):
         return F._discard_update(view, self.device)
 
     def compute(self) -> dict[str, Tensor]:
-        F.raise_if_invalid(self.invalid, F.DISCARD_REASONS, "codes outside {0, 1, 2}")
+        raise_if_invalid(F.DISCARD_REASONS, self.invalid, "codes outside {0, 1, 2}")
         return F._discard_compute(**self.state_values(exclude=("invalid",)))
 
 
@@ -634,7 +634,7 @@ class DiscardedRolloutStats(_RolloutMetric):
         return F._discarded_stats_update(view, self.length_code, self.device)
 
     def compute(self) -> dict[str, Tensor]:
-        F.raise_if_invalid(self.invalid, F.RESPONSE_LENGTHS, F.BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+        raise_if_invalid(F.RESPONSE_LENGTHS, self.invalid, F.BAD_COUNTS + " or discard codes outside {0, 1, 2}")
         return F._discarded_stats_compute(**self.state_values(exclude=("invalid",)))
 
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
+from opbc_metrics.functional.statistics import raise_if_invalid
 from opbc_metrics.metric import MAX, MIN, SUM, OPBCMetric, table
 
 DIAGNOSTIC = "none (diagnostic)"
@@ -27,14 +28,13 @@ class _TrainingMetric(OPBCMetric):
     a count shared by several fields names them all). Host-built statistics move to the states' device in
     :meth:`~opbc_metrics.metric.OPBCMetric.accumulate`."""
 
-    section = "training"
     optional_inputs = True
     _deferred: ClassVar[tuple[tuple[str, str | tuple[str, ...], str], ...]] = ()
 
     def check_deferred(self) -> None:
         """Raise the ``ValueError`` of any bad value counted by ``update()`` (reads the counts: compute only)."""
         for state, field, what in self._deferred:
-            F.raise_if_invalid(field, getattr(self, state), what)
+            raise_if_invalid(field, getattr(self, state), what)
 
 
 class _TurnCounts(_TrainingMetric):

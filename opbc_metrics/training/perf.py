@@ -30,6 +30,7 @@ from torch import Tensor
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as F
+from opbc_metrics.functional.statistics import safe_div
 from opbc_metrics.metric import MAX, MIN, SUM, BySettings, GlossaryEntry, table
 from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _PerRank, _TrainingMetric
 
@@ -415,8 +416,8 @@ class StageTiming(_StageClock):
         out = {f"timing_s/{s}": seconds[i] for i, s in enumerate(self.stages)}
         for s in self.per_token_stages:
             total = self.tokens_response if s in self.response_token_stages else self.tokens_all
-            per_step_tokens = F._safe_div(total, n, 0.0)
-            out[f"timing_per_token_ms/{s}"] = F._safe_div(1000.0 * seconds[self.stages.index(s)], per_step_tokens, 0.0)
+            per_step_tokens = safe_div(total, n, 0.0)
+            out[f"timing_per_token_ms/{s}"] = safe_div(1000.0 * seconds[self.stages.index(s)], per_step_tokens, 0.0)
         return out
 
 
@@ -467,12 +468,12 @@ class Throughput(_StageClock):
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
         seconds, n = self.per_step()
-        tokens = F._safe_div(self.tokens_all, n, 0.0)
+        tokens = safe_div(self.tokens_all, n, 0.0)
         gpus = self.num_gpus or self.num_ranks()
         return {
             self.keys[0]: tokens,
             self.keys[1]: seconds[0],
-            self.keys[2]: F._safe_div(tokens, seconds[0] * gpus, 0.0),
+            self.keys[2]: safe_div(tokens, seconds[0] * gpus, 0.0),
         }
 
 
