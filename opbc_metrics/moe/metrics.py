@@ -137,9 +137,9 @@ class RouterSetDisagreement(_RouterMetric):
     Args:
         top_k: the number of routed experts, needed to read router logits; with expert ids it compares
             the first ``top_k`` of each side.
-        num_experts: the model's number of experts E, when known: sets compared as bitmasks (a few
-            passes over the ids instead of K x K comparisons); ids outside ``[0, E)`` in valid tokens
-            make :meth:`compute` raise. ``None``: any integer ids.
+        num_experts: the model's number of experts E, when known: ids compared in the narrowest dtype
+            holding ``[0, E)`` (uint8 for E <= 256, several times cheaper than int64 ids); ids outside
+            ``[0, E)`` in valid tokens make :meth:`compute` raise. ``None``: any integer ids.
         kwargs: torchmetrics ``Metric`` arguments.
 
     Example:
