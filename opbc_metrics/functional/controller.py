@@ -29,6 +29,10 @@ valid tokens. Per group g, over its valid tokens (``N_g`` of them) and its seque
   ``moe/router/flip_rate``: routing does not depend on the logprobs being finite);
 * ``policy_lag`` = the largest lag of the group's sequences, in trainer steps, when given.
 
+The weight statistics come from centred sums, of ``u = w - 1 = expm1(clamp(r, -C, C))`` and ``u^2`` (per
+sequence of ``expm1(clamp(s_i, -C, C))``) in float64, as the mismatch kernel's: near on-policy ``1 - ESS``,
+``second_moment - 1`` and ``weight_mean - 1`` keep their relative precision from float32 inputs.
+
 Each is computed by the same ``_x_compute`` function the stateful metrics use, applied elementwise to the
 per-group sufficient statistics, so a group's value equals the core metric on that group's rows alone. Over
 an empty group (no valid token) the values are the core's empty-window values (ESS 1, fractions 0, ...).
@@ -212,16 +216,19 @@ def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None
     """Per-row (``[b]``) statistics of the rows of ``view``: all the per-token work of the group statistics."""
     _, _, mask = view.token_inputs
     valid = view.valid
-    w = view.weights(clamp)
+    # Centred weights u = w - 1 = expm1(rc) (0 on invalid tokens, where rc = 0), summed in float64: near
+    # on-policy E[w^2] - E[w]^2 from raw float32 sums of w keeps no digits; from sums of u it is exact to
+    # the rounding of u itself (as the mismatch kernel's sums).
+    u = torch.expm1(view.clamped_log_ratio(clamp))
     abs_r = view.abs_log_ratio  # 0 on invalid tokens, so comparisons with positive thresholds need no mask
     s = view.seq_log_ratio
-    ws = view.seq_weights(clamp)
+    us = torch.expm1(s.clamp(-clamp, clamp)) * view.seq_valid_f  # sequence weight - 1
     rows: Stats = {
         "num_response_tokens": mask.sum(dim=1),
         "count": view.seq_lengths,
         "nonfinite": (mask & ~view.finite).sum(dim=1),
-        "sum_w": w.sum(dim=1),
-        "sum_w2": (w * w).sum(dim=1),
+        "sum_u": u.sum(dim=1, dtype=torch.float64),
+        "sum_u2": (u * u).sum(dim=1, dtype=torch.float64),
         "clipped": (abs_r > clamp).sum(dim=1),
         "vetoed": (abs_r > veto).sum(dim=1),
         "max_abs": _row_amax(abs_r, valid),
@@ -230,8 +237,8 @@ def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None
         "max_abs_s": torch.where(view.seq_valid, s.abs(), torch.full_like(s, float("-inf"))),
         "sum_geo": view.seq_mean_log_ratio,
         "seq_count": view.seq_valid_f,
-        "sum_ws": ws,
-        "sum_ws2": ws * ws,
+        "sum_us": us,
+        "sum_us2": us * us,
     }
     if flips is not None:
         # As moe/router/flip_rate: over response tokens x layers (routing exists whatever the logprobs).
@@ -375,10 +382,10 @@ def _group_compute(stats: Stats) -> Stats:
         "num_response_tokens": stats["num_response_tokens"],
         "num_tokens": count,
         "nonfinite_count": stats["nonfinite"],
-        "ess": M._ess_compute(stats["sum_w"], stats["sum_w2"], count),
-        "seq_ess": M._ess_compute(stats["sum_ws"], stats["sum_ws2"], stats["seq_count"]),
-        "second_moment": M._second_moment_compute(stats["sum_w2"], count),
-        "weight_mean": M._weight_mean_compute(stats["sum_w"], count),
+        "ess": M._centred_ess_compute(stats["sum_u"], stats["sum_u2"], count),
+        "seq_ess": M._centred_ess_compute(stats["sum_us"], stats["sum_us2"], stats["seq_count"]),
+        "second_moment": M._centred_second_moment_compute(stats["sum_u"], stats["sum_u2"], count),
+        "weight_mean": M._centred_weight_mean_compute(stats["sum_u"], count),
         "clipped_fraction": M._fraction_compute(stats["clipped"], count),
         "veto_fraction": M._fraction_compute(stats["vetoed"], count),
         "max_abs_log_ratio": torch.where(count > 0, stats["max_abs"], torch.zeros_like(count)),
@@ -387,7 +394,7 @@ def _group_compute(stats: Stats) -> Stats:
         "seq_log_ratio_max_abs": seq[M.SEQUENCE_KEYS[2]],
         "geo_log_ratio_mean": seq[M.SEQUENCE_KEYS[3]],
         "num_valid_sequences": stats["seq_count"],
-        "top_1pct_gradient_mass": M._safe_div(stats["top_sum"], stats["sum_w"], 0.0).clamp(0.0, 1.0),
+        "top_1pct_gradient_mass": M._safe_div(stats["top_sum"], count + stats["sum_u"], 0.0).clamp(0.0, 1.0),
         "router_flip_rate": flip_rate,
         "policy_lag": stats["lag"],
     }
