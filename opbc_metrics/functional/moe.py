@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
+from opbc_metrics.functional.mismatch import Stats, _safe_div
 
 ROLLOUT_EXPERTS = "rollout_experts"
 TRAINER_EXPERTS = "trainer_experts"
@@ -62,8 +63,6 @@ TOPK_DISAGREEMENT_KEY = "moe/router/topk_disagreement_rate"
 WORST_LAYER_KEY = "moe/router/worst_layer"
 WORST_LAYER_RATE_KEY = "moe/router/worst_layer_flip_rate"
 LAYER_OVERFLOW_KEY = "moe/router/layer_overflow/flip_rate"
-
-Stats = dict[str, Tensor]
 
 
 def layer_key(layer: int) -> str:
@@ -93,20 +92,29 @@ def flip_rate_keys(num_layers: int) -> tuple[str, ...]:
     )
 
 
+def check_count(name: str, value: int | None, optional: bool = True) -> int | None:
+    """Validate a count argument (``top_k``, ``num_experts``, ``num_layers``): an integer >= 1, or ``None``
+    where ``optional``.
+
+    Example:
+        >>> check_count("top_k", None), check_count("num_layers", 48, optional=False)
+        (None, 48)
+        >>> check_count("top_k", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `top_k` must be None or an integer >= 1, got 0
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "None or an integer" if optional else "an integer"
+        raise ValueError(f"`{name}` must be {what} >= 1, got {value!r}")
+    return value
+
+
 def check_top_k(top_k: int | None) -> int | None:
     """Validate a ``top_k`` constructor argument (``None`` or an integer >= 1)."""
-    if top_k is None:
-        return None
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"`top_k` must be None or an integer >= 1, got {top_k!r}")
-    return top_k
-
-
-def check_num_layers(num_layers: int) -> int:
-    """Validate a ``num_layers`` capacity (an integer >= 1)."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"`num_layers` must be an integer >= 1, got {num_layers!r}")
-    return num_layers
+    return check_count("top_k", top_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,15 +270,6 @@ def _lane_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
 _CPU_CHUNK_IDS = 1 << 18
 
 
-def check_num_experts(num_experts: int | None) -> int | None:
-    """Validate a ``num_experts`` argument (``None`` or an integer >= 1)."""
-    if num_experts is None:
-        return None
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"`num_experts` must be None or an integer >= 1, got {num_experts!r}")
-    return num_experts
-
-
 def lane_dtype(num_experts: int | None, ids_dtype: torch.dtype) -> torch.dtype:
     """The narrowest integer dtype holding every expert id in ``[0, num_experts)`` exactly (the ids' own
     dtype when ``num_experts`` is unknown or too large).
@@ -357,10 +356,6 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
 # ---------------------------------------------------------------------------------------------
 # moe/router/flip_rate, per layer and worst layer
 # ---------------------------------------------------------------------------------------------
-def _safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
-
-
 def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None) -> Stats:
     rollout, trainer, mask = router_inputs(view, top_k)
     n_layers = rollout.shape[2]
@@ -444,7 +439,7 @@ def router_flip_rate(
     """
     view = _view_of(rollout, trainer, response_mask)
     top_k = check_top_k(top_k)
-    configured = 0 if num_layers is None else check_num_layers(num_layers)
+    configured = 0 if num_layers is None else check_count("num_layers", num_layers, optional=False)
     capacity = configured or router_inputs(view, top_k)[0].shape[2]
     return _flip_rate_compute(**_flip_rate_update(view, capacity, top_k), configured_layers=configured)
 
@@ -516,6 +511,6 @@ def router_topk_disagreement_rate(
         tensor(0., dtype=torch.float64)
     """
     view = _view_of(rollout, trainer, response_mask)
-    num_experts = check_num_experts(num_experts)
+    num_experts = check_count("num_experts", num_experts)
     stats = _set_disagreement_update(view, check_top_k(top_k), num_experts)
     return _set_disagreement_compute(**stats, num_experts=num_experts)

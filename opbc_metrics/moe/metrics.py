@@ -29,6 +29,9 @@ class _RouterMetric(OPBCMetric):
     """
 
     section = "moe"
+    higher_is_better = False  # rates of disagreement, in [0, 1]
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
     optional_inputs = True
     data_counts = ("layer_pairs", "tokens")
     required_fields = F.EXPERT_FIELDS
@@ -95,9 +98,6 @@ class RouterFlipRate(_RouterMetric):
     """
 
     keys = F.flip_rate_keys(F.DEFAULT_MOE_LAYERS)
-    higher_is_better = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
     glossary = GlossaryEntry(
         name="router_flip_rate",
         what="Fraction of (token, layer) pairs where the MoE top-1 routed expert differs between rollout and "
@@ -113,7 +113,7 @@ class RouterFlipRate(_RouterMetric):
 
     def __init__(self, num_layers: int | None = None, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
-        self.configured_layers = 0 if num_layers is None else F.check_num_layers(num_layers)
+        self.configured_layers = 0 if num_layers is None else F.check_count("num_layers", num_layers, optional=False)
         self.num_layers = self.configured_layers or F.DEFAULT_MOE_LAYERS
         self.keys = F.flip_rate_keys(self.num_layers)
         self.add_sum("layer_flips", (self.num_layers + 1,))
@@ -153,9 +153,6 @@ class RouterSetDisagreement(_RouterMetric):
     """
 
     keys = (F.TOPK_DISAGREEMENT_KEY,)
-    higher_is_better = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
     glossary = GlossaryEntry(
         name="token_expert_disagreement_rate",
         what="Fraction of tokens with at least one MoE layer where the top-k *set* of routed experts differs "
@@ -169,7 +166,7 @@ class RouterSetDisagreement(_RouterMetric):
 
     def __init__(self, top_k: int | None = None, num_experts: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
-        self.num_experts = F.check_num_experts(num_experts)
+        self.num_experts = F.check_count("num_experts", num_experts)
         self.add_sum("disagreements")
         self.add_sum("tokens")
         self.add_sum("out_of_range")
