@@ -5,7 +5,8 @@ medians of the process's CPU time with one intra-op thread (as ``bench.py``); th
 as ``peak_memory.py`` measures it, in a fresh process per measurement.
 
 Lines:
-  moe         RouterSetDisagreement.update() against RouterFlipRate.update() on the same expert ids
+  moe         RouterSetDisagreement.update(), with and without num_experts, against RouterFlipRate.update()
+              on the same (contiguous) expert ids
   controller  OPBCController.step() against the default OPBCCollection.update() on the same batch
   memory      peak extra memory of OPBCController.step() in bytes per token (and of the collection's update)
   top mass    the controller's per-group top-1% gradient mass against an exact sort: largest absolute error
