@@ -66,3 +66,12 @@ def test_lane_dtype_is_the_narrowest_exact_one():
     assert [FM.lane_dtype(e, torch.int64) for e in (1, 256, 257, 2**15, 2**15 + 1, None)] == [
         torch.uint8, torch.uint8, torch.int16, torch.int16, torch.int64, torch.int64]
     assert FM.lane_dtype(None, torch.int32) == torch.int32
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 4, 8, 16, 24])
+def test_layer_reduction_in_words_equals_all(layers):
+    g = torch.Generator().manual_seed(layers)
+    same = torch.rand(50 * layers, generator=g) < 0.9
+    assert torch.equal(FM._all_layers(same, layers), same.view(-1, layers).all(dim=-1))
+    rollout, trainer = ids_batch(0, 64, 2, seed=layers, layers=layers)
+    assert FM._set_differs_tokens(rollout, trainer, None)[0].tolist() == python_sets_differ(rollout, trainer)

@@ -277,6 +277,23 @@ def _column_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
     return same
 
 
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _all_layers(same: Tensor, n_layers: int) -> Tensor:
+    """``[tokens]``: every layer holds, from ``same`` ``[tokens * n_layers]`` (layers innermost).
+
+    Bool flags are bytes 0/1, so with 2, 4 or a multiple of 8 layers a token's flags are compared as whole
+    int16 / int32 / int64 words against bytes of 1 (at 4 layers 8x faster than ``all`` over rows that short).
+    """
+    rows = same.view(-1, n_layers)
+    width = 8 if n_layers % 8 == 0 else n_layers if n_layers in _WORDS else 0
+    if not width:
+        return rows.all(dim=-1)
+    full = rows.view(_WORDS[width]) == int.from_bytes(b"\x01" * width, "little")
+    return full[:, 0] if full.shape[1] == 1 else full.all(dim=-1)
+
+
 # Up to this K the columns are compared in place (K = 2, 2M ids: 2.6x faster than the lane copies); above it
 # the K^2 strided passes cost more than the copies (K = 8: 10x slower).
 _COLUMN_MAX_K = 2
@@ -338,7 +355,7 @@ def _set_differs_tokens(
             for lane, x in zip(lanes, (r, tr)):
                 lane.copy_(x.reshape(-1, k).t())
             same = _lane_sets_equal(*lanes)
-        differs.append(~same.view(-1, n_layers).all(dim=-1))
+        differs.append(~_all_layers(same, n_layers))
     return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t) if check_range else None
 
 
