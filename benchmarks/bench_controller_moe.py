@@ -56,7 +56,12 @@ def logprob_batch(b: int, t: int, group_size: int = 8, seed: int = 0) -> dict[st
 
 
 def bench_moe(quick: bool, repeats: int) -> None:
-    shape = (2, 512, 16, 8, 64) if quick else (4, 2048, 48, 8, 128)
+    # Qwen3-30B-A3B-like (48 MoE layers, top-8 of 128) and Mixtral-like (32 layers, top-2 of 8)
+    for shape in [(2, 512, 16, 8, 64)] if quick else [(4, 2048, 48, 8, 128), (4, 2048, 32, 2, 8)]:
+        _bench_moe_shape(shape, repeats)
+
+
+def _bench_moe_shape(shape: tuple[int, int, int, int, int], repeats: int) -> None:
     batch = router_batch(*shape)
     flip = RouterFlipRate()
     known, unknown = RouterSetDisagreement(num_experts=shape[4]), RouterSetDisagreement()  # E from the config or not
