@@ -301,10 +301,12 @@ _COLUMN_MAX_K = 2
 # Ids per chunk of the set comparison on CPU: a chunk's lane-major copies and masks stay in L2.
 # Measured with benchmarks/bench_controller_moe.py (one thread, 3.1M contiguous int64 ids, K = 8, E = 128),
 # as multiples of the top-1 flip rate's update: int64 bitmasks (an OR of one-hot words per set) 10x, the
-# K x K broadcast compare [.., K, K] 34x; these uint8 lanes 7x, of which the range check is ~1.5x, the two
-# transposing copies ~1x; int16 lanes cost 3x uint8 ones, int64 lanes 4x. Tried and slower: one [K, K, n]
-# compare with any/all reductions (bool reductions over a non-inner dim are slow), SWAR zero-byte tests on
-# 8 ids packed in an int64 word (int64 ops cost ~15x a uint8 compare per id), amin + amax for the range.
+# K x K broadcast compare [.., K, K] 34x; uint8 lanes 4-5x with the range check (its aminmax ~1.5x, the two
+# transposing copies ~1x), int64 lanes (num_experts unknown) 15-17x; int16 lanes cost 3x uint8 ones. Tried
+# and slower: one [K, K, n] compare with any/all reductions (bool reductions over a non-inner dim are slow),
+# SWAR zero-byte tests on 8 ids packed in an int64 word (int64 ops cost ~15x a uint8 compare per id), amin +
+# amax for the range, float lanes (a monotone conversion that would make the range check elementwise: 3x
+# slower compares), a [K, L, tokens] layout (faster at K = 2, slower at K = 8).
 _CPU_CHUNK_IDS = 1 << 18
 
 
