@@ -10,7 +10,8 @@ while CPU time measures the work itself.
 Sections:
   update   the full mismatch collection's update() against the floor (one fused pass that reads the
            two logprob tensors and the mask once and reduces them), eager and compiled, over shapes
-  naive    against the way peers compute: each metric its own pass with .item() per value
+  naive    one step of the default collection against the way peers compute every one of its keys: each
+           metric its own pass with .item() per value, per-round as verl PR #5229 (naive_baseline.py)
   sync     2-process gloo: the collection's packed sync against torchmetrics' per-state sync
   memory   state bytes after 1 and 1000 updates; peak memory of one update against its inputs
   sketch   the top-1% histogram sketch: cost and error against an exact sort
@@ -33,9 +34,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from opbc_metrics import OPBCCollection  # noqa: E402
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO  # noqa: E402
 
 SHAPES = [(8, 1024), (64, 1024), (64, 4096), (128, 8192), (256, 8192)]
 QUICK_SHAPES = [(8, 256), (32, 1024)]
@@ -70,39 +71,6 @@ def _floor(t: torch.Tensor, r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 _floor_compiled = torch.compile(_floor, fullgraph=True, dynamic=False)
-
-
-def naive_metrics(t: torch.Tensor, r: torch.Tensor, m: torch.Tensor, c: float = DEFAULT_CLAMP) -> dict[str, float]:
-    """How RL frameworks compute these today: each metric its own pass from the raw tensors, .item() each."""
-    out: dict[str, float] = {}
-
-    def lr() -> torch.Tensor:
-        return (t - r)[m.bool()]
-
-    w = lambda: torch.exp(lr().clamp(-c, c))  # noqa: E731
-    out["ess"] = (w().sum() ** 2 / (w().numel() * (w() ** 2).sum())).item()
-    out["second_moment"] = (w() ** 2).mean().item()
-    out["weight_mean"] = w().mean().item()
-    ws = w()
-    k = max(1, int(0.01 * ws.numel()))
-    out["top_1pct"] = (torch.topk(ws, k).values.sum() / ws.sum()).item()
-    out["clipped_fraction"] = (lr().abs() > c).float().mean().item()
-    out["veto_fraction"] = (lr().abs() > DEFAULT_VETO).float().mean().item()
-    out["abs_diff_mean"] = lr().abs().mean().item()
-    out["abs_diff_max"] = lr().abs().max().item()
-    out["diff_mean"] = lr().mean().item()
-    out["min"] = lr().min().item()
-    out["max"] = lr().max().item()
-    s = ((t - r) * m).sum(-1)
-    out["seq_mean"] = s.mean().item()
-    out["seq_abs_mean"] = s.abs().mean().item()
-    out["k1"] = (-lr().clamp(-c, c)).mean().item()
-    out["k2"] = (lr().clamp(-c, c) ** 2 / 2).mean().item()
-    out["k3"] = (torch.exp(lr().clamp(-c, c)) - 1 - lr().clamp(-c, c)).mean().item()
-    p, q = torch.exp(t[m.bool()]), torch.exp(r[m.bool()])
-    out["prob_abs_diff_mean"] = (p - q).abs().mean().item()
-    out["pearson"] = torch.corrcoef(torch.stack([p, q]))[0, 1].item()
-    return out
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
@@ -146,27 +114,29 @@ def bench_update(shapes: list[tuple[int, int]], repeats: int, compiled: bool) ->
 
 
 def bench_naive(shapes: list[tuple[int, int]], repeats: int) -> None:
-    print("\n## one step (update + compute + reset of the mismatch section) against the naive per-metric"
-          " .item() baseline (median ms)")
-    print(f"{'shape':>12} {'naive':>9} {'collection':>11} {'speed-up':>9} {'naive keys':>11} {'our keys':>9}")
-    for b, t in shapes:
-        x = make_inputs(b, t)
-        tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
-        n_naive = len(naive_metrics(tr, ro, m))
+    from naive_baseline import naive_default_keys, step_batch
 
-        metrics = OPBCCollection(sections=["mismatch"])
+    print("\n## one step of the default collection (update + compute + reading every value + reset) against the"
+          " naive per-metric .item() baseline for every key it reports (benchmarks/naive_baseline.py), on a"
+          " batch every default section reads (median ms)")
+    print(f"{'shape':>12} {'naive':>9} {'collection':>11} {'speed-up':>9} {'keys':>5} {'max rel. diff':>14}")
+    for b, t in shapes:
+        x = step_batch(b, t)
+        metrics = OPBCCollection()
 
         def ours() -> dict[str, float]:
-            # One training step's worth: update, compute (one host read per value), reset.
             metrics.update(x)  # noqa: B023
             out = {k: v.item() for k, v in metrics.compute().items()}  # noqa: B023
             metrics.reset()  # noqa: B023
             return out
 
-        naive = timeit(lambda: naive_metrics(tr, ro, m), repeats)  # noqa: B023
-        mine = timeit(ours, repeats)
-        print(f"{b:>5}x{t:<6} {naive * 1e3:>9.2f} {mine * 1e3:>11.2f} {naive / mine:>9.1f} "
-              f"{n_naive:>11} {len(ours()):>9}", flush=True)
+        med = interleaved({"naive": lambda: naive_default_keys(x), "ours": ours}, repeats)  # noqa: B023
+        mine, naive = ours(), naive_default_keys(x)
+        if set(mine) != set(naive):
+            raise AssertionError(f"naive baseline keys differ: {sorted(set(mine) ^ set(naive))}")
+        diff = max(abs(mine[k] - naive[k]) / max(abs(naive[k]), 1e-12) for k in mine)
+        print(f"{b:>5}x{t:<6} {med['naive'] * 1e3:>9.2f} {med['ours'] * 1e3:>11.2f} {med['naive'] / med['ours']:>9.1f} "
+              f"{len(mine):>5} {diff:>14.1e}", flush=True)
 
 
 def bench_sync(repeats: int) -> None:

@@ -12,8 +12,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from opbc_metrics.controller import Action, CorrectionMode, OPBCController, OPBCPolicy, Reason, ess_floor
-from opbc_metrics.controller.policy import LOOSEN_DOWN, LOOSEN_UP
 from opbc_metrics.functional import controller as FC
+from opbc_metrics.policy import LOOSEN_DOWN, LOOSEN_UP
 
 pytestmark = pytest.mark.filterwarnings("ignore:with clamp C")
 

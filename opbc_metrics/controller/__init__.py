@@ -1,5 +1,5 @@
 """The Off-Policy Budget Controller (OPBC): per-group reports, decisions with reasons, correction weights
-and budget metrics. See :mod:`opbc_metrics.controller.policy` for the rules and presets."""
+and budget metrics. See :mod:`opbc_metrics.policy` for the rules and presets."""
 
 from opbc_metrics.controller.budget import (
     BUDGET_METRICS,
@@ -12,7 +12,7 @@ from opbc_metrics.controller.budget import (
 )
 from opbc_metrics.controller.controller import BatchDecisions, OPBCController
 from opbc_metrics.controller.decisions import GroupDecision, GroupReport, dump_decisions, load_decisions
-from opbc_metrics.controller.policy import (
+from opbc_metrics.policy import (
     PRESETS,
     Action,
     CorrectionLevel,

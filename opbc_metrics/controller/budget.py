@@ -16,9 +16,9 @@ from typing import Any
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional import controller as FC
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.policy import ACTIONS, REASON_NAMES
 
 DECISIONS_FIELD = "opbc_decisions"
 _GROUPS = "prompt groups decided by the OPBC, over the window and all ranks"
@@ -74,7 +74,7 @@ class DecisionGroupShare(_DecisionMetric):
          'num_groups': 3.0}
     """
 
-    keys = (*(f"opbc/decision/group_share/{a}" for a in FC.ACTIONS), "opbc/decision/num_groups")
+    keys = (*(f"opbc/decision/group_share/{a}" for a in ACTIONS), "opbc/decision/num_groups")
     plot_lower_bound = 0.0
     glossary = GlossaryEntry(
         name="decision_group_share",
@@ -89,7 +89,7 @@ class DecisionGroupShare(_DecisionMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.add_sum("group_count", (len(FC.ACTIONS),))
+        self.add_sum("group_count", (len(ACTIONS),))
         self.add_sum("groups")
 
     def _update_view(self, view: BatchView) -> None:
@@ -123,7 +123,7 @@ class DecisionTokenShare(_DecisionMetric):
         {'quarantine': 0.25, 'train': 0.75, 'num_tokens': 4.0}
     """
 
-    keys = (*(f"opbc/decision/token_share/{a}" for a in FC.ACTIONS), "opbc/decision/num_tokens")
+    keys = (*(f"opbc/decision/token_share/{a}" for a in ACTIONS), "opbc/decision/num_tokens")
     plot_lower_bound = 0.0
     glossary = GlossaryEntry(
         name="decision_token_share",
@@ -138,7 +138,7 @@ class DecisionTokenShare(_DecisionMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.add_sum("token_count", (len(FC.ACTIONS),))
+        self.add_sum("token_count", (len(ACTIONS),))
         self.add_sum("tokens")
 
     def _update_view(self, view: BatchView) -> None:
@@ -169,7 +169,7 @@ class DecisionReasonCount(_DecisionMetric):
         {'lag_above_max': 1.0, 'lag_above_replay': 2.0}
     """
 
-    keys = tuple(f"opbc/decision/reason_count/{r}" for r in FC.REASON_NAMES)
+    keys = tuple(f"opbc/decision/reason_count/{r}" for r in REASON_NAMES)
     plot_lower_bound = 0.0
     glossary = GlossaryEntry(
         name="decision_reason_count",
@@ -184,7 +184,7 @@ class DecisionReasonCount(_DecisionMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.add_sum("reason_count", (len(FC.REASON_NAMES),))
+        self.add_sum("reason_count", (len(REASON_NAMES),))
         self.add_sum("groups")  # a window with decided groups reports its zero counts
 
     def _update_view(self, view: BatchView) -> None:

@@ -20,8 +20,8 @@ from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAIN
 from opbc_metrics.collection import OPBCCollection
 from opbc_metrics.controller.budget import DECISIONS_FIELD, budget_metrics
 from opbc_metrics.controller.decisions import GroupDecision, GroupReport, dump_decisions
-from opbc_metrics.controller.policy import Action, OPBCPolicy, Reason
 from opbc_metrics.functional import controller as FC
+from opbc_metrics.policy import Action, OPBCPolicy, Reason
 
 POLICY_LAG = "policy_lag"
 ROLLOUT_EXPERTS = "rollout_experts"
@@ -220,7 +220,7 @@ class OPBCController:
         # per-token temporaries are those of one chunk; see FC.row_chunks.
         chunks = FC.row_chunks(view)
         values = FC._group_compute(
-            FC.chunked_group_update(view, chunks, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows)
+            FC.group_update(view, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows, chunks=chunks)
         )
         if batch_reasons:
             declared = view._cache.get("declared_response_tokens")
@@ -236,8 +236,7 @@ class OPBCController:
                                   None if token_ids is None else (token_ids[0][i:j], token_ids[1][i:j]))
                 for i, j in chunks
             ]
-            rows = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-            contract = FC._contract_from_rows(rows, index, lag_rows)
+            contract = FC._contract_from_rows(FC.cat_rows(parts), index, lag_rows)
         action, reasons = FC.decide(values, contract, index.present, policy)
         row_action = action[index.row_group]
         if len(chunks) == 1:
@@ -255,17 +254,7 @@ class OPBCController:
                 weights[i:j] = corr["weights"]
                 for k in _CORRECTION_COUNTS:
                     counts[k] += corr[k]
-        return BatchDecisions(
-            policy=policy,
-            index=index,
-            values=values,
-            action=action,
-            reasons=reasons,
-            row_action=row_action,
-            loss_mask=loss_mask,
-            weights=weights,
-            counts=counts,
-        )
+        return BatchDecisions(policy, index, values, action, reasons, row_action, loss_mask, weights, counts)
 
     def step(self, batch: Any = None, **fields: Any) -> BatchDecisions:
         """:meth:`evaluate` and fold the result into the budget metrics."""

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from opbc_metrics.controller.policy import Action, Reason, decode_float, encode_float
+from opbc_metrics.policy import Action, Reason, decode_float, encode_float
 
 _COUNTS = ("num_sequences", "num_response_tokens", "num_tokens", "nonfinite_count", "num_valid_sequences")
 _OPTIONAL = ("router_flip_rate", "policy_lag")

@@ -29,6 +29,10 @@ valid tokens. Per group g, over its valid tokens (``N_g`` of them) and its seque
   ``moe/router/flip_rate``: routing does not depend on the logprobs being finite);
 * ``policy_lag`` = the largest lag of the group's sequences, in trainer steps, when given.
 
+The weight statistics come from centred sums, of ``u = w - 1 = expm1(clamp(r, -C, C))`` and ``u^2`` (per
+sequence of ``expm1(clamp(s_i, -C, C))``), as the mismatch kernel's: near on-policy ``1 - ESS``,
+``second_moment - 1`` and ``weight_mean - 1`` keep their relative precision from float32 inputs.
+
 Each is computed by the same ``_x_compute`` function the stateful metrics use, applied elementwise to the
 per-group sufficient statistics, so a group's value equals the core metric on that group's rows alone. Over
 an empty group (no valid token) the values are the core's empty-window values (ESS 1, fractions 0, ...).
@@ -38,7 +42,7 @@ Statistics that were not given (router flips, lag) are NaN here and ``None`` in 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,35 +50,22 @@ from torch import Tensor
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
-
-# -- actions and reasons ------------------------------------------------------------------------------
-# Actions in the precedence order of the rules: a smaller code is a stricter action and wins.
-ACTIONS: tuple[str, ...] = ("reject", "quarantine", "train_with_correction", "replay", "train")
-REJECT, QUARANTINE, TRAIN_WITH_CORRECTION, REPLAY, TRAIN = range(5)
-
-# Every rule condition, in rule order, with the action it triggers.
-REASONS: tuple[tuple[str, int], ...] = (
-    ("shape_mismatch", REJECT),
-    ("logprobs_missing", REJECT),
-    ("no_response_tokens", REJECT),
-    ("logprobs_misaligned", REJECT),
-    ("non_finite", REJECT),
-    ("token_ids_mismatch", REJECT),
-    ("invalid_policy_lag", REJECT),
-    ("veto", QUARANTINE),
-    ("lag_above_max", QUARANTINE),
-    ("ess_below_min", QUARANTINE),
-    ("router_flip_above_max", QUARANTINE),
-    ("clipped_above_max", TRAIN_WITH_CORRECTION),
-    ("lag_above_replay", REPLAY),
-    ("ess_below_replay", REPLAY),
+from opbc_metrics.policy import (
+    ACTIONS,  # noqa: F401  (re-exported: the action codes of these kernels index it)
+    CONTRACT_REASONS,  # noqa: F401  (re-exported with the contract flags' names)
+    REASON_NAMES,
+    REASONS,
+    TRAIN,
+    TRAIN_WITH_CORRECTION,
+    CorrectionLevel,
+    CorrectionMode,
+    OPBCPolicy,
 )
-REASON_NAMES: tuple[str, ...] = tuple(name for name, _ in REASONS)
+
 # (action code, how many consecutive reasons map to it), in REASONS order.
 _REASON_RUNS: tuple[tuple[int, int], ...] = tuple(
     (a, sum(1 for _, b in REASONS if b == a)) for a in dict.fromkeys(a for _, a in REASONS)
 )
-CONTRACT_REASONS: tuple[str, ...] = tuple(name for name, action in REASONS if action == REJECT)
 
 # The per-group statistics, in the column order of the packed host transfer.
 STAT_NAMES: tuple[str, ...] = (
@@ -99,8 +90,8 @@ STAT_NAMES: tuple[str, ...] = (
     "policy_lag",
 )
 
-CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
-CORRECTION_MODES: tuple[str, ...] = ("truncate", "mask")
+CORRECTION_LEVELS: tuple[str, ...] = tuple(level.value for level in CorrectionLevel)
+CORRECTION_MODES: tuple[str, ...] = tuple(mode.value for mode in CorrectionMode)
 
 
 
@@ -212,16 +203,20 @@ def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None
     """Per-row (``[b]``) statistics of the rows of ``view``: all the per-token work of the group statistics."""
     _, _, mask = view.token_inputs
     valid = view.valid
-    w = view.weights(clamp)
+    # Centred weights u = w - 1 = expm1(rc) (0 on invalid tokens, where rc = 0): near on-policy E[w^2] - E[w]^2
+    # from float32 sums of w keeps no digits, from sums of u it keeps those of u (as the mismatch kernel's).
+    # Per row in the compute dtype (rounding relative to sum |u|: 4e-7 of 1 - ESS at 32K tokens a row and
+    # drifts 1e-4..1e-2; float64 row sums cost 20% of a step at 64 x 32768), per group in float64.
+    u = torch.expm1(view.clamped_log_ratio(clamp))
     abs_r = view.abs_log_ratio  # 0 on invalid tokens, so comparisons with positive thresholds need no mask
     s = view.seq_log_ratio
-    ws = view.seq_weights(clamp)
+    us = torch.expm1(s.clamp(-clamp, clamp)) * view.seq_valid_f  # sequence weight - 1
     rows: Stats = {
         "num_response_tokens": mask.sum(dim=1),
         "count": view.seq_lengths,
         "nonfinite": (mask & ~view.finite).sum(dim=1),
-        "sum_w": w.sum(dim=1),
-        "sum_w2": (w * w).sum(dim=1),
+        "sum_u": u.sum(dim=1),
+        "sum_u2": (u * u).sum(dim=1),
         "clipped": (abs_r > clamp).sum(dim=1),
         "vetoed": (abs_r > veto).sum(dim=1),
         "max_abs": _row_amax(abs_r, valid),
@@ -230,8 +225,8 @@ def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None
         "max_abs_s": torch.where(view.seq_valid, s.abs(), torch.full_like(s, float("-inf"))),
         "sum_geo": view.seq_mean_log_ratio,
         "seq_count": view.seq_valid_f,
-        "sum_ws": ws,
-        "sum_ws2": ws * ws,
+        "sum_us": us,
+        "sum_us2": us * us,
     }
     if flips is not None:
         # As moe/router/flip_rate: over response tokens x layers (routing exists whatever the logprobs).
@@ -253,22 +248,6 @@ def _group_from_rows(rows: Stats, index: GroupIndex, layers: int | None = None, 
     else:
         stats["flips"], stats["flip_den"] = nan, nan
     stats["lag"] = _segment_max(lag_rows, index) if lag_rows is not None else nan
-    return stats
-
-
-def _group_update(
-    view: BatchView,
-    index: GroupIndex,
-    clamp: float,
-    veto: float,
-    fraction: float = M.DEFAULT_TOP_FRACTION,
-    flips: Tensor | None = None,
-    lag_rows: Tensor | None = None,
-) -> Stats:
-    """Per-group sufficient statistics (``[capacity]`` float64 each) of one batch, top-1% mass exact."""
-    layers = None if flips is None else flips.shape[-1]
-    stats = _group_from_rows(_row_update(view, clamp, veto, flips), index, layers, lag_rows)
-    stats["top_sum"] = _group_top_mass_sum(view.weights(clamp), index, stats["count"], fraction)
     return stats
 
 
@@ -332,21 +311,25 @@ def _group_top_mass_sketch(hist: Tensor, count: Tensor, clamp: float, fraction: 
     return (take * torch.exp(centres).flip(0)).sum(dim=1)
 
 
-def chunked_group_update(
+def group_update(
     view: BatchView,
-    chunks: list[tuple[int, int]],
     index: GroupIndex,
     clamp: float,
     veto: float,
     fraction: float = M.DEFAULT_TOP_FRACTION,
     flips: Tensor | None = None,
     lag_rows: Tensor | None = None,
+    chunks: list[tuple[int, int]] | None = None,
     top_mass_bins: int | None = None,
 ) -> Stats:
-    """:func:`_group_update` over row chunks: the same sums and extremes (exactly), and the top-1% mass from
-    a per-group histogram when there is more than one chunk (within the sketch's bound ``e^{C/bins} - 1``)."""
-    if len(chunks) == 1:
-        return _group_update(view, index, clamp, veto, fraction, flips, lag_rows)
+    """Per-group sufficient statistics (``[capacity]`` float64 each) of one batch, over the row ``chunks``
+    (default: one). The sums and extremes are exact however the rows are chunked; the top-1% mass is exact
+    for one chunk and from a per-group histogram for more (within the sketch's bound ``e^{C/bins} - 1``)."""
+    layers = None if flips is None else flips.shape[-1]
+    if chunks is None or len(chunks) == 1:
+        stats = _group_from_rows(_row_update(view, clamp, veto, flips), index, layers, lag_rows)
+        stats["top_sum"] = _group_top_mass_sum(view.weights(clamp), index, stats["count"], fraction)
+        return stats
     bins = top_mass_bins or group_top_mass_bins(index.capacity)
     parts: list[Stats] = []
     hist = None
@@ -354,15 +337,19 @@ def chunked_group_update(
         sub = chunk_view(view, i, j)
         parts.append(_row_update(sub, clamp, veto, None if flips is None else flips[i:j]))
         hist = _group_hist_update(sub, index.row_group[i:j], index.capacity, clamp, bins, hist)
-    rows = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
-    stats = _group_from_rows(rows, index, None if flips is None else flips.shape[-1], lag_rows)
+    stats = _group_from_rows(cat_rows(parts), index, layers, lag_rows)
     assert hist is not None
     stats["top_sum"] = _group_top_mass_sketch(hist, stats["count"], clamp, fraction)
     return stats
 
 
+def cat_rows(parts: list[Stats]) -> Stats:
+    """Per-row statistics of consecutive row chunks, joined into those of the whole batch."""
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
 def _group_compute(stats: Stats) -> Stats:
-    """Per-group values from :func:`_group_update`'s statistics, by the core ``_x_compute`` functions."""
+    """Per-group values from :func:`group_update`'s statistics, by the core ``_x_compute`` functions."""
     count = stats["count"]
     seq = M._sequence_compute(
         stats["sum_s"], stats["sum_abs_s"], stats["max_abs_s"], stats["sum_geo"], stats["seq_count"]
@@ -375,10 +362,10 @@ def _group_compute(stats: Stats) -> Stats:
         "num_response_tokens": stats["num_response_tokens"],
         "num_tokens": count,
         "nonfinite_count": stats["nonfinite"],
-        "ess": M._ess_compute(stats["sum_w"], stats["sum_w2"], count),
-        "seq_ess": M._ess_compute(stats["sum_ws"], stats["sum_ws2"], stats["seq_count"]),
-        "second_moment": M._second_moment_compute(stats["sum_w2"], count),
-        "weight_mean": M._weight_mean_compute(stats["sum_w"], count),
+        "ess": M._centred_ess_compute(stats["sum_u"], stats["sum_u2"], count),
+        "seq_ess": M._centred_ess_compute(stats["sum_us"], stats["sum_us2"], stats["seq_count"]),
+        "second_moment": M._centred_second_moment_compute(stats["sum_u"], stats["sum_u2"], count),
+        "weight_mean": M._centred_weight_mean_compute(stats["sum_u"], count),
         "clipped_fraction": M._fraction_compute(stats["clipped"], count),
         "veto_fraction": M._fraction_compute(stats["vetoed"], count),
         "max_abs_log_ratio": torch.where(count > 0, stats["max_abs"], torch.zeros_like(count)),
@@ -387,7 +374,7 @@ def _group_compute(stats: Stats) -> Stats:
         "seq_log_ratio_max_abs": seq[M.SEQUENCE_KEYS[2]],
         "geo_log_ratio_mean": seq[M.SEQUENCE_KEYS[3]],
         "num_valid_sequences": stats["seq_count"],
-        "top_1pct_gradient_mass": M._safe_div(stats["top_sum"], stats["sum_w"], 0.0).clamp(0.0, 1.0),
+        "top_1pct_gradient_mass": M._safe_div(stats["top_sum"], count + stats["sum_u"], 0.0).clamp(0.0, 1.0),
         "router_flip_rate": flip_rate,
         "policy_lag": stats["lag"],
     }
@@ -421,7 +408,7 @@ def group_statistics(
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
     index = group_index(group_ids)
     lag = None if policy_lag is None else policy_lag.to(torch.float64)
-    values = _group_compute(_group_update(view, index, clamp, veto, lag_rows=lag))
+    values = _group_compute(group_update(view, index, clamp, veto, lag_rows=lag))
     g = int(index.num_groups.item())
     return index.group_ids[:g], {k: v[:g] for k, v in values.items()}
 
@@ -519,7 +506,7 @@ def invalid_lag_groups(lag_rows: Tensor | None, index: GroupIndex) -> Tensor:
 
 
 # -- rules --------------------------------------------------------------------------------------------
-def _rule_conditions(values: Stats, contract: dict[str, Tensor], policy: Any) -> Tensor:
+def _rule_conditions(values: Stats, contract: dict[str, Tensor], policy: OPBCPolicy) -> Tensor:
     """``[capacity, R]`` bool: which rule conditions hold for each group, in the order of :data:`REASONS`.
 
     Missing statistics (NaN lag or flip rate) compare false, so their rules never fire.
@@ -548,7 +535,7 @@ def _first_match(reasons: Tensor, present: Tensor) -> Tensor:
     return torch.where(present, action, torch.full_like(action, -1))
 
 
-def decide(values: Stats, contract: dict[str, Tensor], present: Tensor, policy: Any) -> tuple[Tensor, Tensor]:
+def decide(values: Stats, contract: dict[str, Tensor], present: Tensor, policy: OPBCPolicy) -> tuple[Tensor, Tensor]:
     """``(action [capacity] long, reasons [capacity, R] bool)`` of every group under ``policy``.
 
     ``action`` holds codes into :data:`ACTIONS` (-1 on padding); ``reasons`` every condition that held,
@@ -556,7 +543,6 @@ def decide(values: Stats, contract: dict[str, Tensor], present: Tensor, policy: 
 
     Example:
         >>> import torch
-        >>> from opbc_metrics.controller import OPBCPolicy
         >>> idx = group_index(torch.tensor([0, 1]))
         >>> values = {"ess": torch.tensor([0.2, 0.9], dtype=torch.float64),
         ...           "veto_fraction": torch.zeros(2, dtype=torch.float64),
@@ -575,7 +561,7 @@ def decide(values: Stats, contract: dict[str, Tensor], present: Tensor, policy: 
 
 
 # -- correction weights -------------------------------------------------------------------------------
-def _log_bounds(policy: Any) -> tuple[float, float]:
+def _log_bounds(policy: OPBCPolicy) -> tuple[float, float]:
     """``(log floor, log cap)`` of the correction weights; ``None`` bounds mean ``e^{-C}`` and ``e^{C}``."""
     clamp = float(policy.clamp)
     if policy.weight_cap is None:
@@ -589,7 +575,7 @@ def _log_bounds(policy: Any) -> tuple[float, float]:
     return log_floor, log_cap
 
 
-def _uses_core_clamp(policy: Any, level: str) -> bool:
+def _uses_core_clamp(policy: OPBCPolicy, level: str) -> bool:
     """Token level with both bounds at their default ``e^{+-C}``: the weights are the core's ``w``."""
     return level == "token" and policy.weight_cap is None and policy.weight_floor is None
 
@@ -602,7 +588,7 @@ def _log_ratio_at_level(view: BatchView, level: str) -> Tensor:
     return seq[:, None].expand_as(view.log_ratio)
 
 
-def _correction(view: BatchView, row_action: Tensor, policy: Any) -> dict[str, Tensor]:
+def _correction(view: BatchView, row_action: Tensor, policy: OPBCPolicy) -> dict[str, Tensor]:
     """Token-level loss mask and importance weights for the trainer, and the budget counts.
 
     Rows of groups decided ``train_with_correction`` (and ``train`` when ``policy.correct_train``) get the
@@ -619,8 +605,7 @@ def _correction(view: BatchView, row_action: Tensor, policy: Any) -> dict[str, T
     if policy.correct_train:
         corrected_row = trained_row
     log_floor, log_cap = _log_bounds(policy)
-    level = str(getattr(policy.correction_level, "value", policy.correction_level))
-    mode = str(getattr(policy.correction_mode, "value", policy.correction_mode))
+    level, mode = policy.correction_level.value, policy.correction_mode.value
     core = _uses_core_clamp(policy, level)
     log_rho = _log_ratio_at_level(view, level).detach()
     outside = (log_rho > log_cap) | (log_rho < log_floor)
@@ -681,17 +666,13 @@ def correction_weights(
         >>> mask, w.round(decimals=4)
         (tensor([[False,  True,  True]]), tensor([[0.0000, 1.0000, 0.6065]]))
     """
-    from types import SimpleNamespace
-
     if level not in CORRECTION_LEVELS:
         raise ValueError(f"`level` must be one of {CORRECTION_LEVELS}, got {level!r}")
     if mode not in CORRECTION_MODES:
         raise ValueError(f"`mode` must be one of {CORRECTION_MODES}, got {mode!r}")
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
-    policy = SimpleNamespace(
-        clamp=M.DEFAULT_CLAMP, weight_cap=cap, weight_floor=floor, correction_level=level, correction_mode=mode,
-        correct_train=True,
-    )
+    policy = OPBCPolicy(weight_cap=cap, weight_floor=floor, correction_level=CorrectionLevel(level),
+                        correction_mode=CorrectionMode(mode), correct_train=True)
     rows = torch.full((view.token_inputs[0].shape[0],), TRAIN, dtype=torch.int64, device=view.device)
     out = _correction(view, rows, policy)
     return out["loss_mask"], out["weights"]

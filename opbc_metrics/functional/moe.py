@@ -23,9 +23,9 @@ are not in the tensor).
   least one layer. The sets are compared as sets: every id of one side occurs among the other side's
   ids and vice versa (K x K comparisons of each (token, layer), fixed shapes), so the order within the
   top-K does not matter and an id repeated in a row counts once. With the number of experts E known
-  (``num_experts``, or both sides given as router logits), each set is an OR of one-hot int64 bitmask
-  words instead: a few passes over the ids, the same result; an id outside ``[0, E)`` in a valid
-  token then makes the stateful metric's ``compute()`` raise.
+  (``num_experts``, or both sides given as router logits), the comparisons run on ids copied to the
+  narrowest dtype that holds ``[0, E)`` (uint8 for E <= 256: several times cheaper), the same result;
+  an id outside ``[0, E)`` in a valid token then makes the stateful metric's ``compute()`` raise.
 * ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
   capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
   ``moe/router/layer_overflow/flip_rate``. The stateful metric reports a layer's key only for layers
@@ -66,7 +66,6 @@ WORST_LAYER_RATE_KEY = "moe/router/worst_layer_flip_rate"
 LAYER_OVERFLOW_KEY = "moe/router/layer_overflow/flip_rate"
 
 
-
 def layer_key(layer: int) -> str:
     """The key of one layer's flip rate.
 
@@ -94,20 +93,29 @@ def flip_rate_keys(num_layers: int) -> tuple[str, ...]:
     )
 
 
+def check_count(name: str, value: int | None, optional: bool = True) -> int | None:
+    """Validate a count argument (``top_k``, ``num_experts``, ``num_layers``): an integer >= 1, or ``None``
+    where ``optional``.
+
+    Example:
+        >>> check_count("top_k", None), check_count("num_layers", 48, optional=False)
+        (None, 48)
+        >>> check_count("top_k", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `top_k` must be None or an integer >= 1, got 0
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "None or an integer" if optional else "an integer"
+        raise ValueError(f"`{name}` must be {what} >= 1, got {value!r}")
+    return value
+
+
 def check_top_k(top_k: int | None) -> int | None:
     """Validate a ``top_k`` constructor argument (``None`` or an integer >= 1)."""
-    if top_k is None:
-        return None
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"`top_k` must be None or an integer >= 1, got {top_k!r}")
-    return top_k
-
-
-def check_num_layers(num_layers: int) -> int:
-    """Validate a ``num_layers`` capacity (an integer >= 1)."""
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"`num_layers` must be an integer >= 1, got {num_layers!r}")
-    return num_layers
+    return check_count("top_k", top_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,70 +241,89 @@ def _top1_flips(rollout: Tensor, trainer: Tensor) -> Tensor:
     return rollout[..., 0] != trainer[..., 0]
 
 
-def _set_differs(rollout: Tensor, trainer: Tensor) -> Tensor:
-    """``[B, T, L]``: the top-K sets differ: some id of one side is not among the other side's ids.
+def _lane_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
+    """``[n]``: the sets of the columns of ``rollout`` / ``trainer`` ``[K, n]`` (lane-major) are equal.
 
-    ``equal[..., i, j]`` = rollout id i equals trainer id j; a set contains the other when each of its
-    rows (columns) has a match. Repeated ids count once, as in a set. Exact for any ids; K x K work.
+    Rollout id ``i`` is in the trainer's set when it equals one of the K trainer rows, and vice versa: 2K
+    comparisons of whole ``[K, n]`` tensors, each contiguous (in a narrow dtype: uint8 compares are the
+    cheapest elementwise op torch has on CPU). Repeated ids count once, as in a set. Exact for any ids.
     """
-    equal = rollout.unsqueeze(-1) == trainer.unsqueeze(-2)
-    return ~(equal.any(dim=-1).all(dim=-1) & equal.any(dim=-2).all(dim=-1))
+    in_trainer = rollout == trainer[0]
+    in_rollout = trainer == rollout[0]
+    for j in range(1, rollout.shape[0]):
+        in_trainer |= rollout == trainer[j]
+        in_rollout |= trainer == rollout[j]
+    both = in_trainer & in_rollout
+    while both.shape[0] > 1:  # AND over the K rows as a tree of halves (bool all(dim=0) is slower on CPU)
+        half = both.shape[0] // 2
+        folded = both[:half] & both[half : 2 * half]
+        both = folded if both.shape[0] % 2 == 0 else torch.cat([folded, both[2 * half :]])
+    return both[0]
 
 
-# Ids per chunk of the bitmask comparison on CPU: a chunk's int64 words stay in a 2 MiB L2 cache.
-# Measured (benchmarks/bench_controller_moe.py, one thread, 3.1M ids, E = 128, 2 words): ~5.5x the top-1
-# flip rate against ~15x for K x K; the OR trees take about 60% of it (rows of K = 8 are short runs),
-# the range check about 20%. Tried and slower here: a transposed [K, n] layout (the transposing copy
-# costs more than the trees save), both sides stacked in one tensor, flat shifted-OR trees, uint8
-# K x K rotations, scatter into one-hot rows.
+def _column_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
+    """``[n]``: the sets of the rows of ``rollout`` / ``trainer`` ``[n, K]`` are equal, from the K x K
+    comparisons of their columns (strided views, no copy): cheaper than lane-major copies for K <= 2."""
+    k = rollout.shape[1]
+    equal = [[rollout[:, i] == trainer[:, j] for j in range(k)] for i in range(k)]
+    same = None
+    for i in range(k):
+        in_trainer, in_rollout = equal[i][0], equal[0][i]  # rollout id i among the trainer's; trainer id i
+        for j in range(1, k):
+            in_trainer = in_trainer | equal[i][j]
+            in_rollout = in_rollout | equal[j][i]
+        both = in_trainer & in_rollout
+        same = both if same is None else same & both
+    assert same is not None
+    return same
+
+
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _all_layers(same: Tensor, n_layers: int) -> Tensor:
+    """``[tokens]``: every layer holds, from ``same`` ``[tokens * n_layers]`` (layers innermost).
+
+    Bool flags are bytes 0/1, so with 2, 4 or a multiple of 8 layers a token's flags are compared as whole
+    int16 / int32 / int64 words against bytes of 1 (at 4 layers 8x faster than ``all`` over rows that short).
+    """
+    rows = same.view(-1, n_layers)
+    width = 8 if n_layers % 8 == 0 else n_layers if n_layers in _WORDS else 0
+    if not width:
+        return rows.all(dim=-1)
+    full = rows.view(_WORDS[width]) == int.from_bytes(b"\x01" * width, "little")
+    return full[:, 0] if full.shape[1] == 1 else full.all(dim=-1)
+
+
+# Up to this K the columns are compared in place (K = 2, 2M ids: 2.6x faster than the lane copies); above it
+# the K^2 strided passes cost more than the copies (K = 8: 10x slower).
+_COLUMN_MAX_K = 2
+
+# Ids per chunk of the set comparison on CPU: a chunk's lane-major copies and masks stay in L2.
+# Measured with benchmarks/bench_controller_moe.py (one thread, 3.1M contiguous int64 ids, K = 8, E = 128),
+# as multiples of the top-1 flip rate's update: int64 bitmasks (an OR of one-hot words per set) 10x, the
+# K x K broadcast compare [.., K, K] 34x; uint8 lanes 4-5x with the range check (its aminmax ~1.5x, the two
+# transposing copies ~1x), int64 lanes (num_experts unknown) 15-17x; int16 lanes cost 3x uint8 ones. Tried
+# and slower: one [K, K, n] compare with any/all reductions (bool reductions over a non-inner dim are slow),
+# SWAR zero-byte tests on 8 ids packed in an int64 word (int64 ops cost ~15x a uint8 compare per id), amin +
+# amax for the range, float lanes (a monotone conversion that would make the range check elementwise: 3x
+# slower compares), a [K, L, tokens] layout (faster at K = 2, slower at K = 8).
 _CPU_CHUNK_IDS = 1 << 18
 
 
-def check_num_experts(num_experts: int | None) -> int | None:
-    """Validate a ``num_experts`` argument (``None`` or an integer >= 1)."""
-    if num_experts is None:
-        return None
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"`num_experts` must be None or an integer >= 1, got {num_experts!r}")
-    return num_experts
-
-
-def set_words(num_experts: int) -> int:
-    """Bitmask words per top-K set for ``num_experts`` experts: ``ceil(num_experts / 64)`` rounded up to
-    a power of two, so that the bitmasks hold every id in ``[0, 64 * words)``.
+def lane_dtype(num_experts: int | None, ids_dtype: torch.dtype) -> torch.dtype:
+    """The narrowest integer dtype holding every expert id in ``[0, num_experts)`` exactly (the ids' own
+    dtype when ``num_experts`` is unknown or too large).
 
     Example:
-        >>> [set_words(e) for e in (8, 64, 65, 128, 160, 256)]
-        [1, 1, 2, 2, 4, 4]
+        >>> [lane_dtype(e, torch.int64) for e in (8, 256, 257, 40000, None)]
+        [torch.uint8, torch.uint8, torch.int16, torch.int64, torch.int64]
     """
-    return 1 << (-(-num_experts // 64) - 1).bit_length()
-
-
-def _or_over_k(x: Tensor) -> Tensor:
-    """``[n]``: the bitwise OR of ``x`` ``[n, K]`` over K, a tree of halves (an odd width sets its last
-    column aside). OR is idempotent: an id repeated in a row counts once."""
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        folded = x[:, :half] | x[:, half : 2 * half]
-        x = folded if x.shape[-1] % 2 == 0 else torch.cat([folded, x[:, -1:]], dim=-1)
-    return x[:, 0]
-
-
-def _bitmasks_differ(rollout: Tensor, trainer: Tensor, words: int) -> Tensor:
-    """``[n]``: the sets of the rows of ``rollout`` / ``trainer`` ``[n, K]`` (int64) differ, compared as
-    ``words`` int64 bitmasks, id ``i`` at bit ``i % 64`` of word ``i // 64``. Exact for ids in
-    ``[0, 64 * words)``; other ids set no bit.
-
-    A shift by a negative or a >= 64 amount gives 0, so word ``w`` is ``OR_k 1 << (id_k - 64 w)``: per
-    word one shift per id and a log2 K tree of ORs, instead of K x K comparisons.
-    """
-    one = torch.ones((), dtype=torch.int64, device=rollout.device)
-    differs = None
-    for w in range(words):
-        masks = [_or_over_k(one << (ids if w == 0 else ids - 64 * w)) for ids in (rollout, trainer)]
-        differs = masks[0] != masks[1] if differs is None else differs | (masks[0] != masks[1])
-    assert differs is not None
-    return differs
+    if num_experts is not None and num_experts <= 256:
+        return torch.uint8
+    if num_experts is not None and num_experts <= 2**15:
+        return torch.int16
+    return ids_dtype
 
 
 def _set_differs_tokens(
@@ -304,30 +331,34 @@ def _set_differs_tokens(
 ) -> tuple[Tensor, Tensor | None]:
     """``([B, T] differs, [B, T] outside or None)``: the top-K set differs in at least one layer.
 
-    ``num_experts`` unknown: the K x K comparison, exact for any ids. Known: bitmasks of
-    :func:`set_words` words; ``outside`` (with ``check_range``) marks the tokens holding an id outside
-    ``[0, num_experts)``, which the caller reports (reading it here would be a host sync). On CPU the
-    tokens go in chunks whose words stay in cache.
+    The ids are copied lane-major (``[K, n]``, one row per top-K column) in :func:`lane_dtype` and
+    compared by :func:`_lane_sets_equal`; for K <= 2 their columns are compared in place. With
+    ``num_experts`` known (and ``check_range``), ``outside`` marks the tokens holding an id outside
+    ``[0, num_experts)``, whose narrow copies may wrap: the caller reports them (reading it here would be a
+    host sync). On CPU the tokens go in chunks that stay in cache.
     """
-    if num_experts is None:
-        return _set_differs(rollout, trainer).any(dim=-1), None
-    words = set_words(num_experts)
     b, t, n_layers, k = rollout.shape
+    check_range = check_range and num_experts is not None
     if b * t == 0:
         none = torch.zeros((b, t), dtype=torch.bool, device=rollout.device)
         return none, none if check_range else None
+    dtype = lane_dtype(num_experts, torch.promote_types(rollout.dtype, trainer.dtype))
     rollout, trainer = rollout.reshape(b * t, n_layers * k), trainer.reshape(b * t, n_layers * k)
-    if rollout.dtype != torch.int64:
-        rollout, trainer = rollout.long(), trainer.long()  # shifts of int64 words
     rows = b * t if rollout.device.type != "cpu" else max(1, _CPU_CHUNK_IDS // (n_layers * k))
     differs, outside = [], []
     for start in range(0, b * t, rows):
-        r, tr = rollout[start : start + rows].contiguous(), trainer[start : start + rows].contiguous()
-        if check_range:  # while the chunk is in cache; amin and amax are each faster than aminmax
-            low = torch.minimum(r.amin(dim=-1), tr.amin(dim=-1))
-            high = torch.maximum(r.amax(dim=-1), tr.amax(dim=-1))
-            outside.append((low < 0) | (high >= num_experts))
-        differs.append(_bitmasks_differ(r.view(-1, k), tr.view(-1, k), words).view(-1, n_layers).any(dim=-1))
+        r, tr = rollout[start : start + rows], trainer[start : start + rows]
+        if check_range:  # while the chunk is in cache; one aminmax per side (amin + amax took 1.7x as long)
+            (r_low, r_high), (t_low, t_high) = torch.aminmax(r, dim=-1), torch.aminmax(tr, dim=-1)
+            outside.append((torch.minimum(r_low, t_low) < 0) | (torch.maximum(r_high, t_high) >= num_experts))
+        if k <= _COLUMN_MAX_K:
+            same = _column_sets_equal(r.reshape(-1, k), tr.reshape(-1, k))
+        else:
+            lanes = [torch.empty((k, x.shape[0] * n_layers), dtype=dtype, device=x.device) for x in (r, tr)]
+            for lane, x in zip(lanes, (r, tr)):
+                lane.copy_(x.reshape(-1, k).t())
+            same = _lane_sets_equal(*lanes)
+        differs.append(~_all_layers(same, n_layers))
     return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t) if check_range else None
 
 
@@ -364,7 +395,7 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
         tensor([[False]])
     """
     _check_pair(rollout_experts, trainer_experts)
-    return _set_differs(rollout_experts, trainer_experts).any(dim=-1)
+    return _set_differs_tokens(rollout_experts, trainer_experts, None)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +484,7 @@ def router_flip_rate(
     """
     view = _view_of(rollout, trainer, response_mask)
     top_k = check_top_k(top_k)
-    configured = 0 if num_layers is None else check_num_layers(num_layers)
+    configured = 0 if num_layers is None else check_count("num_layers", num_layers, optional=False)
     capacity = configured or router_inputs(view, top_k)[0].shape[2]
     return _flip_rate_compute(**_flip_rate_update(view, capacity, top_k), configured_layers=configured)
 
@@ -508,9 +539,9 @@ def router_topk_disagreement_rate(
         trainer: the trainer's, in either form.
         response_mask: ``[B, T]``; all ones when absent.
         top_k: K for router logits (required with logits); cuts expert ids to their first ``top_k``.
-        num_experts: the model's number of experts E, when known: the sets are compared as bitmasks of
-            ``ceil(E / 64)`` words (much cheaper than the K x K comparison); an id outside ``[0, E)`` in
-            a valid token raises. ``None``: any integer ids, compared K x K.
+        num_experts: the model's number of experts E, when known: the ids are compared in the narrowest
+            dtype holding ``[0, E)`` (uint8 for E <= 256, several times cheaper than int64); an id outside
+            ``[0, E)`` in a valid token raises. ``None``: any integer ids, compared in their own dtype.
 
     Example:
         >>> import torch
@@ -525,6 +556,6 @@ def router_topk_disagreement_rate(
         tensor(0., dtype=torch.float64)
     """
     view = _view_of(rollout, trainer, response_mask)
-    num_experts = check_num_experts(num_experts)
+    num_experts = check_count("num_experts", num_experts)
     stats = _set_disagreement_update(view, check_top_k(top_k), num_experts)
     return _set_disagreement_compute(**stats, num_experts=num_experts)

@@ -1,5 +1,8 @@
 r"""The OPBC policy: actions, reasons, and one frozen, validated object holding every threshold.
 
+A data model: it imports no metric class, so that the controller's kernels
+(:mod:`opbc_metrics.functional.controller`) and its classes (:mod:`opbc_metrics.controller`) both build on it.
+
 Rules, per group, in order (DESIGN "OPBC"); the first that holds sets the action, and every condition that
 holds is kept as a reason:
 
@@ -51,7 +54,31 @@ from enum import Enum
 from typing import Any
 
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO
-from opbc_metrics.functional import controller as FC
+
+# Actions in the precedence order of the rules: a smaller code is a stricter action and wins.
+ACTIONS: tuple[str, ...] = ("reject", "quarantine", "train_with_correction", "replay", "train")
+REJECT, QUARANTINE, TRAIN_WITH_CORRECTION, REPLAY, TRAIN = range(5)
+
+# Every rule condition, in rule order, with the action it triggers.
+REASONS: tuple[tuple[str, int], ...] = (
+    ("shape_mismatch", REJECT),
+    ("logprobs_missing", REJECT),
+    ("no_response_tokens", REJECT),
+    ("logprobs_misaligned", REJECT),
+    ("non_finite", REJECT),
+    ("token_ids_mismatch", REJECT),
+    ("invalid_policy_lag", REJECT),
+    ("veto", QUARANTINE),
+    ("lag_above_max", QUARANTINE),
+    ("ess_below_min", QUARANTINE),
+    ("router_flip_above_max", QUARANTINE),
+    ("clipped_above_max", TRAIN_WITH_CORRECTION),
+    ("lag_above_replay", REPLAY),
+    ("ess_below_replay", REPLAY),
+)
+REASON_NAMES: tuple[str, ...] = tuple(name for name, _ in REASONS)
+CONTRACT_REASONS: tuple[str, ...] = tuple(name for name, action in REASONS if action == REJECT)
+
 
 
 class Action(str, Enum):
@@ -65,8 +92,8 @@ class Action(str, Enum):
 
     @property
     def code(self) -> int:
-        """The code used on the device (index into :data:`opbc_metrics.functional.controller.ACTIONS`)."""
-        return FC.ACTIONS.index(self.value)
+        """The code used on the device (index into :data:`ACTIONS`)."""
+        return ACTIONS.index(self.value)
 
     @property
     def strictness(self) -> int:
@@ -76,7 +103,7 @@ class Action(str, Enum):
             >>> sorted(Action, key=lambda a: a.strictness)[:2]
             [<Action.TRAIN: 'train'>, <Action.REPLAY: 'replay'>]
         """
-        return len(FC.ACTIONS) - 1 - self.code
+        return len(ACTIONS) - 1 - self.code
 
     @property
     def trains(self) -> bool:
@@ -85,7 +112,7 @@ class Action(str, Enum):
 
     @classmethod
     def from_code(cls, code: int) -> Action:
-        return cls(FC.ACTIONS[code])
+        return cls(ACTIONS[code])
 
 
 class Reason(str, Enum):
@@ -114,7 +141,7 @@ class Reason(str, Enum):
             >>> Reason.ESS_BELOW_REPLAY.action
             <Action.REPLAY: 'replay'>
         """
-        return Action.from_code(dict(FC.REASONS)[self.value])
+        return Action.from_code(dict(REASONS)[self.value])
 
     @property
     def is_contract(self) -> bool:

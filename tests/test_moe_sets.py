@@ -1,0 +1,77 @@
+"""Top-K set disagreement: every comparison path (column compares for K <= 2, lane-major copies in uint8,
+int16 or the ids' own dtype above) against Python sets, at the dtype boundaries and with wrapped ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opbc_metrics import RouterSetDisagreement
+from opbc_metrics.functional import moe as FM
+
+
+def python_sets_differ(rollout: torch.Tensor, trainer: torch.Tensor) -> list[list[bool]]:
+    """Per token: some layer's two id lists differ as Python sets."""
+    return [[any(set(r) != set(t) for r, t in zip(r_tok, t_tok)) for r_tok, t_tok in zip(r_row, t_row)]
+            for r_row, t_row in zip(rollout.tolist(), trainer.tolist())]
+
+
+def ids_batch(low: int, high: int, k: int, seed: int, b: int = 3, t: int = 50, layers: int = 3):
+    """Ids in [low, high) with the edges of the range over-represented; the trainer permutes each row and
+    then, per row, keeps it, repeats one of its ids, or swaps in a fresh id."""
+    g = torch.Generator().manual_seed(seed)
+    edges = torch.tensor([low, low + 1, high - 2, high - 1, (low + high) // 2])
+    rollout = torch.randint(low, high, (b, t, layers, k), generator=g)
+    pick = torch.rand(b, t, layers, k, generator=g) < 0.4
+    rollout = torch.where(pick, edges[torch.randint(0, 5, (b, t, layers, k), generator=g)], rollout)
+    trainer = torch.gather(rollout, -1, torch.argsort(torch.rand(b, t, layers, k, generator=g), dim=-1))
+    kind = torch.randint(0, 4, (b, t, layers, 1), generator=g)
+    col = torch.randint(0, k, (b, t, layers, 1), generator=g)
+    repeated = torch.gather(trainer, -1, (col + 1) % k)
+    fresh = edges[torch.randint(0, 5, (b, t, layers, 1), generator=g)]
+    new = torch.where(kind == 1, repeated, torch.where(kind == 2, fresh, trainer.gather(-1, col)))
+    return rollout, trainer.scatter(-1, col, new)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("num_experts", [2, 256, 257, 2**15, 2**15 + 1, None])
+def test_every_path_equals_python_sets(k, num_experts):
+    low, high = (0, num_experts) if num_experts is not None else (-(2**62), 2**62)
+    rollout, trainer = ids_batch(low, high, k, seed=k * 7 + (num_experts or 1) % 97)
+    want = python_sets_differ(rollout, trainer)
+    differs, outside = FM._set_differs_tokens(rollout, trainer, num_experts)
+    assert differs.tolist() == want
+    if num_experts is not None:
+        assert not outside.any()
+    if num_experts is None and k > 1:  # full-range int64 ids: the low bytes of distinct ids collide
+        assert (rollout % 256 == trainer.roll(1, -1) % 256).any()
+
+
+@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize(("num_experts", "bad"), [(256, 256), (256, -1), (200, 456), (257, 257 + 2**16), (300, -2**40)])
+def test_ids_that_wrap_in_the_narrow_copy_are_flagged(k, num_experts, bad):
+    """An id outside [0, E) that the narrow copy would alias to a valid one (256 -> 0 in uint8) is
+    reported, so compute() raises instead of counting a wrong comparison."""
+    rollout, trainer = ids_batch(0, num_experts, k, seed=1)
+    rollout[1, 4, 2, k - 1] = bad
+    _, outside = FM._set_differs_tokens(rollout, trainer, num_experts)
+    assert outside.nonzero().tolist() == [[1, 4]]
+    metric = RouterSetDisagreement(num_experts=num_experts)
+    metric.update(rollout_experts=rollout, trainer_experts=trainer)
+    with pytest.raises(ValueError, match="outside"):
+        metric.compute()
+
+
+def test_lane_dtype_is_the_narrowest_exact_one():
+    assert [FM.lane_dtype(e, torch.int64) for e in (1, 256, 257, 2**15, 2**15 + 1, None)] == [
+        torch.uint8, torch.uint8, torch.int16, torch.int16, torch.int64, torch.int64]
+    assert FM.lane_dtype(None, torch.int32) == torch.int32
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 4, 8, 16, 24])
+def test_layer_reduction_in_words_equals_all(layers):
+    g = torch.Generator().manual_seed(layers)
+    same = torch.rand(50 * layers, generator=g) < 0.9
+    assert torch.equal(FM._all_layers(same, layers), same.view(-1, layers).all(dim=-1))
+    rollout, trainer = ids_batch(0, 64, 2, seed=layers, layers=layers)
+    assert FM._set_differs_tokens(rollout, trainer, None)[0].tolist() == python_sets_differ(rollout, trainer)
