@@ -149,7 +149,7 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     """A ``torchmetrics.Metric`` whose states are fixed-size sufficient statistics.
 
     Subclasses declare ``keys`` (the ``section/group/metric`` keys they produce), a ``glossary``
-    entry, the ``section`` they belong to, the batch fields they need, ``data_counts`` (the states
+    entry, the batch fields they need, ``data_counts`` (the states
     that count their data), their ``states`` and implement ``statistics(view)`` and ``compute()``.
     ``update`` accepts a batch mapping, keyword fields, or a shared :class:`~opbc_metrics.batch.BatchView`.
 
@@ -188,7 +188,6 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     keys: ClassVar[tuple[str, ...]] = ()
     states: ClassVar[Mapping[str, State]] = MappingProxyType({})
     glossary: ClassVar[GlossaryEntry | None] = None
-    section: ClassVar[str] = ""
     required_fields: ClassVar[tuple[str, ...]] = ()
     optional_inputs: ClassVar[bool] = False
     data_counts: ClassVar[tuple[str, ...] | None] = None

@@ -27,7 +27,6 @@ _DIAGNOSTIC = "none (diagnostic: the budget the OPBC policy spends)"
 
 
 class _DecisionMetric(OPBCMetric):
-    section = "controller"
     required_fields = (DECISIONS_FIELD,)
     optional_inputs = True
     data_counts = ("groups", "tokens", "trained_tokens")  # decided groups / their tokens

@@ -28,7 +28,6 @@ class _RouterMetric(OPBCMetric):
     a batch can be read.
     """
 
-    section = "moe"
     higher_is_better = False  # rates of disagreement, in [0, 1]
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
