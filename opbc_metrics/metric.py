@@ -214,6 +214,10 @@ class OPBCMetric(Metric):
     def _update_view(self, view: BatchView) -> None:
         raise NotImplementedError
 
+    def request_shared(self, view: BatchView) -> None:
+        """Ask ``view`` (:meth:`BatchView.request`) for what this metric reads from the batch's shared
+        pre-computations; a collection calls it on every member before any member updates. Default: nothing."""
+
     def accepts(self, view: BatchView) -> bool:
         """Whether a collection should update this metric with ``view``.
 

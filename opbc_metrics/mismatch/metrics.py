@@ -57,6 +57,12 @@ class _MismatchMetric(OPBCMetric):
         # The optional statistic groups this metric reads (F.STATISTIC_GROUPS): only the core by default.
         self.statistic_groups: frozenset[str] = frozenset()
 
+    def request_shared(self, view: BatchView) -> None:
+        """Ask for the statistic groups this metric reads and the settings it reads them with."""
+        view.request(
+            F.TOKEN_STATISTICS, F.settings_need(self.clamp, self.veto, self.top_mass_bins), *self.statistic_groups
+        )
+
     def _stats(self, view: BatchView) -> F.Stats:
         """The section's fused statistics of this batch, shared through the view's cache."""
         return F.batch_statistics(
