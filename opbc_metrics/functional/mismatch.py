@@ -141,7 +141,9 @@ _PRODUCT_POSITIONS = tuple(_gram_position(a, b) for a, b in _PRODUCTS.values())
 # The per-round statistics: tokens per chunk of the chunked sums. A round's sums are differences of prefix sums
 # at round starts: whole chunks from the chunk sums, the part of the chunk before the start recomputed from the
 # inputs (a window of this many tokens per tracked round and sequence).
-_ROUND_CHUNK = 64
+_ROUND_CHUNK = 32
+# Inductor's CPU loops over chunks this short are slow (~10 ns per token at 32): the compiled kernel takes longer ones.
+_COMPILED_ROUND_CHUNK = 128
 _SCALAR_STATS = (
     *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "sum_w", "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_d", "sum_abs_d", "sum_exp_d",
@@ -415,18 +417,14 @@ def _fused_token_statistics(
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
-        pad = -trainer.shape[-1] % _ROUND_CHUNK
+        pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
         if pad:
             trainer, rollout = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout))
             mask = torch.nn.functional.pad(mask, (0, pad))
-        inputs = trainer, rollout, mask
-        seqs, t = trainer.shape
-        pieces = t // _ROUND_CHUNK
-        previous = torch.nn.functional.pad(mask[:, :-1], (1, 0))
-        starts = (mask & ~previous).reshape(seqs * pieces, _ROUND_CHUNK).to(dtype)
-    else:
-        seqs, t = trainer.shape
-        pieces = _reduction_pieces(t)
+        chunks = _chunk_sums(trainer, rollout, mask)
+        trainer_in, rollout_in, mask_in = trainer, rollout, mask
+    seqs, t = trainer.shape
+    pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
     d = trainer - rollout
@@ -469,7 +467,7 @@ def _fused_token_statistics(
         prob_rows = prob_products = [zeros] * 3
         max_abs_pq = torch.zeros((), dtype=dtype, device=trainer.device)
     features = {
-        "n": ok.to(dtype).sum(-1), "n_mask": mask.to(dtype).sum(-1), "rounds": starts.sum(-1) if rounds else zeros,
+        "n": ok.to(dtype).sum(-1), "n_mask": mask.to(dtype).sum(-1), "rounds": zeros,
         "sum_abs_r": rs.abs().sum(-1), "sum_r": rs.sum(-1), "sum_rc": rc.sum(-1), "sum_k3": k3().sum(-1),
         "clipped": (ar > clamp).to(dtype).sum(-1), "vetoed": (ar > veto).to(dtype).sum(-1),
         **dict(zip(("sum_dp", "sum_q", "sum_abs_pq"), prob_rows)),
@@ -480,11 +478,7 @@ def _fused_token_statistics(
                               core_products + prob_products))
     products = torch.stack([named_products[name] for name in _PRODUCT_SUMS]).sum(-1, dtype=f64)
     if pieces > 1:
-        row_sums = row_sums.view(len(_ROWS), seqs, pieces)
-        chunks = row_sums[_CHUNKED] if rounds else None
-        row_sums = row_sums.sum(-1, dtype=f64)
-    else:
-        chunks = row_sums[_CHUNKED].unsqueeze(-1) if rounds else None
+        row_sums = row_sums.view(len(_ROWS), seqs, pieces).sum(-1, dtype=f64)
     counts = torch.zeros(bins + 1, dtype=f64, device=trainer.device)
     if hist:
         # Every token adds 1 (a constant, nothing to load): invalid ones to slot bins + 1 of their copy,
@@ -500,8 +494,33 @@ def _fused_token_statistics(
     ])
     out = _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
     if rounds:
-        out.update(_round_sums(chunks, *inputs, rounds))
+        # The rounds row from the chunk sums, not the main loop's (kept 0 there: a row changed after the
+        # loop kept inductor from fusing the histogram's scatter into it).
+        out["rounds"] = chunks[_ROWS.index["rounds"] - _CHUNKED.start].sum(dtype=f64)
+        out.update(_round_sums(chunks, trainer_in, rollout_in, mask_in, rounds, _COMPILED_ROUND_CHUNK))
     return out
+
+
+def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+    """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _ROUND_CHUNK]`` (T a multiple).
+
+    Reductions over chunks rather than along the rows: inductor gives them their own loop over the inputs
+    (cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower).
+    """
+    b, t = trainer.shape
+    dtype = trainer.dtype
+    # Written unlike the main loop's trainer - rollout: the graph would share one such node between the two
+    # loops, storing it to memory (an extra pass) instead of computing it in both.
+    d = -rollout + trainer
+    ok = valid_tokens(d, mask)
+    previous = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=mask.device), mask[:, :-1]], dim=1)
+    features = {
+        "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & ~previous).to(dtype),
+        "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
+    }
+    width = _COMPILED_ROUND_CHUNK
+    return torch.stack([features[name].view(b, t // width, width).sum(-1)
+                        for name in _ROWS.names[_CHUNKED]])
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
@@ -509,7 +528,9 @@ def _fused_token_statistics(
 ROUND_STATS = {"round_valid": "n", "round_tokens": "n_mask", "round_sum_abs": "sum_abs_r"}
 
 
-def _round_sums(chunks: Tensor, trainer: Tensor, rollout: Tensor, mask: Tensor, capacity: int) -> Stats:
+def _round_sums(
+    chunks: Tensor, trainer: Tensor, rollout: Tensor, mask: Tensor, capacity: int, width: int = _ROUND_CHUNK
+) -> Stats:
     """Per-round sums from the kernels' chunk sums, and the most rounds of any sequence.
 
     A round is a run of 1s in the mask; round ``i`` of a sequence, with the gap after it (whose terms are
@@ -522,52 +543,53 @@ def _round_sums(chunks: Tensor, trainer: Tensor, rollout: Tensor, mask: Tensor, 
     Float64 throughout, no data-dependent shape: starts that do not exist read the row total.
 
     Args:
-        chunks: ``[len(_CHUNKED), B, chunks]`` sums per chunk of ``_ROUND_CHUNK`` tokens (the last may be
-            partial) of the _CHUNKED rows, in the inputs' dtype (|r| scaled by ``_R_SCALE``).
+        chunks: ``[len(_CHUNKED), B, chunks]`` sums per chunk of ``width`` tokens (the last may be partial)
+            of the _CHUNKED rows, in the inputs' dtype (|r| scaled by ``_R_SCALE``).
         trainer, rollout, mask: the kernel's ``[B, T]`` inputs.
         capacity: rounds with their own bucket.
+        width: tokens per chunk.
     """
     f64, dtype = torch.float64, trainer.dtype
     b, t = trainer.shape
     device, n_chunks = trainer.device, chunks.shape[-1]
-    named = dict(zip(_ROWS.names[_CHUNKED], range(len(chunks))))
-    c = chunks.to(f64)
-    c = c * torch.tensor([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in named], dtype=f64,
-                         device=device).view(-1, 1, 1)
-    inclusive = c.cumsum(-1)
-    exclusive = inclusive - c
-    totals = inclusive[..., -1]  # [rows, B]
+    row = {name: i for i, name in enumerate(_ROWS.names[_CHUNKED])}
+    inclusive = chunks.to(f64).cumsum(-1)  # [rows, B, chunks]
+    totals = inclusive[..., -1]
     # The k-th start of each row for k = 2 .. capacity + 1 (the starts of rounds 1 .. capacity): its chunk is
     # the first whose cumulative start count reaches k.
     k = torch.arange(2, capacity + 2, dtype=f64, device=device).expand(b, capacity).contiguous()
-    chunk = torch.searchsorted(inclusive[named["rounds"]].contiguous(), k)  # [B, capacity]
-    exists = chunk < n_chunks
-    chunk = chunk.clamp(max=n_chunks - 1)
-    before = exclusive.gather(-1, chunk.expand(len(named), b, capacity))  # sums of the chunks before it
-    rank = k - before[named["rounds"]]  # the start is the rank-th start in its chunk
-    # The chunk's tokens and the token before it: [B, capacity, 1 + _ROUND_CHUNK].
-    pos = chunk.unsqueeze(-1) * _ROUND_CHUNK + torch.arange(-1, _ROUND_CHUNK, device=device)
-    inside = (pos >= 0) & (pos < t)
-    pos = pos.clamp(0, max(t - 1, 0)).view(b, -1)
-    tr, ro = trainer.gather(1, pos).view(b, capacity, -1), rollout.gather(1, pos).view(b, capacity, -1)
-    m = mask.gather(1, pos).view(b, capacity, -1) & inside
-    d = tr - ro
-    valid = valid_tokens(d, m)
+    chunk = torch.searchsorted(inclusive[row["rounds"]], k).clamp_(max=n_chunks - 1)  # [B, capacity]
+    exists = k <= totals[row["rounds"]].unsqueeze(-1)
+    # Sums of the chunks before it (exclusive prefix): the inclusive prefix of the chunk before, 0 for chunk 0.
+    before = inclusive.gather(-1, (chunk - 1).clamp(min=0).expand(len(row), b, capacity)) * (chunk > 0)
+    rank = (k - before[row["rounds"]]).to(dtype)  # the start is the rank-th start of its chunk
+    # The chunk's tokens and the token before it, [B, capacity, 1 + width]; positions past the row's ends
+    # read as masked out.
+    # Positions before the row (chunk 0's token before) or past its end (a partial last chunk) read a token of
+    # the row instead: the first only for the start rule, zeroed below; the others come after the start, so
+    # they are never "before" it (and a missing start reads the row total).
+    pos = (chunk.unsqueeze(-1) * width + torch.arange(-1, width, device=device)).clamp_(0, max(t - 1, 0)).view(b, -1)
+    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)
+    m = mask.gather(1, pos).view(b, capacity, -1)
+    valid = valid_tokens(d, m)[..., 1:].to(dtype)
     mf = m.to(dtype)
-    upto = (mf[..., 1:] * (1.0 - mf[..., :-1])).cumsum(-1)  # starts so far within the chunk
-    ahead = (upto < rank.unsqueeze(-1).to(dtype)).to(f64)  # tokens of the chunk before the start
-    window = {
-        "n": valid[..., 1:].to(f64),
-        "n_mask": mf[..., 1:].to(f64),
-        "sum_abs_r": torch.where(valid, d, 0.0)[..., 1:].to(f64).abs(),
-    }
-    out: Stats = {}
-    for name, row in ROUND_STATS.items():
-        i = named[row]
-        prefix = torch.where(exists, before[i] + (window[row] * ahead).sum(-1), totals[i].unsqueeze(-1))
-        bounds = torch.cat([torch.zeros_like(totals[i]).unsqueeze(-1), prefix, totals[i].unsqueeze(-1)], dim=-1)
-        out[name] = bounds.diff(dim=-1).sum(0)
-    most = totals[named["rounds"]].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
+    mf[..., 0] *= chunk > 0
+    starts = mf[..., 1:] - mf[..., 1:] * mf[..., :-1]
+    ahead = (starts.cumsum(-1) < rank.unsqueeze(-1)).to(dtype)  # tokens of the chunk before the start
+    # valid, mask and |r| (0 where not valid) of those tokens, summed in the inputs' dtype (at most `width`).
+    abs_r = torch.nan_to_num(d[..., 1:], 0.0, 0.0, 0.0).abs_().mul_(valid)
+    partial = (torch.stack([valid, mf[..., 1:], abs_r]) * ahead).sum(-1).to(f64)  # [3, B, capacity]
+    # Prefix sums at the starts (the row total where a start does not exist), between 0 and the row total;
+    # summed over rows first, the bucket sums are their differences.
+    rows = [row[name] for name in ROUND_STATS.values()]
+    scale = torch.tensor([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in ROUND_STATS.values()],
+                         dtype=f64, device=device).view(-1, 1, 1)
+    total = totals[rows].unsqueeze(-1) * scale  # [3, B, 1]
+    prefix = torch.where(exists, before[rows] * scale + partial, total)
+    bounds = torch.cat([prefix, total], dim=-1).sum(1)  # [3, capacity + 1]
+    sums = torch.cat([bounds[:, :1], bounds[:, 1:] - bounds[:, :-1]], dim=-1)
+    out: Stats = dict(zip(ROUND_STATS, sums.unbind(0)))
+    most = totals[row["rounds"]].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
     out["max_rounds"] = most
     return out
 
