@@ -105,6 +105,8 @@ _ROWS = _RowLayout(
 _ROW_SUMS = _ROWS.names
 # Rows also summed per chunk of _ROUND_CHUNK tokens, for the per-round statistics (see _round_sums).
 _CHUNKED = _ROWS.span("n", "n_mask", "rounds", "sum_abs_r")
+if _CHUNKED.start != 0:
+    raise AssertionError("the chunked rows must come first (the eager kernel sums the rest as one block)")
 # Sums of r and |r| are taken on r * 2^-64 and scaled back in float64: a float32 sentinel such as finfo.min
 # (a masked_fill value) is a finite r of 3.4e38, two of which overflow a float32 sum, while power-of-two
 # scaling is exact (tokens with |r| < 2^-62 nats lose relative precision: at most 2^-62 nats each).
@@ -209,6 +211,7 @@ class _BlockPlan:
         self.flags = x[_FLAG_ROWS].flatten(1)
         self.ars_row = self.ars.view(1, -1)
         self.summed = x[:summed]
+        self.summed_rest = x[_CHUNKED.stop : summed]  # with the rounds group, the chunked rows' sums come from chunks
         # Round starts, flat: a token starts a round when its mask is 1 and the previous token's 0 (fixed up
         # at each row's first token).
         self.m_flat, self.starts_flat = self.m.view(-1), self.starts.view(-1)
@@ -254,6 +257,7 @@ class _CallPlan:
         self.outputs = list(zip(
             self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0),
             self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
+            self.chunks.split(rows, dim=1),
         ))
 
 
@@ -345,7 +349,7 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums) in block_views:
+    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, all_chunks) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
@@ -380,11 +384,14 @@ def _blocked_token_statistics(
             torch.bmm(x.pairs, x.pairs_t, out=grams)  # both Gram matrices in one call
         else:
             torch.mm(x.rck3, x.rck3_t, out=grams[0])
-        torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
-        if with_rounds:  # the chunked rows' sums per chunk, before the |r| row becomes scratch
+        if with_rounds:  # the chunked rows' sums per chunk (before the |r| row becomes scratch), then per row
             torch.sum(x.chunked, -1, out=chunk_sums)
             if x.tail is not None:
                 torch.sum(x.tail, -1, keepdim=True, out=tail_sums)
+            torch.sum(all_chunks, -1, out=sums[_CHUNKED])
+            torch.sum(x.summed_rest, -1, out=sums[_CHUNKED.stop :])
+        else:
+            torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         # Extremes over valid tokens: the others move to the far end of the finite range.
         invalid = torch.eq(valid, zero, out=d)
         torch.amin(torch.add(r, invalid, alpha=big, out=x.e), (0, 1), out=lo_r)
