@@ -144,3 +144,11 @@ def test_per_round_update_under_a_larger_request_folds():
     direct = _per_round_update(BatchView(b), 3)
     for key in direct:
         torch.testing.assert_close(folded[key], direct[key], rtol=1e-13, atol=0.0)
+
+
+def test_compiled_collections_of_several_sections_and_shapes_do_not_hit_the_recompile_limit():
+    """Each (groups, capacity) combination is a graph of its own: more than dynamo's default 8 per function."""
+    for b, t in [(4, 64), (6, 64), (4, 96), (3, 40), (5, 33)]:
+        x = _short_rounds(b, t, seed=t, dtype=torch.float32)
+        for sections in (["mismatch", "per_round"], ["mismatch"], ["per_round"]):
+            OPBCCollection(sections=sections, compiled=True).update(x)

@@ -702,6 +702,7 @@ def _empty_statistics(bins: int, device: torch.device, rounds: int) -> Stats:
 
 
 _COMPILED: dict[str, Any] = {}
+_RECOMPILE_LIMIT = 64
 
 
 def compiled_token_statistics() -> Any:
@@ -711,7 +712,15 @@ def compiled_token_statistics() -> Any:
         # Its histogram indices are in range by construction (clamped bins, int32 lane offsets < 2^27 for
         # bins <= MAX_TOP_MASS_BINS), so the per-vector bounds assertion goes (measured: 7-10% of the kernel).
         options = {"cpp.max_horizontal_fusion_size": 32, "assert_indirect_indexing": False}
-        _COMPILED["fn"] = torch.compile(token_statistics, fullgraph=True, dynamic=None, options=options)
+        compiled = torch.compile(token_statistics, fullgraph=True, dynamic=None, options=options)
+
+        def run(*args: Any) -> Stats:
+            # One graph per combination of statistic groups and capacity (constants of the graph), and per
+            # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return compiled(*args)
+
+        _COMPILED["fn"] = run
     return _COMPILED["fn"]
 
 
