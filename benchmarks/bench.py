@@ -190,21 +190,26 @@ def bench_sketch(shapes: list[tuple[int, int]], repeats: int) -> None:
               flush=True)
 
 
-def bench_sections(shapes: list[tuple[int, int]], repeats: int) -> None:
+def bench_sections(shapes: list[tuple[int, int]], repeats: int, compiled: bool) -> None:
     from opbc_metrics.collection import DEFAULT_SECTIONS
 
-    print("\n## update() of the default collection and of each default section alone, eager (median ms;"
-          " x the compiled floor)")
-    print(f"{'shape':>12} {'floor':>8} {'default':>14} " + " ".join(f"{s:>14}" for s in DEFAULT_SECTIONS))
-    for b, t in shapes:
-        x = make_inputs(b, t)
-        tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
-        collections = {"default": OPBCCollection(), **{s: OPBCCollection(sections=[s]) for s in DEFAULT_SECTIONS}}
-        fns: dict[str, Callable[[], object]] = {"floor": lambda: _floor_compiled(tr, ro, m)}  # noqa: B023
-        fns.update({name: (lambda c=c: c.update(x)) for name, c in collections.items()})  # noqa: B023
-        med = interleaved(fns, repeats)
-        cells = " ".join(f"{med[k] * 1e3:>7.2f} {med[k] / med['floor']:>5.1f}x" for k in collections)
-        print(f"{b:>5}x{t:<6} {med['floor'] * 1e3:>8.3f} {cells}", flush=True)
+    print("\n## update() of the default collection and of each default section alone (median ms; x the compiled"
+          " floor); 'default/mismatch': the default collection against the mismatch section alone, same mode")
+    modes = (False, True) if compiled else (False,)
+    for mode in modes:
+        print(f"{'eager' if not mode else 'compiled':>8} {'shape':>12} {'floor':>8} {'default':>14} "
+              + " ".join(f"{s:>14}" for s in DEFAULT_SECTIONS) + f" {'default/mismatch':>17}")
+        for b, t in shapes:
+            x = make_inputs(b, t)
+            tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
+            collections = {"default": OPBCCollection(compiled=mode),
+                           **{s: OPBCCollection(sections=[s], compiled=mode) for s in DEFAULT_SECTIONS}}
+            fns: dict[str, Callable[[], object]] = {"floor": lambda: _floor_compiled(tr, ro, m)}  # noqa: B023
+            fns.update({name: (lambda c=c: c.update(x)) for name, c in collections.items()})  # noqa: B023
+            med = interleaved(fns, repeats)
+            cells = " ".join(f"{med[k] * 1e3:>7.2f} {med[k] / med['floor']:>5.1f}x" for k in collections)
+            print(f"{'eager' if not mode else 'compiled':>8} {b:>5}x{t:<6} {med['floor'] * 1e3:>8.3f} {cells} "
+                  f"{med['default'] / med['mismatch']:>16.2f}x", flush=True)
 
 
 def bench_precision(shape: tuple[int, int], compiled: bool) -> None:
@@ -254,7 +259,7 @@ def main() -> None:
     if "sketch" in only:
         bench_sketch(shapes, repeats)
     if "sections" in only:
-        bench_sections(shapes, 5 if args.quick else 7)
+        bench_sections(shapes, 5 if args.quick else 7, compiled=not args.no_compile)
     if "precision" in only:
         bench_precision(shapes[-1] if args.quick else (64, 4096), compiled=not args.no_compile)
     gc.collect()

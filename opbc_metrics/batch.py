@@ -23,7 +23,7 @@ log ratios (clipped and vetoed); sequence sums of log ratios accumulate in float
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
@@ -153,6 +153,20 @@ def as_bool_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def valid_tokens(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """The tokens every mismatch statistic uses: response tokens (``mask`` set) whose log ratio
+    ``r = trainer - rollout`` is finite, so both logprobs are and ``r`` does not overflow the compute dtype.
+
+    ``r - r`` is 0 exactly where ``r`` is finite (NaN elsewhere): a pointwise test that inductor fuses. The
+    eager mismatch kernel applies the same rule in float arithmetic (see its comment).
+
+    Example:
+        >>> valid_tokens(torch.tensor([0.5, float("nan"), float("inf"), 1.0]), torch.tensor([True, True, True, False]))
+        tensor([ True, False, False, False])
+    """
+    return mask & ((log_ratio - log_ratio) == 0)
+
+
 def raise_if_probabilities(low: Tensor, high: Tensor) -> None:
     """The deferred error for a logprob field whose values all lay in ``[0, 1]`` (``low``/``high``: the
     ``[2]`` min/max of the valid trainer and rollout values over the window; read at compute only).
@@ -204,6 +218,9 @@ class BatchView:
         data.update(fields)
         self.data = {k: _detached(v) for k, v in data.items()}
         self._cache: dict[Any, Any] = {}
+        self._requests: dict[str, set[Hashable]] = {}
+        # Shared pre-computations run under torch.compile (an OPBCCollection sets it from its `compiled` option).
+        self.compiled = False
 
     def check_fields(self) -> BatchView:
         """:func:`check_field_names` on this batch, once (metrics call it; the controller rejects instead)."""
@@ -232,10 +249,28 @@ class BatchView:
             raise ValueError(f"batch field `{name}` must be a torch.Tensor, got {type(value).__name__}")
         return value
 
-    def _cached(self, key: Any, fn: Any) -> Any:
+    # -- shared pre-computations -------------------------------------------------------------
+    def request(self, computation: str, *needs: Hashable) -> None:
+        """Ask for ``needs`` of the shared pre-computation named ``computation`` (e.g. the mismatch kernel's
+        statistic groups, :data:`opbc_metrics.functional.mismatch.TOKEN_STATISTICS`).
+
+        Users of one view ask before any of them computes: an
+        :class:`~opbc_metrics.collection.OPBCCollection` calls every member's ``request_shared(view)``
+        first, so the computation runs once with the union of the needs (:meth:`requested`).
+        """
+        self._requests.setdefault(computation, set()).update(needs)
+
+    def requested(self, computation: str) -> frozenset[Hashable]:
+        """Everything asked for of ``computation`` so far (empty for a view no collection prepared)."""
+        return frozenset(self._requests.get(computation, ()))
+
+    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per view and ``key`` and shared by every metric reading this view."""
         if key not in self._cache:
-            self._cache[key] = fn()
+            self._cache[key] = make()
         return self._cache[key]
+
+    _cached = shared
 
     @property
     def token_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -298,12 +333,13 @@ class BatchView:
     def finite(self) -> Tensor:
         """Both logprobs finite and their difference too (``r`` does not overflow the compute dtype)."""
         trainer, rollout, _ = self.token_inputs
-        return self._cached("finite", lambda: torch.isfinite(trainer - rollout))
+        return self._cached("finite", lambda: valid_tokens(trainer - rollout, torch.ones((), dtype=torch.bool)))
 
     @property
     def valid(self) -> Tensor:
         """``[B, T]`` bool: response tokens with finite logprobs, the tokens every statistic uses."""
-        return self._cached("valid", lambda: self.token_inputs[2] & self.finite)
+        trainer, rollout, mask = self.token_inputs
+        return self._cached("valid", lambda: valid_tokens(trainer - rollout, mask))
 
     @property
     def valid_f(self) -> Tensor:
@@ -314,11 +350,6 @@ class BatchView:
     def num_valid(self) -> Tensor:
         """Number of valid tokens (0-dim tensor)."""
         return self._cached("num_valid", lambda: self.valid_f.sum())
-
-    @property
-    def nonfinite_count(self) -> Tensor:
-        """Response tokens whose trainer or rollout logprob is NaN or infinite."""
-        return self._cached("nonfinite", lambda: (self.token_inputs[2] & ~self.finite).to(self.dtype).sum())
 
     @property
     def logprob_range(self) -> tuple[Tensor, Tensor]:
@@ -338,7 +369,7 @@ class BatchView:
                 return zero.expand(2), zero.expand(2)
             stride = max(1, trainer.shape[-1] // 64)
             trainer, rollout, mask = trainer[:, ::stride], rollout[:, ::stride], mask[:, ::stride]
-            valid = mask & torch.isfinite(trainer - rollout)  # the rule of :attr:`valid`, on the sample
+            valid = valid_tokens(trainer - rollout, mask)  # on the sample
             ranges = [torch.aminmax(torch.where(valid, x, zero)) for x in (trainer, rollout)]
             return torch.stack([r.min for r in ranges]), torch.stack([r.max for r in ranges])
 
@@ -367,19 +398,6 @@ class BatchView:
         """``w = exp(clamp(r, -C, C))`` on valid tokens, 0 elsewhere."""
         return self._cached(("weights", clamp), lambda: self.clamped_log_ratio(clamp).exp() * self.valid_f)
 
-    def weight_sums(self, clamp: float) -> tuple[Tensor, Tensor]:
-        """``(sum w, sum w^2)`` over valid tokens."""
-
-        def make() -> tuple[Tensor, Tensor]:
-            w = self.weights(clamp)
-            return w.sum(), (w * w).sum()
-
-        return self._cached(("weight_sums", clamp), make)
-
-    def count_above(self, threshold: float) -> Tensor:
-        """Number of valid tokens with ``|r| > threshold``."""
-        return self._cached(("above", threshold), lambda: (self.abs_log_ratio > threshold).to(self.dtype).sum())
-
     # -- sequences --------------------------------------------------------------------------
     @property
     def seq_lengths(self) -> Tensor:
@@ -399,11 +417,6 @@ class BatchView:
     @property
     def seq_valid_f(self) -> Tensor:
         return self._cached("seq_valid_f", lambda: self.seq_valid.to(self.dtype))
-
-    @property
-    def num_seqs(self) -> Tensor:
-        """Number of sequences that enter sequence-level statistics."""
-        return self._cached("num_seqs", lambda: self.seq_valid_f.sum())
 
     @property
     def seq_log_ratio(self) -> Tensor:

@@ -11,7 +11,7 @@ from torchmetrics import MetricCollection
 from opbc_metrics.agent import agent_section
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
 from opbc_metrics.endpoint import endpoint_section
-from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS, request_statistic_groups
+from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
 from opbc_metrics.metric import OPBCMetric, plot_values
 from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
@@ -21,11 +21,12 @@ from opbc_metrics.sync import packed_sync, restore_local_states
 from opbc_metrics.training import training_section
 
 
-def _mismatch_section(clamp: float, veto: float, top_mass_bins: int, **kwargs: Any) -> list[OPBCMetric]:
-    return [cls(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins, **kwargs) for cls in MISMATCH_METRICS]
+def _mismatch_section(**kwargs: Any) -> list[OPBCMetric]:
+    return [cls(**kwargs) for cls in MISMATCH_METRICS]
 
 
-# Section name -> factory(clamp, veto, top_mass_bins, **metric_kwargs, **section_options) -> metrics.
+# Section name -> factory(**metric_kwargs, **section_options) -> metrics: each gets its own options only (the
+# collection's clamp, veto and top_mass_bins are the mismatch section's).
 # The default sections are the OPBC glossary's (seeds 000 and 003). Members with optional inputs skip
 # batches without their fields, and compute() leaves out the keys of those that never saw data, so a
 # dense model's run shows no MoE keys and a run without trajectories no agent keys.
@@ -74,7 +75,8 @@ class OPBCCollection(MetricCollection):
         clamp: C, the log-ratio clamp in nats, for every default member (20).
         veto: the veto threshold in nats (30).
         top_mass_bins: bins of the top-1% gradient-mass sketch (8192).
-        compiled: run the mismatch section's fused kernel under ``torch.compile`` (first call compiles).
+        compiled: run the shared pre-computations (the mismatch kernel, which the per-round section shares)
+            under ``torch.compile`` (the first call compiles).
         section_options: per-section constructor options, e.g. ``{"moe": {"num_layers": 48, "top_k": 8}}``.
         prefix, postfix: strings added before / after every output key, as in torchmetrics'
             ``MetricCollection`` (e.g. ``prefix="bf16/"`` to compare engines side by side).
@@ -109,12 +111,14 @@ class OPBCCollection(MetricCollection):
             unknown = [s for s in sections if s not in SECTIONS]
             if unknown:
                 raise ValueError(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
-            settings = dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins, **metric_kwargs)
             options = section_options or {}
             unknown = sorted(set(options) - set(sections))
             if unknown:
                 raise ValueError(f"section_options for sections not in the collection: {unknown}")
-            metrics = [m for s in sections for m in SECTIONS[s](**settings, **options.get(s, {}))]
+            own = {"mismatch": dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins)}
+            metrics = [
+                m for s in sections for m in SECTIONS[s](**metric_kwargs, **own.get(s, {}), **options.get(s, {}))
+            ]
         members = list(metrics.values()) if isinstance(metrics, dict) else list(metrics)
         for m in members:
             if not isinstance(m, OPBCMetric):
@@ -124,10 +128,7 @@ class OPBCCollection(MetricCollection):
         if duplicated:
             raise ValueError(f"two members produce the same keys: {duplicated}")
         super().__init__(metrics, compute_groups=False, prefix=prefix, postfix=postfix)
-        if compiled:
-            for m in members:
-                if hasattr(m, "compiled"):
-                    m.compiled = True
+        self.compiled = bool(compiled)
 
     def members(self) -> list[OPBCMetric]:
         """The member metrics, in order."""
@@ -176,9 +177,11 @@ class OPBCCollection(MetricCollection):
 
     def _active(self, view: BatchView) -> list[OPBCMetric]:
         active = [m for m in self.members() if m.accepts(view)]
-        # One mismatch kernel call serves every member: it computes the union of the groups they read.
-        groups = set().union(*(getattr(m, "statistic_groups", ()) for m in active))
-        request_statistic_groups(view, groups)
+        # Every member asks for its part of the shared pre-computations before any updates, so each runs
+        # once for all of them (the mismatch kernel: the union of the statistic groups, the per-round sums).
+        view.compiled = view.compiled or self.compiled
+        for m in active:
+            m.request_shared(view)
         return active
 
     def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]

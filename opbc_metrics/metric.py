@@ -332,6 +332,10 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
         """One batch's statistics named like the states (the section's functional ``_x_update``)."""
         raise NotImplementedError
 
+    def request_shared(self, view: BatchView) -> None:
+        """Ask ``view`` (:meth:`BatchView.request`) for what this metric reads from the batch's shared
+        pre-computations; a collection calls it on every member before any member updates. Default: nothing."""
+
     def accepts(self, view: BatchView) -> bool:
         """Whether a collection should update this metric with ``view``.
 

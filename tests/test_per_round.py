@@ -209,15 +209,16 @@ def test_bad_arguments():
 
 
 def test_chunks_give_the_statistics_of_the_whole_batch(monkeypatch):
-    """The update goes in row chunks (here 2 rows, a partial last chunk): the same counts, and sums that differ
-    by float64 rounding only (the chunks' segment sums are added in another order)."""
+    """The kernel goes in row blocks (here 2 rows, a partial last block): the same counts, and sums that differ
+    by float64 rounding only (the blocks' sums are added in another order)."""
+    import opbc_metrics.functional.mismatch as fm
     import opbc_metrics.functional.per_round as fpr
     from opbc_metrics.batch import as_view
 
     batch = multi_turn_batch(seed=5, batch=5, seq=30)
     batch["trainer_logprobs"][1, 2] = float("nan")
     whole = fpr._per_round_update(as_view(batch), 3)
-    monkeypatch.setattr(fpr, "_CHUNK_TOKENS", 60)
+    monkeypatch.setattr(fm, "_BLOCK_TOKENS", 60)
     chunked = fpr._per_round_update(as_view(batch), 3)
     assert set(chunked) == set(whole)
     for key, value in whole.items():

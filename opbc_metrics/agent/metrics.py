@@ -281,7 +281,7 @@ AGENT_METRICS: tuple[type[_AgentMetric], ...] = (
 )
 
 
-def agent_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+def agent_section(**kwargs: Any) -> list[OPBCMetric]:
     """The ``agent`` section of :class:`~opbc_metrics.collection.OPBCCollection`: the four trajectory
-    metrics (the mismatch settings ``clamp``, ``veto``, ``top_mass_bins`` do not apply)."""
+    metrics."""
     return [cls(**kwargs) for cls in AGENT_METRICS]

@@ -217,7 +217,7 @@ ENDPOINT_METRICS: tuple[type[_CoverageMetric], ...] = (
 )
 
 
-def endpoint_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+def endpoint_section(**kwargs: Any) -> list[OPBCMetric]:
     """The ``endpoint`` section of :class:`~opbc_metrics.collection.OPBCCollection`: the coverage of each
-    capability and the response count (the mismatch settings do not apply)."""
+    capability and the response count."""
     return [cls(**kwargs) for cls in ENDPOINT_METRICS]

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, valid_tokens
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
@@ -66,19 +66,82 @@ def _view(trainer_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Ten
 # ---------------------------------------------------------------------------------------------
 # The kernels: every token-level sufficient statistic of the section in one sweep
 # ---------------------------------------------------------------------------------------------
-# Per-sequence sums both kernels produce, one row each of ``row_sums`` ([len(_ROW_SUMS), B]); every
-# feature is 0 on invalid tokens, so plain sums over tokens are the statistics. The eager kernel reads the
-# adjacent rows (sum_rc, sum_k3) and (sum_dp, sum_q) as matrices, and skips the probability rows, which come last.
-_ROW_SUMS = (
-    "n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_k3", "clipped", "vetoed", "sum_dp", "sum_q", "sum_abs_pq",
+class _RowLayout:
+    """Names of the rows of the per-sequence sums ``row_sums`` ([len(layout), B]), in order.
+
+    The eager kernel reads runs of adjacent rows as one matrix (a Gram pair, the chunked rows, the
+    scaled rows); :meth:`span` returns such a run as a slice and fails at import when the rows are
+    not adjacent in that order, so a reordering cannot silently break a kernel.
+    """
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        self.index = {name: i for i, name in enumerate(names)}
+        if len(self.index) != len(names):
+            raise AssertionError(f"duplicate row names in {names}")
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def span(self, *names: str) -> slice:
+        """The slice of ``names``, which must be adjacent rows in this order."""
+        first = self.index[names[0]]
+        if self.names[first : first + len(names)] != names:
+            raise AssertionError(f"rows {names} must be adjacent, in this order, in {self.names}")
+        return slice(first, first + len(names))
+
+
+# Per-sequence sums both kernels produce; every feature is 0 on invalid tokens, so plain sums over tokens
+# are the statistics. "rounds" counts the starts of rounds (runs of 1s in the mask; only with the rounds
+# group, else 0). The probability rows come last: without the group the eager kernel skips them.
+_ROWS = _RowLayout(
+    "n", "n_mask", "rounds", "sum_abs_r", "sum_r", "sum_rc", "sum_k3", "clipped", "vetoed", "sum_abs_pq", "sum_dp",
+    "sum_q",
 )
+_ROW_SUMS = _ROWS.names
+# Rows also summed per chunk of _ROUND_CHUNK tokens, for the per-round statistics (see _round_sums).
+_CHUNKED = _ROWS.span("n", "n_mask", "rounds", "sum_abs_r")
+if _CHUNKED.start != 0:
+    raise AssertionError("the chunked rows must come first (the eager kernel sums the rest as one block)")
 # Sums of r and |r| are taken on r * 2^-64 and scaled back in float64: a float32 sentinel such as finfo.min
 # (a masked_fill value) is a finite r of 3.4e38, two of which overflow a float32 sum, while power-of-two
 # scaling is exact (tokens with |r| < 2^-62 nats lose relative precision: at most 2^-62 nats each).
 _R_SCALE = 2.0**-64
-_SCALED_ROWS = slice(_ROW_SUMS.index("sum_r"), _ROW_SUMS.index("sum_abs_r") + 1)
-# Token-level sums of products, [len(_PRODUCT_SUMS)]: rc^2, k3^2, rc k3, q^2, (p - q)^2, q (p - q).
-_PRODUCT_SUMS = ("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp")
+_SCALED_ROWS = _ROWS.span("sum_abs_r", "sum_r")
+_FLAG_ROWS = _ROWS.span("clipped", "vetoed")  # |r| against the clamp and the veto, in one comparison
+_PROB_ROWS = _ROWS.span("sum_abs_pq", "sum_dp", "sum_q")
+if _PROB_ROWS.stop != len(_ROWS):
+    raise AssertionError("the probability rows must come last (the eager kernel skips them without the group)")
+# The two Gram pairs, as a batch of two [2, tokens] matrices for one bmm: (rc, k3) and (p - q, q).
+_GRAM_PAIRS = (_ROWS.span("sum_rc", "sum_k3"), _ROWS.span("sum_dp", "sum_q"))
+# Token-level sums of products: name -> the two rows multiplied, both from one Gram pair.
+_PRODUCTS = {
+    "sum_rc2": ("sum_rc", "sum_rc"), "sum_k32": ("sum_k3", "sum_k3"), "sum_rck3": ("sum_rc", "sum_k3"),
+    "sum_qq": ("sum_q", "sum_q"), "sum_dp2": ("sum_dp", "sum_dp"), "sum_qdp": ("sum_dp", "sum_q"),
+}
+_PRODUCT_SUMS = tuple(_PRODUCTS)
+# The eager kernel reuses the p - q and q rows as int64 histogram indices once their sums are taken: for a
+# float32 buffer of any block size, that view needs the p - q row at an even row index.
+if _ROWS.index["sum_dp"] % 2:
+    raise AssertionError("the sum_dp row must have an even index (it is viewed as int64 scratch)")
+
+
+def _gram_position(a: str, b: str) -> int:
+    """Where the product of rows ``a`` and ``b`` lies in the flattened ``[pair, 2, 2]`` Gram matrices."""
+    for pair, rows in enumerate(_GRAM_PAIRS):
+        i, j = _ROWS.index[a] - rows.start, _ROWS.index[b] - rows.start
+        if 0 <= i < 2 and 0 <= j < 2:
+            return 4 * pair + 2 * i + j
+    raise AssertionError(f"rows {a} and {b} are not in one Gram pair")
+
+
+_PRODUCT_POSITIONS = tuple(_gram_position(a, b) for a, b in _PRODUCTS.values())
+# The per-round statistics: tokens per chunk of the chunked sums. A round's sums are differences of prefix sums
+# at round starts: whole chunks from the chunk sums, the part of the chunk before the start recomputed from the
+# inputs (a window of this many tokens per tracked round and sequence).
+_ROUND_CHUNK = 32
+# Inductor's CPU loops over chunks this short are slow (~10 ns per token at 32): the compiled kernel takes longer ones.
+_COMPILED_ROUND_CHUNK = 128
 _SCALAR_STATS = (
     *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "sum_w", "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_d", "sum_abs_d", "sum_exp_d",
@@ -114,37 +177,51 @@ class _BlockPlan:
     """Buffers and row views for eager blocks of ``rows`` sequences of length ``t``.
 
     Rows are reused once the block's sums are taken (min/max scratch in the |p - q| row, the histogram's
-    int64 bin indices over the p - q and q rows): 13 rows, so a 32K-token block and its inputs take
-    ~1.9 MiB, within a 2 MiB L2 cache (measured: 4-6% faster than separate scratch and index buffers, 2.4 MiB).
+    int64 bin indices over the p - q and q rows, its int32 indices in the |r| row): 14 rows, so a 32K-token
+    block and its inputs take ~2 MiB, about a 2 MiB L2 cache (measured: 4-6% faster than separate scratch
+    and index buffers).
     """
 
-    def __init__(self, rows: int, t: int, dtype: torch.dtype, bins: int, device: torch.device, summed: int) -> None:
-        f = {name: i for i, name in enumerate(_ROW_SUMS)}
+    def __init__(
+        self, rows: int, t: int, dtype: torch.dtype, bins: int, device: torch.device, summed: int, rounds: bool
+    ) -> None:
+        n = rows * t
         self.rows = rows
-        self.features = x = torch.empty(len(_ROW_SUMS), rows, t, dtype=dtype, device=device)
+        self.features = x = torch.empty(len(_ROWS), rows, t, dtype=dtype, device=device)
+        if not rounds:
+            x[_ROWS.index["rounds"]].zero_()  # never written without the group
         self.d, self.a = torch.empty(2, rows, t, dtype=dtype, device=device).unbind(0)
-        rows_of = dict(zip(_ROW_SUMS, x.unbind(0)))
-        self.valid, self.m = rows_of["n"], rows_of["n_mask"]
+        rows_of = dict(zip(_ROWS.names, x.unbind(0)))
+        self.valid, self.m, self.starts = rows_of["n"], rows_of["n_mask"], rows_of["rounds"]
         self.dp, self.q, self.apq = rows_of["sum_dp"], rows_of["sum_q"], rows_of["sum_abs_pq"]
-        self.pq = x[f["sum_dp"] : f["sum_q"] + 1].flatten(1)  # adjacent rows as a [2, tokens] matrix
+        self.pq = x[_GRAM_PAIRS[1]].flatten(1)  # p - q and q: one [2, tokens] matrix
         self.rs, self.ars = rows_of["sum_r"], rows_of["sum_abs_r"]
         self.rc, self.k3 = rows_of["sum_rc"], rows_of["sum_k3"]
-        self.rck3 = x[f["sum_rc"] : f["sum_k3"] + 1].flatten(1)
+        self.rck3 = x[_GRAM_PAIRS[0]].flatten(1)
         self.rck3_t = self.rck3.t()
-        # (rc, k3) and (p - q, q) as one batch of two [2, tokens] matrices, for one bmm of both Gram matrices.
-        n, gap = rows * t, f["sum_dp"] - f["sum_rc"]
-        self.pairs = x.view(-1).as_strided((2, 2, n), (gap * n, n, 1), f["sum_rc"] * n)
+        # Both Gram pairs as one batch of two [2, tokens] matrices, for one bmm of both Gram matrices.
+        gap = _GRAM_PAIRS[1].start - _GRAM_PAIRS[0].start
+        self.pairs = x.view(-1).as_strided((2, 2, n), (gap * n, n, 1), _GRAM_PAIRS[0].start * n)
         self.pairs_t = self.pairs.transpose(1, 2)
         # |r| * 2^-64 as one row against both thresholds, into the adjacent clipped and vetoed rows.
-        self.flags = x[f["clipped"] : f["vetoed"] + 1].flatten(1)
+        self.flags = x[_FLAG_ROWS].flatten(1)
         self.ars_row = self.ars.view(1, -1)
         self.summed = x[:summed]
+        self.summed_rest = x[_CHUNKED.stop : summed]  # with the rounds group, the chunked rows' sums come from chunks
+        # Round starts, flat: a token starts a round when its mask is 1 and the previous token's 0 (fixed up
+        # at each row's first token).
+        self.m_flat, self.starts_flat = self.m.view(-1), self.starts.view(-1)
+        # The chunked rows as [rows in _CHUNKED, rows, chunks, _ROUND_CHUNK], and the tail of a row whose length
+        # is not a multiple of the chunk.
+        whole = t - t % _ROUND_CHUNK
+        self.chunked = x[_CHUNKED][..., :whole].unflatten(-1, (whole // _ROUND_CHUNK, _ROUND_CHUNK))
+        self.tail = x[_CHUNKED][..., whole:] if whole < t else None
         # Free once the sums are taken: the |p - q| row as scratch, the p - q and q rows as int64 bin indices
         # (converted via int32 in the |r| row).
         self.e = self.apq
         self.idx_flat = (self.pq if dtype == torch.float32 else self.dp).reshape(-1).view(torch.int64)
         self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
-        self.idx32_flat = self.ars.reshape(-1).view(torch.int32)[: rows * t]  # int32 indices in the |r| row
+        self.idx32_flat = self.ars.reshape(-1).view(torch.int32)[:n]  # int32 indices in the |r| row
         self.block_counts = torch.empty(bins + 1, dtype=dtype, device=device)
         # Bin offsets for invalid tokens (weight 0, any bin will do), 16 distinct ones in a row: a run of
         # padding in one bin is a chain of dependent read-modify-writes (measured: the block's scatter
@@ -159,23 +236,30 @@ class _CallPlan:
     are new tensors, so reusing them across calls aliases nothing a caller holds.
     """
 
-    def __init__(self, b: int, rows: int, dtype: torch.dtype, device: torch.device, summed: int) -> None:
+    def __init__(
+        self, b: int, t: int, rows: int, dtype: torch.dtype, device: torch.device, summed: int, rounds: bool
+    ) -> None:
         blocks = -(-b // rows)
         # Skipped groups leave zeros: their rows come last and are never written.
-        self.row_sums = torch.zeros(len(_ROW_SUMS), b, dtype=dtype, device=device)
+        self.row_sums = torch.zeros(len(_ROWS), b, dtype=dtype, device=device)
         # Gram matrices of the feature pairs (rc, k3) and (p - q, q).
         self.grams = torch.zeros(blocks, 2, 2, 2, dtype=dtype, device=device)
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
-        # _PRODUCT_SUMS in the flattened [2, 2, 2] sum of the Gram matrices.
-        self.product_index = torch.tensor([0, 3, 1, 7, 4, 5], device=device)
+        self.product_index = torch.tensor(_PRODUCT_POSITIONS, device=device)
+        # Chunk sums of the _CHUNKED rows, [rows, B, chunks] (the last chunk of a row may be partial).
+        chunks = -(-t // _ROUND_CHUNK) if rounds else 0
+        self.chunks = torch.zeros(len(range(len(_ROWS))[_CHUNKED]), b, chunks, dtype=dtype, device=device)
+        whole = t // _ROUND_CHUNK
         self.outputs = list(zip(
-            self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0)
+            self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0),
+            self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
+            self.chunks.split(rows, dim=1),
         ))
 
 
 def _cached_plan(cache: dict[tuple[Any, ...], Any], make: Any, *key: Any) -> Any:
     """``make(*key)``, cached per thread on CPU for the last few keys (made fresh on other devices)."""
-    if key[-2].type != "cpu":  # key ends with (device, summed)
+    if next(k for k in key if isinstance(k, torch.device)).type != "cpu":
         return make(*key)
     plan = cache.get(key)
     if plan is None:
@@ -194,15 +278,16 @@ def release_workspaces() -> None:
 
 def token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int,
-    prob: bool = True, hist: bool = True,
+    prob: bool = True, hist: bool = True, rounds: int = 0,
 ) -> Stats:
     """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
 
     A token is valid when ``mask`` is set and ``r = trainer - rollout`` is finite (so both logprobs
-    are). Eager, the batch goes through in blocks of about 32K tokens with in-place ops on cached
-    buffers (:func:`_blocked_token_statistics`); under ``torch.compile`` the same statistics come from
-    pure expressions that inductor fuses into one loop over the tokens, the histogram's scatter included
-    (:func:`_fused_token_statistics`, ``fullgraph=True``). Both feed :func:`_assemble_statistics`.
+    are; :func:`~opbc_metrics.batch.valid_tokens`). Eager, the batch goes through in blocks of about 32K
+    tokens with in-place ops on cached buffers (:func:`_blocked_token_statistics`); under ``torch.compile``
+    the same statistics come from pure expressions that inductor fuses into one loop over the tokens, the
+    histogram's scatter included (:func:`_fused_token_statistics`, ``fullgraph=True``). Both feed
+    :func:`_assemble_statistics`.
 
     Args:
         trainer: ``[B, T]`` trainer logprobs (float32 or float64).
@@ -213,9 +298,12 @@ def token_statistics(
         bins: bins of the top-1% sketch's log-weight histogram over ``[-C, C]``.
         prob: compute the probability statistics (``sum_dp`` ... ``max_abs_pq``; else 0).
         hist: compute the log-weight histogram (else zeros).
+        rounds: compute the per-round statistics for rounds ``0 .. rounds - 1`` and an overflow bucket
+            (``round_*`` and ``max_rounds``, see :func:`_round_sums`); 0: none.
 
     Returns:
-        float64 0-dim tensors named in ``_SCALAR_STATS`` and ``hist`` (``[bins]`` token counts).
+        float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts) and, with
+        ``rounds``, the ``[rounds + 1]`` sums in :data:`ROUND_STATS` and ``max_rounds``.
 
     Example:
         >>> import torch
@@ -225,11 +313,12 @@ def token_statistics(
         (2.0, 1.0, 1.0, 2)
     """
     kernel = _fused_token_statistics if torch.compiler.is_compiling() else _blocked_token_statistics
-    return kernel(trainer, rollout, mask, clamp, veto, bins, prob, hist)
+    return kernel(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
 
 
 def _blocked_token_statistics(
-    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool,
+    rounds: int,
 ) -> Stats:
     """Eager kernel: blocks of whole sequences, ~32 in-place ops per block on cache-resident buffers.
 
@@ -240,8 +329,9 @@ def _blocked_token_statistics(
     b, t = trainer.shape
     rows = max(1, min(b, _BLOCK_TOKENS // max(t, 1))) if device.type == "cpu" else b
     # Skipped groups leave zeros: their rows come last in the feature buffer and are not summed.
-    summed = len(_ROW_SUMS) if prob else _ROW_SUMS.index("sum_dp")
-    call = _cached_plan(_WORKSPACES.calls, _CallPlan, b, rows, dtype, device, summed)
+    summed = len(_ROWS) if prob else _PROB_ROWS.start
+    with_rounds = rounds > 0
+    call = _cached_plan(_WORKSPACES.calls, _CallPlan, b, t, rows, dtype, device, summed, with_rounds)
     # Histogram counts accumulate in the features' dtype while that is exact, else per block into float64.
     exact_counts = dtype == f64 or b * t <= _FLOAT32_EXACT_TOKENS
     counts = torch.zeros(bins + 1, dtype=dtype if exact_counts else f64, device=device)
@@ -255,16 +345,21 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq) in block_views:
+    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, all_chunks) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
-            x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed)
+            x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
         torch.sub(tr, ro, out=d)
-        # d / mask is d where the mask is set and inf or NaN where it is not: a token is valid where that
-        # quotient is finite, i.e. where nan_to_num leaves it unchanged; r is that quotient's nan_to_num.
+        # The rule of valid_tokens, in float arithmetic: d / mask is d where the mask is set and inf or NaN
+        # where it is not, so a token is valid where that quotient is finite, i.e. where nan_to_num leaves it
+        # unchanged; r is that quotient's nan_to_num.
         d.div_(x.m.copy_(mb))
         r = torch.nan_to_num(d, 0.0, 0.0, 0.0, out=a)
         torch.eq(d, r, out=valid)
+        if with_rounds:  # starts = m * (1 - previous m): m - m * previous m, then each row's first token
+            torch.mul(x.m_flat[1:], x.m_flat[:-1], out=x.starts_flat[1:])
+            torch.sub(x.m_flat[1:], x.starts_flat[1:], out=x.starts_flat[1:])
+            x.starts[:, 0] = x.m[:, 0]
         if prob:
             # p = exp(a), q = exp(b) with a, b the logprobs clamped to [PROB_LOG_FLOOR, 0], on valid tokens (0
             # elsewhere). p - q as q * expm1(a - b): exact to a few ulps, where exp(a) - exp(b) keeps only the
@@ -285,7 +380,14 @@ def _blocked_token_statistics(
             torch.bmm(x.pairs, x.pairs_t, out=grams)  # both Gram matrices in one call
         else:
             torch.mm(x.rck3, x.rck3_t, out=grams[0])
-        torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
+        if with_rounds:  # the chunked rows' sums per chunk (before the |r| row becomes scratch), then per row
+            torch.sum(x.chunked, -1, out=chunk_sums)
+            if x.tail is not None:
+                torch.sum(x.tail, -1, keepdim=True, out=tail_sums)
+            torch.sum(all_chunks, -1, out=sums[_CHUNKED])
+            torch.sum(x.summed_rest, -1, out=sums[_CHUNKED.stop :])
+        else:
+            torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         # Extremes over valid tokens: the others move to the far end of the finite range.
         invalid = torch.eq(valid, zero, out=d)
         torch.amin(torch.add(r, invalid, alpha=big, out=x.e), (0, 1), out=lo_r)
@@ -301,20 +403,35 @@ def _blocked_token_statistics(
                 counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
     products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
     extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
-    return _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
+    out = _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
+    if with_rounds:
+        out.update(_round_sums(call.chunks, trainer, rollout, mask, rounds))
+    return out
 
 
 def _fused_token_statistics(
-    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool
+    trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool,
+    rounds: int,
 ) -> Stats:
-    """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop."""
+    """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
+
+    With ``rounds``, rows are cut into pieces of ``_ROUND_CHUNK`` tokens (padded with masked-out tokens to a
+    multiple of it), so the per-piece sums of the chunked rows are the chunk sums :func:`_round_sums` reads.
+    """
     f64, dtype = torch.float64, trainer.dtype
+    if rounds:
+        pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
+        if pad:
+            trainer, rollout = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout))
+            mask = torch.nn.functional.pad(mask, (0, pad))
+        chunks = _chunk_sums(trainer, rollout, mask)
+        trainer_in, rollout_in, mask_in = trainer, rollout, mask
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
     d = trainer - rollout
-    ok = mask & ((d - d) == 0)
+    ok = valid_tokens(d, mask)
     r = torch.where(ok, d, 0.0)
     rc = r.clamp(-clamp, clamp)
     ar = r.abs()
@@ -344,21 +461,27 @@ def _fused_token_statistics(
         return dp().abs()
 
     rs = r * _R_SCALE
+    zeros = torch.zeros(trainer.shape[0], dtype=dtype, device=trainer.device)
     if prob:
         prob_rows = [dp().sum(-1), q().sum(-1), apq().sum(-1)]
         prob_products = [(q() * q()).sum(-1), (dp() * dp()).sum(-1), (q() * dp()).sum(-1)]
         max_abs_pq = apq().amax(-1).amax()
     else:
-        prob_rows = prob_products = [torch.zeros(trainer.shape[0], dtype=dtype, device=trainer.device)] * 3
+        prob_rows = prob_products = [zeros] * 3
         max_abs_pq = torch.zeros((), dtype=dtype, device=trainer.device)
-    row_sums = torch.stack([
-        ok.to(dtype).sum(-1), mask.to(dtype).sum(-1), rs.sum(-1), rs.abs().sum(-1), rc.sum(-1), k3().sum(-1),
-        (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1), *prob_rows,
-    ])
-    products = torch.stack([(rc * rc).sum(-1), (k3() * k3()).sum(-1), (rc * k3()).sum(-1), *prob_products])
-    products = products.sum(-1, dtype=f64)
+    features = {
+        "n": ok.to(dtype).sum(-1), "n_mask": mask.to(dtype).sum(-1), "rounds": zeros,
+        "sum_abs_r": rs.abs().sum(-1), "sum_r": rs.sum(-1), "sum_rc": rc.sum(-1), "sum_k3": k3().sum(-1),
+        "clipped": (ar > clamp).to(dtype).sum(-1), "vetoed": (ar > veto).to(dtype).sum(-1),
+        **dict(zip(("sum_dp", "sum_q", "sum_abs_pq"), prob_rows)),
+    }
+    row_sums = torch.stack([features[name] for name in _ROWS.names])
+    core_products = [(rc * rc).sum(-1), (k3() * k3()).sum(-1), (rc * k3()).sum(-1)]
+    named_products = dict(zip(("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp"),
+                              core_products + prob_products))
+    products = torch.stack([named_products[name] for name in _PRODUCT_SUMS]).sum(-1, dtype=f64)
     if pieces > 1:
-        row_sums = row_sums.view(len(_ROW_SUMS), seqs, pieces).sum(-1, dtype=f64)
+        row_sums = row_sums.view(len(_ROWS), seqs, pieces).sum(-1, dtype=f64)
     counts = torch.zeros(bins + 1, dtype=f64, device=trainer.device)
     if hist:
         # Every token adds 1 (a constant, nothing to load): invalid ones to slot bins + 1 of their copy,
@@ -372,7 +495,106 @@ def _fused_token_statistics(
     extremes = torch.stack([
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
-    return _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
+    out = _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
+    if rounds:
+        # The rounds row from the chunk sums, not the main loop's (kept 0 there: a row changed after the
+        # loop kept inductor from fusing the histogram's scatter into it).
+        out["rounds"] = chunks[_ROWS.index["rounds"] - _CHUNKED.start].sum(dtype=f64)
+        out.update(_round_sums(chunks, trainer_in, rollout_in, mask_in, rounds, _COMPILED_ROUND_CHUNK))
+    return out
+
+
+def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+    """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _ROUND_CHUNK]`` (T a multiple).
+
+    Reductions over chunks rather than along the rows: inductor gives them their own loop over the inputs
+    (cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower).
+    """
+    b, t = trainer.shape
+    dtype = trainer.dtype
+    # Written unlike the main loop's trainer - rollout: the graph would share one such node between the two
+    # loops, storing it to memory (an extra pass) instead of computing it in both.
+    d = -rollout + trainer
+    ok = valid_tokens(d, mask)
+    previous = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=mask.device), mask[:, :-1]], dim=1)
+    features = {
+        "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & ~previous).to(dtype),
+        "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
+    }
+    width = _COMPILED_ROUND_CHUNK
+    return torch.stack([features[name].view(b, t // width, width).sum(-1)
+                        for name in _ROWS.names[_CHUNKED]])
+
+
+# The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
+# rounds 0 .. rounds - 1 and the overflow bucket, summed over sequences).
+ROUND_STATS = {"round_valid": "n", "round_tokens": "n_mask", "round_sum_abs": "sum_abs_r"}
+
+
+def _round_sums(
+    chunks: Tensor, trainer: Tensor, rollout: Tensor, mask: Tensor, capacity: int, width: int = _ROUND_CHUNK
+) -> Stats:
+    """Per-round sums from the kernels' chunk sums, and the most rounds of any sequence.
+
+    A round is a run of 1s in the mask; round ``i`` of a sequence, with the gap after it (whose terms are
+    0), is the stretch from its start to the next round's start. So its sums are differences of prefix
+    sums at round starts: ``P(start of round i + 1) - P(start of round i)``, ``P(start of round 0) = 0`` (no
+    response token before it), the row total past the last round, rounds ``>= capacity`` pooled. A prefix
+    sum at a start is the sum of the whole chunks before it (cumulative chunk sums) plus the part of its
+    chunk before it, recomputed from the inputs on a window of ``_ROUND_CHUNK`` tokens (and the token before,
+    for the start rule). Which chunk holds a row's k-th start comes from the cumulative start counts.
+    Float64 throughout, no data-dependent shape: starts that do not exist read the row total.
+
+    Args:
+        chunks: ``[len(_CHUNKED), B, chunks]`` sums per chunk of ``width`` tokens (the last may be partial)
+            of the _CHUNKED rows, in the inputs' dtype (|r| scaled by ``_R_SCALE``).
+        trainer, rollout, mask: the kernel's ``[B, T]`` inputs.
+        capacity: rounds with their own bucket.
+        width: tokens per chunk.
+    """
+    f64, dtype = torch.float64, trainer.dtype
+    b, t = trainer.shape
+    device, n_chunks = trainer.device, chunks.shape[-1]
+    row = {name: i for i, name in enumerate(_ROWS.names[_CHUNKED])}
+    inclusive = chunks.to(f64).cumsum(-1)  # [rows, B, chunks]
+    totals = inclusive[..., -1]
+    # The k-th start of each row for k = 2 .. capacity + 1 (the starts of rounds 1 .. capacity): its chunk is
+    # the first whose cumulative start count reaches k.
+    k = torch.arange(2, capacity + 2, dtype=f64, device=device).expand(b, capacity).contiguous()
+    chunk = torch.searchsorted(inclusive[row["rounds"]], k).clamp_(max=n_chunks - 1)  # [B, capacity]
+    exists = k <= totals[row["rounds"]].unsqueeze(-1)
+    # Sums of the chunks before it (exclusive prefix): the inclusive prefix of the chunk before, 0 for chunk 0.
+    before = inclusive.gather(-1, (chunk - 1).clamp(min=0).expand(len(row), b, capacity)) * (chunk > 0)
+    rank = (k - before[row["rounds"]]).to(dtype)  # the start is the rank-th start of its chunk
+    # The chunk's tokens and the token before it, [B, capacity, 1 + width]; positions past the row's ends
+    # read as masked out.
+    # Positions before the row (chunk 0's token before) or past its end (a partial last chunk) read a token of
+    # the row instead: the first only for the start rule, zeroed below; the others come after the start, so
+    # they are never "before" it (and a missing start reads the row total).
+    pos = (chunk.unsqueeze(-1) * width + torch.arange(-1, width, device=device)).clamp_(0, max(t - 1, 0)).view(b, -1)
+    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)
+    m = mask.gather(1, pos).view(b, capacity, -1)
+    valid = valid_tokens(d, m)[..., 1:].to(dtype)
+    mf = m.to(dtype)
+    mf[..., 0] *= chunk > 0
+    starts = mf[..., 1:] - mf[..., 1:] * mf[..., :-1]
+    ahead = (starts.cumsum(-1) < rank.unsqueeze(-1)).to(dtype)  # tokens of the chunk before the start
+    # valid, mask and |r| (0 where not valid) of those tokens, summed in the inputs' dtype (at most `width`).
+    abs_r = torch.nan_to_num(d[..., 1:], 0.0, 0.0, 0.0).abs_().mul_(valid)
+    partial = (torch.stack([valid, mf[..., 1:], abs_r]) * ahead).sum(-1).to(f64)  # [3, B, capacity]
+    # Prefix sums at the starts (the row total where a start does not exist), between 0 and the row total;
+    # summed over rows first, the bucket sums are their differences.
+    rows = [row[name] for name in ROUND_STATS.values()]
+    scale = torch.tensor([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in ROUND_STATS.values()],
+                         dtype=f64, device=device).view(-1, 1, 1)
+    total = totals[rows].unsqueeze(-1) * scale  # [3, B, 1]
+    prefix = torch.where(exists, before[rows] * scale + partial, total)
+    bounds = torch.cat([prefix, total], dim=-1).sum(1)  # [3, capacity + 1]
+    sums = torch.cat([bounds[:, :1], bounds[:, 1:] - bounds[:, :-1]], dim=-1)
+    out: Stats = dict(zip(ROUND_STATS, sums.unbind(0)))
+    most = totals[row["rounds"]].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
+    out["max_rounds"] = most
+    return out
 
 
 # Inductor's CPU code computes expm1 as exp(x) - 1, which keeps no relative precision near 0: the compiled
@@ -418,8 +640,8 @@ def _assemble_statistics(
     f64 = torch.float64
     rows = row_sums.to(f64, copy=True)
     rows[_SCALED_ROWS].mul_(1.0 / _R_SCALE)
-    totals = dict(zip(_ROW_SUMS, rows.sum(-1).unbind(0)))
-    seq_n, seq_mask_n, seq_r = rows[:3].unbind(0)  # n, n_mask, sum_r come first in _ROW_SUMS
+    totals = dict(zip(_ROWS.names, rows.sum(-1).unbind(0)))
+    seq_n, seq_mask_n, seq_r = (rows[_ROWS.index[name]] for name in ("n", "n_mask", "sum_r"))
     has_tokens = totals["n"] > 0
     seq_counts = (seq_n > 0) & (seq_n == seq_mask_n)
     seq_ok = seq_counts.to(f64)
@@ -463,16 +685,20 @@ def _assemble_statistics(
     }
 
 
-def _empty_statistics(bins: int, device: torch.device) -> Stats:
+def _empty_statistics(bins: int, device: torch.device, rounds: int) -> Stats:
     out = {k: torch.zeros((), dtype=torch.float64, device=device) for k in _SCALAR_STATS}
     for k in ("max_r", "max_abs_pq", "max_abs_s"):
         out[k] = torch.full((), float("-inf"), dtype=torch.float64, device=device)
     out["min_r"] = torch.full((), float("inf"), dtype=torch.float64, device=device)
     out["hist"] = torch.zeros(bins, dtype=torch.float64, device=device)
+    if rounds:
+        out.update({k: torch.zeros(rounds + 1, dtype=torch.float64, device=device) for k in ROUND_STATS})
+        out["max_rounds"] = torch.full((), float("-inf"), dtype=torch.float64, device=device)
     return out
 
 
 _COMPILED: dict[str, Any] = {}
+_RECOMPILE_LIMIT = 64
 
 
 def compiled_token_statistics() -> Any:
@@ -482,19 +708,35 @@ def compiled_token_statistics() -> Any:
         # Its histogram indices are in range by construction (clamped bins, int32 lane offsets < 2^27 for
         # bins <= MAX_TOP_MASS_BINS), so the per-vector bounds assertion goes (measured: 7-10% of the kernel).
         options = {"cpp.max_horizontal_fusion_size": 32, "assert_indirect_indexing": False}
-        _COMPILED["fn"] = torch.compile(token_statistics, fullgraph=True, dynamic=None, options=options)
+        compiled = torch.compile(token_statistics, fullgraph=True, dynamic=None, options=options)
+
+        def run(*args: Any) -> Stats:
+            # One graph per combination of statistic groups and capacity (constants of the graph), and per
+            # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return compiled(*args)
+
+        _COMPILED["fn"] = run
     return _COMPILED["fn"]
 
 
-# Statistic groups beyond the core that every metric reads: the probability statistics (two of the
-# three exps per token) and the top-1% histogram. A metric names the groups it reads; a collection asks
-# for the union before its members update, so one kernel call serves them all.
+# The shared pre-computation of this module, as named in BatchView requests. Its needs beyond the core that
+# every mismatch metric reads: "prob" (the probability statistics: two of the three exps per token), "hist"
+# (the top-1% histogram), ("rounds", capacity) (the per-round sums) and ("settings", clamp, veto, bins) (the
+# settings the members of a collection use, so that the per-round metric, which has none, shares their call).
+# Members ask for theirs before any member updates (OPBCMetric.request_shared); the kernel computes the union.
+TOKEN_STATISTICS = "token_statistics"
 STATISTIC_GROUPS = frozenset({"prob", "hist"})
 
 
-def request_statistic_groups(view: BatchView, groups: frozenset[str] | set[str]) -> None:
-    """Record on ``view`` the groups every metric sharing it reads (call before the first update)."""
-    view._cached("mismatch_statistic_groups", lambda: frozenset(groups))
+def rounds_need(capacity: int) -> tuple[str, int]:
+    """The request for the per-round sums with ``capacity`` tracked rounds."""
+    return ("rounds", capacity)
+
+
+def settings_need(clamp: float, veto: float, bins: int) -> tuple[str, float, float, int]:
+    """The request naming the settings a mismatch metric computes the statistics with."""
+    return ("settings", float(clamp), float(veto), int(bins))
 
 
 def check_bins(bins: Any) -> int:
@@ -511,24 +753,36 @@ def batch_statistics(
     veto: float = DEFAULT_VETO,
     bins: int = DEFAULT_TOP_MASS_BINS,
     compiled: bool = False,
-    groups: frozenset[str] = STATISTIC_GROUPS,
+    groups: frozenset[Any] = STATISTIC_GROUPS,
 ) -> Stats:
     """:func:`token_statistics` of a view, computed once per settings and shared by all metrics.
 
-    ``groups`` (a subset of :data:`STATISTIC_GROUPS`) is what the caller reads; the view's requested
-    groups (:func:`request_statistic_groups`) are added, so metrics of one collection share one call.
+    ``groups`` is what the caller reads (``"prob"``, ``"hist"``, :func:`rounds_need`); the needs the view's
+    users requested (:meth:`~opbc_metrics.batch.BatchView.request` of :data:`TOKEN_STATISTICS`) are added, so
+    the metrics of one collection share one call. Per-round sums come for the largest capacity asked for.
+    Compiled when ``compiled`` or the view asks for it (:attr:`~opbc_metrics.batch.BatchView.compiled`).
     """
-    groups = frozenset(groups) | view._cached("mismatch_statistic_groups", frozenset)
+    needs = frozenset(groups) | view.requested(TOKEN_STATISTICS)
     check_bins(bins)
+    prob, hist = "prob" in needs, "hist" in needs
+    rounds = max((n[1] for n in needs if isinstance(n, tuple) and n[0] == "rounds"), default=0)
+    compiled = compiled or view.compiled
 
     def make() -> Stats:
         trainer, rollout, mask = view.token_inputs
         if trainer.numel() == 0:  # shape metadata, not data: no sync
-            return _empty_statistics(bins, trainer.device)
+            return _empty_statistics(bins, trainer.device, rounds)
         fn = compiled_token_statistics() if compiled else token_statistics
-        return fn(trainer, rollout, mask, float(clamp), float(veto), int(bins), "prob" in groups, "hist" in groups)
+        return fn(trainer, rollout, mask, float(clamp), float(veto), int(bins), prob, hist, rounds)
 
-    return view._cached(("mismatch_statistics", float(clamp), float(veto), int(bins), groups), make)
+    return view.shared((TOKEN_STATISTICS, float(clamp), float(veto), int(bins), prob, hist, rounds), make)
+
+
+def shared_settings(view: BatchView) -> tuple[float, float, int]:
+    """The (clamp, veto, bins) of the statistics the view's users requested, else the defaults: a reader
+    of setting-free statistics (the per-round sums) then shares their kernel call."""
+    requested = sorted(n[1:] for n in view.requested(TOKEN_STATISTICS) if isinstance(n, tuple) and n[0] == "settings")
+    return requested[0] if requested else (DEFAULT_CLAMP, DEFAULT_VETO, DEFAULT_TOP_MASS_BINS)
 
 
 def _pick(stats: Stats, *names: str) -> Stats:

@@ -20,10 +20,11 @@ The keys and their meaning follow verl's per-round debug metrics (verl PR #5229,
   no round has one. ``per_round/max_diff_value``: that mean; 0 when there is none (verl leaves the key
   out then; a fixed key set needs a value).
 
-Rounds are found with tensor operations: a round starts where the mask is 1 and the previous token's
-is 0; the cumulative sum of the starts along the sequence gives each token its round index. Statistics
-go into a fixed ``capacity + 1`` buffer with ``index_add_``: rounds ``0 .. capacity - 1`` each get a
-bucket, rounds ``>= capacity`` share the last one (``per_round/overflow_abs_diff_mean``,
+Rounds are found in the mismatch kernel's sweep over the tokens (:func:`opbc_metrics.functional.mismatch.
+_round_sums`): a round starts where the mask is 1 and the previous token's is 0; its sums are differences of
+prefix sums at round starts, from per-chunk sums the kernel takes while the tokens are in cache. Statistics
+go into a fixed ``capacity + 1`` buffer: rounds ``0 .. capacity - 1`` each get a bucket, rounds ``>= capacity``
+share the last one (``per_round/overflow_abs_diff_mean``,
 ``per_round/overflow_token_count``). The overflow bucket competes in ``max_round_diff`` as index
 ``capacity``, read "a round >= capacity": raise ``capacity`` to resolve it. No Python loop over tokens,
 no host sync, a fixed state size.
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView, as_bool_mask
+from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
@@ -88,8 +90,8 @@ def check_capacity(capacity: int) -> int:
 def round_index(response_mask: Tensor) -> Tensor:
     """``[B, T]`` int64: the 0-based round of each response token, -1 outside rounds.
 
-    A round is a contiguous run of nonzero mask values. Vectorised: starts where the mask is on and
-    the previous token's is off, then a cumulative sum.
+    A round is a contiguous run of nonzero mask values: starts where the mask is on and the previous
+    token's is off, then a cumulative sum (the per-round statistics themselves never form this index).
 
     Example:
         >>> import torch
@@ -101,63 +103,33 @@ def round_index(response_mask: Tensor) -> Tensor:
         shape = tuple(response_mask.shape) if isinstance(response_mask, Tensor) else type(response_mask).__name__
         raise ValueError(f"batch field `response_mask` must be a [B, T] tensor, got {shape}")
     on = as_bool_mask(response_mask)
-    return _rounds_started(on, torch.int64).sub_(1).masked_fill_(~on, -1)
+    before = torch.nn.functional.pad(on[:, :-1], (1, 0))
+    return torch.cumsum(on & ~before, dim=1).sub_(1).masked_fill_(~on, -1)
 
 
-def _rounds_started(on: Tensor, dtype: torch.dtype) -> Tensor:
-    """``[B, T]``: rounds started up to and including each token of a bool ``[B, T]`` mask (non-decreasing)."""
-    b, t = on.shape
-    before = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=on.device), on], dim=1)[:, :t]
-    return torch.cumsum(on & ~before, dim=1, dtype=dtype)
+def request_rounds(view: BatchView, capacity: int) -> None:
+    """Ask the view's shared mismatch kernel for the per-round sums of ``capacity`` rounds."""
+    view.request(M.TOKEN_STATISTICS, M.rounds_need(capacity))
 
 
-# The update goes through the batch in chunks of about this many tokens, so that its [B, T]-sized
-# temporaries stay a few MiB whatever the batch (measured at 256 x 8192: 76 MiB peak extra memory for the
-# whole batch at once).
-_CHUNK_TOKENS = 1 << 18
+def _per_round_update(view: BatchView, capacity: int, compiled: bool = False) -> Stats:
+    """The per-round sums of one batch, from the mismatch kernel's shared call (:func:`M._round_sums`).
 
-
-def _per_round_update(view: BatchView, capacity: int) -> Stats:
-    """Per-round sums as segment sums: no scatter, whose per-token read-modify-write costs ~3 ns on CPU.
-
-    Within a sequence, the number of rounds started so far is non-decreasing, so the tokens of round ``i``
-    (and the gap after it, whose values are 0) are one contiguous segment; ``searchsorted`` finds where
-    each segment ends, ``segment_reduce`` sums |r| per segment in float64, and the counts are cumulative
-    counts read at the segment ends. Rounds from ``capacity`` on share one segment (the overflow).
+    The kernel finds the rounds in the same sweep as the mismatch statistics; a collection asks for both
+    before its members update, so one call serves them. With a larger capacity requested by another
+    reader, rounds ``>= capacity`` are folded into this capacity's overflow bucket.
     """
-    trainer, rollout, mask = view.token_inputs
-    b, t = mask.shape
-    device, f64, i32 = mask.device, torch.float64, torch.int32
-    k = capacity + 2  # segments per sequence: before the first round, rounds 0 .. capacity - 1, overflow
-    sum_abs = torch.zeros(k, dtype=f64, device=device)
-    counts = torch.zeros(2, k, dtype=torch.int64, device=device)  # valid tokens, response tokens
-    per_seq = torch.zeros(b, dtype=i32, device=device)  # rounds per sequence
-    segment_ids = torch.arange(-1, capacity + 1, dtype=i32, device=device)
-    rows = max(1, _CHUNK_TOKENS // max(t, 1))
-    for lo in range(0, b if t else 0, rows):
-        hi = min(b, lo + rows)
-        m, n = mask[lo:hi], hi - lo
-        zero_column = torch.zeros((n, 1), dtype=torch.int64, device=device)
-        started = _rounds_started(m, i32)
-        per_seq[lo:hi] = started[:, -1]
-        segment = started.sub_(1).clamp_(max=capacity).contiguous()  # -1 before the first round; non-decreasing
-        ends = torch.searchsorted(segment, segment_ids.expand(n, k).contiguous(), right=True)  # [n, k]
-        lengths = torch.diff(ends, dim=1, prepend=zero_column).reshape(-1)
-        d = trainer[lo:hi] - rollout[lo:hi]
-        valid = m & (d - d == 0)  # d - d is NaN where d is not finite
-        abs_r = torch.where(valid, d, 0.0).abs_().to(f64).reshape(-1)  # inputs may be strided
-        sum_abs += torch.segment_reduce(abs_r, "sum", lengths=lengths, unsafe=True).view(n, k).sum(0)
-        last, nonempty = (ends - 1).clamp_(min=0), ends > 0
-        for row, flags in zip(counts, (valid, m)):
-            cumulative = torch.cumsum(flags, dim=1, dtype=i32).gather(1, last) * nonempty
-            row += torch.diff(cumulative, dim=1, prepend=zero_column).sum(0)
-    most = per_seq.amax() if b else torch.full((), float("-inf"), dtype=f64, device=device)
-    counts = counts.to(f64)
+    clamp, veto, bins = M.shared_settings(view)
+    stats = M.batch_statistics(view, clamp, veto, bins, compiled, frozenset({M.rounds_need(capacity)}))
+
+    def fold(sums: Tensor) -> Tensor:
+        return torch.cat([sums[:capacity], sums[capacity:].sum(0, keepdim=True)])
+
     return {
-        "sum_abs": sum_abs[1:],  # the segment before the first round holds no response token
-        "valid_count": counts[0, 1:],
-        "token_count": counts[1, 1:],
-        "max_rounds": most.to(f64),
+        "sum_abs": fold(stats["round_sum_abs"]),
+        "valid_count": fold(stats["round_valid"]),
+        "token_count": fold(stats["round_tokens"]),
+        "max_rounds": stats["max_rounds"],
     }
 
 

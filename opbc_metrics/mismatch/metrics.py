@@ -37,7 +37,6 @@ class _MismatchMetric(OPBCMetric):
     that computation a metric reads (probabilities, the histogram): a metric used alone skips the rest.
     """
 
-    section = "mismatch"
     required_fields = _TOKEN_FIELDS
     data_counts = ("count", "n", "bin_count")  # valid tokens (sequences for sequence metrics)
 
@@ -56,6 +55,12 @@ class _MismatchMetric(OPBCMetric):
         self.compiled = bool(compiled)
         # The optional statistic groups this metric reads (F.STATISTIC_GROUPS): only the core by default.
         self.statistic_groups: frozenset[str] = frozenset()
+
+    def request_shared(self, view: BatchView) -> None:
+        """Ask for the statistic groups this metric reads and the settings it reads them with."""
+        view.request(
+            F.TOKEN_STATISTICS, F.settings_need(self.clamp, self.veto, self.top_mass_bins), *self.statistic_groups
+        )
 
     def _stats(self, view: BatchView) -> F.Stats:
         """The section's fused statistics of this batch, shared through the view's cache."""

@@ -175,9 +175,6 @@ MOE_METRICS: tuple[type[_RouterMetric], ...] = (RouterFlipRate, RouterSetDisagre
 
 
 def moe_section(
-    clamp: float = 0.0,
-    veto: float = 0.0,
-    top_mass_bins: int = 0,
     num_layers: int | None = None,
     top_k: int | None = None,
     num_experts: int | None = None,
@@ -185,7 +182,7 @@ def moe_section(
 ) -> list[OPBCMetric]:
     """The ``moe`` section of :class:`~opbc_metrics.collection.OPBCCollection`: both router metrics.
 
-    The mismatch settings (``clamp``, ``veto``, ``top_mass_bins``) do not apply. ``num_layers``,
+    ``num_layers``,
     ``top_k`` and ``num_experts`` come from ``OPBCCollection(section_options={"moe": {...}})``.
     """
     return [

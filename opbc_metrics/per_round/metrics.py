@@ -34,8 +34,12 @@ class PerRoundMismatch(OPBCMetric):
     ``compute`` from the synced sums, so the values are exact over DDP. Non-finite tokens stay in their
     round's ``token_count`` but not in its mean (see :mod:`opbc_metrics.functional.per_round`).
 
+    The sums come out of the mismatch kernel's sweep over the tokens (:mod:`opbc_metrics.functional.mismatch`):
+    in a collection, the same call that computes the mismatch statistics.
+
     Args:
         capacity: rounds with their own keys (16).
+        compiled: run the kernel under ``torch.compile`` (a collection's ``compiled`` option does it for all).
         kwargs: torchmetrics ``Metric`` arguments.
 
     Example:
@@ -53,7 +57,6 @@ class PerRoundMismatch(OPBCMetric):
 
     keys = F.per_round_keys(F.DEFAULT_ROUND_CAPACITY)
     data_counts = ("valid_count",)
-    section = "per_round"
     required_fields = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
     higher_is_better = False
     glossary = GlossaryEntry(
@@ -71,9 +74,10 @@ class PerRoundMismatch(OPBCMetric):
         aliases=("per-round mismatch", "per_round", "round_abs_diff_mean"),
     )
 
-    def __init__(self, capacity: int = F.DEFAULT_ROUND_CAPACITY, **kwargs: Any) -> None:
+    def __init__(self, capacity: int = F.DEFAULT_ROUND_CAPACITY, compiled: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.capacity = F.check_capacity(capacity)
+        self.compiled = bool(compiled)
         self.keys = F.per_round_keys(self.capacity)
         for name in ("sum_abs", "valid_count", "token_count"):
             self.add_sum(name, (self.capacity + 1,))
@@ -84,8 +88,12 @@ class PerRoundMismatch(OPBCMetric):
         optional ``response_mask`` [B, T] (all ones when absent)."""
         super().update(batch, **fields)
 
+    def request_shared(self, view: BatchView) -> None:
+        """Ask the shared mismatch kernel for the per-round sums."""
+        F.request_rounds(view, self.capacity)
+
     def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._per_round_update(view, self.capacity))
+        self.accumulate(**F._per_round_update(view, self.capacity, self.compiled))
 
     def compute(self) -> dict[str, Tensor]:
         out = F._per_round_compute(self.sum_abs, self.valid_count, self.token_count, self.max_rounds)
@@ -95,7 +103,7 @@ class PerRoundMismatch(OPBCMetric):
 PER_ROUND_METRICS: tuple[type[PerRoundMismatch], ...] = (PerRoundMismatch,)
 
 
-def per_round_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+def per_round_section(**kwargs: Any) -> list[OPBCMetric]:
     """The ``per_round`` section of :class:`~opbc_metrics.collection.OPBCCollection`: one
-    :class:`PerRoundMismatch` with the default capacity (the mismatch settings do not apply)."""
+    :class:`PerRoundMismatch` (options: ``capacity``, default 16)."""
     return [PerRoundMismatch(**kwargs)]

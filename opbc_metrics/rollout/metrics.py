@@ -795,8 +795,8 @@ def rollout_metrics(
     return out
 
 
-def rollout_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
-    """The ``"rollout"`` factory of :data:`opbc_metrics.collection.SECTIONS` (mismatch settings are ignored)."""
+def rollout_section(**kwargs: Any) -> list[OPBCMetric]:
+    """The ``"rollout"`` factory of :data:`opbc_metrics.collection.SECTIONS`."""
     return rollout_metrics(**kwargs)
 
 

@@ -176,9 +176,9 @@ def training_metrics(
     return out
 
 
-def training_section(clamp: float = 0.0, veto: float = 0.0, top_mass_bins: int = 0, **kwargs: Any) -> list[OPBCMetric]:
+def training_section(**kwargs: Any) -> list[OPBCMetric]:
     """The ``training`` section of :class:`~opbc_metrics.collection.OPBCCollection`: :func:`training_metrics`
-    with ``kwargs`` (the mismatch settings do not apply). Give its settings through ``section_options``, e.g.
+    with ``kwargs``. Give its settings through ``section_options``, e.g.
     ``OPBCCollection(sections=["mismatch", "training"], section_options={"training": {"max_response_length":
     4096}})``, or build the list yourself and pass ``metrics=``."""
     return training_metrics(**kwargs)

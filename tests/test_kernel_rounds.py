@@ -1,0 +1,154 @@
+"""The per-round statistics come out of the mismatch kernel's call: one call per batch for a collection,
+the same sums eager and compiled, on long rows with many short rounds, and the view's request API."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from opbc_metrics import OPBCCollection, PerRoundMismatch
+from opbc_metrics.batch import BatchView, valid_tokens
+from opbc_metrics.functional import mismatch as fm
+from opbc_metrics.functional.per_round import _per_round_update
+from tests.test_per_round import _assert_close, _numpy, _values, multi_turn_batch, per_round_reference
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _short_rounds(batch: int, seq: int, seed: int, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    """Rows longer than several chunks with rounds of 1-5 tokens: many starts per chunk, starts at chunk edges."""
+    return multi_turn_batch(batch=batch, seq=seq, seed=seed, p_switch=0.45, dtype=dtype)
+
+
+@pytest.mark.parametrize("seq", [31, 32, 33, 97, 300])
+def test_kernel_round_sums_match_the_reference_on_long_rows(seq):
+    b = _short_rounds(5, seq, seed=seq)
+    b["trainer_logprobs"][1, seq // 2] = float("nan")
+    for capacity in (2, 40):
+        got = _values(PerRoundMismatch(capacity=capacity), b)
+        _assert_close(got, per_round_reference(*_numpy(b), capacity=capacity))
+
+
+def test_collection_makes_one_kernel_call_for_mismatch_and_per_round(monkeypatch):
+    calls = []
+    kernel = fm._blocked_token_statistics
+
+    def counting(*args):
+        calls.append(args[6:])  # (prob, hist, rounds)
+        return kernel(*args)
+
+    monkeypatch.setattr(fm, "_blocked_token_statistics", counting)
+    b = multi_turn_batch(seed=3)
+    collection = OPBCCollection(sections=["mismatch", "per_round"], section_options={"per_round": {"capacity": 4}})
+    collection.update(b)
+    assert calls == [(True, True, 4)]
+    out = collection.compute()
+    calls.clear()
+    alone = PerRoundMismatch(capacity=4)
+    alone.update(b)
+    assert calls == [(False, False, 4)]  # alone: the core and the rounds only
+    for key, value in alone.compute().items():
+        assert torch.equal(value, out[key]), key
+
+
+def test_two_capacities_share_one_call_and_fold_the_overflow(monkeypatch):
+    calls = []
+    kernel = fm._blocked_token_statistics
+    monkeypatch.setattr(fm, "_blocked_token_statistics", lambda *a: calls.append(a[8]) or kernel(*a))
+    b = _short_rounds(4, 60, seed=2)
+    small, large = PerRoundMismatch(capacity=2), PerRoundMismatch(capacity=9)
+    view = BatchView(b)
+    for m in (small, large):
+        m.request_shared(view)
+    for m in (small, large):
+        m.update(view)
+    assert calls == [9]
+    for m, capacity in ((small, 2), (large, 9)):
+        _assert_close(_values(m), per_round_reference(*_numpy(b), capacity=capacity))
+
+
+@pytest.mark.parametrize("shape", [(4, 200), (3, 256), (2, 1000)])
+def test_compiled_round_sums_equal_eager(shape):
+    b = _short_rounds(*shape, seed=shape[1], dtype=torch.float32)
+    b["rollout_logprobs"][0, 5] = float("-inf")
+    args = (b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool(), 20.0, 30.0, 64, True, True, 6)
+    eager = fm.token_statistics(*args)
+    compiled = fm.compiled_token_statistics()(*args)
+    for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-6, atol=1e-6, msg=key)
+    ref = per_round_reference(*_numpy(b), capacity=6)
+    assert eager["round_tokens"].tolist() == [ref[f"per_round/round_{i}_token_count"] for i in range(6)] + [
+        ref["per_round/overflow_token_count"]]
+
+
+def test_compiled_collection_per_round_matches_the_reference():
+    b = _short_rounds(3, 130, seed=9, dtype=torch.float32)
+    metrics = OPBCCollection(sections=["mismatch", "per_round"], compiled=True)
+    metrics.update(b)
+    got = {k: v.item() for k, v in metrics.compute().items() if k.startswith("per_round/")}
+    _assert_close(got, per_round_reference(*_numpy(b)), rel=2e-6, abs_tol=1e-6)
+
+
+def test_view_requests_are_public_and_generic():
+    view = BatchView(multi_turn_batch(seed=1))
+    assert view.requested(fm.TOKEN_STATISTICS) == frozenset()
+    PerRoundMismatch(capacity=3).request_shared(view)
+    fm_metric = OPBCCollection(sections=["mismatch"]).members()[0]
+    fm_metric.request_shared(view)
+    needs = view.requested(fm.TOKEN_STATISTICS)
+    assert fm.rounds_need(3) in needs and fm.settings_need(20.0, 30.0, fm.DEFAULT_TOP_MASS_BINS) in needs
+    assert view.shared("key", lambda: 1) == 1 and view.shared("key", lambda: 2) == 1
+
+
+def test_section_factories_take_only_their_own_options():
+    from opbc_metrics.collection import SECTIONS
+
+    for name, factory in SECTIONS.items():
+        if name == "mismatch":
+            continue
+        with pytest.raises((TypeError, ValueError)):  # refused, not silently ignored
+            factory(clamp=20.0)
+
+
+def test_valid_tokens_is_the_rule_of_every_path():
+    d = torch.tensor([[0.5, float("nan"), float("inf"), -1.0, 3e38]])
+    mask = torch.tensor([[True, True, True, False, True]])
+    np.testing.assert_array_equal(valid_tokens(d, mask).numpy(), [[True, False, False, False, True]])
+    trainer = torch.tensor([[-1.0, float("nan"), -1.0, -2.0, -3.0e38]])
+    rollout = trainer - d
+    view = BatchView(trainer_logprobs=trainer, rollout_logprobs=rollout, response_mask=mask)
+    assert torch.equal(view.valid, valid_tokens(trainer - rollout, mask))
+    stats = fm.token_statistics(trainer, rollout, mask, 20.0, 30.0, 16, True, True, 2)
+    assert stats["n"].item() == valid_tokens(trainer - rollout, mask).sum().item()
+
+
+def test_row_layout_checks_adjacency():
+    layout = fm._RowLayout("a", "b", "c")
+    assert layout.span("b", "c") == slice(1, 3)
+    with pytest.raises(AssertionError):
+        layout.span("a", "c")
+    assert fm._PRODUCT_POSITIONS == (0, 3, 1, 7, 4, 5)
+
+
+def test_per_round_update_under_a_larger_request_folds():
+    b = _short_rounds(3, 70, seed=4)
+    view = BatchView(b)
+    view.request(fm.TOKEN_STATISTICS, fm.rounds_need(12))
+    folded = _per_round_update(view, 3)
+    direct = _per_round_update(BatchView(b), 3)
+    for key in direct:
+        torch.testing.assert_close(folded[key], direct[key], rtol=1e-13, atol=0.0)
+
+
+def test_compiled_collections_of_several_sections_and_shapes_do_not_hit_the_recompile_limit():
+    """Each (groups, capacity) combination is a graph of its own: more than dynamo's default 8 per function."""
+    for b, t in [(4, 64), (6, 64), (4, 96), (3, 40), (5, 33)]:
+        x = _short_rounds(b, t, seed=t, dtype=torch.float32)
+        for sections in (["mismatch", "per_round"], ["mismatch"], ["per_round"]):
+            OPBCCollection(sections=sections, compiled=True).update(x)
