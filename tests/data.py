@@ -459,3 +459,10 @@ def grouped_batch(batch: int = 8, seq: int = 12, seed: int = 0, **kwargs) -> dic
     b["group_ids"] = torch.randint(0, 4, (batch,), generator=g) * 1000 + seed
     b["policy_lag"] = torch.randint(0, 10, (batch,), generator=g)
     return b
+
+
+def metric_values(metric, *batches) -> dict:
+    """Update ``metric`` with ``batches``, then its computed keys as floats."""
+    for b in batches:
+        metric.update(b)
+    return {k: v.item() for k, v in metric.compute_dict().items()}

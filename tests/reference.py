@@ -584,3 +584,12 @@ def zero_advantage_reference(rewards, group_ids, advantages=None) -> list[bool]:
         else:
             out.append(len({float(r[i]) for i in members}) == 1)
     return out
+
+
+def assert_rounds_close(got, want, rel=1e-12, abs_tol=1e-12):
+    """Per-round keys against :func:`per_round_reference`: keys of rounds that never occurred are left out of
+    ``got``; the reference reads 0 for them."""
+    assert set(got) <= set(want), set(got) - set(want)
+    assert all(want[key] == 0 for key in set(want) - set(got)), set(want) - set(got)
+    for key, value in ((k, want[k]) for k in got):
+        assert math.isclose(got[key], value, rel_tol=rel, abs_tol=abs_tol), (key, got[key], value)

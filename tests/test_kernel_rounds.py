@@ -11,7 +11,8 @@ from opbc_metrics import OPBCCollection, PerRoundMismatch
 from opbc_metrics.batch import BatchView, valid_tokens
 from opbc_metrics.functional import mismatch as fm
 from opbc_metrics.functional.per_round import _per_round_update
-from tests.test_per_round import _assert_close, _numpy, _values, multi_turn_batch, per_round_reference
+from tests.data import logprobs_numpy, metric_values, multi_turn_batch
+from tests.reference import assert_rounds_close, per_round_reference
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +32,8 @@ def test_kernel_round_sums_match_the_reference_on_long_rows(seq):
     b = _short_rounds(5, seq, seed=seq)
     b["trainer_logprobs"][1, seq // 2] = float("nan")
     for capacity in (2, 40):
-        got = _values(PerRoundMismatch(capacity=capacity), b)
-        _assert_close(got, per_round_reference(*_numpy(b), capacity=capacity))
+        got = metric_values(PerRoundMismatch(capacity=capacity), b)
+        assert_rounds_close(got, per_round_reference(*logprobs_numpy(b), capacity=capacity))
 
 
 def test_collection_makes_one_kernel_call_for_mismatch_and_per_round(monkeypatch):
@@ -70,7 +71,7 @@ def test_two_capacities_share_one_call_and_fold_the_overflow(monkeypatch):
         m.update(view)
     assert calls == [9]
     for m, capacity in ((small, 2), (large, 9)):
-        _assert_close(_values(m), per_round_reference(*_numpy(b), capacity=capacity))
+        assert_rounds_close(metric_values(m), per_round_reference(*logprobs_numpy(b), capacity=capacity))
 
 
 @pytest.mark.parametrize("shape", [(4, 200), (3, 256), (2, 1000)])
@@ -82,7 +83,7 @@ def test_compiled_round_sums_equal_eager(shape):
     compiled = fm.compiled_token_statistics()(*args)
     for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-6, atol=1e-6, msg=key)
-    ref = per_round_reference(*_numpy(b), capacity=6)
+    ref = per_round_reference(*logprobs_numpy(b), capacity=6)
     assert eager["round_tokens"].tolist() == [ref[f"per_round/round_{i}_token_count"] for i in range(6)] + [
         ref["per_round/overflow_token_count"]]
 
@@ -92,7 +93,7 @@ def test_compiled_collection_per_round_matches_the_reference():
     metrics = OPBCCollection(sections=["mismatch", "per_round"], compiled=True)
     metrics.update(b)
     got = {k: v.item() for k, v in metrics.compute().items() if k.startswith("per_round/")}
-    _assert_close(got, per_round_reference(*_numpy(b)), rel=2e-6, abs_tol=1e-6)
+    assert_rounds_close(got, per_round_reference(*logprobs_numpy(b)), rel=2e-6, abs_tol=1e-6)
 
 
 def test_view_requests_are_public_and_generic():

@@ -15,22 +15,8 @@ from opbc_metrics import functional as F
 from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional.per_round import DEFAULT_ROUND_CAPACITY, per_round_keys
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import concat_batches, logprobs_numpy, multi_turn_batch, round_batches
-from tests.reference import P, per_round_reference
-
-
-def _values(metric, *batches):
-    for b in batches:
-        metric.update(b)
-    return {k: v.item() for k, v in metric.compute_dict().items()}
-
-
-def _assert_close(got, want, rel=1e-12, abs_tol=1e-12):
-    # Keys of rounds that never occurred are left out; the reference reads 0 for them.
-    assert set(got) <= set(want), set(got) - set(want)
-    assert all(want[key] == 0 for key in set(want) - set(got)), set(want) - set(got)
-    for key, value in ((k, want[k]) for k in got):
-        assert math.isclose(got[key], value, rel_tol=rel, abs_tol=abs_tol), (key, got[key], value)
+from tests.data import concat_batches, logprobs_numpy, metric_values, multi_turn_batch, round_batches
+from tests.reference import P, assert_rounds_close, per_round_reference
 
 
 # --- reference comparisons --------------------------------------------------------------------------
@@ -38,10 +24,10 @@ def _assert_close(got, want, rel=1e-12, abs_tol=1e-12):
 @pytest.mark.parametrize("seed", range(3))
 def test_matches_reference(capacity, seed):
     batches = [multi_turn_batch(seed=10 * seed + i, batch=3 + i, seq=20 + 10 * i) for i in range(3)]
-    got = _values(PerRoundMismatch(capacity=capacity), *batches)
+    got = metric_values(PerRoundMismatch(capacity=capacity), *batches)
     want = per_round_reference(*logprobs_numpy(concat_batches(batches)), capacity=capacity)
     assert want[P + "total_rounds"] >= 3
-    _assert_close(got, want)
+    assert_rounds_close(got, want)
     rounds = int(want[P + "total_rounds"])
     present = [k for k in per_round_keys(capacity) if "overflow" not in k or rounds > capacity]
     present = [k for k in present if not k.startswith(P + "round_") or int(k.split("_")[2]) < rounds]
@@ -52,7 +38,7 @@ def test_worst_round_in_overflow_reports_the_capacity_index():
     b = multi_turn_batch(seed=4, drift=0.5)
     want = per_round_reference(*logprobs_numpy(b), capacity=2)
     assert want[P + "max_round_diff"] == 2.0  # drift grows with the round: the pooled deep rounds win
-    _assert_close(_values(PerRoundMismatch(capacity=2), b), want)
+    assert_rounds_close(metric_values(PerRoundMismatch(capacity=2), b), want)
 
 
 def test_verl_docstring_example():
@@ -71,7 +57,8 @@ def test_verl_docstring_example():
 
 def test_float32_inputs():
     b = multi_turn_batch(seed=5, dtype=torch.float32)
-    _assert_close(_values(PerRoundMismatch(), b), per_round_reference(*logprobs_numpy(b)), rel=2e-6, abs_tol=1e-6)
+    want = per_round_reference(*logprobs_numpy(b))
+    assert_rounds_close(metric_values(PerRoundMismatch(), b), want, rel=2e-6, abs_tol=1e-6)
 
 
 def test_nonfinite_tokens_stay_in_their_round_but_not_in_its_mean():
@@ -81,11 +68,11 @@ def test_nonfinite_tokens_stay_in_their_round_but_not_in_its_mean():
     b["rollout_logprobs"][row, cols[0]] = float("-inf")
     b["trainer_logprobs"][row, cols[-1]] = float("nan")
     b["rollout_logprobs"][0, :] = torch.where(b["response_mask"][0] == 0, float("nan"), b["rollout_logprobs"][0])
-    got = _values(PerRoundMismatch(), b)
+    got = metric_values(PerRoundMismatch(), b)
     want = per_round_reference(*logprobs_numpy(b))
-    _assert_close(got, want)
+    assert_rounds_close(got, want)
     assert all(math.isfinite(v) for v in got.values())
-    clean = _values(PerRoundMismatch(), multi_turn_batch(seed=6))
+    clean = metric_values(PerRoundMismatch(), multi_turn_batch(seed=6))
     assert _counts(got) == _counts(clean) and got[P + "total_rounds"] == clean[P + "total_rounds"]
     assert got[P + "round_1_abs_diff_mean"] != clean[P + "round_1_abs_diff_mean"]
 
@@ -102,12 +89,13 @@ def test_all_nonfinite_round_does_not_compete():
 def test_empty_window_and_missing_mask():
     b = multi_turn_batch(seed=7)
     # No valid token in the window: no keys (not a made-up "no mismatch").
-    assert _values(PerRoundMismatch(capacity=2), dict(b, response_mask=torch.zeros_like(b["response_mask"]))) == {}
-    assert _values(PerRoundMismatch(capacity=2)) == {}  # no update at all
-    no_mask = _values(PerRoundMismatch(capacity=2), {k: v for k, v in b.items() if k != "response_mask"})
+    empty = dict(b, response_mask=torch.zeros_like(b["response_mask"]))
+    assert metric_values(PerRoundMismatch(capacity=2), empty) == {}
+    assert metric_values(PerRoundMismatch(capacity=2)) == {}  # no update at all
+    no_mask = metric_values(PerRoundMismatch(capacity=2), {k: v for k, v in b.items() if k != "response_mask"})
     assert no_mask[P + "total_rounds"] == 1 and no_mask[P + "round_0_token_count"] == b["response_mask"].numel()
     t0 = {k: v[:, :0] for k, v in b.items()}
-    assert _values(PerRoundMismatch(capacity=2), t0) == {}
+    assert metric_values(PerRoundMismatch(capacity=2), t0) == {}
 
 
 # --- collection -------------------------------------------------------------------------------------
@@ -119,7 +107,7 @@ def test_default_collection_includes_per_round():
         metrics.update(b)
     out = {k: v.item() for k, v in metrics.compute().items()}
     want = per_round_reference(*logprobs_numpy(concat_batches(batches)))
-    _assert_close({k: v for k, v in out.items() if k.startswith(P)}, want)
+    assert_rounds_close({k: v for k, v in out.items() if k.startswith(P)}, want)
     assert len(metrics.keys_produced) == len(set(metrics.keys_produced))
     # Every key is there except those of the optional-input members (router, agent, endpoint), which saw
     # none of their fields, and those of rounds no sequence reached.
@@ -146,12 +134,12 @@ def _counts(out):
 
 @given(round_batches(), st.integers(1, 4))
 def test_property_matches_reference_and_counts_sum_to_the_mask(batch, capacity):
-    got = _values(PerRoundMismatch(capacity=capacity), batch)
+    got = metric_values(PerRoundMismatch(capacity=capacity), batch)
     valid = (batch["response_mask"] != 0) & torch.isfinite(batch["trainer_logprobs"] - batch["rollout_logprobs"])
     if not valid.any():  # no valid token: no keys
         assert got == {}
         return
-    _assert_close(got, per_round_reference(*logprobs_numpy(batch), capacity=capacity), rel=1e-9, abs_tol=1e-12)
+    assert_rounds_close(got, per_round_reference(*logprobs_numpy(batch), capacity=capacity), rel=1e-9, abs_tol=1e-12)
     assert sum(_counts(got)) == (batch["response_mask"] != 0).sum().item()
     t = batch["response_mask"].shape[1]
     assert 0 <= got[P + "total_rounds"] <= (t + 1) // 2
@@ -165,7 +153,7 @@ def test_property_matches_reference_and_counts_sum_to_the_mask(batch, capacity):
 @given(round_batches())
 def test_equal_logprobs_give_zero_mismatch(batch):
     batch = dict(batch, rollout_logprobs=batch["trainer_logprobs"].clone())
-    got = _values(PerRoundMismatch(capacity=3), batch)
+    got = metric_values(PerRoundMismatch(capacity=3), batch)
     if not got:  # no valid token
         return
     assert all(v == 0.0 for k, v in got.items() if k.endswith("_abs_diff_mean"))
