@@ -746,7 +746,7 @@ def test_non_finite_trainer_scalar_tensors_are_counted_not_averaged(cls, field):
     with assert_no_host_sync():
         metric.update({field: torch.tensor([1.0, float("nan"), 3.0])})
         metric.update({field: torch.tensor(2.0)})
-    with pytest.raises(ValueError, match=rf"`{field}`.* 1 non-finite"):
+    with pytest.raises(ValueError, match=rf"`{field}`.* held 1 invalid value\(s\) \(non-finite"):
         metric.compute()
     clean = cls()
     clean.update({field: torch.tensor([1.0, 3.0])})
@@ -907,7 +907,7 @@ def test_non_finite_validation_values_are_counted(cls, field):
     metric = cls(["a"], n_samples=2)
     with assert_no_host_sync():
         metric.update({field: torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), "data_sources": "a"})
-    with pytest.raises(ValueError, match=rf"`{field}` had 1 non-finite"):
+    with pytest.raises(ValueError, match=rf"`{field}` held 1 invalid value\(s\) \(non-finite"):
         metric.compute()
     masked = cls(["a"], n_samples=2)  # under val_mask = 0 the value is not a sample: no error
     masked.update({field: torch.tensor([[1.0, float("nan")]]), "data_sources": "a",
