@@ -32,7 +32,7 @@ def _mismatch_section(**kwargs: Any) -> list[OPBCMetric]:
 # dense model's run shows no MoE keys and a run without trajectories no agent keys.
 SECTIONS: dict[str, Callable[..., list[OPBCMetric]]] = {"mismatch": _mismatch_section}
 # moe: router members (expert ids or router logits); section_options {"num_layers": None, "top_k": None,
-# "num_experts": None} (num_experts: the exact bitmask path of the top-K set comparison, several times faster).
+# "num_experts": None} (num_experts: compares the top-K sets in the narrowest integer dtype that holds the ids).
 SECTIONS["moe"] = moe_section
 # per_round: needs only the core logprob fields; section_options {"capacity": 16}.
 SECTIONS["per_round"] = per_round_section

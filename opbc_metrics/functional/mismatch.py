@@ -56,7 +56,6 @@ PPL_LOG_CAP = 600.0
 PROB_LOG_FLOOR = -80.0
 
 
-
 def _view(trainer_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor | None) -> BatchView:
     return BatchView(
         trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask
@@ -812,11 +811,6 @@ def _centred_ess_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor
     return (1.0 - _safe_div(spread, count * (count + 2.0 * sum_u + sum_u2), 0.0)).clamp(0.0, 1.0)
 
 
-def _ess_compute(sum_w: Tensor, sum_w2: Tensor, count: Tensor) -> Tensor:
-    """ESS from raw sums of ``w`` and ``w^2`` (for callers that hold those)."""
-    return _centred_ess_compute(sum_w - count, sum_w2 - 2.0 * sum_w + count, count)
-
-
 def _stats(
     trainer_logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -878,16 +872,6 @@ def sequence_ess(
 
 def _weight_moments_update(stats: Stats) -> Stats:
     return _ess_update(stats)
-
-
-def _second_moment_compute(sum_w2: Tensor, count: Tensor, **_: Any) -> Tensor:
-    """``E[w^2]`` from the raw sum (for callers that hold it)."""
-    return _safe_div(sum_w2, count, 1.0)
-
-
-def _weight_mean_compute(sum_w: Tensor, count: Tensor, **_: Any) -> Tensor:
-    """``E[w]`` from the raw sum (for callers that hold it)."""
-    return _safe_div(sum_w, count, 1.0)
 
 
 def _centred_second_moment_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor:
