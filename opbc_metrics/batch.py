@@ -270,12 +270,11 @@ class BatchView:
             self._cache[key] = make()
         return self._cache[key]
 
-    _cached = shared
 
     @property
     def token_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(trainer, rollout, mask)``: validated, in the compute dtype, mask as bool ``[B, T]``."""
-        return self._cached("token_inputs", self._validate_token_inputs)
+        return self.shared("token_inputs", self._validate_token_inputs)
 
     def _validate_token_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
         trainer = self.tensor(TRAINER_LOGPROBS)
@@ -333,23 +332,23 @@ class BatchView:
     def finite(self) -> Tensor:
         """Both logprobs finite and their difference too (``r`` does not overflow the compute dtype)."""
         trainer, rollout, _ = self.token_inputs
-        return self._cached("finite", lambda: valid_tokens(trainer - rollout, torch.ones((), dtype=torch.bool)))
+        return self.shared("finite", lambda: valid_tokens(trainer - rollout, torch.ones((), dtype=torch.bool)))
 
     @property
     def valid(self) -> Tensor:
         """``[B, T]`` bool: response tokens with finite logprobs, the tokens every statistic uses."""
         trainer, rollout, mask = self.token_inputs
-        return self._cached("valid", lambda: valid_tokens(trainer - rollout, mask))
+        return self.shared("valid", lambda: valid_tokens(trainer - rollout, mask))
 
     @property
     def valid_f(self) -> Tensor:
         """:attr:`valid` in the compute dtype, for masked sums."""
-        return self._cached("valid_f", lambda: self.valid.to(self.dtype))
+        return self.shared("valid_f", lambda: self.valid.to(self.dtype))
 
     @property
     def num_valid(self) -> Tensor:
         """Number of valid tokens (0-dim tensor)."""
-        return self._cached("num_valid", lambda: self.valid_f.sum())
+        return self.shared("num_valid", lambda: self.valid_f.sum())
 
     @property
     def logprob_range(self) -> tuple[Tensor, Tensor]:
@@ -373,7 +372,7 @@ class BatchView:
             ranges = [torch.aminmax(torch.where(valid, x, zero)) for x in (trainer, rollout)]
             return torch.stack([r.min for r in ranges]), torch.stack([r.max for r in ranges])
 
-        return self._cached("logprob_range", make)
+        return self.shared("logprob_range", make)
 
     @property
     def log_ratio(self) -> Tensor:
@@ -383,26 +382,26 @@ class BatchView:
             trainer, rollout, _ = self.token_inputs
             return torch.where(self.valid, trainer - rollout, torch.zeros((), dtype=self.dtype, device=self.device))
 
-        return self._cached("log_ratio", make)
+        return self.shared("log_ratio", make)
 
     @property
     def abs_log_ratio(self) -> Tensor:
         """``|r|`` on valid tokens, 0 elsewhere."""
-        return self._cached("abs_log_ratio", lambda: self.log_ratio.abs())
+        return self.shared("abs_log_ratio", lambda: self.log_ratio.abs())
 
     def clamped_log_ratio(self, clamp: float) -> Tensor:
         """``clamp(r, -C, C)``, 0 on invalid tokens."""
-        return self._cached(("clamped", clamp), lambda: self.log_ratio.clamp(-clamp, clamp))
+        return self.shared(("clamped", clamp), lambda: self.log_ratio.clamp(-clamp, clamp))
 
     def weights(self, clamp: float) -> Tensor:
         """``w = exp(clamp(r, -C, C))`` on valid tokens, 0 elsewhere."""
-        return self._cached(("weights", clamp), lambda: self.clamped_log_ratio(clamp).exp() * self.valid_f)
+        return self.shared(("weights", clamp), lambda: self.clamped_log_ratio(clamp).exp() * self.valid_f)
 
     # -- sequences --------------------------------------------------------------------------
     @property
     def seq_lengths(self) -> Tensor:
         """``[B]`` valid tokens per sequence."""
-        return self._cached("seq_lengths", lambda: self.valid_f.sum(dim=1))
+        return self.shared("seq_lengths", lambda: self.valid_f.sum(dim=1))
 
     @property
     def seq_valid(self) -> Tensor:
@@ -412,29 +411,29 @@ class BatchView:
             has_bad = (self.token_inputs[2] & ~self.finite).any(dim=1)
             return (self.seq_lengths > 0) & ~has_bad
 
-        return self._cached("seq_valid", make)
+        return self.shared("seq_valid", make)
 
     @property
     def seq_valid_f(self) -> Tensor:
-        return self._cached("seq_valid_f", lambda: self.seq_valid.to(self.dtype))
+        return self.shared("seq_valid_f", lambda: self.seq_valid.to(self.dtype))
 
     @property
     def seq_log_ratio(self) -> Tensor:
         """``[B]`` float64 ``s_i = sum_t r_t``; 0 for sequences outside :attr:`seq_valid`."""
-        return self._cached(
+        return self.shared(
             "seq_log_ratio", lambda: self.log_ratio.sum(dim=1, dtype=torch.float64) * self.seq_valid_f
         )
 
     @property
     def seq_mean_log_ratio(self) -> Tensor:
         """``[B]`` ``s_i / n_i`` (length-normalised); 0 for sequences outside :attr:`seq_valid`."""
-        return self._cached(
+        return self.shared(
             "seq_mean_log_ratio", lambda: self.seq_log_ratio / self.seq_lengths.clamp_min(1.0)
         )
 
     def seq_weights(self, clamp: float) -> Tensor:
         """``[B]`` ``w_i = exp(clamp(s_i, -C, C))``; 0 for sequences outside :attr:`seq_valid`."""
-        return self._cached(
+        return self.shared(
             ("seq_weights", clamp), lambda: self.seq_log_ratio.clamp(-clamp, clamp).exp() * self.seq_valid_f
         )
 

@@ -312,7 +312,7 @@ def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
 
 def _agent_update(view: BatchView) -> Stats:
     """The statistics of one batch's ``trajectory_pairs``, computed once per BatchView and shared."""
-    return view._cached("agent/pair_stats", lambda: _pair_stats(trajectory_pairs(view.field(TRAJECTORY_PAIRS))))
+    return view.shared("agent/pair_stats", lambda: _pair_stats(trajectory_pairs(view.field(TRAJECTORY_PAIRS))))
 
 
 def _jaccard_compute(jaccard_sum: Tensor, pairs: Tensor) -> Tensor:

@@ -391,7 +391,7 @@ def _endpoint_update(view: BatchView) -> Stats:
         requests = view.data.get(ENDPOINT_REQUESTS)
         return _probe_stats(probe_responses(view.field(ENDPOINT_RESPONSES), requests))
 
-    return view._cached("endpoint/probe_stats", make)
+    return view.shared("endpoint/probe_stats", make)
 
 
 def _coverage_compute(hits: Tensor, responses: Tensor) -> Tensor:

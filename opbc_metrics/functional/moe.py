@@ -189,7 +189,7 @@ def router_inputs(view: BatchView, top_k: int | None = None) -> tuple[Tensor, Te
 
     Cached on the view, so every router metric of a collection resolves (and top-Ks) the inputs once.
     """
-    return view._cached(("moe_router_inputs", top_k), lambda: _resolve(view, top_k))
+    return view.shared(("moe_router_inputs", top_k), lambda: _resolve(view, top_k))
 
 
 def _resolve(view: BatchView, top_k: int | None) -> tuple[Tensor, Tensor, Tensor]:

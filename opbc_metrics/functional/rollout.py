@@ -214,7 +214,7 @@ def _per_sample(view: BatchView, name: str, reduce: str) -> tuple[Tensor, Tensor
             return x / n.clamp_min(1.0), (n > 0).to(F64)
         raise ValueError(f"batch field `{name}` must have shape [B] or [B, T], got {tuple(t.shape)}")
 
-    return view._cached(("rollout/per_sample", name, reduce), make)
+    return view.shared(("rollout/per_sample", name, reduce), make)
 
 
 def _finite(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -236,7 +236,7 @@ def _lengths(view: BatchView, name: str) -> tuple[Tensor, Tensor]:
         bad = ~torch.isfinite(x) | (x < 0)
         return torch.where(bad, 0.0, x), bad.to(F64).sum()
 
-    return view._cached(("rollout/lengths", name), make)
+    return view.shared(("rollout/lengths", name), make)
 
 
 def _ids_from_host(values: Any) -> Tensor:
@@ -276,7 +276,7 @@ def _group_ids(view: BatchView, ref_name: str, ref: Tensor) -> Tensor:
             f"batch field `{GROUP_IDS}` must be an integer tensor [B] or a list of hashable ids, got {type(g).__name__}"
         )
 
-    ids, from_host = view._cached("rollout/group_ids", make)
+    ids, from_host = view.shared("rollout/group_ids", make)
     if from_host:
         ids = ids.to(ref.device)
     if ids.shape[0] != ref.shape[0]:
@@ -330,7 +330,7 @@ def group_segments(group_ids: Tensor) -> GroupSegments:
 
 def _segments(view: BatchView, ref_name: str, ref: Tensor) -> GroupSegments:
     ids = _group_ids(view, ref_name, ref)
-    return view._cached(("rollout/segments", ids.device), lambda: group_segments(ids))
+    return view.shared(("rollout/segments", ids.device), lambda: group_segments(ids))
 
 
 def _sort_within_groups(segs: GroupSegments, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -776,7 +776,7 @@ def _code_tensor(
             return _host_codes(name, v, table, none_code, unknown_code, device)
         raise ValueError(f"batch field `{name}` must be an int tensor [B] or a list of strings, got {type(v).__name__}")
 
-    return view._cached(("rollout/codes", name), make)
+    return view.shared(("rollout/codes", name), make)
 
 
 def _stop_update(view: BatchView, length_code: int, device: torch.device | str = "cpu") -> Stats:
@@ -1056,7 +1056,7 @@ def _sample_matrix(view: BatchView, names: tuple[str, ...], device: torch.device
             f"mappings, got {type(raw).__name__}"
         )
 
-    return view._cached(("rollout/sample_metrics", names), make)
+    return view.shared(("rollout/sample_metrics", names), make)
 
 
 def _sample_update(view: BatchView, names: tuple[str, ...], group_gini: bool, device: torch.device | str = "cpu"
