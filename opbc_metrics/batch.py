@@ -270,7 +270,6 @@ class BatchView:
             self._cache[key] = make()
         return self._cache[key]
 
-
     @property
     def token_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(trainer, rollout, mask)``: validated, in the compute dtype, mask as bool ``[B, T]``."""
