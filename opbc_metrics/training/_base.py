@@ -3,6 +3,8 @@ scalars, and per-rank slots."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -12,7 +14,7 @@ from torch import Tensor
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
 from opbc_metrics.functional.statistics import raise_if_invalid
-from opbc_metrics.metric import MAX, MIN, SUM, OPBCMetric, table
+from opbc_metrics.metric import MAX, MIN, SUM, GlossaryEntry, OPBCMetric, table
 
 DIAGNOSTIC = "none (diagnostic)"
 NO_ACTION = "no OPBC action; a dashboard signal for the operator"
@@ -22,25 +24,65 @@ NO_ACTION = "no OPBC action; a dashboard signal for the operator"
 DEFAULT_MAX_RANKS = 1024
 
 
+def diagnostic(name: str, *, what: str, unit: str, aliases: tuple[str, ...] = ()) -> GlossaryEntry:
+    """The glossary entry of a training metric: a diagnostic, no OPBC cap or action."""
+    return GlossaryEntry(name=name, what=what, unit=unit, cap=DIAGNOSTIC, action=NO_ACTION, aliases=aliases)
+
+
+def positive_int(name: str, value: Any, optional: bool = True) -> Any:
+    """``value`` if it is a positive integer (or None, when ``optional``), else a ``ValueError`` naming ``name``."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
 class _TrainingMetric(OPBCMetric):
-    """Base of the ``training`` section: optional inputs (a collection skips batches without the fields)
-    and deferred value checks (``_deferred``: ``(state, field or fields, what)`` triples raised by ``compute``;
-    a count shared by several fields names them all). Host-built statistics move to the states' device in
+    """Base of the ``training`` section: optional inputs (a collection skips batches without the fields),
+    deferred value checks, and the update and compute from a functional kernel pair.
+
+    ``_deferred``: ``(state, field or fields, what)`` triples raised by ``compute`` (a count shared by
+    several fields names them all). ``kernel = (F._x_update, F._x_compute)``: ``statistics`` is
+    ``_x_update(view, *settings named by update_args)``, ``compute`` is ``_x_compute(*settings named by
+    compute_args, **states but the deferred counts)``. Host-built statistics move to the states' device in
     :meth:`~opbc_metrics.metric.OPBCMetric.accumulate`."""
 
     optional_inputs = True
     _deferred: ClassVar[tuple[tuple[str, str | tuple[str, ...], str], ...]] = ()
+    kernel: ClassVar[tuple[Callable[..., Any], Callable[..., Any]]]
+    update_args: ClassVar[tuple[str, ...]] = ()
+    compute_args: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def field(self) -> str:
+        """The batch field the metric is about (the first required one)."""
+        return self.required_fields[0]
 
     def check_deferred(self) -> None:
         """Raise the ``ValueError`` of any bad value counted by ``update()`` (reads the counts: compute only)."""
         for state, field, what in self._deferred:
             raise_if_invalid(field, getattr(self, state), what)
 
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return self.kernel[0](view, *(getattr(self, name) for name in self.update_args))
+
+    def compute(self) -> Any:
+        self.check_deferred()
+        counts = tuple(state for state, _, _ in self._deferred)
+        return self.kernel[1](*(getattr(self, name) for name in self.compute_args), **self.state_values(exclude=counts))
+
 
 class _TurnCounts(_TrainingMetric):
-    """Min, max and mean of a per-sample count with negative / non-finite entries counted (``invalid``)."""
+    """Min, max and mean of a per-sample count (the ``field`` class keyword) with negative / non-finite entries
+    counted (``invalid``)."""
 
     states = table(sum=SUM, max=MAX, min=MIN, count=SUM, invalid=SUM)
+
+    def __init_subclass__(cls, field: str, **kwargs: Any) -> None:
+        cls.required_fields = (field,)
+        cls._deferred = (("invalid", field, "negative or non-finite turn counts"),)
+        super().__init_subclass__(**kwargs)
 
 
 class _TrainerScalar(_TrainingMetric):
@@ -57,18 +99,51 @@ class _TrainerScalar(_TrainingMetric):
 
     weight_field: ClassVar[str | None] = None
     states = table("sum_wx", "sum_w", "count", "nonfinite")
+    kernel = (F._scalar_update, F._scalar_compute)
+    update_args = ("field", "weight_field", "device")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         fields = cls.required_fields + ((cls.weight_field,) if cls.weight_field else ())
         cls._deferred = (("nonfinite", fields, "non-finite observations (or non-finite / negative weights)"),)
 
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._scalar_update(view, self.required_fields[0], self.weight_field, self.device)
 
-    def compute(self) -> Tensor:
-        self.check_deferred()
-        return F._scalar_compute(**self.state_values(exclude=("nonfinite",)))
+@dataclass(frozen=True)
+class Scalar:
+    """One trainer scalar of :func:`trainer_scalars`: the class name, its key and batch field, whether
+    ``loss_tokens`` weights it, its docstring (``doc``, then ``note``, then an example of ``updates``, the
+    keyword arguments of each ``update`` call, printing ``result``) and its glossary text."""
+
+    name: str
+    key: str
+    field: str
+    doc: str
+    updates: tuple[str, ...]
+    result: str
+    what: str
+    unit: str
+    weighted: bool = False
+    higher_is_better: bool | None = None
+    note: str = ""
+    aliases: tuple[str, ...] = ()
+
+
+def trainer_scalars(module: str, *rows: Scalar) -> tuple[type[_TrainerScalar], ...]:
+    """One :class:`_TrainerScalar` subclass per row, defined in ``module`` (to import from there)."""
+    classes = []
+    for row in rows:
+        how = "token-weighted by ``loss_tokens`` when given" if row.weighted else "mean over observations"
+        example = "".join(f"\n        >>> metric.update({u})" for u in row.updates)
+        note = f"    {row.note}\n\n" if row.note else ""
+        doc = (f"{row.doc} ``{row.key}`` (batch field ``{row.field}``; {how}).\n\n{note}"
+               f"    Example:\n        >>> metric = {row.name}(){example}\n        >>> metric.compute()\n"
+               f"        {row.result}\n    ")
+        attrs = {"__module__": module, "__qualname__": row.name, "__doc__": doc, "keys": (row.key,),
+                 "required_fields": (row.field,), "weight_field": F.LOSS_TOKENS if row.weighted else None,
+                 "higher_is_better": row.higher_is_better,
+                 "glossary": diagnostic(row.key, what=row.what, unit=row.unit, aliases=row.aliases)}
+        classes.append(type(row.name, (_TrainerScalar,), attrs))
+    return tuple(classes)
 
 
 def dist_rank_world(group: Any = None) -> tuple[int, int]:
@@ -88,9 +163,7 @@ class _PerRank(_TrainingMetric):
 
     def __init__(self, world_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool)
-                                       or world_size < 1):
-            raise ValueError(f"`world_size` must be a positive integer, got {world_size!r}")
+        world_size = positive_int("world_size", world_size)
         if world_size is None and dist.is_available() and dist.is_initialized():
             world_size = dist_rank_world(self.process_group)[1]
         self.world_size = world_size

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView, check_positive
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import SUM, BySettings, GlossaryEntry, State, table
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
+from opbc_metrics.metric import SUM, BySettings, State, table
+from opbc_metrics.training._base import Scalar, _TrainerScalar, _TrainingMetric, diagnostic, trainer_scalars
 
 _STEPS = "trainer observations (optimizer steps or micro-batches) over the window and all ranks"
 _LOSS_UNIT = (
@@ -20,170 +20,38 @@ _LOSS_UNIT = (
 _TOKENS = "response tokens (response_mask = 1) over the window and all ranks"
 
 
-class ActorLoss(_TrainerScalar):
-    """Total actor loss ``actor/loss`` as the trainer computed it, from batch field ``actor_loss``.
-
-    Token-weighted by ``loss_tokens`` when given; see :class:`~opbc_metrics.training._base._TrainerScalar`.
-
-    Example:
-        >>> metric = ActorLoss()
-        >>> metric.update(actor_loss=0.5, loss_tokens=300)
-        >>> metric.update(actor_loss=[1.0, 2.0], loss_tokens=[100, 100])
-        >>> metric.compute()
-        tensor(0.9000, dtype=torch.float64)
-    """
-
-    keys = ("actor/loss",)
-    weight_field = F.LOSS_TOKENS
-    required_fields = ("actor_loss",)
-    higher_is_better = False
-    glossary = GlossaryEntry(
-        name="actor/loss",
-        what="Total actor loss (often pg_loss + regularizers). Should trend down overall; sudden jumps point to "
-        "too-large learning rates, abrupt distribution shifts or oscillating updates.",
-        unit=_LOSS_UNIT,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-
-class PolicyGradientLoss(_TrainerScalar):
-    """Core policy-gradient loss ``actor/pg_loss`` (batch field ``pg_loss``; token-weighted by ``loss_tokens``).
-
-    Example:
-        >>> metric = PolicyGradientLoss()
-        >>> metric.update(pg_loss=[-0.1, 0.3])
-        >>> metric.compute()
-        tensor(0.1000, dtype=torch.float64)
-    """
-
-    keys = ("actor/pg_loss",)
-    weight_field = F.LOSS_TOKENS
-    required_fields = ("pg_loss",)
-    glossary = GlossaryEntry(
-        name="actor/pg_loss",
-        what="Core policy-gradient loss. Noisy by nature; a sustained blow-up is a red flag.",
-        unit=_LOSS_UNIT,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-
-class EntropyLoss(_TrainerScalar):
-    """Entropy-regularisation loss ``actor/entropy_loss`` (batch field ``entropy_loss``; token-weighted).
-
-    Example:
-        >>> metric = EntropyLoss()
-        >>> metric.update(entropy_loss=0.25)
-        >>> metric.compute()
-        tensor(0.2500, dtype=torch.float64)
-    """
-
-    keys = ("actor/entropy_loss",)
-    weight_field = F.LOSS_TOKENS
-    required_fields = ("entropy_loss",)
-    glossary = GlossaryEntry(
-        name="actor/entropy_loss",
-        what="Entropy regularization loss term (keeps the policy from over-confident collapse).",
-        unit=_LOSS_UNIT,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-
-class KLLoss(_TrainerScalar):
-    """KL penalty loss ``actor/kl_loss`` (batch field ``kl_loss``; only when a KL loss is enabled; token-weighted).
-
-    Example:
-        >>> metric = KLLoss()
-        >>> metric.update(kl_loss=0.002, loss_tokens=10)
-        >>> metric.update(kl_loss=0.004, loss_tokens=30)
-        >>> metric.compute()
-        tensor(0.0035, dtype=torch.float64)
-    """
-
-    keys = ("actor/kl_loss",)
-    weight_field = F.LOSS_TOKENS
-    required_fields = ("kl_loss",)
-    higher_is_better = False
-    glossary = GlossaryEntry(
-        name="actor/kl_loss",
-        what="KL penalty loss term between the policy and the reference (when an explicit KL loss is enabled).",
-        unit=_LOSS_UNIT,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-
-class KLCoef(_TrainerScalar):
-    """KL penalty coefficient ``actor/kl_coef`` (batch field ``kl_coef``; mean over observations).
-
-    Example:
-        >>> metric = KLCoef()
-        >>> metric.update(kl_coef=0.001)
-        >>> metric.compute()
-        tensor(0.0010, dtype=torch.float64)
-    """
-
-    keys = ("actor/kl_coef",)
-    required_fields = ("kl_coef",)
-    glossary = GlossaryEntry(
-        name="actor/kl_coef",
-        what="Weight of the KL penalty (fixed or adaptive). Explains moves of kl_loss and ppo_kl.",
-        unit=_STEPS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-
-class ActorGradNorm(_TrainerScalar):
-    """Actor gradient L2 norm ``actor/grad_norm`` (batch field ``actor_grad_norm``; mean over optimizer steps).
-
-    The norm is of the all-reduced gradient, the same on every rank, so the mean over steps and ranks
-    is the mean over steps.
-
-    Example:
-        >>> metric = ActorGradNorm()
-        >>> metric.update(actor_grad_norm=1.0)
-        >>> metric.update(actor_grad_norm=3.0)
-        >>> metric.compute()
-        tensor(2., dtype=torch.float64)
-    """
-
-    keys = ("actor/grad_norm",)
-    required_fields = ("actor_grad_norm",)
-    higher_is_better = False
-    glossary = GlossaryEntry(
-        name="actor/grad_norm",
-        what="L2 norm of the actor gradients: how hard the parameters want to move. A spike to 10x its usual "
-        "value suggests gradient explosion, bad batches or numerical issues.",
-        unit=_STEPS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("grad_norm",),
-    )
-
-
-class ActorLR(_TrainerScalar):
-    """Actor learning rate ``actor/lr`` (batch field ``actor_lr``; mean over observations).
-
-    Example:
-        >>> metric = ActorLR()
-        >>> metric.update(actor_lr=1e-6)
-        >>> metric.compute()
-        tensor(1.0000e-06, dtype=torch.float64)
-    """
-
-    keys = ("actor/lr",)
-    required_fields = ("actor_lr",)
-    glossary = GlossaryEntry(
-        name="actor/lr",
-        what="Actor learning rate. Not a performance metric, but it explains many others: when loss, KL and "
-        "grad_norm spike together, check the schedule first.",
-        unit=_STEPS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+ActorLoss, PolicyGradientLoss, EntropyLoss, KLLoss, KLCoef, ActorGradNorm, ActorLR = trainer_scalars(
+    __name__,
+    Scalar("ActorLoss", "actor/loss", "actor_loss", "Total actor loss, as the trainer computed it,",
+           ("actor_loss=0.5, loss_tokens=300", "actor_loss=[1.0, 2.0], loss_tokens=[100, 100]"),
+           "tensor(0.9000, dtype=torch.float64)", weighted=True, higher_is_better=False, unit=_LOSS_UNIT,
+           what="Total actor loss (often pg_loss + regularizers). Should trend down overall; sudden jumps point to "
+           "too-large learning rates, abrupt distribution shifts or oscillating updates."),
+    Scalar("PolicyGradientLoss", "actor/pg_loss", "pg_loss", "Core policy-gradient loss", ("pg_loss=[-0.1, 0.3]",),
+           "tensor(0.1000, dtype=torch.float64)", weighted=True, unit=_LOSS_UNIT,
+           what="Core policy-gradient loss. Noisy by nature; a sustained blow-up is a red flag."),
+    Scalar("EntropyLoss", "actor/entropy_loss", "entropy_loss", "Entropy-regularisation loss", ("entropy_loss=0.25",),
+           "tensor(0.2500, dtype=torch.float64)", weighted=True, unit=_LOSS_UNIT,
+           what="Entropy regularization loss term (keeps the policy from over-confident collapse)."),
+    Scalar("KLLoss", "actor/kl_loss", "kl_loss", "KL penalty loss, when a KL loss is enabled,",
+           ("kl_loss=0.002, loss_tokens=10", "kl_loss=0.004, loss_tokens=30"), "tensor(0.0035, dtype=torch.float64)",
+           weighted=True, higher_is_better=False, unit=_LOSS_UNIT,
+           what="KL penalty loss term between the policy and the reference (when an explicit KL loss is enabled)."),
+    Scalar("KLCoef", "actor/kl_coef", "kl_coef", "KL penalty coefficient", ("kl_coef=0.001",),
+           "tensor(0.0010, dtype=torch.float64)", unit=_STEPS,
+           what="Weight of the KL penalty (fixed or adaptive). Explains moves of kl_loss and ppo_kl."),
+    Scalar("ActorGradNorm", "actor/grad_norm", "actor_grad_norm", "Actor gradient L2 norm",
+           ("actor_grad_norm=1.0", "actor_grad_norm=3.0"), "tensor(2., dtype=torch.float64)", higher_is_better=False,
+           unit=_STEPS, aliases=("grad_norm",),
+           note="The norm is of the all-reduced gradient, the same on every rank, so the mean over steps and ranks "
+           "is the mean over steps.",
+           what="L2 norm of the actor gradients: how hard the parameters want to move. A spike to 10x its usual "
+           "value suggests gradient explosion, bad batches or numerical issues."),
+    Scalar("ActorLR", "actor/lr", "actor_lr", "Actor learning rate", ("actor_lr=1e-6",),
+           "tensor(1.0000e-06, dtype=torch.float64)", unit=_STEPS,
+           what="Actor learning rate. Not a performance metric, but it explains many others: when loss, KL and "
+           "grad_norm spike together, check the schedule first."),
+)
 
 
 class PolicyEntropy(_TrainingMetric):
@@ -209,16 +77,12 @@ class PolicyEntropy(_TrainingMetric):
     keys = ("actor/entropy",)
     required_fields = BySettings((F.ENTROPIES,), lambda m: (F.LOGITS,) if m.from_logits else (F.ENTROPIES,))
     states = table("sum", "count", "nonfinite")
-    glossary = GlossaryEntry(
-        name="actor/entropy",
+    kernel = (F._entropy_update, F._entropy_compute)
+    update_args = ("from_logits", "temperature")
+    glossary = diagnostic("actor/entropy", unit=_TOKENS, aliases=("entropy", "policy entropy"),
         what="Mean entropy of the policy over response tokens. High early (exploration), lower later "
         "(commitment); an early collapse often means premature convergence. A sudden drop is the first thing "
-        "to check when reward crashes.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("entropy", "policy entropy"),
-    )
+        "to check when reward crashes.")
 
     def __init__(self, from_logits: bool = False, temperature: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -229,12 +93,6 @@ class PolicyEntropy(_TrainingMetric):
     def _deferred(self) -> tuple[tuple[str, str, str], ...]:
         return (("nonfinite", self.required_fields[0], "non-finite entropies on response tokens"),)
 
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._entropy_update(view, self.from_logits, self.temperature)
-
-    def compute(self) -> Tensor:
-        self.check_deferred()
-        return F._entropy_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 class _PolicyKL(_TrainingMetric):
@@ -242,6 +100,8 @@ class _PolicyKL(_TrainingMetric):
     higher_is_better = False
     default_estimator = "k1"
     states = table("sum", "count", "nonfinite")
+    kernel = (F._policy_kl_update, F._policy_kl_compute)
+    update_args = ("estimator", "clamp")
     _deferred = (("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS), "non-finite logprobs on response tokens"),)
 
     def __init__(self, estimator: str | None = None, clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
@@ -251,13 +111,6 @@ class _PolicyKL(_TrainingMetric):
             raise ValueError(f"`estimator` must be one of {F.KL_ESTIMATORS}, got {estimator!r}")
         self.estimator = estimator
         self.clamp = check_positive("clamp", clamp)
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._policy_kl_update(view, self.estimator, self.clamp)
-
-    def compute(self) -> Tensor:
-        self.check_deferred()
-        return F._policy_kl_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 class PPOKL(_PolicyKL):
@@ -281,16 +134,10 @@ class PPOKL(_PolicyKL):
     """
 
     keys = ("actor/ppo_kl",)
-    glossary = GlossaryEntry(
-        name="actor/ppo_kl",
+    glossary = diagnostic("actor/ppo_kl", unit=_TOKENS, aliases=("objective/kl",),
         what="Approximate KL divergence between the old policy and the policy being updated (k1 = mean of "
         "log pi_old - log pi by default). Spikes often precede reward collapse; near zero for long means the "
-        "model may not be learning.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("objective/kl",),
-    )
+        "model may not be learning.")
 
 
 class ApproxKL(_PolicyKL):
@@ -309,15 +156,9 @@ class ApproxKL(_PolicyKL):
 
     keys = ("actor/approx_kl",)
     default_estimator = "k3"
-    glossary = GlossaryEntry(
-        name="actor/approx_kl",
+    glossary = diagnostic("actor/approx_kl", unit=_TOKENS, aliases=("approx_kl", "policy/approx_kl"),
         what="Approximate KL divergence between the old and the new policy (k3 estimator by default): how far "
-        "an update moved the policy.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("approx_kl", "policy/approx_kl"),
-    )
+        "an update moved the policy.")
 
 
 class PolicyClipFraction(_TrainingMetric):
@@ -349,20 +190,17 @@ class PolicyClipFraction(_TrainingMetric):
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
     states = table("clipped", "clipped_lower", "count", "nonfinite")
+    kernel = (F._clipfrac_update, F._clipfrac_compute)
+    update_args = ("low", "high", "c", "clamp")
     _deferred = (
         ("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS, F.ADVANTAGES),
          "non-finite logprobs or advantages on response tokens"),
     )
-    glossary = GlossaryEntry(
-        name="actor/pg_clipfrac",
+    glossary = diagnostic("actor/pg_clipfrac", unit=_TOKENS,
         what="Clip fraction: how often PPO's ratio clipping is active (the update was speed-limited), and how "
         "often the dual-clip lower bound binds for negative advantages. Sustained high values suggest a "
         "learning rate too high or batches too small/noisy.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("pg_clipfrac", "clip fraction", "actor/pg_clipfrac_lower"),
-    )
+        aliases=("pg_clipfrac", "clip fraction", "actor/pg_clipfrac_lower"))
 
     def __init__(
         self,
@@ -376,13 +214,6 @@ class PolicyClipFraction(_TrainingMetric):
         super().__init__(**kwargs)
         self.low, self.high, self.c = F.check_clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
         self.clamp = check_positive("clamp", clamp)
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._clipfrac_update(view, self.low, self.high, self.c, self.clamp)
-
-    def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
-        return F._clipfrac_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 LR_SCHEDULER = "lr_scheduler"
@@ -411,15 +242,9 @@ class LRSchedulerState(_TrainingMetric):
     keys = BySettings(("lr_scheduler/<name>",), lambda m: tuple(f"lr_scheduler/{n}" for n in m.names))
     required_fields = (LR_SCHEDULER,)
     higher_is_better = None
-    glossary = GlossaryEntry(
-        name="lr_scheduler",
+    glossary = diagnostic("lr_scheduler", unit=_STEPS, aliases=("lr_scheduler/*",),
         what="Learning-rate scheduler state as the framework reports it (current learning rate, warmup or decay "
-        "position): to check the schedule behaves as configured, e.g. warmup finished when expected.",
-        unit=_STEPS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("lr_scheduler/*",),
-    )
+        "position): to check the schedule behaves as configured, e.g. warmup finished when expected.")
 
     def __init__(self, names: tuple[str, ...] | list[str] = ("last_lr",), **kwargs: Any) -> None:
         super().__init__(**kwargs)

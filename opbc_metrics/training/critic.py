@@ -3,85 +3,52 @@ explained variance."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any
 
-from torch import Tensor
-
-from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import MAX, MIN, SUM, GlossaryEntry, table
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
+from opbc_metrics.metric import MAX, MIN, SUM, table
+from opbc_metrics.training._base import Scalar, _TrainingMetric, diagnostic, trainer_scalars
 
 _TOKENS = (
     "response tokens (response_mask = 1) over the window and all ranks; a [B] field with a response_mask "
     "counts once per response token of its sequence, without one once per sequence"
 )
+_STEPS = "trainer observations (optimizer steps) over the window and all ranks"
 _SEQUENCES = "sequences over the window and all ranks (a [B, T] field is summed over T); aborted sequences " \
     "(no response token) are skipped when a response_mask is given"
 
 
-class CriticLoss(_TrainerScalar):
-    """Value-function regression loss ``critic/loss`` (batch field ``critic_loss``; token-weighted by
-    ``loss_tokens`` when given).
-
-    Example:
-        >>> metric = CriticLoss()
-        >>> metric.update(critic_loss=[0.4, 0.2])
-        >>> metric.compute().round(decimals=4)
-        tensor(0.3000, dtype=torch.float64)
-    """
-
-    keys = ("critic/loss",)
-    weight_field = F.LOSS_TOKENS
-    required_fields = ("critic_loss",)
-    higher_is_better = False
-    glossary = GlossaryEntry(
-        name="critic/loss",
-        what="Value-function regression loss. Should generally decrease; if it never does, suspect reward "
-        "scaling, wrong masks or too little critic capacity.",
-        unit="trainer observations over the window and all ranks, weighted by `loss_tokens` when given",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-
-class CriticLR(_TrainerScalar):
-    """Critic learning rate ``critic/lr`` (batch field ``critic_lr``; mean over observations).
-
-    Example:
-        >>> metric = CriticLR()
-        >>> metric.update(critic_lr=1e-5)
-        >>> metric.compute()
-        tensor(1.0000e-05, dtype=torch.float64)
-    """
-
-    keys = ("critic/lr",)
-    required_fields = ("critic_lr",)
-    glossary = GlossaryEntry(
-        name="critic/lr",
-        what="Critic learning rate, if a critic is trained (PPO; not GRPO).",
-        unit="trainer observations (optimizer steps) over the window and all ranks",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+CriticLoss, CriticLR = trainer_scalars(
+    __name__,
+    Scalar("CriticLoss", "critic/loss", "critic_loss", "Value-function regression loss", ("critic_loss=[0.4, 0.2]",),
+           "tensor(0.3000, dtype=torch.float64)", weighted=True, higher_is_better=False,
+           unit="trainer observations over the window and all ranks, weighted by `loss_tokens` when given",
+           what="Value-function regression loss. Should generally decrease; if it never does, suspect reward "
+           "scaling, wrong masks or too little critic capacity."),
+    Scalar("CriticLR", "critic/lr", "critic_lr", "Critic learning rate", ("critic_lr=1e-5",),
+           "tensor(1.0000e-05, dtype=torch.float64)", unit=_STEPS,
+           what="Critic learning rate, if a critic is trained (PPO; not GRPO)."),
+)
 
 
 class _FieldStats(_TrainingMetric):
-    """mean/max/min (and std) of one batch field (``required_fields[0]``), token-level or per-sequence sums."""
+    """mean/max/min (and std) of one batch field over response tokens, or of its per-sequence sums.
 
-    per_sequence: ClassVar[bool] = False
+    A subclass names the field, what a bad value of it is, and whether it is per sequence, as class
+    keywords: ``class ValueStats(_FieldStats, field=F.VALUES, bad="values on response tokens")``.
+    """
+
     states = table("sum", "sum_sq", "sum_hi", "sum_sq_hi", max=MAX, min=MIN, count=SUM, nonfinite=SUM)
+    update_args = compute_args = ("field",)
 
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        update = F._sequence_sum_update if self.per_sequence else F._token_stats_update
-        return update(view, self.required_fields[0])
-
-    def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
-        return F._critic_stats_compute(self.required_fields[0], **self.state_values(exclude=("nonfinite",)))
+    def __init_subclass__(cls, field: str, bad: str, per_sequence: bool = False, **kwargs: Any) -> None:
+        cls.keys, cls.required_fields = F.CRITIC_STAT_KEYS[field], (field,)
+        cls._deferred = (("nonfinite", field, f"non-finite {bad}"),)
+        cls.kernel = (F._sequence_sum_update if per_sequence else F._token_stats_update, F._critic_stats_compute)
+        super().__init_subclass__(**kwargs)
 
 
-class ValueStats(_FieldStats):
+class ValueStats(_FieldStats, field=F.VALUES, bad="values on response tokens"):
     """Critic value predictions ``critic/value/{mean,max,min}`` over response tokens (batch field ``values``).
 
     verl logs the same statistics as ``critic/values/*``; the glossary's name is ``critic/value/mean``.
@@ -94,20 +61,12 @@ class ValueStats(_FieldStats):
         {'critic/value/mean': 1.0, 'critic/value/max': 1.5, 'critic/value/min': 0.5}
     """
 
-    keys = F.CRITIC_STAT_KEYS[F.VALUES]
-    required_fields = (F.VALUES,)
-    _deferred = (("nonfinite", F.VALUES, "non-finite values on response tokens"),)
-    glossary = GlossaryEntry(
-        name="critic/value",
+    glossary = diagnostic("critic/value", unit=_TOKENS,
         what="Mean (and extremes) of the critic's predicted values; track for drift or saturation.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("critic/values/mean", "critic/values/max", "critic/values/min"),
-    )
+        aliases=("critic/values/mean", "critic/values/max", "critic/values/min"))
 
 
-class ReturnStats(_FieldStats):
+class ReturnStats(_FieldStats, field=F.RETURNS, bad="returns on response tokens"):
     """Returns ``critic/returns/{mean,max,min}`` over response tokens (batch field ``returns``).
 
     Example:
@@ -118,19 +77,11 @@ class ReturnStats(_FieldStats):
         {'critic/returns/mean': 2.0, 'critic/returns/max': 3.0, 'critic/returns/min': 1.0}
     """
 
-    keys = F.CRITIC_STAT_KEYS[F.RETURNS]
-    required_fields = (F.RETURNS,)
-    _deferred = (("nonfinite", F.RETURNS, "non-finite returns on response tokens"),)
-    glossary = GlossaryEntry(
-        name="critic/returns",
-        what="Returns (the critic's regression targets): mean and extremes.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+    glossary = diagnostic("critic/returns", unit=_TOKENS,
+        what="Returns (the critic's regression targets): mean and extremes.")
 
 
-class AdvantageStats(_FieldStats):
+class AdvantageStats(_FieldStats, field=F.ADVANTAGES, bad="advantages on response tokens"):
     """Advantages ``critic/advantages/{mean,std,max,min}`` over response tokens (batch field ``advantages``).
 
     ``std`` is the population standard deviation (ddof = 0) from mergeable raw moments.
@@ -143,20 +94,12 @@ class AdvantageStats(_FieldStats):
         {'critic/advantages/mean': 0.0, 'critic/advantages/std': 1.0, 'critic/advantages/max': 1.0, 'critic/advantages/min': -1.0}
     """  # noqa: E501
 
-    keys = F.CRITIC_STAT_KEYS[F.ADVANTAGES]
-    required_fields = (F.ADVANTAGES,)
-    _deferred = (("nonfinite", F.ADVANTAGES, "non-finite advantages on response tokens"),)
-    glossary = GlossaryEntry(
-        name="critic/advantages",
+    glossary = diagnostic("critic/advantages", unit=_TOKENS,
         what="Mean and spread of the advantages: track the mean for sign flips or collapse; an extreme std "
-        "often means instability.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+        "often means instability.")
 
 
-class RewardStats(_FieldStats):
+class RewardStats(_FieldStats, field=F.REWARDS, bad="rewards", per_sequence=True):
     """Sequence rewards ``critic/rewards/{mean,max,min}`` (batch field ``rewards``: [B], or [B, T] token-level
     rewards summed per sequence, as verl sums ``token_level_rewards``; after any KL-in-reward penalty).
 
@@ -168,23 +111,13 @@ class RewardStats(_FieldStats):
         {'critic/rewards/mean': 0.75, 'critic/rewards/max': 1.0, 'critic/rewards/min': 0.5}
     """
 
-    keys = F.CRITIC_STAT_KEYS[F.REWARDS]
-    per_sequence = True
-    required_fields = (F.REWARDS,)
     higher_is_better = True
-    _deferred = (("nonfinite", F.REWARDS, "non-finite rewards"),)
-    glossary = GlossaryEntry(
-        name="critic/rewards",
+    glossary = diagnostic("critic/rewards", unit=_SEQUENCES, aliases=("rewards",),
         what="Sequence reward (after any KL penalty in the reward): the training reward trend, the first thing "
-        "to watch next to validation accuracy.",
-        unit=_SEQUENCES,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("rewards",),
-    )
+        "to watch next to validation accuracy.")
 
 
-class ScoreStats(_FieldStats):
+class ScoreStats(_FieldStats, field=F.SCORES, bad="scores", per_sequence=True):
     """Sequence scores ``critic/score/{mean,max,min}`` (batch field ``scores``: the reward function's raw score,
     verl's ``token_level_scores``, before any KL penalty; [B] or [B, T] summed per sequence).
 
@@ -196,18 +129,9 @@ class ScoreStats(_FieldStats):
         {'critic/score/mean': 0.75, 'critic/score/max': 1.0, 'critic/score/min': 0.0}
     """
 
-    keys = F.CRITIC_STAT_KEYS[F.SCORES]
-    per_sequence = True
-    required_fields = (F.SCORES,)
     higher_is_better = True
-    _deferred = (("nonfinite", F.SCORES, "non-finite scores"),)
-    glossary = GlossaryEntry(
-        name="critic/score",
-        what="Sequence score from the reward function, before any KL penalty.",
-        unit=_SEQUENCES,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+    glossary = diagnostic("critic/score", unit=_SEQUENCES,
+        what="Sequence score from the reward function, before any KL penalty.")
 
 
 class ExplainedVariance(_TrainingMetric):
@@ -230,22 +154,10 @@ class ExplainedVariance(_TrainingMetric):
     higher_is_better = True
     plot_upper_bound = 1.0
     _deferred = (("nonfinite", (F.VALUES, F.RETURNS), "non-finite values or returns on response tokens"),)
-    glossary = GlossaryEntry(
-        name="critic/vf_explained_var",
+    glossary = diagnostic("critic/vf_explained_var", unit=_TOKENS, aliases=("vf_explained_var",),
         what="Explained variance of the returns by the value function: 1 = perfect critic, 0 = no better "
-        "than a constant, negative = worse. A critic that stays low gives the actor noisy advantages.",
-        unit=_TOKENS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("vf_explained_var",),
-    )
+        "than a constant, negative = worse. A critic that stays low gives the actor noisy advantages.")
 
     states = table("sum_r", "sum_r2", "sum_d", "sum_d2", "sum_r_hi", "sum_r2_hi", "sum_d_hi", "sum_d2_hi", "count",
                    "nonfinite")
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._explained_var_update(view)
-
-    def compute(self) -> Tensor:
-        self.check_deferred()
-        return F._explained_var_compute(**self.state_values(exclude=("nonfinite",)))
+    kernel = (F._explained_var_update, F._explained_var_compute)

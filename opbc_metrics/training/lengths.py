@@ -5,48 +5,33 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from torch import Tensor
-
-from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import MAX, MIN, SUM, BySettings, GlossaryEntry, table
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric, _TurnCounts
+from opbc_metrics.metric import MAX, MIN, SUM, BySettings, table
+from opbc_metrics.training._base import _TrainingMetric, _TurnCounts, diagnostic, positive_int
 
 _SEQUENCES = "sequences (samples) over the window and all ranks"
 
 
-def _check_max_length(name: str, value: int | None) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}")
-    return value
-
-
-def _length_keys(m: _LengthStats) -> tuple[str, ...]:
-    return F.length_keys(m.prefix, m.max_length)  # clip_ratio only with a maximum length
-
-
 class _LengthStats(_TrainingMetric):
-    """mean/max/min of one length field (``required_fields[0]``), and the clipped share given a maximum."""
+    """mean/max/min of one length field, and the clipped share given a maximum (``max_length``, set by the
+    subclass's constructor). A subclass names the field and the key prefix as class keywords."""
 
-    prefix: ClassVar[str] = ""
+    prefix: ClassVar[str]
+    max_length: int | None
     states = table(sum=SUM, max=MAX, min=MIN, count=SUM, clipped=SUM, zero=SUM, invalid=SUM)
+    kernel = (F._length_update, F._length_compute)
+    update_args = ("field", "max_length")
+    compute_args = ("prefix", "max_length")
 
-    def __init__(self, max_length: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.max_length = _check_max_length("max_length", max_length)
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._length_update(view, self.required_fields[0], self.max_length)
-
-    def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
-        return F._length_compute(self.prefix, self.max_length, **self.state_values("sum", "max", "min", "count",
-                                                                                  "clipped"))
+    def __init_subclass__(cls, field: str, prefix: str, **kwargs: Any) -> None:
+        keys = BySettings(F.length_keys(prefix, 1), lambda m: F.length_keys(prefix, m.max_length))
+        keys.__set_name__(cls, "keys")  # clip_ratio only with a maximum length
+        cls.keys, cls.prefix, cls.required_fields = keys, prefix, (field,)
+        cls._deferred = (("invalid", field, "negative or non-finite lengths"),)
+        super().__init_subclass__(**kwargs)
 
 
-class ResponseLength(_LengthStats):
+class ResponseLength(_LengthStats, field=F.RESPONSE_LENGTHS, prefix="response_length"):
     """``response_length/{mean,max,min,clip_ratio}`` from ``response_lengths`` [B] (tokens per response).
 
     ``clip_ratio`` = share of responses with ``length >= max_response_length`` (truncated by the limit);
@@ -65,26 +50,17 @@ class ResponseLength(_LengthStats):
          ('response_length/clip_ratio', 0.25)]
     """
 
-    keys = BySettings(F.length_keys("response_length", 1), _length_keys)
-    prefix = "response_length"
-    required_fields = (F.RESPONSE_LENGTHS,)
-    _deferred = (("invalid", F.RESPONSE_LENGTHS, "negative or non-finite lengths"),)
-    glossary = GlossaryEntry(
-        name="response_length",
+    glossary = diagnostic("response_length", unit=_SEQUENCES, aliases=("response_length/clip_ratio",),
         what="Completion length: mean, max, min, and the share clipped by max_response_length. A high clip "
         "ratio means frequent truncation; reward rising while length collapses can be reward hacking via a "
-        "length bias.",
-        unit=_SEQUENCES,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("response_length/clip_ratio",),
-    )
+        "length bias.")
 
     def __init__(self, max_response_length: int | None = None, **kwargs: Any) -> None:
-        super().__init__(_check_max_length("max_response_length", max_response_length), **kwargs)
+        super().__init__(**kwargs)
+        self.max_length = positive_int("max_response_length", max_response_length)
 
 
-class PromptLength(_LengthStats):
+class PromptLength(_LengthStats, field=F.PROMPT_LENGTHS, prefix="prompt_length"):
     """``prompt_length/{mean,max,min,clip_ratio}`` from ``prompt_lengths`` [B] (tokens per prompt).
 
     ``clip_ratio`` (share with ``length >= max_prompt_length``) only when ``max_prompt_length`` is given.
@@ -96,20 +72,12 @@ class PromptLength(_LengthStats):
         [70.0, 100.0, 40.0, 0.5]
     """
 
-    keys = BySettings(F.length_keys("prompt_length", 1), _length_keys)
-    prefix = "prompt_length"
-    required_fields = (F.PROMPT_LENGTHS,)
-    _deferred = (("invalid", F.PROMPT_LENGTHS, "negative or non-finite lengths"),)
-    glossary = GlossaryEntry(
-        name="prompt_length",
-        what="Prompt length: mean, max, min, and the share clipped by max_prompt_length (inputs truncated).",
-        unit=_SEQUENCES,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+    glossary = diagnostic("prompt_length", unit=_SEQUENCES,
+        what="Prompt length: mean, max, min, and the share clipped by max_prompt_length (inputs truncated).")
 
     def __init__(self, max_prompt_length: int | None = None, **kwargs: Any) -> None:
-        super().__init__(_check_max_length("max_prompt_length", max_prompt_length), **kwargs)
+        super().__init__(**kwargs)
+        self.max_length = positive_int("max_prompt_length", max_prompt_length)
 
 
 class AbortedRatio(_TrainingMetric):
@@ -130,26 +98,15 @@ class AbortedRatio(_TrainingMetric):
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
     _deferred = (("invalid", F.RESPONSE_LENGTHS, "negative or non-finite lengths"),)
-    glossary = GlossaryEntry(
-        name="response/aborted_ratio",
+    glossary = diagnostic("response/aborted_ratio", unit=_SEQUENCES,
         what="Fraction of generations that failed or were aborted (empty responses). High values point to "
-        "sampling or runtime issues.",
-        unit=_SEQUENCES,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+        "sampling or runtime issues.")
 
     states = table("aborted", "count", "invalid")
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._aborted_update(view)
-
-    def compute(self) -> Tensor:
-        self.check_deferred()
-        return F._aborted_compute(**self.state_values(exclude=("invalid",)))
+    kernel = (F._aborted_update, F._aborted_compute)
 
 
-class NumTurns(_TurnCounts):
+class NumTurns(_TurnCounts, field=F.NUM_TURNS):
     """``num_turns/{min,max,mean}`` over samples, from ``num_turns`` [B] (multi-turn and agent rollouts).
 
     Example:
@@ -161,20 +118,7 @@ class NumTurns(_TurnCounts):
     """
 
     keys = F.TURN_KEYS
-    required_fields = (F.NUM_TURNS,)
-    _deferred = (("invalid", F.NUM_TURNS, "negative or non-finite turn counts"),)
-    glossary = GlossaryEntry(
-        name="num_turns",
+    kernel = (F._turns_update, F._turns_compute)
+    glossary = diagnostic("num_turns", unit=_SEQUENCES,
         what="Turns per trajectory: min, max, mean. A sudden jump of the max points to loops or tool failures "
-        "causing repeated retries.",
-        unit=_SEQUENCES,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._turns_update(view)
-
-    def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
-        return F._turns_compute(**self.state_values(exclude=("invalid",)))
+        "causing repeated retries.")

@@ -31,8 +31,8 @@ from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as F
 from opbc_metrics.functional.statistics import safe_div
-from opbc_metrics.metric import MAX, MIN, SUM, BySettings, GlossaryEntry, table
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _PerRank, _TrainingMetric
+from opbc_metrics.metric import MAX, MIN, SUM, BySettings, table
+from opbc_metrics.training._base import _PerRank, _TrainingMetric, diagnostic
 
 F64 = torch.float64
 RANK_IDS = "rank_ids"
@@ -112,17 +112,12 @@ class GlobalSeqlen(_PerRank):
         ("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),
         ("bad_rank", RANK_IDS, "rank ids outside [0, world_size)"),
     )
-    glossary = GlossaryEntry(
-        name="global_seqlen",
+    glossary = diagnostic("global_seqlen", aliases=("global_seqlen/minmax_diff",),
         what="Total token workload per GPU (data-parallel rank), not the length of any one sequence: the "
         "lightest and heaviest rank, their difference (the most important: large means fast GPUs wait for "
         "slow ones), the mean, and the lightest/heaviest after Karmarkar-Karp re-balancing (what balancing "
         "would achieve). A large max also explains OOMs.",
-        unit="tokens (prompt + response) per rank over the window; ranks of the process group",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("global_seqlen/minmax_diff",),
-    )
+        unit="tokens (prompt + response) per rank over the window; ranks of the process group")
 
     def __init__(
         self,
@@ -376,18 +371,13 @@ class StageTiming(_StageClock):
     keys = BySettings(("timing_s/<stage>", "timing_per_token_ms/<stage>"), lambda m: (
         *(f"timing_s/{s}" for s in m.stages), *(f"timing_per_token_ms/{s}" for s in m.per_token_stages)))
     higher_is_better = False
-    glossary = GlossaryEntry(
-        name="timing_s",
+    glossary = diagnostic("timing_s", aliases=("timing_per_token_ms", "timing_s/step", "timing_s/gen"),
         what="Wall time per step of each stage (gen, reward, old_log_prob, ref, adv, update_actor, "
         "update_critic, update_weights, step), as the slowest rank saw it, and the same per token "
         "(timing_per_token_ms, better for comparing runs that generate different token counts). Check step "
         "first, then its largest component (usually gen).",
         unit="steps over the window; the slowest rank (max over ranks); per-token figures divide by the "
-        "step's tokens summed over ranks",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("timing_per_token_ms", "timing_s/step", "timing_s/gen"),
-    )
+        "step's tokens summed over ranks")
 
     def __init__(
         self,
@@ -446,15 +436,10 @@ class Throughput(_StageClock):
 
     keys = ("perf/total_num_tokens", "perf/time_per_step", "perf/throughput")
     higher_is_better = True
-    glossary = GlossaryEntry(
-        name="perf/throughput",
+    glossary = diagnostic("perf/throughput", aliases=("perf/total_num_tokens", "perf/time_per_step", "throughput"),
         what="Tokens processed per step, wall time per step, and tokens per second per GPU: the core "
         "efficiency metric.",
-        unit="steps over the window; tokens summed over ranks, time of the slowest rank",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("perf/total_num_tokens", "perf/time_per_step", "throughput"),
-    )
+        unit="steps over the window; tokens summed over ranks, time of the slowest rank")
 
     def __init__(self, step_stage: str = "step", num_gpus: int | None = None, world_size: int | None = None,
                  **kwargs: Any) -> None:
@@ -517,17 +502,12 @@ class ModelFlopsUtilization(_StageClock):
 
     keys = BySettings(("perf/mfu/<name>",), lambda m: tuple(f"perf/mfu/{n}" for n in m.mfu_stages))
     higher_is_better = True
-    glossary = GlossaryEntry(
-        name="perf/mfu",
+    glossary = diagnostic("perf/mfu", aliases=("perf/mfu/actor", "perf/mfu/actor_infer", "MFU"),
         what="Model FLOPs utilisation: the share of the GPUs' peak compute a stage actually used (actor: "
         "training update; actor_infer: forward-only inference). 50-60% is typical for training; below 30% "
         "GPUs wait on communication, data loading or load imbalance.",
         unit="steps over the window; FLOPs of all ranks' sequences over (slowest rank's stage time x GPUs x "
-        "peak)",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("perf/mfu/actor", "perf/mfu/actor_infer", "MFU"),
-    )
+        "peak)")
 
     def __init__(
         self,
@@ -606,15 +586,10 @@ class AgentLoopTiming(_TrainingMetric):
     _deferred = (("invalid", (AGENT_GENERATE_S, AGENT_TOOL_CALLS_S), "negative or non-finite sample times"),)
     states = table(**{f"{part}_{stat}": state for part in ("gen", "tool")
                       for stat, state in (("sum", SUM), ("max", MAX), ("min", MIN), ("count", SUM))}, invalid=SUM)
-    glossary = GlossaryEntry(
-        name="timing_s/agent_loop",
+    glossary = diagnostic("timing_s/agent_loop", unit="samples over the window and all ranks",
         what="Distribution of per-sample generation and tool-call time in agentic rollouts: min, max, mean. A "
         "max far above the mean means one slow sample (long generation, slow or looping tools) bounds the "
-        "batch.",
-        unit="samples over the window and all ranks",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+        "batch.")
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         view.field(AGENT_GENERATE_S)  # required (a clear error when missing); the tool-call times are optional
@@ -681,15 +656,11 @@ class AgentLoopSlowest(_PerRank):
     _deferred = (("invalid", _FIELDS, "negative or non-finite values"),)
     # Per slot: total seconds, generation, tool calls, prompt length, response length.
     states = table(slowest=SUM.of("slots", 5), seen=SUM.of("slots"), invalid=SUM)
-    glossary = GlossaryEntry(
-        name="timing_s/agent_loop/slowest",
+    glossary = diagnostic("timing_s/agent_loop/slowest",
         what="Details of the slowest agentic rollout sample of the step (largest generation + tool-call time): "
         "its generation and tool-call seconds and its prompt and response lengths, to tell a long generation "
         "from a slow or looping tool.",
-        unit="the single slowest sample over the window and all ranks",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+        unit="the single slowest sample over the window and all ranks")
 
     def _update_view(self, view: BatchView) -> None:
         gen, invalid = F.nonnegative_field(view, AGENT_GENERATE_S)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torch import Tensor
-
-from opbc_metrics.batch import BatchView, check_positive
+from opbc_metrics.batch import check_positive
 from opbc_metrics.functional import training as F
-from opbc_metrics.metric import GlossaryEntry, table
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainerScalar, _TrainingMetric
+from opbc_metrics.metric import table
+from opbc_metrics.training._base import Scalar, _TrainingMetric, diagnostic, trainer_scalars
 
 _PAIRS = "preference pairs (chosen, rejected) over the window and all ranks"
 
@@ -44,17 +42,13 @@ class DPOMetrics(_TrainingMetric):
     required_fields = F.DPO_FIELDS
     _deferred = (("nonfinite", F.DPO_FIELDS, "pairs with non-finite logps"),)
     states = table("sum_loss", "sum_chosen", "sum_rejected", "correct", "count", "nonfinite")
-    glossary = GlossaryEntry(
-        name="dpo",
+    kernel = (F._dpo_update, F._dpo_compute)
+    update_args = ("beta", "label_smoothing")
+    glossary = diagnostic("dpo", unit=_PAIRS, aliases=("loss/dpo", "rewards/margins", "rewards/accuracy"),
         what="DPO loss and implicit rewards: rewards/chosen and rewards/rejected are beta times the policy-vs-"
         "reference log-ratio of each response; margins = chosen - rejected (discrimination strength); accuracy "
         "= share of pairs where the chosen response gets the larger reward. Margins up without validation "
-        "gains, or accuracy at 99%+, suggest overfitting the training pairs.",
-        unit=_PAIRS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("loss/dpo", "rewards/margins", "rewards/accuracy"),
-    )
+        "gains, or accuracy at 99%+, suggest overfitting the training pairs.")
 
     def __init__(self, beta: float = F.DEFAULT_DPO_BETA, label_smoothing: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -63,13 +57,6 @@ class DPOMetrics(_TrainingMetric):
         if not 0.0 <= label_smoothing < 0.5 or math.isnan(label_smoothing):
             raise ValueError(f"`label_smoothing` must be in [0, 0.5), got {label_smoothing}")
         self.label_smoothing = label_smoothing
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._dpo_update(view, self.beta, self.label_smoothing)
-
-    def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
-        return F._dpo_compute(**self.state_values(exclude=("nonfinite",)))
 
 
 class RewardModelMetrics(_TrainingMetric):
@@ -90,45 +77,17 @@ class RewardModelMetrics(_TrainingMetric):
     keys = F.RM_KEYS
     required_fields = F.RM_FIELDS
     _deferred = (("nonfinite", F.RM_FIELDS, "pairs with non-finite scores"),)
-    glossary = GlossaryEntry(
-        name="rm",
+    glossary = diagnostic("rm", unit=_PAIRS, aliases=("rm/loss", "rm/accuracy", "rm/reward_margin"),
         what="Reward-model training: preference loss (cross-entropy of the Bradley-Terry model), accuracy (how "
         "often the RM ranks the better response first) and reward margin (how decisive it is). A margin near "
         "zero means a non-discriminative RM; high accuracy without downstream PPO gains points to an "
-        "overfit or misaligned RM.",
-        unit=_PAIRS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("rm/loss", "rm/accuracy", "rm/reward_margin"),
-    )
+        "overfit or misaligned RM.")
 
     states = table("sum_loss", "correct", "sum_margin", "count", "nonfinite")
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._rm_update(view)
-
-    def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
-        return F._rm_compute(**self.state_values(exclude=("nonfinite",)))
+    kernel = (F._rm_update, F._rm_compute)
 
 
-class RMGradNorm(_TrainerScalar):
-    """Reward-model gradient norm ``rm/grad_norm`` (batch field ``rm_grad_norm``; mean over optimizer steps).
-
-    Example:
-        >>> metric = RMGradNorm()
-        >>> metric.update(rm_grad_norm=[2.0, 4.0])
-        >>> metric.compute()
-        tensor(3., dtype=torch.float64)
-    """
-
-    keys = ("rm/grad_norm",)
-    required_fields = ("rm_grad_norm",)
-    higher_is_better = False
-    glossary = GlossaryEntry(
-        name="rm/grad_norm",
-        what="L2 norm of the reward model's gradients.",
-        unit="trainer observations (optimizer steps) over the window and all ranks",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
+(RMGradNorm,) = trainer_scalars(__name__, Scalar(
+    "RMGradNorm", "rm/grad_norm", "rm_grad_norm", "Reward-model gradient norm", ("rm_grad_norm=[2.0, 4.0]",),
+    "tensor(3., dtype=torch.float64)", higher_is_better=False, what="L2 norm of the reward model's gradients.",
+    unit="trainer observations (optimizer steps) over the window and all ranks"))

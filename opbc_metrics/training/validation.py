@@ -13,10 +13,9 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import validation as V
-from opbc_metrics.metric import SUM, BySettings, GlossaryEntry, table
-from opbc_metrics.training._base import DIAGNOSTIC, NO_ACTION, _TrainingMetric, _TurnCounts
+from opbc_metrics.metric import SUM, BySettings, table
+from opbc_metrics.training._base import _TrainingMetric, _TurnCounts, diagnostic
 
 _PROMPTS = (
     "validation prompts of each data source (each prompt's n samples averaged first; every prompt weighs the "
@@ -29,9 +28,13 @@ def _validation_keys(m: _PerSource) -> tuple[str, ...]:
 
 
 class _PerSource(_TrainingMetric):
-    """Per data source statistics of the value field (``required_fields[0]``), ``[S]`` and ``[S, K]`` sums."""
+    """Per data source statistics of a value field, ``[S]`` and ``[S, K]`` sums. A subclass names the field
+    and the ``mode`` of the at-k statistic (``"pass"`` or ``"best"``) as class keywords."""
 
-    mode: ClassVar[str] = ""
+    mode: ClassVar[str]
+    higher_is_better = True
+    kernel = (V._validation_update, V._validation_compute)
+    update_args = ("field", "data_sources", "allow_other", "n_samples", "ks", "mode")
     states = table(prompts=SUM.of("data_sources"), sum_mean=SUM.of("data_sources"),
                    sum_at_k=SUM.of("data_sources", "ks"), prompts_at_k=SUM.of("data_sources", "ks"), nonfinite=SUM)
 
@@ -49,14 +52,10 @@ class _PerSource(_TrainingMetric):
         self.n_samples = n_samples
         self.ks = V.check_ks(ks, n_samples)
 
-    @property
-    def _deferred(self) -> tuple[tuple[str, str, str], ...]:
-        return (("nonfinite", self.required_fields[0], V.NONFINITE_SAMPLES),)
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return V._validation_update(
-            view, self.required_fields[0], self.data_sources, self.allow_other, self.n_samples, self.ks, self.mode
-        )
+    def __init_subclass__(cls, field: str, mode: str, **kwargs: Any) -> None:
+        cls.mode, cls.required_fields = mode, (field, V.DATA_SOURCES)
+        cls._deferred = (("nonfinite", field, V.NONFINITE_SAMPLES),)
+        super().__init_subclass__(**kwargs)
 
     def compute(self) -> dict[str, Tensor]:
         self.check_deferred()
@@ -66,7 +65,7 @@ class _PerSource(_TrainingMetric):
         )
 
 
-class ValidationAccuracy(_PerSource):
+class ValidationAccuracy(_PerSource, field=V.VAL_ACC, mode="pass"):
     r"""``val-core/<source>/acc/mean@<n>`` and ``val-aux/<source>/acc/pass@<k>`` per data source.
 
     Batch fields: ``val_acc`` [P, n] (or [P] for n = 1), ``data_sources`` (one string per prompt, or
@@ -91,22 +90,13 @@ class ValidationAccuracy(_PerSource):
     """
 
     keys = BySettings(("val-core/<source>/acc/mean@<n>", "val-aux/<source>/acc/pass@<k>"), _validation_keys)
-    mode = "pass"
-    required_fields = (V.VAL_ACC, V.DATA_SOURCES)
-    higher_is_better = True
-    glossary = GlossaryEntry(
-        name="val-core/acc",
+    glossary = diagnostic("val-core/acc", unit=_PROMPTS, aliases=("val-core/*/acc/mean@1", "pass@k"),
         what="Validation accuracy per data source on held-out tasks: mean@n (how often the model is correct; "
         "the number to watch first) and the unbiased pass@k (chance that at least one of k samples is "
-        "correct). When it drops, first ask whether training is unstable or the data/reward mis-specified.",
-        unit=_PROMPTS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("val-core/*/acc/mean@1", "pass@k"),
-    )
+        "correct). When it drops, first ask whether training is unstable or the data/reward mis-specified.")
 
 
-class ValidationReward(_PerSource):
+class ValidationReward(_PerSource, field=V.VAL_REWARDS, mode="best"):
     r"""``val-aux/<source>/reward/mean@<n>`` and ``val-aux/<source>/reward/best@<k>`` per data source.
 
     Batch fields: ``val_rewards`` [P, n] (or [P]), ``data_sources``, optional ``val_mask``. ``best@k`` is
@@ -121,21 +111,12 @@ class ValidationReward(_PerSource):
     """
 
     keys = BySettings(("val-aux/<source>/reward/mean@<n>", "val-aux/<source>/reward/best@<k>"), _validation_keys)
-    mode = "best"
-    required_fields = (V.VAL_REWARDS, V.DATA_SOURCES)
-    higher_is_better = True
-    glossary = GlossaryEntry(
-        name="val-aux/reward",
+    glossary = diagnostic("val-aux/reward", unit=_PROMPTS, aliases=("val-aux/*/reward/mean@1", "best@k"),
         what="Mean validation reward per data source (mean@n; for rule-based rewards it tracks accuracy) and the "
-        "expected best reward of k samples (best@k). Read it to interpret why val-core moved.",
-        unit=_PROMPTS,
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-        aliases=("val-aux/*/reward/mean@1", "best@k"),
-    )
+        "expected best reward of k samples (best@k). Read it to interpret why val-core moved.")
 
 
-class ValidationTurns(_TurnCounts):
+class ValidationTurns(_TurnCounts, field=V.VAL_NUM_TURNS):
     """``val-aux/num_turns/{min,max,mean}`` over validation samples (batch field ``val_num_turns`` [P, n] or
     [P], optional ``val_mask``).
 
@@ -147,19 +128,6 @@ class ValidationTurns(_TurnCounts):
     """
 
     keys = V.VAL_TURN_KEYS
-    required_fields = (V.VAL_NUM_TURNS,)
-    _deferred = (("invalid", V.VAL_NUM_TURNS, "negative or non-finite turn counts"),)
-    glossary = GlossaryEntry(
-        name="val-aux/num_turns",
-        what="Turn counts of multi-turn validation rollouts: min, max, mean.",
-        unit="validation samples over the window and all ranks",
-        cap=DIAGNOSTIC,
-        action=NO_ACTION,
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return V._val_turns_update(view)
-
-    def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
-        return V._val_turns_compute(**self.state_values(exclude=("invalid",)))
+    kernel = (V._val_turns_update, V._val_turns_compute)
+    glossary = diagnostic("val-aux/num_turns", unit="validation samples over the window and all ranks",
+        what="Turn counts of multi-turn validation rollouts: min, max, mean.")
