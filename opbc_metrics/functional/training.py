@@ -57,9 +57,7 @@ DEFAULT_CLIP_RATIO_C = 3.0
 DEFAULT_DPO_BETA = 0.1
 
 
-# ---------------------------------------------------------------------------------------------
 # input helpers (shared by the training, validation and perf modules)
-# ---------------------------------------------------------------------------------------------
 def _f64(stats: Stats) -> Stats:
     return {k: v.to(F64) for k, v in stats.items()}
 
@@ -74,47 +72,6 @@ def _amin(x: Tensor) -> Tensor:
     return x.amin() if x.numel() else torch.full((), float("inf"), dtype=x.dtype, device=x.device)
 
 
-def _describe(ndims: Sequence[int], names: Sequence[str]) -> str:
-    return " or ".join(f"[{', '.join(names[:n])}]" if n else "a scalar" for n in ndims)
-
-
-def as_field_tensor(
-    name: str,
-    value: Any,
-    *,
-    ndims: Sequence[int] = (1,),
-    dims: Sequence[str] = ("B", "T", "V"),
-    device: torch.device | None = None,
-    check: str | None = None,
-) -> tuple[Tensor, bool]:
-    """Coerce a batch field to a tensor and check its rank.
-
-    Returns ``(tensor, on_host)``: ``on_host`` is True when the value arrived as a Python number, list or
-    NumPy array; such values are checked at once (``check="finite"``: no NaN/inf; ``"nonnegative"``:
-    also no negative value), since that needs no device sync. Tensors are returned as they are (booleans
-    included); host values become float64 tensors on ``device``.
-    """
-    if value is None:
-        raise ValueError(f"batch field `{name}` is required but missing")
-    on_host = not isinstance(value, Tensor)
-    if on_host:
-        try:
-            arr = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            kind = type(value).__name__
-            raise ValueError(f"batch field `{name}` must be a tensor or numeric array, got {kind}") from exc
-        if check is not None:
-            _check_host_array(name, arr, nonnegative=check == "nonnegative")
-        t = torch.as_tensor(arr, dtype=F64, device=device)
-    else:
-        t = value
-        if t.is_complex():
-            raise ValueError(f"batch field `{name}` must be real-valued, got {t.dtype}")
-    if t.ndim not in ndims:
-        raise ValueError(f"batch field `{name}` must have shape {_describe(ndims, dims)}, got {tuple(t.shape)}")
-    return t, on_host
-
-
 def tensor_device(view: BatchView, *names: str) -> torch.device | None:
     """The device of the first of ``names`` that the batch gives as a tensor: where host values (lists,
     numbers) of a related field go, so that a mix of host values and device tensors works without a sync."""
@@ -125,17 +82,43 @@ def tensor_device(view: BatchView, *names: str) -> torch.device | None:
     return None
 
 
-def field_tensor(view: BatchView, name: str, **kwargs: Any) -> tuple[Tensor, bool]:
-    """:func:`as_field_tensor` of a batch field (a clear error if it is missing)."""
-    return as_field_tensor(name, view.field(name), **kwargs)
+def field_tensor(
+    view: BatchView,
+    name: str,
+    *,
+    ndims: Sequence[int] = (1,),
+    dims: Sequence[str] = ("B", "T", "V"),
+    device: torch.device | None = None,
+    check: str | None = None,
+) -> tuple[Tensor, bool]:
+    """Batch field ``name`` as a tensor of rank in ``ndims`` (a clear error if it is missing).
 
-
-def _check_host_array(name: str, arr: np.ndarray, *, nonnegative: bool = False) -> None:
-    """Eager value checks for host inputs (lists, NumPy arrays, numbers)."""
-    if not np.isfinite(arr).all():
-        raise ValueError(f"batch field `{name}` contains NaN or infinite values")
-    if nonnegative and (arr < 0).any():
-        raise ValueError(f"batch field `{name}` contains negative values (min {arr.min():g})")
+    Returns ``(tensor, on_host)``: ``on_host`` is True when the value arrived as a Python number, list or
+    NumPy array; such values are checked at once (``check="finite"``: no NaN/inf; ``"nonnegative"``:
+    also no negative value), since that needs no device sync. Tensors are returned as they are (booleans
+    included); host values become float64 tensors on ``device``.
+    """
+    value = view.field(name)
+    on_host = not isinstance(value, Tensor)
+    if on_host:
+        try:
+            arr = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            kind = type(value).__name__
+            raise ValueError(f"batch field `{name}` must be a tensor or numeric array, got {kind}") from exc
+        if check is not None and not np.isfinite(arr).all():
+            raise ValueError(f"batch field `{name}` contains NaN or infinite values")
+        if check == "nonnegative" and (arr < 0).any():
+            raise ValueError(f"batch field `{name}` contains negative values (min {arr.min():g})")
+        t = torch.as_tensor(arr, dtype=F64, device=device)
+    else:
+        t = value
+        if t.is_complex():
+            raise ValueError(f"batch field `{name}` must be real-valued, got {t.dtype}")
+    if t.ndim not in ndims:
+        shapes = " or ".join(f"[{', '.join(dims[:n])}]" if n else "a scalar" for n in ndims)
+        raise ValueError(f"batch field `{name}` must have shape {shapes}, got {tuple(t.shape)}")
+    return t, on_host
 
 
 def response_mask_for(view: BatchView, shape: torch.Size, device: torch.device, *, like: str) -> Tensor:
@@ -162,7 +145,8 @@ def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
         raise ValueError(f"batch field `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
 
 
-def _check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    """A clear error for two batch fields of different shapes or devices."""
     if t.shape != ref.shape:
         raise ValueError(
             f"batch field `{name}` has shape {tuple(t.shape)} but `{ref_name}` has shape {tuple(ref.shape)}"
@@ -191,9 +175,7 @@ def _extreme(value: Tensor, count: Tensor) -> Tensor:
     return torch.where(count > 0, value, torch.zeros_like(value))
 
 
-# ---------------------------------------------------------------------------------------------
 # scalars the trainer passes in (losses, grad norms, learning rates)
-# ---------------------------------------------------------------------------------------------
 def _scalar_update(view: BatchView, name: str, weight_field: str | None, device: torch.device | None) -> Stats:
     """Observations of a trainer scalar: a number, a 0-d tensor, or a list/1-D tensor (one per micro-batch).
 
@@ -240,9 +222,7 @@ def scalar_mean(values: Any, weights: Any = None) -> Tensor:
     return _scalar_compute(**_f64(stats))
 
 
-# ---------------------------------------------------------------------------------------------
 # actor/entropy
-# ---------------------------------------------------------------------------------------------
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     r"""Per-position entropy :math:`H = -\sum_v p_v \log p_v` of ``softmax(logits / temperature)``.
 
@@ -311,9 +291,7 @@ def policy_entropy(
     return _entropy_compute(**_f64(stats))
 
 
-# ---------------------------------------------------------------------------------------------
 # actor/ppo_kl, actor/approx_kl, actor/pg_clipfrac(_lower)
-# ---------------------------------------------------------------------------------------------
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -323,7 +301,7 @@ def _ppo_inputs(view: BatchView) -> tuple[Tensor, Tensor, Tensor]:
     for name, t in ((POLICY_LOGPROBS, new), (OLD_LOGPROBS, old)):
         if not t.is_floating_point():
             raise ValueError(f"batch field `{name}` must be a floating-point tensor, got {t.dtype}")
-    _check_same_shape(OLD_LOGPROBS, old, POLICY_LOGPROBS, new)
+    check_same_shape(OLD_LOGPROBS, old, POLICY_LOGPROBS, new)
     mask = response_mask_for(view, new.shape, new.device, like=POLICY_LOGPROBS)
     dtype = F64 if F64 in (new.dtype, old.dtype) else torch.float32
     return new.to(dtype), old.to(dtype), mask
@@ -405,7 +383,7 @@ def _advantages_like(view: BatchView, like: Tensor) -> tuple[Tensor, bool]:
             )
         adv = adv[:, None].expand(like.shape)
     else:
-        _check_same_shape(ADVANTAGES, adv, POLICY_LOGPROBS, like)
+        check_same_shape(ADVANTAGES, adv, POLICY_LOGPROBS, like)
     return adv, on_host
 
 
@@ -477,9 +455,7 @@ def pg_clipfrac(
     return _clipfrac_compute(**_f64(stats))
 
 
-# ---------------------------------------------------------------------------------------------
 # critic/*: value, returns, advantages, rewards, score, explained variance
-# ---------------------------------------------------------------------------------------------
 def _sequence_mask(view: BatchView, name: str, x: Tensor) -> Tensor:
     """The ``[B, T]`` ``response_mask`` beside the ``[B]`` values ``x`` of field ``name`` (same B and device)."""
     mask = view.tensor(RESPONSE_MASK)
@@ -588,7 +564,7 @@ def _explained_var_update(view: BatchView) -> Stats:
     device = tensor_device(view, RESPONSE_MASK, RETURNS, VALUES)
     r, valid_r, bad_r = _token_values(view, RETURNS, device)
     v, valid_v, bad_v = _token_values(view, VALUES, device)
-    _check_same_shape(VALUES, v, RETURNS, r)
+    check_same_shape(VALUES, v, RETURNS, r)
     valid = valid_r & valid_v
     zero = _zero(r.device)
     rv = torch.where(valid, r, zero)
@@ -643,9 +619,7 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor | 
     return _explained_var_compute(**_f64(stats))
 
 
-# ---------------------------------------------------------------------------------------------
 # response_length/*, prompt_length/*, response/aborted_ratio, num_turns/*
-# ---------------------------------------------------------------------------------------------
 def nonnegative_field(view: BatchView, name: str, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
     """A [B] count field (lengths, turns) as float64, and the number of invalid entries (negative or
     non-finite) that were zeroed. Host inputs are checked at once instead."""
@@ -746,9 +720,7 @@ def turn_stats(num_turns: Any) -> dict[str, Tensor]:
     return _turns_compute(**_f64(_turns_update(BatchView(num_turns=num_turns))))
 
 
-# ---------------------------------------------------------------------------------------------
 # DPO: loss/dpo, rewards/*; reward models: rm/*
-# ---------------------------------------------------------------------------------------------
 DPO_FIELDS = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
 DPO_KEYS = ("loss/dpo", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy")
 

@@ -32,7 +32,7 @@ from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as F
 from opbc_metrics.functional.statistics import safe_div
 from opbc_metrics.metric import MAX, MIN, SUM, BySettings, table
-from opbc_metrics.training._base import _PerRank, _TrainingMetric, diagnostic
+from opbc_metrics.training._base import _PerRank, _TrainingMetric, diagnostic, positive_int
 
 F64 = torch.float64
 RANK_IDS = "rank_ids"
@@ -63,9 +63,7 @@ def _workload(view: BatchView) -> tuple[Tensor, Tensor]:
     return p + r, bad_p + bad_r
 
 
-# ---------------------------------------------------------------------------------------------
 # global_seqlen/*
-# ---------------------------------------------------------------------------------------------
 class GlobalSeqlen(_PerRank):
     r"""Token workload per rank, ``global_seqlen/{min,max,minmax_diff,balanced_min,balanced_max,mean}``.
 
@@ -132,8 +130,7 @@ class GlobalSeqlen(_PerRank):
         if workload is not None and not callable(workload):
             raise ValueError(f"`workload` must be a function of the lengths tensor, got {type(workload).__name__}")
         self.workload_fn = workload
-        if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 1:
-            raise ValueError(f"`max_seqlen` must be a positive integer, got {max_seqlen!r}")
+        positive_int("max_seqlen", max_seqlen, optional=False)
         if algorithm not in P.PARTITION_ALGORITHMS:
             raise ValueError(f"`algorithm` must be one of {P.PARTITION_ALGORITHMS}, got {algorithm!r}")
         self.max_seqlen, self.algorithm, self.equal_size = max_seqlen, algorithm, bool(equal_size)
@@ -205,9 +202,7 @@ class GlobalSeqlen(_PerRank):
         return {k: torch.tensor(v, dtype=F64, device=self.workload.device) for k, v in values.items()}
 
 
-# ---------------------------------------------------------------------------------------------
 # StageTimer: the context manager
-# ---------------------------------------------------------------------------------------------
 class StageTimer:
     """Measure named stages of a step with ``with timer("gen"): ...``; :meth:`pop` gives the ``timing_s``
     batch field ``{stage: seconds}`` (repeated stages add up) and starts the next step.
@@ -272,9 +267,7 @@ class StageTimer:
         return out
 
 
-# ---------------------------------------------------------------------------------------------
 # timing_s/*, timing_per_token_ms/*, perf/*
-# ---------------------------------------------------------------------------------------------
 def _timings(view: BatchView, stages: tuple[str, ...], strict: bool) -> list[float]:
     value = view.field(TIMING_S)
     if not isinstance(value, Mapping):
@@ -445,9 +438,7 @@ class Throughput(_StageClock):
                  **kwargs: Any) -> None:
         super().__init__(world_size, **kwargs)
         (self.step_stage,) = _check_stage_names("step_stage", step_stage)
-        if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1):
-            raise ValueError(f"`num_gpus` must be a positive integer, got {num_gpus!r}")
-        self.num_gpus = num_gpus
+        self.num_gpus = positive_int("num_gpus", num_gpus)
         self.clock_stages = (self.step_stage,)
 
     def compute(self) -> dict[str, Tensor]:
@@ -535,9 +526,7 @@ class ModelFlopsUtilization(_StageClock):
         else:
             peak = P.peak_flops(accelerator if accelerator is not None else P.detect_accelerator())
         self.peak = peak
-        if num_gpus is not None and (not isinstance(num_gpus, int) or isinstance(num_gpus, bool) or num_gpus < 1):
-            raise ValueError(f"`num_gpus` must be a positive integer, got {num_gpus!r}")
-        self.num_gpus = num_gpus
+        self.num_gpus = positive_int("num_gpus", num_gpus)
         self.clock_stages = timing
 
     def compute(self) -> dict[str, Tensor]:
@@ -554,9 +543,7 @@ class ModelFlopsUtilization(_StageClock):
         return out
 
 
-# ---------------------------------------------------------------------------------------------
 # timing_s/agent_loop/*: per-sample times of agent loops
-# ---------------------------------------------------------------------------------------------
 AGENT_GENERATE_S = "agent_generate_s"
 AGENT_TOOL_CALLS_S = "agent_tool_calls_s"
 AGENT_LOOP_KEYS = tuple(
