@@ -24,7 +24,7 @@ deviation; ``critic/vf_explained_var`` reports 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -167,6 +167,13 @@ def _masked_moments(x: Tensor, valid: Tensor, scaled: bool = False) -> Stats:
     return out
 
 
+def _one_batch(compute: Callable[..., Any], stats: Stats, fields: str | Sequence[str], what: str, *args: Any) -> Any:
+    """A public function's value: ``compute(*args, **stats)`` of one batch, after raising on the bad values the
+    batch's ``nonfinite`` count holds (the metric classes raise at ``compute()`` instead)."""
+    raise_if_invalid(fields, stats["nonfinite"], what)
+    return compute(*args, **_f64(stats))
+
+
 def _mean(total: Tensor, count: Tensor) -> Tensor:
     return safe_div(total, count, 0.0)
 
@@ -216,10 +223,9 @@ def scalar_mean(values: Any, weights: Any = None) -> Tensor:
         >>> scalar_mean([1.0, 3.0], weights=[300, 100])  # token-weighted loss
         tensor(1.5000, dtype=torch.float64)
     """
-    view = BatchView(x=values, w=weights)
-    stats = _scalar_update(view, "x", "w" if weights is not None else None, None)
-    raise_if_invalid(("x", "w") if weights is not None else "x", stats["nonfinite"], "non-finite values or weights")
-    return _scalar_compute(**_f64(stats))
+    weight = "w" if weights is not None else None
+    stats = _scalar_update(BatchView(x=values, w=weights), "x", weight, None)
+    return _one_batch(_scalar_compute, stats, ("x", weight) if weight else "x", "non-finite values or weights")
 
 
 # actor/entropy
@@ -263,7 +269,8 @@ def _entropy_update(view: BatchView, from_logits: bool, temperature: float) -> S
     }
 
 
-def _entropy_compute(sum: Tensor, count: Tensor, nonfinite: Tensor | None = None) -> Tensor:
+def _token_mean_compute(sum: Tensor, count: Tensor, nonfinite: Tensor | None = None) -> Tensor:
+    """The mean over valid tokens (``actor/entropy``, ``actor/ppo_kl``, ``actor/approx_kl``)."""
     return _mean(sum, count)
 
 
@@ -287,8 +294,7 @@ def policy_entropy(
     """
     view = BatchView(entropies=entropies, logits=logits, response_mask=response_mask)
     stats = _entropy_update(view, logits is not None, temperature)
-    raise_if_invalid(LOGITS if logits is not None else ENTROPIES, stats["nonfinite"], "non-finite entropies")
-    return _entropy_compute(**_f64(stats))
+    return _one_batch(_token_mean_compute, stats, LOGITS if logits is not None else ENTROPIES, "non-finite entropies")
 
 
 # actor/ppo_kl, actor/approx_kl, actor/pg_clipfrac(_lower)
@@ -322,10 +328,6 @@ def _policy_kl_update(view: BatchView, estimator: str, clamp: float) -> Stats:
     return {"sum": k.to(F64).sum(), "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum()}
 
 
-def _policy_kl_compute(sum: Tensor, count: Tensor, nonfinite: Tensor | None = None) -> Tensor:
-    return _mean(sum, count)
-
-
 def policy_kl(
     policy_logprobs: Tensor,
     old_logprobs: Tensor,
@@ -349,9 +351,8 @@ def policy_kl(
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"`estimator` must be one of {KL_ESTIMATORS}, got {estimator!r}")
     view = BatchView(policy_logprobs=policy_logprobs, old_logprobs=old_logprobs, response_mask=response_mask)
-    stats = _policy_kl_update(view, estimator, clamp)
-    raise_if_invalid((POLICY_LOGPROBS, OLD_LOGPROBS), stats["nonfinite"], "non-finite logprobs on response tokens")
-    return _policy_kl_compute(**_f64(stats))
+    return _one_batch(_token_mean_compute, _policy_kl_update(view, estimator, clamp), (POLICY_LOGPROBS, OLD_LOGPROBS),
+                      "non-finite logprobs on response tokens")
 
 
 CLIPFRAC_KEYS = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")
@@ -450,9 +451,8 @@ def pg_clipfrac(
     view = BatchView(policy_logprobs=policy_logprobs, old_logprobs=old_logprobs, advantages=advantages,
                      response_mask=response_mask)
     stats = _clipfrac_update(view, low, high, c, clamp)
-    raise_if_invalid((POLICY_LOGPROBS, OLD_LOGPROBS, ADVANTAGES), stats["nonfinite"],
-                     "non-finite logprobs/advantages on response tokens")
-    return _clipfrac_compute(**_f64(stats))
+    return _one_batch(_clipfrac_compute, stats, (POLICY_LOGPROBS, OLD_LOGPROBS, ADVANTAGES),
+                      "non-finite logprobs/advantages on response tokens")
 
 
 # critic/*: value, returns, advantages, rewards, score, explained variance
@@ -556,8 +556,7 @@ def critic_stats(name: str, values: Tensor, response_mask: Tensor | None = None)
     view = BatchView({name: values, RESPONSE_MASK: response_mask})
     update = _sequence_sum_update if name in (REWARDS, SCORES) else _token_stats_update
     stats = update(view, name)
-    raise_if_invalid(name, stats["nonfinite"], "non-finite values")
-    return _critic_stats_compute(name, **_f64(stats))
+    return _one_batch(_critic_stats_compute, stats, name, "non-finite values", name)
 
 
 def _explained_var_update(view: BatchView) -> Stats:
@@ -615,8 +614,7 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor | 
         tensor(0.8500, dtype=torch.float64)
     """
     stats = _explained_var_update(BatchView(values=values, returns=returns, response_mask=response_mask))
-    raise_if_invalid((VALUES, RETURNS), stats["nonfinite"], "non-finite values/returns")
-    return _explained_var_compute(**_f64(stats))
+    return _one_batch(_explained_var_compute, stats, (VALUES, RETURNS), "non-finite values/returns")
 
 
 # response_length/*, prompt_length/*, response/aborted_ratio, num_turns/*
@@ -805,8 +803,7 @@ def dpo_metrics(
     stats = _dpo_update(BatchView(dict(zip(DPO_FIELDS, (policy_chosen_logps, policy_rejected_logps,
                                                            reference_chosen_logps, reference_rejected_logps)))),
                         beta, label_smoothing)
-    raise_if_invalid(DPO_FIELDS, stats["nonfinite"], "pairs with non-finite logps")
-    return _dpo_compute(**_f64(stats))
+    return _one_batch(_dpo_compute, stats, DPO_FIELDS, "pairs with non-finite logps")
 
 
 RM_FIELDS = ("chosen_scores", "rejected_scores")
@@ -846,5 +843,4 @@ def reward_model_metrics(chosen_scores: Tensor, rejected_scores: Tensor) -> dict
         {'rm/loss': 0.6437, 'rm/accuracy': 0.5, 'rm/reward_margin': 0.25}
     """
     stats = _rm_update(BatchView(chosen_scores=chosen_scores, rejected_scores=rejected_scores))
-    raise_if_invalid(RM_FIELDS, stats["nonfinite"], "pairs with non-finite scores")
-    return _rm_compute(**_f64(stats))
+    return _one_batch(_rm_compute, stats, RM_FIELDS, "pairs with non-finite scores")

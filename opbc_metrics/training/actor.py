@@ -77,7 +77,7 @@ class PolicyEntropy(_TrainingMetric):
     keys = ("actor/entropy",)
     required_fields = BySettings((F.ENTROPIES,), lambda m: (F.LOGITS,) if m.from_logits else (F.ENTROPIES,))
     states = table("sum", "count", "nonfinite")
-    kernel = (F._entropy_update, F._entropy_compute)
+    kernel = (F._entropy_update, F._token_mean_compute)
     update_args = ("from_logits", "temperature")
     glossary = diagnostic("actor/entropy", unit=_TOKENS, aliases=("entropy", "policy entropy"),
         what="Mean entropy of the policy over response tokens. High early (exploration), lower later "
@@ -94,13 +94,12 @@ class PolicyEntropy(_TrainingMetric):
         return (("nonfinite", self.required_fields[0], "non-finite entropies on response tokens"),)
 
 
-
 class _PolicyKL(_TrainingMetric):
     required_fields = (F.POLICY_LOGPROBS, F.OLD_LOGPROBS)
     higher_is_better = False
     default_estimator = "k1"
     states = table("sum", "count", "nonfinite")
-    kernel = (F._policy_kl_update, F._policy_kl_compute)
+    kernel = (F._policy_kl_update, F._token_mean_compute)
     update_args = ("estimator", "clamp")
     _deferred = (("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS), "non-finite logprobs on response tokens"),)
 

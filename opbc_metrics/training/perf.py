@@ -54,12 +54,7 @@ def _workload(view: BatchView) -> tuple[Tensor, Tensor]:
     """Per-sequence workload ``prompt_lengths + response_lengths`` (float64) and the invalid-entry count."""
     p, bad_p = F.nonnegative_field(view, F.PROMPT_LENGTHS, device=F.tensor_device(view, F.RESPONSE_LENGTHS))
     r, bad_r = F.nonnegative_field(view, F.RESPONSE_LENGTHS, device=p.device)
-    if p.shape != r.shape:
-        raise ValueError(
-            f"batch field `{F.PROMPT_LENGTHS}` has shape {tuple(p.shape)} but `{F.RESPONSE_LENGTHS}` has "
-            f"shape {tuple(r.shape)}"
-        )
-    F.check_same_device(F.RESPONSE_LENGTHS, r, F.PROMPT_LENGTHS, p)
+    F.check_same_shape(F.PROMPT_LENGTHS, p, F.RESPONSE_LENGTHS, r)
     return p + r, bad_p + bad_r
 
 
@@ -140,12 +135,9 @@ class GlobalSeqlen(_PerRank):
         device = lengths.device
         if view.has(RANK_IDS):
             ids, _ = F.field_tensor(view, RANK_IDS, ndims=(1,), dims=("B",), device=device)
-            if ids.shape != lengths.shape:
-                raise ValueError(f"batch field `{RANK_IDS}` has shape {tuple(ids.shape)} but `{F.PROMPT_LENGTHS}` "
-                                 f"has shape {tuple(lengths.shape)}")
+            F.check_same_shape(RANK_IDS, ids, F.PROMPT_LENGTHS, lengths)
             if ids.is_floating_point() or ids.dtype == torch.bool:
                 raise ValueError(f"batch field `{RANK_IDS}` must be an integer tensor, got {ids.dtype}")
-            F.check_same_device(RANK_IDS, ids, F.PROMPT_LENGTHS, lengths)
             limit = self.world_size or self.slots
             onehot = ids[:, None] == torch.arange(limit, device=device)[None, :]
             per_rank = (onehot.to(F64) * lengths[:, None]).sum(dim=0)
@@ -655,10 +647,7 @@ class AgentLoopSlowest(_PerRank):
         for name in self._FIELDS[1:]:
             if view.has(name):
                 x, bad = F.nonnegative_field(view, name, device=gen.device)
-                F.check_same_device(name, x, AGENT_GENERATE_S, gen)
-                if x.shape != gen.shape:
-                    raise ValueError(f"batch field `{name}` has shape {tuple(x.shape)} but `{AGENT_GENERATE_S}` "
-                                     f"has shape {tuple(gen.shape)}")
+                F.check_same_shape(name, x, AGENT_GENERATE_S, gen)
                 invalid = invalid + bad
             else:
                 x = torch.zeros_like(gen)
