@@ -83,13 +83,8 @@ def tensor_device(view: BatchView, *names: str) -> torch.device | None:
 
 
 def field_tensor(
-    view: BatchView,
-    name: str,
-    *,
-    ndims: Sequence[int] = (1,),
-    dims: Sequence[str] = ("B", "T", "V"),
-    device: torch.device | None = None,
-    check: str | None = None,
+    view: BatchView, name: str, *, ndims: Sequence[int] = (1,), dims: Sequence[str] = ("B", "T", "V"),
+    device: torch.device | None = None, check: str | None = None,
 ) -> tuple[Tensor, bool]:
     """Batch field ``name`` as a tensor of rank in ``ndims`` (a clear error if it is missing).
 
@@ -263,8 +258,7 @@ def _entropy_update(view: BatchView, from_logits: bool, temperature: float) -> S
     finite = torch.isfinite(h)
     valid = mask & finite
     return {
-        "sum": torch.where(valid, h, _zero(h.device)).sum(),
-        "count": valid.to(F64).sum(),
+        "sum": torch.where(valid, h, _zero(h.device)).sum(), "count": valid.to(F64).sum(),
         "nonfinite": (mask & ~finite).to(F64).sum(),
     }
 
@@ -275,9 +269,7 @@ def _token_mean_compute(sum: Tensor, count: Tensor, nonfinite: Tensor | None = N
 
 
 def policy_entropy(
-    entropies: Tensor | None = None,
-    response_mask: Tensor | None = None,
-    logits: Tensor | None = None,
+    entropies: Tensor | None = None, response_mask: Tensor | None = None, logits: Tensor | None = None,
     temperature: float = 1.0,
 ) -> Tensor:
     r"""``actor/entropy``: token-mean policy entropy over response tokens (nats).
@@ -329,10 +321,7 @@ def _policy_kl_update(view: BatchView, estimator: str, clamp: float) -> Stats:
 
 
 def policy_kl(
-    policy_logprobs: Tensor,
-    old_logprobs: Tensor,
-    response_mask: Tensor | None = None,
-    estimator: str = "k1",
+    policy_logprobs: Tensor, old_logprobs: Tensor, response_mask: Tensor | None = None, estimator: str = "k1",
     clamp: float = DEFAULT_RATIO_CLAMP,
 ) -> Tensor:
     r"""Token-mean KL(pi_old || pi) from the sampled tokens' logprobs (``actor/ppo_kl``, ``actor/approx_kl``).
@@ -403,10 +392,8 @@ def _clipfrac_update(view: BatchView, low: float, high: float, c: float, clamp: 
     pg3 = -a * c
     lower = (torch.maximum(pg1, pg2) > pg3) & (a < 0)
     return {
-        "clipped": (clipped & valid).to(F64).sum(),
-        "clipped_lower": (lower & valid).to(F64).sum(),
-        "count": valid.to(F64).sum(),
-        "nonfinite": (mask & ~finite).to(F64).sum(),
+        "clipped": (clipped & valid).to(F64).sum(), "clipped_lower": (lower & valid).to(F64).sum(),
+        "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum(),
     }
 
 
@@ -416,15 +403,9 @@ def _clipfrac_compute(clipped: Tensor, clipped_lower: Tensor, count: Tensor, non
 
 
 def pg_clipfrac(
-    policy_logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor | None = None,
-    clip_ratio: float = DEFAULT_CLIP_RATIO,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
-    clamp: float = DEFAULT_RATIO_CLAMP,
+    policy_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor | None = None,
+    clip_ratio: float = DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
+    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C, clamp: float = DEFAULT_RATIO_CLAMP,
 ) -> dict[str, Tensor]:
     r"""``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower``: how often PPO's clipping is active.
 
@@ -571,16 +552,9 @@ def _explained_var_update(view: BatchView) -> Stats:
     d_hi = torch.where(valid, r * SCALE - v * SCALE, zero)
     r_hi = rv * SCALE
     return {
-        "sum_r": rv.sum(),
-        "sum_r2": (rv * rv).sum(),
-        "sum_d": d.sum(),
-        "sum_d2": (d * d).sum(),
-        "sum_r_hi": r_hi.sum(),
-        "sum_r2_hi": (r_hi * r_hi).sum(),
-        "sum_d_hi": d_hi.sum(),
-        "sum_d2_hi": (d_hi * d_hi).sum(),
-        "count": valid.to(F64).sum(),
-        "nonfinite": (bad_r | bad_v).to(F64).sum(),
+        "sum_r": rv.sum(), "sum_r2": (rv * rv).sum(), "sum_d": d.sum(), "sum_d2": (d * d).sum(), "sum_r_hi": r_hi.sum(),
+        "sum_r2_hi": (r_hi * r_hi).sum(), "sum_d_hi": d_hi.sum(), "sum_d2_hi": (d_hi * d_hi).sum(),
+        "count": valid.to(F64).sum(), "nonfinite": (bad_r | bad_v).to(F64).sum(),
     }
 
 
@@ -754,11 +728,8 @@ def _dpo_update(view: BatchView, beta: float, label_smoothing: float) -> Stats:
     if label_smoothing:
         loss = loss - torch.nn.functional.logsigmoid(-logits) * label_smoothing
     return {
-        "sum_loss": torch.where(finite, loss, zero).sum(),
-        "sum_chosen": chosen.sum(),
-        "sum_rejected": rejected.sum(),
-        "correct": ((chosen > rejected) & finite).to(F64).sum(),
-        "count": finite.to(F64).sum(),
+        "sum_loss": torch.where(finite, loss, zero).sum(), "sum_chosen": chosen.sum(), "sum_rejected": rejected.sum(),
+        "correct": ((chosen > rejected) & finite).to(F64).sum(), "count": finite.to(F64).sum(),
         "nonfinite": (~finite).to(F64).sum(),
     }
 
@@ -767,21 +738,14 @@ def _dpo_compute(sum_loss: Tensor, sum_chosen: Tensor, sum_rejected: Tensor, cor
                  nonfinite: Tensor | None = None) -> dict[str, Tensor]:
     chosen, rejected = _mean(sum_chosen, count), _mean(sum_rejected, count)
     return {
-        DPO_KEYS[0]: _mean(sum_loss, count),
-        DPO_KEYS[1]: chosen,
-        DPO_KEYS[2]: rejected,
-        DPO_KEYS[3]: chosen - rejected,
+        DPO_KEYS[0]: _mean(sum_loss, count), DPO_KEYS[1]: chosen, DPO_KEYS[2]: rejected, DPO_KEYS[3]: chosen - rejected,
         DPO_KEYS[4]: _mean(correct, count),
     }
 
 
 def dpo_metrics(
-    policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor,
-    reference_chosen_logps: Tensor,
-    reference_rejected_logps: Tensor,
-    beta: float = DEFAULT_DPO_BETA,
-    label_smoothing: float = 0.0,
+    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Tensor,
+    reference_rejected_logps: Tensor, beta: float = DEFAULT_DPO_BETA, label_smoothing: float = 0.0,
 ) -> dict[str, Tensor]:
     r"""DPO's loss and implicit rewards (Rafailov et al. 2023), means over preference pairs.
 
@@ -818,9 +782,7 @@ def _rm_update(view: BatchView) -> Stats:
     margin = torch.where(finite, margin, zero)
     return {
         "sum_loss": torch.where(finite, -torch.nn.functional.logsigmoid(margin), zero).sum(),
-        "correct": ((margin > 0) & finite).to(F64).sum(),
-        "sum_margin": margin.sum(),
-        "count": finite.to(F64).sum(),
+        "correct": ((margin > 0) & finite).to(F64).sum(), "sum_margin": margin.sum(), "count": finite.to(F64).sum(),
         "nonfinite": (~finite).to(F64).sum(),
     }
 

@@ -80,9 +80,9 @@ class PolicyEntropy(_TrainingMetric):
     kernel = (F._entropy_update, F._token_mean_compute)
     update_args = ("from_logits", "temperature")
     glossary = diagnostic("actor/entropy", unit=_TOKENS, aliases=("entropy", "policy entropy"),
-        what="Mean entropy of the policy over response tokens. High early (exploration), lower later "
-        "(commitment); an early collapse often means premature convergence. A sudden drop is the first thing "
-        "to check when reward crashes.")
+        what="Mean entropy of the policy over response tokens. High early (exploration), lower later (commitment); an "
+        "early collapse often means premature convergence. A sudden drop is the first thing to check when reward "
+        "crashes.")
 
     def __init__(self, from_logits: bool = False, temperature: float = 1.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -134,9 +134,9 @@ class PPOKL(_PolicyKL):
 
     keys = ("actor/ppo_kl",)
     glossary = diagnostic("actor/ppo_kl", unit=_TOKENS, aliases=("objective/kl",),
-        what="Approximate KL divergence between the old policy and the policy being updated (k1 = mean of "
-        "log pi_old - log pi by default). Spikes often precede reward collapse; near zero for long means the "
-        "model may not be learning.")
+        what="Approximate KL divergence between the old policy and the policy being updated (k1 = mean of log pi_old "
+        "- log pi by default). Spikes often precede reward collapse; near zero for long means the model may not be "
+        "learning.")
 
 
 class ApproxKL(_PolicyKL):
@@ -156,8 +156,8 @@ class ApproxKL(_PolicyKL):
     keys = ("actor/approx_kl",)
     default_estimator = "k3"
     glossary = diagnostic("actor/approx_kl", unit=_TOKENS, aliases=("approx_kl", "policy/approx_kl"),
-        what="Approximate KL divergence between the old and the new policy (k3 estimator by default): how far "
-        "an update moved the policy.")
+        what="Approximate KL divergence between the old and the new policy (k3 estimator by default): how far an "
+        "update moved the policy.")
 
 
 class PolicyClipFraction(_TrainingMetric):
@@ -196,19 +196,15 @@ class PolicyClipFraction(_TrainingMetric):
          "non-finite logprobs or advantages on response tokens"),
     )
     glossary = diagnostic("actor/pg_clipfrac", unit=_TOKENS,
-        what="Clip fraction: how often PPO's ratio clipping is active (the update was speed-limited), and how "
-        "often the dual-clip lower bound binds for negative advantages. Sustained high values suggest a "
-        "learning rate too high or batches too small/noisy.",
+        what="Clip fraction: how often PPO's ratio clipping is active (the update was speed-limited), and how often "
+        "the dual-clip lower bound binds for negative advantages. Sustained high values suggest a learning rate too "
+        "high or batches too small/noisy.",
         aliases=("pg_clipfrac", "clip fraction", "actor/pg_clipfrac_lower"))
 
     def __init__(
-        self,
-        clip_ratio: float = F.DEFAULT_CLIP_RATIO,
-        clip_ratio_low: float | None = None,
-        clip_ratio_high: float | None = None,
-        clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
-        clamp: float = F.DEFAULT_RATIO_CLAMP,
-        **kwargs: Any,
+        self, clip_ratio: float = F.DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
+        clip_ratio_high: float | None = None, clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
+        clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.low, self.high, self.c = F.check_clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)

@@ -95,8 +95,8 @@ class AdvantageStats(_FieldStats, field=F.ADVANTAGES, bad="advantages on respons
     """  # noqa: E501
 
     glossary = diagnostic("critic/advantages", unit=_TOKENS,
-        what="Mean and spread of the advantages: track the mean for sign flips or collapse; an extreme std "
-        "often means instability.")
+        what="Mean and spread of the advantages: track the mean for sign flips or collapse; an extreme std often "
+        "means instability.")
 
 
 class RewardStats(_FieldStats, field=F.REWARDS, bad="rewards", per_sequence=True):
@@ -113,8 +113,8 @@ class RewardStats(_FieldStats, field=F.REWARDS, bad="rewards", per_sequence=True
 
     higher_is_better = True
     glossary = diagnostic("critic/rewards", unit=_SEQUENCES, aliases=("rewards",),
-        what="Sequence reward (after any KL penalty in the reward): the training reward trend, the first thing "
-        "to watch next to validation accuracy.")
+        what="Sequence reward (after any KL penalty in the reward): the training reward trend, the first thing to "
+        "watch next to validation accuracy.")
 
 
 class ScoreStats(_FieldStats, field=F.SCORES, bad="scores", per_sequence=True):
@@ -155,8 +155,8 @@ class ExplainedVariance(_TrainingMetric):
     plot_upper_bound = 1.0
     _deferred = (("nonfinite", (F.VALUES, F.RETURNS), "non-finite values or returns on response tokens"),)
     glossary = diagnostic("critic/vf_explained_var", unit=_TOKENS, aliases=("vf_explained_var",),
-        what="Explained variance of the returns by the value function: 1 = perfect critic, 0 = no better "
-        "than a constant, negative = worse. A critic that stays low gives the actor noisy advantages.")
+        what="Explained variance of the returns by the value function: 1 = perfect critic, 0 = no better than a "
+        "constant, negative = worse. A critic that stays low gives the actor noisy advantages.")
 
     states = table("sum_r", "sum_r2", "sum_d", "sum_d2", "sum_r_hi", "sum_r2_hi", "sum_d_hi", "sum_d2_hi", "count",
                    "nonfinite")

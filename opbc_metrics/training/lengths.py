@@ -51,9 +51,8 @@ class ResponseLength(_LengthStats, field=F.RESPONSE_LENGTHS, prefix="response_le
     """
 
     glossary = diagnostic("response_length", unit=_SEQUENCES, aliases=("response_length/clip_ratio",),
-        what="Completion length: mean, max, min, and the share clipped by max_response_length. A high clip "
-        "ratio means frequent truncation; reward rising while length collapses can be reward hacking via a "
-        "length bias.")
+        what="Completion length: mean, max, min, and the share clipped by max_response_length. A high clip ratio "
+        "means frequent truncation; reward rising while length collapses can be reward hacking via a length bias.")
 
     def __init__(self, max_response_length: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -99,8 +98,8 @@ class AbortedRatio(_TrainingMetric):
     plot_upper_bound = 1.0
     _deferred = (("invalid", F.RESPONSE_LENGTHS, "negative or non-finite lengths"),)
     glossary = diagnostic("response/aborted_ratio", unit=_SEQUENCES,
-        what="Fraction of generations that failed or were aborted (empty responses). High values point to "
-        "sampling or runtime issues.")
+        what="Fraction of generations that failed or were aborted (empty responses). High values point to sampling or "
+        "runtime issues.")
 
     states = table("aborted", "count", "invalid")
     kernel = (F._aborted_update, F._aborted_compute)
@@ -120,5 +119,5 @@ class NumTurns(_TurnCounts, field=F.NUM_TURNS):
     keys = F.TURN_KEYS
     kernel = (F._turns_update, F._turns_compute)
     glossary = diagnostic("num_turns", unit=_SEQUENCES,
-        what="Turns per trajectory: min, max, mean. A sudden jump of the max points to loops or tool failures "
-        "causing repeated retries.")
+        what="Turns per trajectory: min, max, mean. A sudden jump of the max points to loops or tool failures causing "
+        "repeated retries.")

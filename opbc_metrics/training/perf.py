@@ -106,20 +106,15 @@ class GlobalSeqlen(_PerRank):
         ("bad_rank", RANK_IDS, "rank ids outside [0, world_size)"),
     )
     glossary = diagnostic("global_seqlen", aliases=("global_seqlen/minmax_diff",),
-        what="Total token workload per GPU (data-parallel rank), not the length of any one sequence: the "
-        "lightest and heaviest rank, their difference (the most important: large means fast GPUs wait for "
-        "slow ones), the mean, and the lightest/heaviest after Karmarkar-Karp re-balancing (what balancing "
-        "would achieve). A large max also explains OOMs.",
+        what="Total token workload per GPU (data-parallel rank), not the length of any one sequence: the lightest and "
+        "heaviest rank, their difference (the most important: large means fast GPUs wait for slow ones), the mean, "
+        "and the lightest/heaviest after Karmarkar-Karp re-balancing (what balancing would achieve). A large max also "
+        "explains OOMs.",
         unit="tokens (prompt + response) per rank over the window; ranks of the process group")
 
     def __init__(
-        self,
-        world_size: int | None = None,
-        max_seqlen: int = DEFAULT_MAX_SEQLEN,
-        algorithm: str = "karmarkar_karp",
-        equal_size: bool = True,
-        workload: Callable[[Tensor], Tensor] | None = None,
-        **kwargs: Any,
+        self, world_size: int | None = None, max_seqlen: int = DEFAULT_MAX_SEQLEN, algorithm: str = "karmarkar_karp",
+        equal_size: bool = True, workload: Callable[[Tensor], Tensor] | None = None, **kwargs: Any,
     ) -> None:
         super().__init__(world_size, **kwargs)
         if workload is not None and not callable(workload):
@@ -156,13 +151,9 @@ class GlobalSeqlen(_PerRank):
         hist = torch.zeros(self.max_seqlen + 1, dtype=F64, device=device)
         hist.index_add_(0, idx, (~over).to(F64))
         return {
-            "workload": workload,
-            "active": active,
-            "hist": hist,
-            "overflow_count": over.to(F64).sum(),
+            "workload": workload, "active": active, "hist": hist, "overflow_count": over.to(F64).sum(),
             "overflow_sum": torch.where(over, lengths, torch.zeros((), dtype=F64, device=device)).sum(),
-            "invalid": invalid,
-            "bad_rank": bad_rank,
+            "invalid": invalid, "bad_rank": bad_rank,
         }
 
     def compute(self) -> dict[str, Tensor]:
@@ -357,21 +348,17 @@ class StageTiming(_StageClock):
         *(f"timing_s/{s}" for s in m.stages), *(f"timing_per_token_ms/{s}" for s in m.per_token_stages)))
     higher_is_better = False
     glossary = diagnostic("timing_s", aliases=("timing_per_token_ms", "timing_s/step", "timing_s/gen"),
-        what="Wall time per step of each stage (gen, reward, old_log_prob, ref, adv, update_actor, "
-        "update_critic, update_weights, step), as the slowest rank saw it, and the same per token "
-        "(timing_per_token_ms, better for comparing runs that generate different token counts). Check step "
-        "first, then its largest component (usually gen).",
-        unit="steps over the window; the slowest rank (max over ranks); per-token figures divide by the "
-        "step's tokens summed over ranks")
+        what="Wall time per step of each stage (gen, reward, old_log_prob, ref, adv, update_actor, update_critic, "
+        "update_weights, step), as the slowest rank saw it, and the same per token (timing_per_token_ms, better for "
+        "comparing runs that generate different token counts). Check step first, then its largest component (usually "
+        "gen).",
+        unit="steps over the window; the slowest rank (max over ranks); per-token figures divide by the step's "
+        "tokens summed over ranks")
 
     def __init__(
-        self,
-        stages: Sequence[str] = P.DEFAULT_STAGES,
-        per_token_stages: Sequence[str] | None = None,
-        response_token_stages: Sequence[str] = P.DEFAULT_RESPONSE_TOKEN_STAGES,
-        strict: bool = True,
-        world_size: int | None = None,
-        **kwargs: Any,
+        self, stages: Sequence[str] = P.DEFAULT_STAGES, per_token_stages: Sequence[str] | None = None,
+        response_token_stages: Sequence[str] = P.DEFAULT_RESPONSE_TOKEN_STAGES, strict: bool = True,
+        world_size: int | None = None, **kwargs: Any,
     ) -> None:
         super().__init__(world_size, **kwargs)
         self.stages = _check_stage_names("stages", stages)
@@ -422,8 +409,8 @@ class Throughput(_StageClock):
     keys = ("perf/total_num_tokens", "perf/time_per_step", "perf/throughput")
     higher_is_better = True
     glossary = diagnostic("perf/throughput", aliases=("perf/total_num_tokens", "perf/time_per_step", "throughput"),
-        what="Tokens processed per step, wall time per step, and tokens per second per GPU: the core "
-        "efficiency metric.",
+        what="Tokens processed per step, wall time per step, and tokens per second per GPU: the core efficiency "
+        "metric.",
         unit="steps over the window; tokens summed over ranks, time of the slowest rank")
 
     def __init__(self, step_stage: str = "step", num_gpus: int | None = None, world_size: int | None = None,
@@ -439,9 +426,7 @@ class Throughput(_StageClock):
         tokens = safe_div(self.tokens_all, n, 0.0)
         gpus = self.num_gpus or self.num_ranks()
         return {
-            self.keys[0]: tokens,
-            self.keys[1]: seconds[0],
-            self.keys[2]: safe_div(tokens, seconds[0] * gpus, 0.0),
+            self.keys[0]: tokens, self.keys[1]: seconds[0], self.keys[2]: safe_div(tokens, seconds[0] * gpus, 0.0),
         }
 
 
@@ -486,21 +471,15 @@ class ModelFlopsUtilization(_StageClock):
     keys = BySettings(("perf/mfu/<name>",), lambda m: tuple(f"perf/mfu/{n}" for n in m.mfu_stages))
     higher_is_better = True
     glossary = diagnostic("perf/mfu", aliases=("perf/mfu/actor", "perf/mfu/actor_infer", "MFU"),
-        what="Model FLOPs utilisation: the share of the GPUs' peak compute a stage actually used (actor: "
-        "training update; actor_infer: forward-only inference). 50-60% is typical for training; below 30% "
-        "GPUs wait on communication, data loading or load imbalance.",
-        unit="steps over the window; FLOPs of all ranks' sequences over (slowest rank's stage time x GPUs x "
-        "peak)")
+        what="Model FLOPs utilisation: the share of the GPUs' peak compute a stage actually used (actor: training "
+        "update; actor_infer: forward-only inference). 50-60% is typical for training; below 30% GPUs wait on "
+        "communication, data loading or load imbalance.",
+        unit="steps over the window; FLOPs of all ranks' sequences over (slowest rank's stage time x GPUs x " "peak)")
 
     def __init__(
-        self,
-        flops: P.TransformerFlops,
-        stages: Mapping[str, tuple[str, str | float]] | None = None,
-        accelerator: str | None = None,
-        peak_flops: float | None = None,
-        num_gpus: int | None = None,
-        world_size: int | None = None,
-        **kwargs: Any,
+        self, flops: P.TransformerFlops, stages: Mapping[str, tuple[str, str | float]] | None = None,
+        accelerator: str | None = None, peak_flops: float | None = None, num_gpus: int | None = None,
+        world_size: int | None = None, **kwargs: Any,
     ) -> None:
         super().__init__(world_size, **kwargs)
         if not isinstance(flops, P.TransformerFlops):
@@ -566,9 +545,8 @@ class AgentLoopTiming(_TrainingMetric):
     states = table(**{f"{part}_{stat}": state for part in ("gen", "tool")
                       for stat, state in (("sum", SUM), ("max", MAX), ("min", MIN), ("count", SUM))}, invalid=SUM)
     glossary = diagnostic("timing_s/agent_loop", unit="samples over the window and all ranks",
-        what="Distribution of per-sample generation and tool-call time in agentic rollouts: min, max, mean. A "
-        "max far above the mean means one slow sample (long generation, slow or looping tools) bounds the "
-        "batch.")
+        what="Distribution of per-sample generation and tool-call time in agentic rollouts: min, max, mean. A max far "
+        "above the mean means one slow sample (long generation, slow or looping tools) bounds the batch.")
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         view.field(AGENT_GENERATE_S)  # required (a clear error when missing); the tool-call times are optional
@@ -635,11 +613,10 @@ class AgentLoopSlowest(_PerRank):
     _deferred = (("invalid", _FIELDS, "negative or non-finite values"),)
     # Per slot: total seconds, generation, tool calls, prompt length, response length.
     states = table(slowest=SUM.of("slots", 5), seen=SUM.of("slots"), invalid=SUM)
-    glossary = diagnostic("timing_s/agent_loop/slowest",
-        what="Details of the slowest agentic rollout sample of the step (largest generation + tool-call time): "
-        "its generation and tool-call seconds and its prompt and response lengths, to tell a long generation "
-        "from a slow or looping tool.",
-        unit="the single slowest sample over the window and all ranks")
+    glossary = diagnostic("timing_s/agent_loop/slowest", unit="the single slowest sample over the window and all ranks",
+        what="Details of the slowest agentic rollout sample of the step (largest generation + tool-call time): its "
+        "generation and tool-call seconds and its prompt and response lengths, to tell a long generation from a slow "
+        "or looping tool.")
 
     def _update_view(self, view: BatchView) -> None:
         gen, invalid = F.nonnegative_field(view, AGENT_GENERATE_S)

@@ -45,9 +45,9 @@ class DPOMetrics(_TrainingMetric):
     kernel = (F._dpo_update, F._dpo_compute)
     update_args = ("beta", "label_smoothing")
     glossary = diagnostic("dpo", unit=_PAIRS, aliases=("loss/dpo", "rewards/margins", "rewards/accuracy"),
-        what="DPO loss and implicit rewards: rewards/chosen and rewards/rejected are beta times the policy-vs-"
-        "reference log-ratio of each response; margins = chosen - rejected (discrimination strength); accuracy "
-        "= share of pairs where the chosen response gets the larger reward. Margins up without validation "
+        what="DPO loss and implicit rewards: rewards/chosen and rewards/rejected are beta times the "
+        "policy-vs-reference log-ratio of each response; margins = chosen - rejected (discrimination strength); "
+        "accuracy = share of pairs where the chosen response gets the larger reward. Margins up without validation "
         "gains, or accuracy at 99%+, suggest overfitting the training pairs.")
 
     def __init__(self, beta: float = F.DEFAULT_DPO_BETA, label_smoothing: float = 0.0, **kwargs: Any) -> None:
@@ -78,10 +78,9 @@ class RewardModelMetrics(_TrainingMetric):
     required_fields = F.RM_FIELDS
     _deferred = (("nonfinite", F.RM_FIELDS, "pairs with non-finite scores"),)
     glossary = diagnostic("rm", unit=_PAIRS, aliases=("rm/loss", "rm/accuracy", "rm/reward_margin"),
-        what="Reward-model training: preference loss (cross-entropy of the Bradley-Terry model), accuracy (how "
-        "often the RM ranks the better response first) and reward margin (how decisive it is). A margin near "
-        "zero means a non-discriminative RM; high accuracy without downstream PPO gains points to an "
-        "overfit or misaligned RM.")
+        what="Reward-model training: preference loss (cross-entropy of the Bradley-Terry model), accuracy (how often "
+        "the RM ranks the better response first) and reward margin (how decisive it is). A margin near zero means a "
+        "non-discriminative RM; high accuracy without downstream PPO gains points to an overfit or misaligned RM.")
 
     states = table("sum_loss", "correct", "sum_margin", "count", "nonfinite")
     kernel = (F._rm_update, F._rm_compute)

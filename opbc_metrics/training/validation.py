@@ -39,12 +39,8 @@ class _PerSource(_TrainingMetric):
                    sum_at_k=SUM.of("data_sources", "ks"), prompts_at_k=SUM.of("data_sources", "ks"), nonfinite=SUM)
 
     def __init__(
-        self,
-        data_sources: Sequence[str],
-        n_samples: int = 1,
-        ks: Sequence[int] | None = None,
-        allow_other: bool = False,
-        **kwargs: Any,
+        self, data_sources: Sequence[str], n_samples: int = 1, ks: Sequence[int] | None = None,
+        allow_other: bool = False, **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.allow_other = bool(allow_other)
@@ -91,9 +87,9 @@ class ValidationAccuracy(_PerSource, field=V.VAL_ACC, mode="pass"):
 
     keys = BySettings(("val-core/<source>/acc/mean@<n>", "val-aux/<source>/acc/pass@<k>"), _validation_keys)
     glossary = diagnostic("val-core/acc", unit=_PROMPTS, aliases=("val-core/*/acc/mean@1", "pass@k"),
-        what="Validation accuracy per data source on held-out tasks: mean@n (how often the model is correct; "
-        "the number to watch first) and the unbiased pass@k (chance that at least one of k samples is "
-        "correct). When it drops, first ask whether training is unstable or the data/reward mis-specified.")
+        what="Validation accuracy per data source on held-out tasks: mean@n (how often the model is correct; the "
+        "number to watch first) and the unbiased pass@k (chance that at least one of k samples is correct). When it "
+        "drops, first ask whether training is unstable or the data/reward mis-specified.")
 
 
 class ValidationReward(_PerSource, field=V.VAL_REWARDS, mode="best"):
