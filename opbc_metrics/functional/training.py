@@ -469,12 +469,7 @@ def _token_values(view: BatchView, name: str, device: torch.device | None = None
 CRITIC_STAT_KEYS = {
     VALUES: ("critic/value/mean", "critic/value/max", "critic/value/min"),
     RETURNS: ("critic/returns/mean", "critic/returns/max", "critic/returns/min"),
-    ADVANTAGES: (
-        "critic/advantages/mean",
-        "critic/advantages/std",
-        "critic/advantages/max",
-        "critic/advantages/min",
-    ),
+    ADVANTAGES: ("critic/advantages/mean", "critic/advantages/std", "critic/advantages/max", "critic/advantages/min"),
     REWARDS: ("critic/rewards/mean", "critic/rewards/max", "critic/rewards/min"),
     SCORES: ("critic/score/mean", "critic/score/max", "critic/score/min"),
 }
@@ -505,15 +500,9 @@ def _sequence_sum_update(view: BatchView, name: str) -> Stats:
 
 def _critic_stats_compute(name: str, sum: Tensor, sum_sq: Tensor, max: Tensor, min: Tensor, count: Tensor,
                           sum_hi: Tensor, sum_sq_hi: Tensor, nonfinite: Tensor | None = None) -> dict[str, Tensor]:
-    keys = CRITIC_STAT_KEYS[name]
-    prefix = keys[0].rsplit("/", 1)[0]
     mean, std = mean_std(count, sum, sum_sq, sum_hi, sum_sq_hi, min, max, ddof=0)
-    out = {f"{prefix}/mean": mean}
-    if f"{prefix}/std" in keys:
-        out[f"{prefix}/std"] = std
-    out[f"{prefix}/max"] = _extreme(max, count)
-    out[f"{prefix}/min"] = _extreme(min, count)
-    return out
+    values = {"mean": mean, "std": std, "max": _extreme(max, count), "min": _extreme(min, count)}
+    return {key: values[key.rsplit("/", 1)[1]] for key in CRITIC_STAT_KEYS[name]}
 
 
 def critic_stats(name: str, values: Tensor, response_mask: Tensor | None = None) -> dict[str, Tensor]:
@@ -535,8 +524,7 @@ def critic_stats(name: str, values: Tensor, response_mask: Tensor | None = None)
     if name not in CRITIC_STAT_KEYS:
         raise ValueError(f"`name` must be one of {sorted(CRITIC_STAT_KEYS)}, got {name!r}")
     view = BatchView({name: values, RESPONSE_MASK: response_mask})
-    update = _sequence_sum_update if name in (REWARDS, SCORES) else _token_stats_update
-    stats = update(view, name)
+    stats = (_sequence_sum_update if name in (REWARDS, SCORES) else _token_stats_update)(view, name)
     return _one_batch(_critic_stats_compute, stats, name, "non-finite values", name)
 
 
@@ -608,16 +596,18 @@ def length_keys(prefix: str, max_length: int | None) -> tuple[str, ...]:
     return (*keys, f"{prefix}/clip_ratio") if max_length is not None else keys
 
 
-def _length_update(view: BatchView, name: str, max_length: int | None) -> Stats:
+def _count_stats(view: BatchView, name: str) -> tuple[Tensor, Stats]:
+    """A [B] count field (:func:`nonnegative_field`) and its sum, max, min, count and invalid entries."""
     x, invalid = nonnegative_field(view, name)
-    ones = torch.ones_like(x, dtype=torch.bool)
-    stats = _masked_moments(x, ones)
+    stats = _masked_moments(x, torch.ones_like(x, dtype=torch.bool))
     del stats["sum_sq"]
+    return x, {**stats, "invalid": invalid}
+
+
+def _length_update(view: BatchView, name: str, max_length: int | None) -> Stats:
+    x, stats = _count_stats(view, name)
     limit = math.inf if max_length is None else float(max_length)
-    stats["clipped"] = (x >= limit).to(F64).sum()
-    stats["zero"] = (x == 0).to(F64).sum()
-    stats["invalid"] = invalid
-    return stats
+    return {**stats, "clipped": (x >= limit).to(F64).sum(), "zero": (x == 0).to(F64).sum()}
 
 
 def _length_compute(prefix: str, max_length: int | None, sum: Tensor, max: Tensor, min: Tensor, count: Tensor,
@@ -670,11 +660,7 @@ TURN_KEYS = ("num_turns/min", "num_turns/max", "num_turns/mean")
 
 
 def _turns_update(view: BatchView, name: str = NUM_TURNS) -> Stats:
-    x, invalid = nonnegative_field(view, name)
-    stats = _masked_moments(x, torch.ones_like(x, dtype=torch.bool))
-    del stats["sum_sq"]
-    stats["invalid"] = invalid
-    return stats
+    return _count_stats(view, name)[1]
 
 
 def _turns_compute(sum: Tensor, max: Tensor, min: Tensor, count: Tensor, invalid: Tensor | None = None,

@@ -42,11 +42,11 @@ class _TrainingMetric(OPBCMetric):
     """Base of the ``training`` section: optional inputs (a collection skips batches without the fields),
     deferred value checks, and the update and compute from a functional kernel pair.
 
-    ``_deferred``: ``(state, field or fields, what)`` triples raised by ``compute`` (a count shared by
-    several fields names them all). ``kernel = (F._x_update, F._x_compute)``: ``statistics`` is
-    ``_x_update(view, *settings named by update_args)``, ``compute`` is ``_x_compute(*settings named by
-    compute_args, **states but the deferred counts)``. Host-built statistics move to the states' device in
-    :meth:`~opbc_metrics.metric.OPBCMetric.accumulate`."""
+    ``_deferred``: ``(state, field or fields, what)`` triples that every ``compute`` raises first when the
+    count is not zero (a count shared by several fields names them all). ``kernel = (F._x_update,
+    F._x_compute)``: ``statistics`` is ``_x_update(view, *settings named by update_args)``, ``compute`` is
+    ``_x_compute(*settings named by compute_args, **states but the deferred counts)``. Host-built statistics
+    move to the states' device in :meth:`~opbc_metrics.metric.OPBCMetric.accumulate`."""
 
     optional_inputs = True
     _deferred: ClassVar[tuple[tuple[str, str | tuple[str, ...], str], ...]] = ()
@@ -59,16 +59,20 @@ class _TrainingMetric(OPBCMetric):
         """The batch field the metric is about (the first required one)."""
         return self.required_fields[0]
 
-    def check_deferred(self) -> None:
-        """Raise the ``ValueError`` of any bad value counted by ``update()`` (reads the counts: compute only)."""
-        for state, field, what in self._deferred:
-            raise_if_invalid(field, getattr(self, state), what)
+    def _wrap_compute(self, compute: Callable) -> Callable:
+        # Every compute (on synced states, once the window is known to hold data) first raises the ValueError
+        # of any bad value update() counted: reading the counts is a host sync, so it waits for compute.
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            for state, field, what in self._deferred:
+                raise_if_invalid(field, getattr(self, state), what)
+            return compute(*args, **kwargs)
+
+        return super()._wrap_compute(checked)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return self.kernel[0](view, *(getattr(self, name) for name in self.update_args))
 
     def compute(self) -> Any:
-        self.check_deferred()
         counts = tuple(state for state, _, _ in self._deferred)
         return self.kernel[1](*(getattr(self, name) for name in self.compute_args), **self.state_values(exclude=counts))
 

@@ -277,6 +277,5 @@ class LRSchedulerState(_TrainingMetric):
         return out
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         return {key: F._scalar_compute(getattr(self, f"sum_wx_{i}"), getattr(self, f"sum_w_{i}"),
                                        getattr(self, f"count_{i}")) for i, key in enumerate(self.keys)}

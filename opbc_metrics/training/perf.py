@@ -157,7 +157,6 @@ class GlobalSeqlen(_PerRank):
         }
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         world = self.resolved_world_size((self.active > 0) | (self.workload > 0))
         loads = self.workload[:world].tolist()
         counts = self.hist.round().long()
@@ -373,7 +372,6 @@ class StageTiming(_StageClock):
         self.clock_stages = self.stages
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         seconds, n = self.per_step()
         out = {f"timing_s/{s}": seconds[i] for i, s in enumerate(self.stages)}
         for s in self.per_token_stages:
@@ -421,7 +419,6 @@ class Throughput(_StageClock):
         self.clock_stages = (self.step_stage,)
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         seconds, n = self.per_step()
         tokens = safe_div(self.tokens_all, n, 0.0)
         gpus = self.num_gpus or self.num_ranks()
@@ -501,7 +498,6 @@ class ModelFlopsUtilization(_StageClock):
         self.clock_stages = timing
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         seconds, n = self.per_step()
         steps = max(float(n), 1.0)
         tokens, sum_sq = float(self.tokens_all) / steps, float(self.sum_sq) / steps
@@ -567,7 +563,6 @@ class AgentLoopTiming(_TrainingMetric):
         return stats
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         out: dict[str, Tensor] = {}
         keys = iter(self.keys)
         for part in ("gen", "tool"):
@@ -655,7 +650,6 @@ class AgentLoopSlowest(_PerRank):
         self.slowest = torch.where(take[:, None], in_rows, local_rows)
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         totals = torch.where(self.seen > 0, self.slowest[:, 0], torch.full_like(self.seen, float("-inf")))
         row = self.slowest[torch.argmax(totals)] * (self.seen.sum() > 0)
         return dict(zip(self.keys, row[1:]))

@@ -54,7 +54,6 @@ class _PerSource(_TrainingMetric):
         super().__init_subclass__(**kwargs)
 
     def compute(self) -> dict[str, Tensor]:
-        self.check_deferred()
         return V._validation_compute(
             **self.state_values(exclude=("nonfinite",)),
             sources=self.data_sources, n_samples=self.n_samples, ks=self.ks, mode=self.mode,
