@@ -596,9 +596,9 @@ def length_keys(prefix: str, max_length: int | None) -> tuple[str, ...]:
     return (*keys, f"{prefix}/clip_ratio") if max_length is not None else keys
 
 
-def _count_stats(view: BatchView, name: str) -> tuple[Tensor, Stats]:
+def _count_stats(view: BatchView, name: str, device: torch.device | None = None) -> tuple[Tensor, Stats]:
     """A [B] count field (:func:`nonnegative_field`) and its sum, max, min, count and invalid entries."""
-    x, invalid = nonnegative_field(view, name)
+    x, invalid = nonnegative_field(view, name, device)
     stats = _masked_moments(x, torch.ones_like(x, dtype=torch.bool))
     del stats["sum_sq"]
     return x, {**stats, "invalid": invalid}

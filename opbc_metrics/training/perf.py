@@ -159,11 +159,8 @@ class GlobalSeqlen(_PerRank):
     def compute(self) -> dict[str, Tensor]:
         world = self.resolved_world_size((self.active > 0) | (self.workload > 0))
         loads = self.workload[:world].tolist()
-        counts = self.hist.round().long()
-        nz = torch.nonzero(counts).flatten().tolist()
-        lengths: list[float] = []
-        for b in nz:
-            lengths.extend([float(b)] * int(counts[b]))
+        counts = self.hist.round().long().cpu()
+        lengths = torch.repeat_interleave(torch.arange(len(counts), dtype=F64), counts).tolist()
         n_over = round(float(self.overflow_count))
         if n_over:
             warnings.warn(
@@ -547,30 +544,21 @@ class AgentLoopTiming(_TrainingMetric):
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         view.field(AGENT_GENERATE_S)  # required (a clear error when missing); the tool-call times are optional
         stats: dict[str, Tensor] = {}
-        invalid = []
         for part, name in (("gen", AGENT_GENERATE_S), ("tool", AGENT_TOOL_CALLS_S)):
-            if not view.has(name):
-                continue
-            ref = stats.get("gen_sum")  # host values of the tool times go where the generation times are
-            x, bad = F.nonnegative_field(view, name, device=None if ref is None else ref.device)
-            if ref is not None:
-                F.check_same_device(name, x, AGENT_GENERATE_S, ref)
-            s = F._masked_moments(x, torch.ones_like(x, dtype=torch.bool))
-            stats.update({f"{part}_sum": s["sum"], f"{part}_max": s["max"], f"{part}_min": s["min"],
-                          f"{part}_count": s["count"]})
-            invalid.append(bad)
-        stats["invalid"] = sum(invalid[1:], invalid[0])
+            if view.has(name):
+                ref = stats.get("gen_sum")  # host values of the tool times go where the generation times are
+                x, s = F._count_stats(view, name, None if ref is None else ref.device)
+                if ref is not None:
+                    F.check_same_device(name, x, AGENT_GENERATE_S, ref)
+                invalid = s.pop("invalid")
+                stats["invalid"] = invalid if ref is None else stats["invalid"] + invalid
+                stats.update({f"{part}_{stat}": value for stat, value in s.items()})
         return stats
 
-    def compute(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        keys = iter(self.keys)
-        for part in ("gen", "tool"):
-            count = getattr(self, f"{part}_count")
-            out[next(keys)] = F._extreme(getattr(self, f"{part}_min"), count)
-            out[next(keys)] = F._extreme(getattr(self, f"{part}_max"), count)
-            out[next(keys)] = F._mean(getattr(self, f"{part}_sum"), count)
-        return out
+    def compute(self) -> dict[str, Tensor]:  # min, max, mean of each part, as the turn counts
+        parts = (("gen", self.keys[:3]), ("tool", self.keys[3:]))
+        return {key: value for part, keys in parts for key, value in F._turns_compute(
+            *(getattr(self, f"{part}_{stat}") for stat in ("sum", "max", "min", "count")), keys=keys).items()}
 
 
 AGENT_SLOWEST_KEYS = tuple(
