@@ -124,9 +124,8 @@ def response_mask_for(view: BatchView, shape: torch.Size, device: torch.device, 
     if not isinstance(mask, Tensor):
         raise ValueError(f"batch field `{RESPONSE_MASK}` must be a torch.Tensor, got {type(mask).__name__}")
     if mask.shape != shape:
-        raise ValueError(
-            f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{like}` has shape {tuple(shape)}"
-        )
+        raise ValueError(f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{like}` has shape "
+                         f"{tuple(shape)}")
     if mask.is_complex():
         raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
     if mask.device != device:
@@ -143,9 +142,8 @@ def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
 def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
     """A clear error for two batch fields of different shapes or devices."""
     if t.shape != ref.shape:
-        raise ValueError(
-            f"batch field `{name}` has shape {tuple(t.shape)} but `{ref_name}` has shape {tuple(ref.shape)}"
-        )
+        raise ValueError(f"batch field `{name}` has shape {tuple(t.shape)} but `{ref_name}` has shape "
+                         f"{tuple(ref.shape)}")
     check_same_device(name, t, ref_name, ref)
 
 
@@ -190,17 +188,14 @@ def _scalar_update(view: BatchView, name: str, weight_field: str | None, device:
         check_same_device(weight_field, w, name, x)
         w = w.reshape(-1).to(dtype=F64)
         if w.numel() != x.numel():
-            raise ValueError(
-                f"batch field `{weight_field}` has {w.numel()} values but `{name}` has {x.numel()}; give one "
-                "weight per observation"
-            )
+            raise ValueError(f"batch field `{weight_field}` has {w.numel()} values but `{name}` has {x.numel()}; "
+                             "give one weight per observation")
     else:
         w = torch.ones_like(x)
     # Tensor observations cannot be checked without a sync: non-finite ones (or non-finite / negative
     # weights) are left out and counted; the metric raises at compute().
     ok = torch.isfinite(x) & torch.isfinite(w) & (w >= 0)
-    zero = torch.zeros((), dtype=F64, device=x.device)
-    x, w = torch.where(ok, x, zero), torch.where(ok, w, zero)
+    x, w = torch.where(ok, x, _zero(x.device)), torch.where(ok, w, _zero(x.device))
     return {"sum_wx": (w * x).sum(), "sum_w": w.sum(), "count": torch.full((), float(x.numel()), dtype=F64),
             "nonfinite": (~ok).to(F64).sum()}
 
@@ -257,10 +252,8 @@ def _entropy_update(view: BatchView, from_logits: bool, temperature: float) -> S
     h = h.to(F64)
     finite = torch.isfinite(h)
     valid = mask & finite
-    return {
-        "sum": torch.where(valid, h, _zero(h.device)).sum(), "count": valid.to(F64).sum(),
-        "nonfinite": (mask & ~finite).to(F64).sum(),
-    }
+    return {"sum": torch.where(valid, h, _zero(h.device)).sum(), "count": valid.to(F64).sum(),
+            "nonfinite": (mask & ~finite).to(F64).sum()}
 
 
 def _token_mean_compute(sum: Tensor, count: Tensor, nonfinite: Tensor | None = None) -> Tensor:
@@ -367,10 +360,8 @@ def _advantages_like(view: BatchView, like: Tensor) -> tuple[Tensor, bool]:
     check_same_device(ADVANTAGES, adv, POLICY_LOGPROBS, like)
     if adv.ndim == 1:
         if adv.shape[0] != like.shape[0]:
-            raise ValueError(
-                f"batch field `{ADVANTAGES}` has shape {tuple(adv.shape)} but `{POLICY_LOGPROBS}` has shape "
-                f"{tuple(like.shape)}; give [B] or [B, T]"
-            )
+            raise ValueError(f"batch field `{ADVANTAGES}` has shape {tuple(adv.shape)} but `{POLICY_LOGPROBS}` has "
+                             f"shape {tuple(like.shape)}; give [B] or [B, T]")
         adv = adv[:, None].expand(like.shape)
     else:
         check_same_shape(ADVANTAGES, adv, POLICY_LOGPROBS, like)
@@ -441,10 +432,8 @@ def _sequence_mask(view: BatchView, name: str, x: Tensor) -> Tensor:
     """The ``[B, T]`` ``response_mask`` beside the ``[B]`` values ``x`` of field ``name`` (same B and device)."""
     mask = view.tensor(RESPONSE_MASK)
     if mask.ndim != 2 or mask.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{name}` has {x.shape[0]} sequences; "
-            "a per-sequence field needs a [B, T] mask"
-        )
+        raise ValueError(f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{name}` has "
+                         f"{x.shape[0]} sequences; a per-sequence field needs a [B, T] mask")
     check_same_device(RESPONSE_MASK, mask, name, x)
     return mask
 
@@ -692,11 +681,8 @@ def _paired_fields(view: BatchView, names: Sequence[str]) -> list[Tensor]:
             if t.shape[1] != 1:
                 raise ValueError(f"batch field `{name}` must have shape [B] or [B, 1], got {tuple(t.shape)}")
             t = t[:, 0]
-        if out and t.shape != out[0].shape:
-            raise ValueError(f"batch field `{name}` has shape {tuple(t.shape)} but `{names[0]}` has "
-                             f"shape {tuple(out[0].shape)}")
         if out:
-            check_same_device(name, t, names[0], out[0])
+            check_same_shape(name, t, names[0], out[0])
         out.append(t.to(dtype=F64))
     return out
 

@@ -126,9 +126,8 @@ def training_metrics(
             ValidationReward(data_sources, n_samples, ks, allow_other, **kw),
         ]
     if flops is not None:
-        out.append(
-            ModelFlopsUtilization(flops, mfu_stages, accelerator, peak_flops, num_gpus, world_size=world_size, **kw)
-        )
+        out.append(ModelFlopsUtilization(flops, mfu_stages, accelerator, peak_flops, num_gpus, world_size=world_size,
+                                         **kw))
     return out
 
 

@@ -176,10 +176,8 @@ class _PerRank(_TrainingMetric):
     def current_rank(self) -> int:
         rank = dist_rank_world(self.process_group)[0]
         if rank >= self.slots:
-            raise ValueError(
-                f"rank {rank} has no slot: this metric holds {self.slots} ranks; pass world_size= or build it "
-                "after init_process_group"
-            )
+            raise ValueError(f"rank {rank} has no slot: this metric holds {self.slots} ranks; pass world_size= or "
+                             "build it after init_process_group")
         return rank
 
     def resolved_world_size(self, used: Tensor) -> int:

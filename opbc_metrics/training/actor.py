@@ -191,10 +191,7 @@ class PolicyClipFraction(_TrainingMetric):
     states = table("clipped", "clipped_lower", "count", "nonfinite")
     kernel = (F._clipfrac_update, F._clipfrac_compute)
     update_args = ("low", "high", "c", "clamp")
-    _deferred = (
-        ("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS, F.ADVANTAGES),
-         "non-finite logprobs or advantages on response tokens"),
-    )
+    _deferred = (("nonfinite", required_fields, "non-finite logprobs or advantages on response tokens"),)
     glossary = diagnostic("actor/pg_clipfrac", unit=_TOKENS,
         what="Clip fraction: how often PPO's ratio clipping is active (the update was speed-limited), and how often "
         "the dual-clip lower bound binds for negative advantages. Sustained high values suggest a learning rate too "

@@ -101,10 +101,8 @@ class GlobalSeqlen(_PerRank):
     higher_is_better = None
     states = table(workload=SUM.of("slots"), active=SUM.of("slots"), hist=SUM.of(lambda m: m.max_seqlen + 1),
                    overflow_count=SUM, overflow_sum=SUM, invalid=SUM, bad_rank=SUM)
-    _deferred = (
-        ("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),
-        ("bad_rank", RANK_IDS, "rank ids outside [0, world_size)"),
-    )
+    _deferred = (("invalid", required_fields, "negative or non-finite prompt/response lengths"),
+                 ("bad_rank", RANK_IDS, "rank ids outside [0, world_size)"))
     glossary = diagnostic("global_seqlen", aliases=("global_seqlen/minmax_diff",),
         what="Total token workload per GPU (data-parallel rank), not the length of any one sequence: the lightest and "
         "heaviest rank, their difference (the most important: large means fast GPUs wait for slow ones), the mean, "
@@ -163,11 +161,8 @@ class GlobalSeqlen(_PerRank):
         lengths = torch.repeat_interleave(torch.arange(len(counts), dtype=F64), counts).tolist()
         n_over = round(float(self.overflow_count))
         if n_over:
-            warnings.warn(
-                f"{n_over} sequences longer than max_seqlen={self.max_seqlen} were partitioned at their mean "
-                "length; raise max_seqlen for exact balanced figures",
-                stacklevel=2,
-            )
+            warnings.warn(f"{n_over} sequences longer than max_seqlen={self.max_seqlen} were partitioned at their "
+                          "mean length; raise max_seqlen for exact balanced figures", stacklevel=2)
             lengths.extend([float(self.overflow_sum) / n_over] * n_over)
         if not lengths:
             balanced = [0.0] * world
@@ -298,9 +293,8 @@ class _StageClock(_PerRank):
         if view.has(F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS):
             lengths, invalid = _workload(view)
             r, _ = F.nonnegative_field(view, F.RESPONSE_LENGTHS)
-            stats.update(
-                tokens_response=r.sum(), tokens_all=lengths.sum(), sum_sq=(lengths * lengths).sum(), invalid=invalid
-            )
+            stats.update(tokens_response=r.sum(), tokens_all=lengths.sum(), sum_sq=(lengths * lengths).sum(),
+                         invalid=invalid)
         return stats
 
     def per_step(self) -> tuple[Tensor, Tensor]:
@@ -510,11 +504,8 @@ class ModelFlopsUtilization(_StageClock):
 # timing_s/agent_loop/*: per-sample times of agent loops
 AGENT_GENERATE_S = "agent_generate_s"
 AGENT_TOOL_CALLS_S = "agent_tool_calls_s"
-AGENT_LOOP_KEYS = tuple(
-    f"timing_s/agent_loop/{part}/{stat}"
-    for part in ("generate_sequences", "tool_calls")
-    for stat in ("min", "max", "mean")
-)
+AGENT_LOOP_KEYS = tuple(f"timing_s/agent_loop/{part}/{stat}" for part in ("generate_sequences", "tool_calls")
+                        for stat in ("min", "max", "mean"))
 
 
 class AgentLoopTiming(_TrainingMetric):
@@ -561,10 +552,8 @@ class AgentLoopTiming(_TrainingMetric):
             *(getattr(self, f"{part}_{stat}") for stat in ("sum", "max", "min", "count")), keys=keys).items()}
 
 
-AGENT_SLOWEST_KEYS = tuple(
-    f"timing_s/agent_loop/slowest/{part}"
-    for part in ("generate_sequences", "tool_calls", "prompt_length", "response_length")
-)
+AGENT_SLOWEST_KEYS = tuple(f"timing_s/agent_loop/slowest/{part}"
+                           for part in ("generate_sequences", "tool_calls", "prompt_length", "response_length"))
 
 
 class AgentLoopSlowest(_PerRank):

@@ -54,10 +54,8 @@ class _PerSource(_TrainingMetric):
         super().__init_subclass__(**kwargs)
 
     def compute(self) -> dict[str, Tensor]:
-        return V._validation_compute(
-            **self.state_values(exclude=("nonfinite",)),
-            sources=self.data_sources, n_samples=self.n_samples, ks=self.ks, mode=self.mode,
-        )
+        return V._validation_compute(**self.state_values(exclude=("nonfinite",)), sources=self.data_sources,
+                                     n_samples=self.n_samples, ks=self.ks, mode=self.mode)
 
 
 class ValidationAccuracy(_PerSource, field=V.VAL_ACC, mode="pass"):
