@@ -466,9 +466,7 @@ CRITIC_STAT_KEYS = {
 
 def _token_stats_update(view: BatchView, name: str) -> Stats:
     x, valid, bad = _token_values(view, name)
-    stats = _masked_moments(x, valid, scaled=True)
-    stats["nonfinite"] = bad.to(F64).sum()
-    return stats
+    return {**_masked_moments(x, valid, scaled=True), "nonfinite": bad.to(F64).sum()}
 
 
 def _sequence_sum_update(view: BatchView, name: str) -> Stats:
@@ -478,13 +476,10 @@ def _sequence_sum_update(view: BatchView, name: str) -> Stats:
     x = x.to(F64)
     if x.ndim == 2:
         x = x.sum(dim=1)
-    keep = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    if view.has(RESPONSE_MASK):
-        keep = (_sequence_mask(view, name, x) != 0).any(dim=1)
+    keep = ((_sequence_mask(view, name, x) != 0).any(dim=1) if view.has(RESPONSE_MASK)
+            else torch.ones(x.shape, dtype=torch.bool, device=x.device))
     finite = torch.isfinite(x)
-    stats = _masked_moments(x, keep & finite, scaled=True)
-    stats["nonfinite"] = (keep & ~finite).to(F64).sum()
-    return stats
+    return {**_masked_moments(x, keep & finite, scaled=True), "nonfinite": (keep & ~finite).to(F64).sum()}
 
 
 def _critic_stats_compute(name: str, sum: Tensor, sum_sq: Tensor, max: Tensor, min: Tensor, count: Tensor,

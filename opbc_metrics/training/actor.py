@@ -13,10 +13,8 @@ from opbc_metrics.metric import SUM, BySettings, State, table
 from opbc_metrics.training._base import Scalar, _TrainerScalar, _TrainingMetric, diagnostic, trainer_scalars
 
 _STEPS = "trainer observations (optimizer steps or micro-batches) over the window and all ranks"
-_LOSS_UNIT = (
-    "trainer observations over the window and all ranks, weighted by `loss_tokens` when given (the token mean "
-    "of a token-mean loss), else equally"
-)
+_LOSS_UNIT = ("trainer observations over the window and all ranks, weighted by `loss_tokens` when given (the token "
+              "mean of a token-mean loss), else equally")
 _TOKENS = "response tokens (response_mask = 1) over the window and all ranks"
 
 

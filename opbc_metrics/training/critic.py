@@ -9,10 +9,8 @@ from opbc_metrics.functional import training as F
 from opbc_metrics.metric import MAX, MIN, SUM, table
 from opbc_metrics.training._base import Scalar, _TrainingMetric, diagnostic, trainer_scalars
 
-_TOKENS = (
-    "response tokens (response_mask = 1) over the window and all ranks; a [B] field with a response_mask "
-    "counts once per response token of its sequence, without one once per sequence"
-)
+_TOKENS = ("response tokens (response_mask = 1) over the window and all ranks; a [B] field with a response_mask counts "
+           "once per response token of its sequence, without one once per sequence")
 _STEPS = "trainer observations (optimizer steps) over the window and all ranks"
 _SEQUENCES = "sequences over the window and all ranks (a [B, T] field is summed over T); aborted sequences " \
     "(no response token) are skipped when a response_mask is given"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import BatchView, check_positive
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as F
 from opbc_metrics.functional.statistics import safe_div
@@ -366,9 +366,8 @@ class StageTiming(_StageClock):
         seconds, n = self.per_step()
         out = {f"timing_s/{s}": seconds[i] for i, s in enumerate(self.stages)}
         for s in self.per_token_stages:
-            total = self.tokens_response if s in self.response_token_stages else self.tokens_all
-            per_step_tokens = safe_div(total, n, 0.0)
-            out[f"timing_per_token_ms/{s}"] = safe_div(1000.0 * seconds[self.stages.index(s)], per_step_tokens, 0.0)
+            tokens = safe_div(self.tokens_response if s in self.response_token_stages else self.tokens_all, n, 0.0)
+            out[f"timing_per_token_ms/{s}"] = safe_div(1000.0 * seconds[self.stages.index(s)], tokens, 0.0)
         return out
 
 
@@ -478,13 +477,8 @@ class ModelFlopsUtilization(_StageClock):
         self.mfu_stages = {n: (stages[n][0], P.flops_multiplier(stages[n][1])) for n in names}
         timing = tuple(dict.fromkeys(t for t, _ in self.mfu_stages.values()))
         _check_stage_names("timing stages", timing)
-        if peak_flops is not None:
-            peak = float(peak_flops)
-            if not 0 < peak < math.inf:
-                raise ValueError(f"`peak_flops` must be a positive finite number, got {peak_flops!r}")
-        else:
-            peak = P.peak_flops(accelerator if accelerator is not None else P.detect_accelerator())
-        self.peak = peak
+        self.peak = (check_positive("peak_flops", peak_flops) if peak_flops is not None
+                     else P.peak_flops(accelerator if accelerator is not None else P.detect_accelerator()))
         self.num_gpus = positive_int("num_gpus", num_gpus)
         self.clock_stages = timing
 

@@ -17,10 +17,8 @@ from opbc_metrics.functional import validation as V
 from opbc_metrics.metric import SUM, BySettings, table
 from opbc_metrics.training._base import _TrainingMetric, _TurnCounts, diagnostic
 
-_PROMPTS = (
-    "validation prompts of each data source (each prompt's n samples averaged first; every prompt weighs the "
-    "same), over the window and all ranks"
-)
+_PROMPTS = ("validation prompts of each data source (each prompt's n samples averaged first; every prompt weighs the "
+            "same), over the window and all ranks")
 
 
 def _validation_keys(m: _PerSource) -> tuple[str, ...]:
