@@ -82,10 +82,8 @@ def tensor_device(view: BatchView, *names: str) -> torch.device | None:
     return None
 
 
-def field_tensor(
-    view: BatchView, name: str, *, ndims: Sequence[int] = (1,), dims: Sequence[str] = ("B", "T", "V"),
-    device: torch.device | None = None, check: str | None = None,
-) -> tuple[Tensor, bool]:
+def field_tensor(view: BatchView, name: str, *, ndims: Sequence[int] = (1,), dims: Sequence[str] = ("B", "T", "V"),
+                 device: torch.device | None = None, check: str | None = None) -> tuple[Tensor, bool]:
     """Batch field ``name`` as a tensor of rank in ``ndims`` (a clear error if it is missing).
 
     Returns ``(tensor, on_host)``: ``on_host`` is True when the value arrived as a Python number, list or
@@ -261,10 +259,8 @@ def _token_mean_compute(sum: Tensor, count: Tensor, nonfinite: Tensor | None = N
     return _mean(sum, count)
 
 
-def policy_entropy(
-    entropies: Tensor | None = None, response_mask: Tensor | None = None, logits: Tensor | None = None,
-    temperature: float = 1.0,
-) -> Tensor:
+def policy_entropy(entropies: Tensor | None = None, response_mask: Tensor | None = None, logits: Tensor | None = None,
+                   temperature: float = 1.0) -> Tensor:
     r"""``actor/entropy``: token-mean policy entropy over response tokens (nats).
 
     Give per-token ``entropies`` [B, T] or ``logits`` [B, T, V]. The mean is over all valid tokens of
@@ -313,10 +309,8 @@ def _policy_kl_update(view: BatchView, estimator: str, clamp: float) -> Stats:
     return {"sum": k.to(F64).sum(), "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum()}
 
 
-def policy_kl(
-    policy_logprobs: Tensor, old_logprobs: Tensor, response_mask: Tensor | None = None, estimator: str = "k1",
-    clamp: float = DEFAULT_RATIO_CLAMP,
-) -> Tensor:
+def policy_kl(policy_logprobs: Tensor, old_logprobs: Tensor, response_mask: Tensor | None = None, estimator: str = "k1",
+              clamp: float = DEFAULT_RATIO_CLAMP) -> Tensor:
     r"""Token-mean KL(pi_old || pi) from the sampled tokens' logprobs (``actor/ppo_kl``, ``actor/approx_kl``).
 
     With :math:`r = \mathrm{clamp}(\log\pi - \log\pi_{old}, -C, C)` (tokens sampled from
@@ -382,10 +376,8 @@ def _clipfrac_update(view: BatchView, low: float, high: float, c: float, clamp: 
     clipped = pg2 > pg1
     pg3 = -a * c
     lower = (torch.maximum(pg1, pg2) > pg3) & (a < 0)
-    return {
-        "clipped": (clipped & valid).to(F64).sum(), "clipped_lower": (lower & valid).to(F64).sum(),
-        "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum(),
-    }
+    return {"clipped": (clipped & valid).to(F64).sum(), "clipped_lower": (lower & valid).to(F64).sum(),
+            "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum()}
 
 
 def _clipfrac_compute(clipped: Tensor, clipped_lower: Tensor, count: Tensor, nonfinite: Tensor | None = None
@@ -393,11 +385,10 @@ def _clipfrac_compute(clipped: Tensor, clipped_lower: Tensor, count: Tensor, non
     return {CLIPFRAC_KEYS[0]: _mean(clipped, count), CLIPFRAC_KEYS[1]: _mean(clipped_lower, count)}
 
 
-def pg_clipfrac(
-    policy_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor | None = None,
-    clip_ratio: float = DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
-    clip_ratio_c: float = DEFAULT_CLIP_RATIO_C, clamp: float = DEFAULT_RATIO_CLAMP,
-) -> dict[str, Tensor]:
+def pg_clipfrac(policy_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor | None = None,
+                clip_ratio: float = DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
+                clip_ratio_high: float | None = None, clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+                clamp: float = DEFAULT_RATIO_CLAMP) -> dict[str, Tensor]:
     r"""``actor/pg_clipfrac`` and ``actor/pg_clipfrac_lower``: how often PPO's clipping is active.
 
     Follows PPO (Schulman et al. 2017, eq. 7) with dual clip (Ye et al. 2020, arXiv:1912.09729) as verl's
@@ -523,11 +514,9 @@ def _explained_var_update(view: BatchView) -> Stats:
     d = torch.where(valid, r - v, zero)  # r - v may overflow for finite r, v near the limit: scale first
     d_hi = torch.where(valid, r * SCALE - v * SCALE, zero)
     r_hi = rv * SCALE
-    return {
-        "sum_r": rv.sum(), "sum_r2": (rv * rv).sum(), "sum_d": d.sum(), "sum_d2": (d * d).sum(), "sum_r_hi": r_hi.sum(),
-        "sum_r2_hi": (r_hi * r_hi).sum(), "sum_d_hi": d_hi.sum(), "sum_d2_hi": (d_hi * d_hi).sum(),
-        "count": valid.to(F64).sum(), "nonfinite": (bad_r | bad_v).to(F64).sum(),
-    }
+    return {"sum_r": rv.sum(), "sum_r2": (rv * rv).sum(), "sum_d": d.sum(), "sum_d2": (d * d).sum(),
+            "sum_r_hi": r_hi.sum(), "sum_r2_hi": (r_hi * r_hi).sum(), "sum_d_hi": d_hi.sum(),
+            "sum_d2_hi": (d_hi * d_hi).sum(), "count": valid.to(F64).sum(), "nonfinite": (bad_r | bad_v).to(F64).sum()}
 
 
 def _explained_var_compute(sum_r: Tensor, sum_r2: Tensor, sum_d: Tensor, sum_d2: Tensor, count: Tensor,
@@ -694,26 +683,21 @@ def _dpo_update(view: BatchView, beta: float, label_smoothing: float) -> Stats:
     loss = -torch.nn.functional.logsigmoid(logits) * (1.0 - label_smoothing)
     if label_smoothing:
         loss = loss - torch.nn.functional.logsigmoid(-logits) * label_smoothing
-    return {
-        "sum_loss": torch.where(finite, loss, zero).sum(), "sum_chosen": chosen.sum(), "sum_rejected": rejected.sum(),
-        "correct": ((chosen > rejected) & finite).to(F64).sum(), "count": finite.to(F64).sum(),
-        "nonfinite": (~finite).to(F64).sum(),
-    }
+    return {"sum_loss": torch.where(finite, loss, zero).sum(), "sum_chosen": chosen.sum(),
+            "sum_rejected": rejected.sum(), "correct": ((chosen > rejected) & finite).to(F64).sum(),
+            "count": finite.to(F64).sum(), "nonfinite": (~finite).to(F64).sum()}
 
 
 def _dpo_compute(sum_loss: Tensor, sum_chosen: Tensor, sum_rejected: Tensor, correct: Tensor, count: Tensor,
                  nonfinite: Tensor | None = None) -> dict[str, Tensor]:
     chosen, rejected = _mean(sum_chosen, count), _mean(sum_rejected, count)
-    return {
-        DPO_KEYS[0]: _mean(sum_loss, count), DPO_KEYS[1]: chosen, DPO_KEYS[2]: rejected, DPO_KEYS[3]: chosen - rejected,
-        DPO_KEYS[4]: _mean(correct, count),
-    }
+    return {DPO_KEYS[0]: _mean(sum_loss, count), DPO_KEYS[1]: chosen, DPO_KEYS[2]: rejected,
+            DPO_KEYS[3]: chosen - rejected, DPO_KEYS[4]: _mean(correct, count)}
 
 
-def dpo_metrics(
-    policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Tensor,
-    reference_rejected_logps: Tensor, beta: float = DEFAULT_DPO_BETA, label_smoothing: float = 0.0,
-) -> dict[str, Tensor]:
+def dpo_metrics(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, reference_chosen_logps: Tensor,
+                reference_rejected_logps: Tensor, beta: float = DEFAULT_DPO_BETA,
+                label_smoothing: float = 0.0) -> dict[str, Tensor]:
     r"""DPO's loss and implicit rewards (Rafailov et al. 2023), means over preference pairs.
 
     Per pair, from sequence log-probabilities: :math:`r_c = \beta(\log\pi(y_c) - \log\pi_{ref}(y_c))`,
@@ -747,11 +731,9 @@ def _rm_update(view: BatchView) -> Stats:
     finite = torch.isfinite(margin)
     zero = _zero(margin.device)
     margin = torch.where(finite, margin, zero)
-    return {
-        "sum_loss": torch.where(finite, -torch.nn.functional.logsigmoid(margin), zero).sum(),
-        "correct": ((margin > 0) & finite).to(F64).sum(), "sum_margin": margin.sum(), "count": finite.to(F64).sum(),
-        "nonfinite": (~finite).to(F64).sum(),
-    }
+    return {"sum_loss": torch.where(finite, -torch.nn.functional.logsigmoid(margin), zero).sum(),
+            "correct": ((margin > 0) & finite).to(F64).sum(), "sum_margin": margin.sum(), "count": finite.to(F64).sum(),
+            "nonfinite": (~finite).to(F64).sum()}
 
 
 def _rm_compute(sum_loss: Tensor, correct: Tensor, sum_margin: Tensor, count: Tensor,

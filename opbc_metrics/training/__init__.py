@@ -72,29 +72,25 @@ from opbc_metrics.training.preference import DPOMetrics, RewardModelMetrics, RMG
 from opbc_metrics.training.validation import ValidationAccuracy, ValidationReward, ValidationTurns
 
 # Members that need no construction-time setting (in this order in the "training" section).
-_SIMPLE = (
-    ActorLoss, PolicyGradientLoss, EntropyLoss, KLLoss, KLCoef, ActorGradNorm, ActorLR, PPOKL, ApproxKL, CriticLoss,
-    CriticLR, ValueStats, ReturnStats, AdvantageStats, RewardStats, ScoreStats, ExplainedVariance, AbortedRatio,
-    NumTurns, RewardModelMetrics, RMGradNorm, ValidationTurns, AgentLoopTiming,
-)
+_SIMPLE = (ActorLoss, PolicyGradientLoss, EntropyLoss, KLLoss, KLCoef, ActorGradNorm, ActorLR, PPOKL, ApproxKL,
+           CriticLoss, CriticLR, ValueStats, ReturnStats, AdvantageStats, RewardStats, ScoreStats, ExplainedVariance,
+           AbortedRatio, NumTurns, RewardModelMetrics, RMGradNorm, ValidationTurns, AgentLoopTiming)
 
-TRAINING_METRICS: tuple[type[OPBCMetric], ...] = (
-    *_SIMPLE, PolicyEntropy, PolicyClipFraction, ResponseLength, PromptLength, DPOMetrics, ValidationAccuracy,
-    ValidationReward, GlobalSeqlen, StageTiming, Throughput, ModelFlopsUtilization,
-)
+TRAINING_METRICS: tuple[type[OPBCMetric], ...] = (*_SIMPLE, PolicyEntropy, PolicyClipFraction, ResponseLength,
+                                                  PromptLength, DPOMetrics, ValidationAccuracy, ValidationReward,
+                                                  GlobalSeqlen, StageTiming, Throughput, ModelFlopsUtilization)
 
 
-def training_metrics(
-    *, max_response_length: int | None = None, max_prompt_length: int | None = None,
-    data_sources: Sequence[str] | None = None, n_samples: int = 1, ks: Sequence[int] | None = None,
-    allow_other: bool = False, entropy_from_logits: bool = False, clip_ratio: float = F.DEFAULT_CLIP_RATIO,
-    clip_ratio_low: float | None = None, clip_ratio_high: float | None = None,
-    clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C, dpo_beta: float = F.DEFAULT_DPO_BETA,
-    timing_stages: Sequence[str] = P.DEFAULT_STAGES, strict_stages: bool = True,
-    flops: P.TransformerFlops | None = None, mfu_stages: Mapping[str, tuple[str, str | float]] | None = None,
-    accelerator: str | None = None, peak_flops: float | None = None, num_gpus: int | None = None,
-    world_size: int | None = None, lr_scheduler_names: Sequence[str] = ("last_lr",), **metric_kwargs: Any,
-) -> list[OPBCMetric]:
+def training_metrics(*, max_response_length: int | None = None, max_prompt_length: int | None = None,
+                     data_sources: Sequence[str] | None = None, n_samples: int = 1, ks: Sequence[int] | None = None,
+                     allow_other: bool = False, entropy_from_logits: bool = False,
+                     clip_ratio: float = F.DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
+                     clip_ratio_high: float | None = None, clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
+                     dpo_beta: float = F.DEFAULT_DPO_BETA, timing_stages: Sequence[str] = P.DEFAULT_STAGES,
+                     strict_stages: bool = True, flops: P.TransformerFlops | None = None,
+                     mfu_stages: Mapping[str, tuple[str, str | float]] | None = None, accelerator: str | None = None,
+                     peak_flops: float | None = None, num_gpus: int | None = None, world_size: int | None = None,
+                     lr_scheduler_names: Sequence[str] = ("last_lr",), **metric_kwargs: Any) -> list[OPBCMetric]:
     """Every training metric, configured: pass the list to ``OPBCCollection(metrics=...)``.
 
     The validation members (``val-core/*``, per-source ``val-aux/*``) are included when ``data_sources``
@@ -108,23 +104,16 @@ def training_metrics(
     """
     kw = metric_kwargs
     out: list[OPBCMetric] = [cls(**kw) for cls in _SIMPLE]
-    out += [
-        PolicyEntropy(from_logits=entropy_from_logits, **kw),
-        PolicyClipFraction(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, **kw),
-        ResponseLength(max_response_length, **kw),
-        PromptLength(max_prompt_length, **kw),
-        DPOMetrics(beta=dpo_beta, **kw),
-        GlobalSeqlen(world_size=world_size, **kw),
-        StageTiming(timing_stages, strict=strict_stages, world_size=world_size, **kw),
-        Throughput(num_gpus=num_gpus, world_size=world_size, **kw),
-        AgentLoopSlowest(world_size=world_size, **kw),
-        LRSchedulerState(names=tuple(lr_scheduler_names), **kw),
-    ]
+    out += [PolicyEntropy(from_logits=entropy_from_logits, **kw),
+            PolicyClipFraction(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c, **kw),
+            ResponseLength(max_response_length, **kw), PromptLength(max_prompt_length, **kw),
+            DPOMetrics(beta=dpo_beta, **kw), GlobalSeqlen(world_size=world_size, **kw),
+            StageTiming(timing_stages, strict=strict_stages, world_size=world_size, **kw),
+            Throughput(num_gpus=num_gpus, world_size=world_size, **kw), AgentLoopSlowest(world_size=world_size, **kw),
+            LRSchedulerState(names=tuple(lr_scheduler_names), **kw)]
     if data_sources is not None:
-        out += [
-            ValidationAccuracy(data_sources, n_samples, ks, allow_other, **kw),
-            ValidationReward(data_sources, n_samples, ks, allow_other, **kw),
-        ]
+        out += [ValidationAccuracy(data_sources, n_samples, ks, allow_other, **kw),
+                ValidationReward(data_sources, n_samples, ks, allow_other, **kw)]
     if flops is not None:
         out.append(ModelFlopsUtilization(flops, mfu_stages, accelerator, peak_flops, num_gpus, world_size=world_size,
                                          **kw))
@@ -139,12 +128,10 @@ def training_section(**kwargs: Any) -> list[OPBCMetric]:
     return training_metrics(**kwargs)
 
 
-__all__ = [
-    "DEFAULT_MFU_STAGES", "PPOKL", "TRAINING_METRICS", "AbortedRatio", "ActorGradNorm", "ActorLR", "ActorLoss",
-    "AdvantageStats", "AgentLoopSlowest", "AgentLoopTiming", "ApproxKL", "CriticLR", "CriticLoss", "DPOMetrics",
-    "EntropyLoss", "ExplainedVariance", "GlobalSeqlen", "KLCoef", "KLLoss", "LRSchedulerState",
-    "ModelFlopsUtilization", "NumTurns", "PolicyClipFraction", "PolicyEntropy", "PolicyGradientLoss",
-    "PromptLength", "RMGradNorm", "ResponseLength", "ReturnStats", "RewardModelMetrics", "RewardStats",
-    "ScoreStats", "StageTimer", "StageTiming", "Throughput", "ValidationAccuracy", "ValidationReward",
-    "ValidationTurns", "ValueStats", "training_metrics", "training_section",
-]
+__all__ = ["DEFAULT_MFU_STAGES", "PPOKL", "TRAINING_METRICS", "AbortedRatio", "ActorGradNorm", "ActorLR", "ActorLoss",
+           "AdvantageStats", "AgentLoopSlowest", "AgentLoopTiming", "ApproxKL", "CriticLR", "CriticLoss", "DPOMetrics",
+           "EntropyLoss", "ExplainedVariance", "GlobalSeqlen", "KLCoef", "KLLoss", "LRSchedulerState",
+           "ModelFlopsUtilization", "NumTurns", "PolicyClipFraction", "PolicyEntropy", "PolicyGradientLoss",
+           "PromptLength", "RMGradNorm", "ResponseLength", "ReturnStats", "RewardModelMetrics", "RewardStats",
+           "ScoreStats", "StageTimer", "StageTiming", "Throughput", "ValidationAccuracy", "ValidationReward",
+           "ValidationTurns", "ValueStats", "training_metrics", "training_section"]

@@ -196,11 +196,9 @@ class PolicyClipFraction(_TrainingMetric):
         "high or batches too small/noisy.",
         aliases=("pg_clipfrac", "clip fraction", "actor/pg_clipfrac_lower"))
 
-    def __init__(
-        self, clip_ratio: float = F.DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
-        clip_ratio_high: float | None = None, clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
-        clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any,
-    ) -> None:
+    def __init__(self, clip_ratio: float = F.DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
+                 clip_ratio_high: float | None = None, clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
+                 clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.low, self.high, self.c = F.check_clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
         self.clamp = check_positive("clamp", clamp)

@@ -110,10 +110,9 @@ class GlobalSeqlen(_PerRank):
         "explains OOMs.",
         unit="tokens (prompt + response) per rank over the window; ranks of the process group")
 
-    def __init__(
-        self, world_size: int | None = None, max_seqlen: int = DEFAULT_MAX_SEQLEN, algorithm: str = "karmarkar_karp",
-        equal_size: bool = True, workload: Callable[[Tensor], Tensor] | None = None, **kwargs: Any,
-    ) -> None:
+    def __init__(self, world_size: int | None = None, max_seqlen: int = DEFAULT_MAX_SEQLEN,
+                 algorithm: str = "karmarkar_karp", equal_size: bool = True,
+                 workload: Callable[[Tensor], Tensor] | None = None, **kwargs: Any) -> None:
         super().__init__(world_size, **kwargs)
         if workload is not None and not callable(workload):
             raise ValueError(f"`workload` must be a function of the lengths tensor, got {type(workload).__name__}")
@@ -148,11 +147,9 @@ class GlobalSeqlen(_PerRank):
         idx = lengths.round().clamp(0, self.max_seqlen).long()
         hist = torch.zeros(self.max_seqlen + 1, dtype=F64, device=device)
         hist.index_add_(0, idx, (~over).to(F64))
-        return {
-            "workload": workload, "active": active, "hist": hist, "overflow_count": over.to(F64).sum(),
-            "overflow_sum": torch.where(over, lengths, torch.zeros((), dtype=F64, device=device)).sum(),
-            "invalid": invalid, "bad_rank": bad_rank,
-        }
+        return {"workload": workload, "active": active, "hist": hist, "overflow_count": over.to(F64).sum(),
+                "overflow_sum": torch.where(over, lengths, torch.zeros((), dtype=F64, device=device)).sum(),
+                "invalid": invalid, "bad_rank": bad_rank}
 
     def compute(self) -> dict[str, Tensor]:
         world = self.resolved_world_size((self.active > 0) | (self.workload > 0))
@@ -345,11 +342,9 @@ class StageTiming(_StageClock):
         unit="steps over the window; the slowest rank (max over ranks); per-token figures divide by the step's "
         "tokens summed over ranks")
 
-    def __init__(
-        self, stages: Sequence[str] = P.DEFAULT_STAGES, per_token_stages: Sequence[str] | None = None,
-        response_token_stages: Sequence[str] = P.DEFAULT_RESPONSE_TOKEN_STAGES, strict: bool = True,
-        world_size: int | None = None, **kwargs: Any,
-    ) -> None:
+    def __init__(self, stages: Sequence[str] = P.DEFAULT_STAGES, per_token_stages: Sequence[str] | None = None,
+                 response_token_stages: Sequence[str] = P.DEFAULT_RESPONSE_TOKEN_STAGES, strict: bool = True,
+                 world_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(world_size, **kwargs)
         self.stages = _check_stage_names("stages", stages)
         if per_token_stages is None:
@@ -412,9 +407,7 @@ class Throughput(_StageClock):
         seconds, n = self.per_step()
         tokens = safe_div(self.tokens_all, n, 0.0)
         gpus = self.num_gpus or self.num_ranks()
-        return {
-            self.keys[0]: tokens, self.keys[1]: seconds[0], self.keys[2]: safe_div(tokens, seconds[0] * gpus, 0.0),
-        }
+        return {self.keys[0]: tokens, self.keys[1]: seconds[0], self.keys[2]: safe_div(tokens, seconds[0] * gpus, 0.0)}
 
 
 # MFU name -> (timing stage, FLOPs mode). verl's perf/mfu/actor is measured in the actor update,
@@ -463,11 +456,9 @@ class ModelFlopsUtilization(_StageClock):
         "communication, data loading or load imbalance.",
         unit="steps over the window; FLOPs of all ranks' sequences over (slowest rank's stage time x GPUs x " "peak)")
 
-    def __init__(
-        self, flops: P.TransformerFlops, stages: Mapping[str, tuple[str, str | float]] | None = None,
-        accelerator: str | None = None, peak_flops: float | None = None, num_gpus: int | None = None,
-        world_size: int | None = None, **kwargs: Any,
-    ) -> None:
+    def __init__(self, flops: P.TransformerFlops, stages: Mapping[str, tuple[str, str | float]] | None = None,
+                 accelerator: str | None = None, peak_flops: float | None = None, num_gpus: int | None = None,
+                 world_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(world_size, **kwargs)
         if not isinstance(flops, P.TransformerFlops):
             raise ValueError(f"`flops` must be a TransformerFlops, got {type(flops).__name__}")

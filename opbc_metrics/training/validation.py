@@ -36,10 +36,8 @@ class _PerSource(_TrainingMetric):
     states = table(prompts=SUM.of("data_sources"), sum_mean=SUM.of("data_sources"),
                    sum_at_k=SUM.of("data_sources", "ks"), prompts_at_k=SUM.of("data_sources", "ks"), nonfinite=SUM)
 
-    def __init__(
-        self, data_sources: Sequence[str], n_samples: int = 1, ks: Sequence[int] | None = None,
-        allow_other: bool = False, **kwargs: Any,
-    ) -> None:
+    def __init__(self, data_sources: Sequence[str], n_samples: int = 1, ks: Sequence[int] | None = None,
+                 allow_other: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.allow_other = bool(allow_other)
         self.data_sources = V.check_sources(data_sources, self.allow_other)
