@@ -24,8 +24,9 @@ class _LengthStats(_TrainingMetric):
     compute_args = ("prefix", "max_length")
 
     def __init_subclass__(cls, field: str, prefix: str, **kwargs: Any) -> None:
+        # clip_ratio only with a maximum length; a BySettings made here is named by hand (no class body)
         keys = BySettings(F.length_keys(prefix, 1), lambda m: F.length_keys(prefix, m.max_length))
-        keys.__set_name__(cls, "keys")  # clip_ratio only with a maximum length
+        keys.__set_name__(cls, "keys")
         cls.keys, cls.prefix, cls.required_fields = keys, prefix, (field,)
         cls._deferred = (("invalid", field, "negative or non-finite lengths"),)
         super().__init_subclass__(**kwargs)
