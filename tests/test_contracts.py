@@ -66,9 +66,9 @@ def test_update_never_syncs_host_and_device(case):
     section, make = case
     metric = make()
     for b in [*section.batches(), section.blank(section.batches()[0])]:
-        b = section.input(b)
-        with assert_no_host_sync():
-            metric.update(b)
+        for x in section.updates(b):
+            with assert_no_host_sync():
+                metric.update(x)
 
 
 def test_chunked_updates_equal_one_update(case):
@@ -80,12 +80,13 @@ def test_chunked_updates_equal_one_update(case):
 
 def test_forward_returns_the_batch_value_and_accumulates(case):
     section, make = case
-    a, b, c, _ = section.batches()
+    a, b, c, _ = section.batches()  # one update each
     metric = make()
-    metric.as_dict(metric(section.input(a)))
-    out_b = floats(metric.as_dict(metric(section.input(b))))
+    metric.as_dict(metric(*section.updates(a)))
+    out_b = floats(metric.as_dict(metric(*section.updates(b))))
     assert_close(out_b, _values(section.feed(make(), [b])), section)
-    metric(section.input(section.blank(c)))  # a batch without data: zero counts at most, the window unchanged
+    for x in section.updates(section.blank(c)):  # a batch without data: zero counts at most, the window unchanged
+        metric(x)
     assert_close(_values(metric), _values(section.feed(make(), [a, b])), section)
 
 
@@ -131,9 +132,9 @@ def test_functional_equals_class(name):
 def test_collection_update_never_syncs_host_and_device(name):
     section = SECTIONS[name]
     for run in section.runs():
-        for b in map(section.input, section.batches()):
+        for x in (x for b in section.batches() for x in section.updates(b)):
             with assert_no_host_sync():
-                run.update(b)
+                run.update(x)
 
 
 def _chunks(section, batch, n_chunks, dim):
@@ -179,20 +180,31 @@ def ddp_results():
     return run_distributed(ddp_worker, world_size=2, timeout=300)
 
 
+def _per_rank(section, scenario):
+    return [concat_batches(shard) for shard in section.shards(scenario)]
+
+
 def _single(section, scenario):
-    """One process on the concatenation of every rank's shard."""
-    flat = [b for shard in section.shards(scenario) for b in shard]
-    return concat_batches(flat)
+    """The concatenation of every rank's shard."""
+    return concat_batches(_per_rank(section, scenario))
+
+
+def _expected(section, scenario, make):
+    """The synced values: one process on the concatenation, or the rank reference of per-rank figures."""
+    if section.rank_reference is not None:
+        keys = set(_values(section.feed(make(), [_single(section, scenario)])))
+        return {k: v for k, v in section.rank_reference(_per_rank(section, scenario)).items() if k in keys}
+    return _values(section.feed(make(), [_single(section, scenario)]))
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("name", SECTION_IDS)
 def test_ddp_collection_equals_one_process_on_the_concatenation(ddp_results, name, scenario):
     section = SECTIONS[name]
-    cat = _single(section, scenario)
-    expected = floats(section.feed(section.collection(ddp=True), [cat]).compute())
-    if section.reference is not None:
-        assert_matches_reference(section, expected, section.reference(cat), where="single process")
+    expected = _expected(section, scenario, section.collection)
+    if section.reference is not None and section.rank_reference is None:
+        assert_matches_reference(section, expected, section.reference(_single(section, scenario)),
+                                 where="single process")
     for rank, result in enumerate(ddp_results):
         values, n_collectives, _, restored = result[name, scenario]
         assert n_collectives <= 4, f"{n_collectives} collectives (3 reductions + the layout check)"
@@ -202,12 +214,10 @@ def test_ddp_collection_equals_one_process_on_the_concatenation(ddp_results, nam
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("case", [c for c in MEMBERS if c[1] not in SECTIONS[c[0]].per_rank], indirect=True,
-                         ids=lambda c: f"{c[0]}-{c[1]}")
 def test_ddp_each_metric_alone_equals_one_process(ddp_results, case, scenario):
     section, make = case
     name = next(n for n, m in section.members.items() if m is make)
-    expected = _values(section.feed(make(), [_single(section, scenario)]))
+    expected = _expected(section, scenario, make)
     for rank, result in enumerate(ddp_results):
         assert_close(result[section.name, scenario][2][name], expected, section, where=f"rank {rank}")
 
