@@ -429,23 +429,28 @@ def make_training_batch(batch: int = 6, seq: int = 12, vocab: int = 7, seed: int
 
 
 def make_validation_batch(prompts: int = 4, n: int = 4, seed: int = 0, sources=("gsm8k", "math", "aime")) -> dict:
-    """Validation results of ``prompts`` prompts with ``n`` samples each, from random sources; some samples
-    are masked out (a prompt may have none valid)."""
+    """Validation results of ``prompts`` prompts (sources in turn) with ``n`` samples each; some samples are
+    masked out (a prompt may have none valid)."""
     g = torch.Generator().manual_seed(seed)
-    pick = torch.randint(0, len(sources), (prompts,), generator=g).tolist()
     return {"val_acc": (torch.rand(prompts, n, generator=g) < 0.5).double(),
             "val_rewards": torch.randn(prompts, n, generator=g, dtype=torch.float64).round(decimals=2),
-            "val_mask": torch.rand(prompts, n, generator=g) < 0.8, "data_sources": [sources[i] for i in pick],
+            "val_mask": torch.rand(prompts, n, generator=g) < 0.8,
+            "data_sources": [sources[(seed + i) % len(sources)] for i in range(prompts)],
             "val_num_turns": torch.randint(1, 5, (prompts, n), generator=g)}
 
 
 def make_steps(steps: int = 1, seed: int = 0, rows: int = 4) -> dict:
-    """``{"steps": [...]}``: per-step updates of one rank (stage times and the step's sequence lengths)."""
+    """``{"steps": [...]}``: per-step updates of one rank (stage times and the step's sequence lengths); every
+    second step has no ``old_log_prob`` time (a stage a step did not run counts 0)."""
     g = torch.Generator().manual_seed(seed)
-    return {"steps": [{"timing_s": dict(zip(("gen", "update_actor", "old_log_prob", "step"),
-                                            (0.1 + torch.rand(4, generator=g, dtype=torch.float64) * 3).tolist())),
-                       "prompt_lengths": torch.randint(5, 40, (rows,), generator=g),
-                       "response_lengths": torch.randint(0, 60, (rows,), generator=g)} for _ in range(steps)]}
+    out = []
+    for i in range(steps):
+        times = (0.1 + torch.rand(4, generator=g, dtype=torch.float64) * 3).tolist()
+        timing = {s: t for s, t in zip(("gen", "update_actor", "old_log_prob", "step"), times) if i % 2 == 0 or
+                  s != "old_log_prob"}
+        out.append({"timing_s": timing, "prompt_lengths": torch.randint(5, 40, (rows,), generator=g),
+                    "response_lengths": torch.randint(0, 60, (rows,), generator=g)})
+    return {"steps": out}
 
 
 SCALARS = ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",

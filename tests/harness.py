@@ -98,6 +98,7 @@ class Section:
     unstable: Callable[[Batch], set[str]] = lambda b: set()  # keys too ill-conditioned on this batch to compare
     prepare: Callable[[Batch], Batch] | None = None  # turns a batch into the metrics' input (a controller step)
     alone: tuple[str, ...] = ()  # members whose keys clash with another member's: kept out of the collection
+    counters: tuple[str, ...] = ()  # members that count their input: zeros without data, not no keys
     stepwise: bool = False  # a batch is {"steps": [...]}, one update per training step
     # per-rank figures (per-step times, workloads): the values after a sync, from each rank's (concatenated)
     # data, where they are not one process's on the concatenation
@@ -204,6 +205,7 @@ MISMATCH = Section(
     reference=lambda b: R.mismatch_reference(*D.logprobs_numpy(b)),
     functional=_mismatch_functional,
     blank=masked_out,
+    counters=("InputHealth",),
     # raw-moment std and Pearson round at 1e-9 / 1e-7 absolute when chunks add in another order
     tol=lambda key: (1e-7, 1e-7 if key == "opbc/prob/pearson" else 1e-9),
     ref_tol=_mismatch_tol,
@@ -354,7 +356,7 @@ STEPS = Section(
     members={"StageTiming": lambda: M.StageTiming(stages=STAGES), "Throughput": M.Throughput,
              "ModelFlopsUtilization": lambda: M.ModelFlopsUtilization(TransformerFlops(*FLOPS), peak_flops=1e15),
              "GlobalSeqlen": M.GlobalSeqlen},
-    batches=lambda: [D.make_steps(1, seed, rows) for seed, rows in ((1, 5), (2, 3), (3, 4), (4, 6))],
+    batches=lambda: [D.make_steps(n, seed, rows) for n, seed, rows in ((1, 1, 5), (1, 2, 3), (1, 3, 4), (3, 4, 6))],
     strategy=st.builds(D.make_steps, st.integers(1, 4), st.integers(0, 10_000), st.integers(1, 6)),
     reference=lambda b: _steps_reference([b]),
     stepwise=True,

@@ -7,6 +7,7 @@ number of collectives per collection. Section test files keep only what is speci
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -90,6 +91,16 @@ def test_forward_returns_the_batch_value_and_accumulates(case):
     assert_close(_values(metric), _values(section.feed(make(), [a, b])), section)
 
 
+def test_no_data_reports_no_keys(case):
+    section, make = case
+    name = next(n for n, m in section.members.items() if m is make)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compute before update" warning either
+        for metric in (make(), section.feed(make(), [section.blank(section.batches()[0])])):
+            got = _values(metric)
+            assert not got or (name in section.counters and not any(got.values())), got
+
+
 def test_state_round_trip_and_merge_mid_accumulation(case):
     section, make = case
     parts = section.batches()
@@ -126,6 +137,14 @@ def test_functional_equals_class(name):
         func = floats(section.functional(b))
         assert func and set(func) <= set(got), set(func) - set(got)
         assert_close({k: got[k] for k in func}, func, section)
+
+
+@pytest.mark.parametrize("name", SECTION_IDS)
+def test_collection_without_data_reports_no_keys(name):
+    section = SECTIONS[name]
+    for run in section.runs():
+        assert not any(_values(run).values())
+        assert not any(_values(section.feed(run, [section.blank(section.batches()[0])])).values())
 
 
 @pytest.mark.parametrize("name", SECTION_IDS)

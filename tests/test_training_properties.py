@@ -24,17 +24,9 @@ from opbc_metrics.training import (
     PolicyEntropy,
     ResponseLength,
     RewardModelMetrics,
-    ValidationAccuracy,
-    ValidationReward,
 )
 from tests.data import make_training_batch
-
-
-def _assert_close(a, b):
-    assert set(a) == set(b)
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), (k, a[k], b[k])
-
+from tests.harness import VALIDATION
 
 batch_params = st.tuples(st.integers(1, 7), st.integers(1, 9), st.integers(0, 10_000), st.integers(0, 2))
 
@@ -98,44 +90,12 @@ def test_best_at_k_is_monotone_and_between_mean_and_max(values):
     assert all(a <= b + 1e-9 for a, b in itertools.pairwise(best))
 
 
-@st.composite
-def validation_batches(draw):
-    sources = ["a", "b", "c"]
-    n = draw(st.integers(1, 5))
-    p = draw(st.integers(1, 6))
-    acc = draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=p * n, max_size=p * n))
-    rew = draw(st.lists(st.floats(-5, 5, allow_nan=False), min_size=p * n, max_size=p * n))
-    mask = draw(st.lists(st.booleans(), min_size=p * n, max_size=p * n))
-    srcs = draw(st.lists(st.sampled_from(sources), min_size=p, max_size=p))
-    return n, {"val_acc": torch.tensor(acc).view(p, n),
-               "val_rewards": torch.tensor(rew, dtype=torch.float64).view(p, n),
-               "val_mask": torch.tensor(mask).view(p, n), "data_sources": srcs}
-
-
-@given(validation_batches(), st.integers(1, 4))
-def test_validation_chunked_equals_whole_and_bounded(nb, n_chunks):
-    n, batch = nb
-    sources = ("a", "b", "c")
-    make = lambda: [ValidationAccuracy(sources, n_samples=n), ValidationReward(sources, n_samples=n)]  # noqa: E731
-    whole, chunked = make(), make()
-    for m in whole:
-        m.update(batch)
-    p = batch["val_acc"].shape[0]
-    for idx in torch.tensor_split(torch.arange(p), n_chunks):
-        if idx.numel():
-            part = {k: (v[idx] if isinstance(v, torch.Tensor) else [v[i] for i in idx.tolist()])
-                    for k, v in batch.items()}
-            for m in chunked:
-                m.update(part)
-    for a, b in zip(whole, chunked):
-        _assert_close(a.compute_dict(), b.compute_dict())
-        assert a.compute_dict().keys() == b.compute_dict().keys()
-    out = whole[0].compute_dict()
-    if not out:  # no valid sample: no keys
-        return
-    for s in sources:
-        passes = [out[f"val-aux/{s}/acc/pass@{k}"].item() for k in whole[0].ks]
-        assert all(0 <= x <= 1 for x in passes)
+@given(VALIDATION.strategy)
+def test_validation_pass_at_k_is_bounded(batch):
+    metric = VALIDATION.members["ValidationAccuracy"]()
+    metric.update(batch)
+    for key, value in metric.compute_dict().items():
+        assert 0 <= value <= 1, key
 
 
 @given(st.lists(st.integers(0, 5000), min_size=0, max_size=40), st.integers(1, 6), st.booleans())
