@@ -280,6 +280,22 @@ ENDPOINT = Section(
     atol=1e-15,
 )
 
+def _rollout_functional(b: Batch) -> dict[str, torch.Tensor]:
+    gid, lengths = b["group_ids"], b["response_lengths"]
+    return {
+        **F.rollout.reward_stats(b["rewards"]), **F.rollout.advantage_stats(b["advantages"]),
+        **F.rollout.token_stats(b["prompt_lengths"], lengths, gid),
+        **F.rollout.discarded_counts(b["discard_reasons"], b["rewards"]),
+        **F.rollout.discarded_rollout_stats(b["discard_reasons"], lengths, gid, b["stop_reasons"]),
+        **F.rollout.off_policy_steps(b["policy_lag"]), **F.rollout.sample_metric_stats(b["sample_metrics"], gid),
+        "rollout/tokens_completion/group_cv_mean": F.rollout.group_length_cv(lengths, gid),
+        "rollout/reward/group_gini_mean": F.rollout.group_gini(b["rewards"], gid),
+        "rollout/tokens_completion/group_gini_mean": F.rollout.group_gini(lengths.double(), gid),
+        "rollout/tokens_completion/group_max_median_ratio_mean": F.rollout.group_max_median_ratio(lengths, gid),
+        "rollout/stop_reason/length_pct": F.rollout.stop_reason_length_pct(b["stop_reasons"]),
+    }
+
+
 ROLLOUT = Section(
     "rollout",
     members={**{cls.__name__: cls for cls in ROLLOUT_METRICS},
@@ -289,6 +305,7 @@ ROLLOUT = Section(
     strategy=D.rollout_groups().map(D.groups_batch),
     reference=lambda b: R.rollout_reference(b, D.NAMES),
     unit="group",
+    functional=_rollout_functional,
     ref_tol=lambda key: (1e-9, 1e-9),
 )
 

@@ -14,12 +14,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from opbc_metrics import OPBCCollection, glossary
+from opbc_metrics import OPBCCollection
 from opbc_metrics.agent import (
-    AGENT_METRICS,
     AnswerMatchRate,
     FirstDivergenceStep,
     Step,
@@ -40,16 +39,8 @@ def assert_window(out, expected, rel=1e-12, keys=AGENT_KEYS):
 
 
 # --- against the reference -------------------------------------------------------------------------
-@pytest.mark.parametrize("seed", range(6))
-def test_collection_matches_reference(seed):
-    pairs = random_pairs(seed, 40)
-    metrics = OPBCCollection(sections=["agent"])
-    metrics.update(trajectory_pairs=pairs[:25])
-    metrics.update({"trajectory_pairs": pairs[25:]})
-    assert_window(metrics.compute(), agent_reference(pairs))
-
-
 @given(pair_lists())
+@example([])  # no pair: the functional API's documented values
 def test_functional_matches_reference(pairs):
     assert_window(FA.agent_metrics(pairs), agent_reference(pairs))
     for a, b in pairs:
@@ -248,21 +239,6 @@ def test_states_are_float64():
     assert all(v.dtype == torch.float64 for k, v in state.items() if not k.endswith("._extra_state"))
 
 
-def test_empty_window_values():
-    out = {}
-    for cls in AGENT_METRICS:
-        metric = cls()
-        metric.update(trajectory_pairs=[])
-        out.update({k: v.item() for k, v in metric.compute_dict().items()})
-    assert out == {}  # no pair in the window: no keys (the functional API keeps its documented values)
-    assert agent_reference([]) == {k: v.item() for k, v in FA.agent_metrics([]).items()}
-    # A collection leaves out members whose optional inputs never carried data.
-    m = OPBCCollection(sections=["agent"])
-    assert m.compute() == {}
-    m.update(trajectory_pairs=[])
-    assert m.compute() == {}
-
-
 def test_joins_collection_by_choice_and_skips_batches_without_pairs():
     batch = make_batch(seed=0, dtype=torch.float64)
     pairs = random_pairs(2, 5)
@@ -335,13 +311,3 @@ def test_trajectory_without_steps_and_wrong_types_raise():
     with pytest.raises(ValueError, match="rollout"):
         FA.tool_call_jaccard("text", [{"role": "assistant"}])
 
-
-def test_glossary_entries_and_aliases():
-    for name in ("tool_call_jaccard", "first_divergence_step", "answer_match", "tool_choice_disagreement_rate"):
-        entry = glossary.lookup(name)
-        assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
-    assert glossary.lookup("answer_match_rate").name == "answer_match"
-    assert glossary.lookup("agent/trajectory/diverged_fraction").name == "first_divergence_step"
-    md = glossary.glossary_markdown()
-    for key in AGENT_KEYS:
-        assert f"`{key}`" in md

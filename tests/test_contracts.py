@@ -249,3 +249,18 @@ def test_ddp_one_collection_of_every_section_syncs_in_constant_collectives(ddp_r
         section = SECTIONS[name]
         own = ddp_results[0][name, "uneven"][0]
         assert_close({k: values[k] for k in own}, own, section, where=name)
+
+
+# --- glossary: every metric class documented and found by its name and aliases ---------------------------
+@pytest.mark.parametrize("case", MEMBERS, indirect=True, ids=MEMBER_IDS)
+def test_glossary_entry_found_by_name_alias_and_key(case):
+    from opbc_metrics import glossary
+
+    _, make = case
+    metric = make()
+    entry = type(metric).glossary
+    assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
+    for name in (entry.name, *entry.aliases, *type(metric).keys):  # the class keys (placeholders where settings decide)
+        assert glossary.lookup(name) is entry, name
+    markdown = glossary.glossary_markdown()
+    assert f"## {entry.name}" in markdown and all(f"`{key}`" in markdown for key in type(metric).keys)

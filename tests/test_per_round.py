@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from opbc_metrics import OPBCCollection, PerRoundMismatch, glossary
+from opbc_metrics import OPBCCollection, PerRoundMismatch
 from opbc_metrics import functional as F
 from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional.per_round import DEFAULT_ROUND_CAPACITY, per_round_keys
@@ -118,13 +118,6 @@ def test_default_collection_includes_per_round():
     if rounds <= DEFAULT_ROUND_CAPACITY:
         absent |= {P + "overflow_abs_diff_mean", P + "overflow_token_count"}
     assert set(out) == {k for k in metrics.keys_produced if not k.startswith(silent)} - absent
-
-
-def test_glossary_entry():
-    entry = glossary.lookup("per_round/max_round_diff")
-    assert entry is PerRoundMismatch.glossary
-    assert glossary.lookup("per-round mismatch") is entry
-    assert "`per_round/round_0_abs_diff_mean`" in glossary.glossary_markdown()
 
 
 # --- properties -------------------------------------------------------------------------------------
