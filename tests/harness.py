@@ -27,10 +27,11 @@ from opbc_metrics.endpoint import ENDPOINT_METRICS
 from opbc_metrics.functional.mismatch import sketch_relative_error_bound
 from opbc_metrics.functional.perf import TransformerFlops
 from opbc_metrics.mismatch import MISMATCH_METRICS
-from opbc_metrics.rollout import ROLLOUT_METRICS
+from opbc_metrics.rollout import ROLLOUT_METRICS, chart_ranges
 from tests import data as D
 from tests import reference as R
 from tests import training_reference as TR
+from tests.data import concat_batches
 from tests.ddp import count_collectives
 
 Batch = dict[str, Any]
@@ -433,4 +434,24 @@ def ddp_worker(rank: int, world_size: int) -> dict:
                 section.feed(m, section.shards("uneven")[rank])
     with count_collectives() as calls:
         out["everything"] = (floats(everything.compute()), calls["n"])
-    return out
+    return {**out, **_ddp_specifics(rank)}
+
+
+def _ddp_specifics(rank: int) -> dict:
+    """What two ranks show beyond equality: the mean of per-rank ESS values (the peers' way) is not the global
+    ESS; rollout chart ranges after compute() (the declared bound, the global observed one); a deferred
+    bad-value error raised on every rank alike though one rank saw the bad value."""
+    local = concat_batches(MISMATCH.shards("uneven")[rank])
+    ess = F.importance_ess(local["trainer_logprobs"], local["rollout_logprobs"], local["response_mask"])
+    torch.distributed.all_reduce(ess)
+    rollout = OPBCCollection(M.rollout_metrics(D.NAMES, reward_min=0.0))
+    ROLLOUT.feed(rollout, ROLLOUT.shards("uneven")[rank]).compute()
+    bad = D.make_rollouts(groups=2, seed=9, first_id=9)
+    if rank == 0:
+        bad["response_lengths"][0] = -3
+    try:
+        ROLLOUT.feed(ROLLOUT.collection(), [bad]).compute()
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return {"mean_of_rank_ess": ess.item() / 2, "chart_ranges": chart_ranges(rollout), "deferred_error": error}

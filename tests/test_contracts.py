@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opbc_metrics import functional as F
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import concat_batches
 from tests.ddp import run_distributed
@@ -264,3 +265,16 @@ def test_glossary_entry_found_by_name_alias_and_key(case):
         assert glossary.lookup(name) is entry, name
     markdown = glossary.glossary_markdown()
     assert f"## {entry.name}" in markdown and all(f"`{key}`" in markdown for key in type(metric).keys)
+
+
+def test_ddp_global_values_not_means_of_rank_values_and_rollout_specifics(ddp_results):
+    cat = _single(SECTIONS["mismatch"], "uneven")
+    ess = F.importance_ess(cat["trainer_logprobs"], cat["rollout_logprobs"], cat["response_mask"]).item()
+    rewards = _single(SECTIONS["rollout"], "uneven")["rewards"]
+    for result in ddp_results:
+        assert result["mismatch", "uneven"][0]["opbc/is/ess"] == pytest.approx(ess, rel=1e-12)
+        assert abs(result["mean_of_rank_ess"] - ess) > 1e-3  # what averaging per-rank values would report
+        # declared lower bound, global observed upper bound, on every rank
+        assert result["chart_ranges"]["rollout/reward/max"] == pytest.approx((0.0, rewards.max().item()))
+        assert result["deferred_error"] is not None and "response_lengths" in result["deferred_error"]
+    assert ddp_results[0]["chart_ranges"] == ddp_results[1]["chart_ranges"]
