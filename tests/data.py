@@ -159,7 +159,7 @@ def logprob_batches(draw, max_b=6, max_t=8, mask=None):
     t = draw(st.integers(1, max_t))
     trainer = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
     rollout = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    mask = draw(st.lists(mask or st.booleans(), min_size=b * t, max_size=b * t))
+    mask = draw(st.lists(st.booleans() if mask is None else mask, min_size=b * t, max_size=b * t))
     return {
         "trainer_logprobs": torch.tensor(trainer, dtype=torch.float64).view(b, t),
         "rollout_logprobs": torch.tensor(rollout, dtype=torch.float64).view(b, t),

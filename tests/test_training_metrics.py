@@ -13,55 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from opbc_metrics import OPBCCollection
+from opbc_metrics import training as M
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as FT
 from opbc_metrics.functional import validation as FV
 from opbc_metrics.testing import assert_no_host_sync
-from opbc_metrics.training import (
-    PPOKL,
-    AbortedRatio,
-    ActorGradNorm,
-    ActorLoss,
-    AdvantageStats,
-    AgentLoopSlowest,
-    AgentLoopTiming,
-    ApproxKL,
-    DPOMetrics,
-    ExplainedVariance,
-    GlobalSeqlen,
-    LRSchedulerState,
-    ModelFlopsUtilization,
-    NumTurns,
-    PolicyClipFraction,
-    PolicyEntropy,
-    PromptLength,
-    ResponseLength,
-    RewardModelMetrics,
-    RewardStats,
-    StageTimer,
-    StageTiming,
-    Throughput,
-    ValidationAccuracy,
-    ValidationTurns,
-    ValueStats,
-    training_metrics,
-)
+from tests import training_reference as TR
 from tests.data import concat_batches, make_scalars, make_training_batch, make_validation_batch
-from tests.training_reference import (
-    ref_best_at_k,
-    ref_clipfrac,
-    ref_dpo,
-    ref_entropy,
-    ref_explained_var,
-    ref_karmarkar_karp_sums,
-    ref_kl,
-    ref_lengths,
-    ref_pass_at_k,
-    ref_rm,
-    ref_slowest,
-    ref_token_stats,
-    ref_transformer_active_params,
-)
 
 RTOL = 1e-9
 
@@ -97,34 +55,34 @@ def _wide(sequence_advantages=False):
 
 def _clip(low, high, c, sequence_advantages):
     def reference(cat):
-        want = ref_clipfrac(*(_np(cat[f]) for f in ("policy_logprobs", "old_logprobs", "advantages", "response_mask")),
-                            low, high, c)
+        fields = ("policy_logprobs", "old_logprobs", "advantages", "response_mask")
+        want = TR.ref_clipfrac(*(_np(cat[f]) for f in fields), low, high, c)
         assert 0 < want[0] < 1 and want[1] > 0  # both fire: the check is not vacuous
         return {"actor/pg_clipfrac": want[0], "actor/pg_clipfrac_lower": want[1]}
 
-    return pytest.param(lambda: PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c),
+    return pytest.param(lambda: M.PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c),
                         reference, _wide(sequence_advantages), RTOL,
                         id=f"clipfrac-{low}-{high}-{c}-{'sequence' if sequence_advantages else 'token'}")
 
 
 def _kl(make, key, estimator):
-    return pytest.param(make, lambda c: {key: ref_kl(*(_np(c[f]) for f in ("policy_logprobs", "old_logprobs",
+    return pytest.param(make, lambda c: {key: TR.ref_kl(*(_np(c[f]) for f in ("policy_logprobs", "old_logprobs",
                                                                               "response_mask")), estimator)},
                         BATCHES, RTOL, id=f"{key}-{estimator}")
 
 
 # The harness (tests/harness.py) checks one setting of each metric; these are the others.
 VARIANTS = [
-    pytest.param(lambda: PolicyEntropy(from_logits=True, temperature=0.7),
-                 lambda c: {"actor/entropy": ref_entropy(mask=_np(c["response_mask"]), logits=_np(c["logits"]),
+    pytest.param(lambda: M.PolicyEntropy(from_logits=True, temperature=0.7),
+                 lambda c: {"actor/entropy": TR.ref_entropy(mask=_np(c["response_mask"]), logits=_np(c["logits"]),
                                                          temperature=0.7)}, BATCHES, 1e-6, id="entropy-logits-t0.7"),
-    _kl(lambda: PPOKL(estimator="k2"), "actor/ppo_kl", "k2"), _kl(lambda: PPOKL(estimator="k3"), "actor/ppo_kl", "k3"),
-    _kl(ApproxKL, "actor/approx_kl", "k3"),
+    *(_kl(lambda e=e: M.PPOKL(estimator=e), "actor/ppo_kl", e) for e in ("k2", "k3")),
+    _kl(M.ApproxKL, "actor/approx_kl", "k3"),
     *(_clip(*args, seq) for args in ((0.2, 0.2, 3.0), (0.1, 0.28, 1.5), (0.0, 0.05, 1.01)) for seq in (False, True)),
-    pytest.param(lambda: DPOMetrics(beta=0.5, label_smoothing=0.2), lambda c: dict(zip(FT.DPO_KEYS, ref_dpo(
+    pytest.param(lambda: M.DPOMetrics(beta=0.5, label_smoothing=0.2), lambda c: dict(zip(FT.DPO_KEYS, TR.ref_dpo(
         *(_np(c[f]) for f in FT.DPO_FIELDS), beta=0.5, label_smoothing=0.2).values())), BATCHES, RTOL, id="dpo"),
-    pytest.param(ResponseLength, lambda c: {f"response_length/{k}": v for k, v in
-                                            ref_lengths(_np(c["response_lengths"])).items()}, BATCHES, RTOL,
+    pytest.param(M.ResponseLength, lambda c: {f"response_length/{k}": v for k, v in
+                                            TR.ref_lengths(_np(c["response_lengths"])).items()}, BATCHES, RTOL,
                  id="response-length-no-max"),
 ]
 
@@ -140,7 +98,7 @@ def test_configured_variants_match_reference(make, reference, batches, rtol):
 
 # --- actor ------------------------------------------------------------------------------------------
 def test_trainer_scalars_accept_tensors_and_numbers():
-    m = ActorGradNorm()
+    m = M.ActorGradNorm()
     m.update(actor_grad_norm=torch.tensor(2.0))
     m.update(actor_grad_norm=4)
     m.update(actor_grad_norm=torch.tensor([6.0, 8.0]))
@@ -161,7 +119,7 @@ def test_entropy_from_logits_is_numerically_safe():
 def test_policy_kl_clamps_huge_log_ratios():
     new = torch.tensor([[0.0, -50.0]], dtype=torch.float64)
     old = torch.tensor([[-50.0, 0.0]], dtype=torch.float64)
-    assert FT.policy_kl(new, old, estimator="k3").item() == pytest.approx(ref_kl(new, old, None, "k3"))
+    assert FT.policy_kl(new, old, estimator="k3").item() == pytest.approx(TR.ref_kl(new, old, None, "k3"))
     assert math.isfinite(FT.policy_kl(new, old, estimator="k3").item())
 
 
@@ -172,7 +130,7 @@ def test_clipfrac_boundaries_zero_advantage_and_unit_ratio():
     assert zero_adv["actor/pg_clipfrac"] == 0.0 and zero_adv["actor/pg_clipfrac_lower"] == 0.0
     at_one = FT.pg_clipfrac(old, old, torch.tensor([[1.0, -1.0, 2.0, -2.0]]))
     assert at_one["actor/pg_clipfrac"] == 0.0 and at_one["actor/pg_clipfrac_lower"] == 0.0
-    want = ref_clipfrac(new.numpy(), old.numpy(), [[1.0, -1.0, -1.0, 0.0]])
+    want = TR.ref_clipfrac(new.numpy(), old.numpy(), [[1.0, -1.0, -1.0, 0.0]])
     got = FT.pg_clipfrac(new, old, torch.tensor([[1.0, -1.0, -1.0, 0.0]]))
     assert (got["actor/pg_clipfrac"].item(), got["actor/pg_clipfrac_lower"].item()) == want == (0.5, 0.0)
     got = FT.pg_clipfrac(new, old, torch.tensor([[-1.0, 1.0, 0.0, 0.0]]))
@@ -184,7 +142,7 @@ def test_sequence_level_advantages_broadcast_over_tokens():
     b = make_training_batch(seed=3)
     adv = b["scores"]
     out = FT.critic_stats("advantages", adv, b["response_mask"])
-    want = ref_token_stats(_np(adv), _np(b["response_mask"]), with_std=True)
+    want = TR.ref_token_stats(_np(adv), _np(b["response_mask"]), with_std=True)
     assert close(out["critic/advantages/mean"], want["mean"]) and close(out["critic/advantages/std"], want["std"])
     out = FT.critic_stats("advantages", adv)  # no mask: once per sequence
     assert close(out["critic/advantages/mean"], float(adv.mean()))
@@ -197,21 +155,21 @@ def test_explained_variance_of_constant_and_offset_data():
     # a large common offset: raw moments in float64 still give the right answer
     v, ret = ALL["values"] + 1e4, ALL["returns"] + 1e4
     got = FT.explained_variance(v, ret, ALL["response_mask"]).item()
-    assert got == pytest.approx(ref_explained_var(_np(v), _np(ret), _np(ALL["response_mask"])), rel=1e-6)
+    assert got == pytest.approx(TR.ref_explained_var(_np(v), _np(ret), _np(ALL["response_mask"])), rel=1e-6)
 
 
 # --- DPO / RM ---------------------------------------------------------------------------------------
 def test_reward_model_accepts_reward_head_scores():
     out = FT.reward_model_metrics(ALL["chosen_scores"][:, None], ALL["rejected_scores"][:, None])  # [B, 1]
-    assert close(out["rm/loss"], ref_rm(_np(ALL["chosen_scores"]), _np(ALL["rejected_scores"]))["loss"])
+    assert close(out["rm/loss"], TR.ref_rm(_np(ALL["chosen_scores"]), _np(ALL["rejected_scores"]))["loss"])
 
 
 # --- validation ---------------------------------------------------------------------------------------
 def test_validation_unknown_source_raises_or_goes_to_other():
     b = {"val_acc": torch.tensor([[1.0], [0.0]]), "data_sources": ["gsm8k", "hellaswag"]}
     with pytest.raises(ValueError, match=r"data_sources.*hellaswag"):
-        ValidationAccuracy(["gsm8k"]).update(b)
-    m = ValidationAccuracy(["gsm8k"], allow_other=True)
+        M.ValidationAccuracy(["gsm8k"]).update(b)
+    m = M.ValidationAccuracy(["gsm8k"], allow_other=True)
     m.update(b)
     out = m.compute()
     assert out["val-core/gsm8k/acc/mean@1"] == 1.0 and out["val-core/other/acc/mean@1"] == 0.0
@@ -223,7 +181,7 @@ def test_pass_at_k_product_form_is_exact_and_stable(n):
     for k in sorted(k for k in {1, 2, max(1, n // 4), max(1, n // 2), n} if k <= n):
         got = FV.pass_at_k(torch.full((len(cs),), float(n)), torch.tensor(cs, dtype=torch.float64), k)
         for c, g in zip(cs, got.tolist()):
-            assert g == pytest.approx(ref_pass_at_k(n, c, k), rel=1e-10, abs=1e-12), (n, c, k)
+            assert g == pytest.approx(TR.ref_pass_at_k(n, c, k), rel=1e-10, abs=1e-12), (n, c, k)
     assert torch.isnan(FV.pass_at_k(torch.tensor([2.0]), torch.tensor([1.0]), 3)).all()
 
 
@@ -240,7 +198,7 @@ def test_best_at_k_matches_exact_reference():
             if len(row) < k:
                 assert math.isnan(got[p])
             else:
-                assert got[p].item() == pytest.approx(ref_best_at_k(row, k), rel=1e-10)
+                assert got[p].item() == pytest.approx(TR.ref_best_at_k(row, k), rel=1e-10)
 
 
 # --- load balance -------------------------------------------------------------------------------------
@@ -250,7 +208,7 @@ def test_global_seqlen_driver_mode_matches_reference():
         prompt = torch.randint(10, 100, (n,), generator=g)
         resp = torch.randint(0, 3000, (n,), generator=g)
         ranks = torch.randint(0, world, (n,), generator=g)
-        m = GlobalSeqlen(world_size=world, algorithm=algo)
+        m = M.GlobalSeqlen(world_size=world, algorithm=algo)
         m.update(prompt_lengths=prompt, response_lengths=resp, rank_ids=ranks)
         out = m.compute()
         total = (prompt + resp).tolist()
@@ -259,7 +217,7 @@ def test_global_seqlen_driver_mode_matches_reference():
         assert out["global_seqlen/minmax_diff"] == max(loads) - min(loads)
         assert close(out["global_seqlen/mean"], sum(total) / world)
         if algo == "karmarkar_karp":
-            sums = ref_karmarkar_karp_sums(total, world)
+            sums = TR.ref_karmarkar_karp_sums(total, world)
         else:
             sums = sorted(P.partition_loads(total, world, "lpt"))
         assert out["global_seqlen/balanced_min"] == sums[0] and out["global_seqlen/balanced_max"] == sums[-1]
@@ -277,12 +235,12 @@ def test_partitions_are_exact_covers_with_equal_counts():
                 assert len(parts) == k and sorted(i for p in parts for i in p) == list(range(n))
                 if equal:
                     assert max(map(len, parts)) - min(map(len, parts)) <= 1
-        assert sorted(P.partition_loads(lengths, k)) == ref_karmarkar_karp_sums(lengths, k)
-        assert sorted(P.partition_loads(lengths, k, equal_size=False)) == ref_karmarkar_karp_sums(lengths, k, False)
+        assert sorted(P.partition_loads(lengths, k)) == TR.ref_karmarkar_karp_sums(lengths, k)
+        assert sorted(P.partition_loads(lengths, k, equal_size=False)) == TR.ref_karmarkar_karp_sums(lengths, k, False)
 
 
 def test_global_seqlen_overflow_is_exact_in_totals_and_warns():
-    m = GlobalSeqlen(world_size=1, max_seqlen=100)
+    m = M.GlobalSeqlen(world_size=1, max_seqlen=100)
     m.update(prompt_lengths=torch.tensor([10, 10]), response_lengths=torch.tensor([50, 500]))
     with pytest.warns(UserWarning, match="max_seqlen"):
         out = m.compute()
@@ -292,7 +250,7 @@ def test_global_seqlen_overflow_is_exact_in_totals_and_warns():
 def test_seqlen_balance_functional_matches_class():
     lengths = [900, 800, 100, 200, 300, 300]
     f = P.seqlen_balance(lengths, 2)
-    m = GlobalSeqlen(world_size=2)
+    m = M.GlobalSeqlen(world_size=2)
     m.update(prompt_lengths=torch.zeros(6, dtype=torch.long), response_lengths=torch.tensor(lengths),
              rank_ids=torch.tensor([0, 0, 0, 1, 1, 1]))
     assert {k: v.item() for k, v in m.compute().items()} == f
@@ -302,12 +260,12 @@ def test_transformer_flops_from_config_matches_reference():
     dense = dict(hidden=4096, layers=32, heads=32, vocab=128256, inter=14336, kv_heads=8)
     f = P.TransformerFlops.from_config(hidden_size=4096, num_layers=32, num_heads=32, vocab_size=128256,
                                        intermediate_size=14336, num_kv_heads=8)
-    assert f.active_params == ref_transformer_active_params(**dense)
+    assert f.active_params == TR.ref_transformer_active_params(**dense)
     assert 7.0e9 < f.active_params < 7.6e9  # Llama-3-8B without the embedding table
     moe = P.TransformerFlops.from_config(hidden_size=2048, num_layers=24, num_heads=16, vocab_size=151936,
                                          num_kv_heads=4, head_dim=128, num_experts=60, experts_per_token=4,
                                          moe_intermediate_size=1408, shared_experts=4, count_embedding=True)
-    assert moe.active_params == ref_transformer_active_params(2048, 24, 16, 151936, 0, 4, 128, 60, 4, 1408, 4, True)
+    assert moe.active_params == TR.ref_transformer_active_params(2048, 24, 16, 151936, 0, 4, 128, 60, 4, 1408, 4, True)
     assert P.TransformerFlops(1.0, 1, 8, causal=True).forward_flops(0, 10) == 4 * 8 * 10 / 2
 
 
@@ -322,19 +280,19 @@ def test_peak_flops_table_and_overrides():
     with pytest.raises(ValueError, match="peak_flops"):
         P.peak_flops("NVIDIA A10")
     flops = P.TransformerFlops(1e9, 1, 1)
-    assert ModelFlopsUtilization(flops, peak_flops=5e14).peak == 5e14
+    assert M.ModelFlopsUtilization(flops, peak_flops=5e14).peak == 5e14
     with pytest.raises(ValueError, match="peak_flops"):
-        ModelFlopsUtilization(flops, peak_flops=-1.0)
+        M.ModelFlopsUtilization(flops, peak_flops=-1.0)
 
 
 def test_stage_timer_measures_and_feeds_the_metric():
-    timer = StageTimer(stages=("gen", "step"))
+    timer = M.StageTimer(stages=("gen", "step"))
     with timer("step"), timer.time("gen"):
         sum(range(1000))
     timer.record("gen", 1.0)
     t = timer.pop()
     assert t["gen"] >= 1.0 and t["step"] >= 0.0 and timer.timings == {}
-    m = StageTiming(stages=("gen", "step"))
+    m = M.StageTiming(stages=("gen", "step"))
     m.update(timing_s=t)
     assert close(m.compute()["timing_s/gen"], t["gen"])
     with pytest.raises(ValueError, match="unknown stage"), timer("nope"):
@@ -357,7 +315,7 @@ sample = st.tuples(st.floats(0, 100, width=32), st.floats(0, 100, width=32), st.
 
 @given(st.lists(sample, min_size=0, max_size=30), st.integers(1, 4))
 def test_slowest_matches_reference_in_chunks_and_merged(samples, n_chunks):
-    whole, chunked, merged = AgentLoopSlowest(), AgentLoopSlowest(), AgentLoopSlowest()
+    whole, chunked, merged = M.AgentLoopSlowest(), M.AgentLoopSlowest(), M.AgentLoopSlowest()
     if samples:
         whole.update(_batch(samples))
     parts = [samples[i::n_chunks] for i in range(n_chunks)]
@@ -367,10 +325,10 @@ def test_slowest_matches_reference_in_chunks_and_merged(samples, n_chunks):
             chunked.update(_batch(part))
     for part in parts:  # states built apart, then merged (the single-controller pattern)
         if part:
-            worker = AgentLoopSlowest()
+            worker = M.AgentLoopSlowest()
             worker.update(_batch(part))
             merged.merge_state(worker)
-    want = ref_slowest(samples)
+    want = TR.ref_slowest(samples)
     for metric in (whole, chunked, merged):
         got = [v.item() for v in metric.compute_dict().values()] if samples else want
         totals = [s[0] + s[1] for s in samples]
@@ -381,7 +339,7 @@ def test_slowest_matches_reference_in_chunks_and_merged(samples, n_chunks):
 
 
 def test_slowest_optional_fields():
-    metric = AgentLoopSlowest()
+    metric = M.AgentLoopSlowest()
     with assert_no_host_sync():
         metric.update(agent_generate_s=torch.tensor([1.0, 3.0]))
         metric.update(agent_generate_s=torch.zeros(0))
@@ -390,17 +348,17 @@ def test_slowest_optional_fields():
 
 def test_slowest_bad_input_names_the_field():
     with pytest.raises(ValueError, match="agent_tool_calls_s"):
-        AgentLoopSlowest().update(agent_generate_s=[1.0, 2.0], agent_tool_calls_s=[1.0])
-    metric = AgentLoopSlowest()
+        M.AgentLoopSlowest().update(agent_generate_s=[1.0, 2.0], agent_tool_calls_s=[1.0])
+    metric = M.AgentLoopSlowest()
     metric.update(agent_generate_s=torch.tensor([1.0, -2.0]))
     with pytest.raises(ValueError, match="agent_generate_s"):
         metric.compute()
     with pytest.raises(ValueError, match="agent_generate_s"):
-        AgentLoopSlowest().update(response_lengths=[3])
+        M.AgentLoopSlowest().update(response_lengths=[3])
 
 
 def test_lr_scheduler_state_reference_and_contracts():
-    metric = LRSchedulerState(names=("last_lr", "step"))
+    metric = M.LRSchedulerState(names=("last_lr", "step"))
     observed = [{"last_lr": 1e-6, "step": 1}, {"last_lr": [2e-6, 4e-6]}, {"step": torch.tensor(3.0)}]
     for obs in observed:
         metric.update(lr_scheduler=obs)
@@ -412,7 +370,7 @@ def test_lr_scheduler_state_reference_and_contracts():
     with pytest.raises(ValueError, match="lr_scheduler"):
         metric.update(lr_scheduler=0.1)
     with pytest.raises(ValueError, match="names"):
-        LRSchedulerState(names=("a/b",))
+        M.LRSchedulerState(names=("a/b",))
     with assert_no_host_sync():
         metric.update(lr_scheduler={"last_lr": torch.tensor(1e-6)})
 
@@ -421,13 +379,13 @@ def test_lr_scheduler_state_reference_and_contracts():
 def test_critic_statistics_of_huge_finite_values_are_finite(scale):
     base = np.array([1.0, -2.0, 3.0, 0.5, 1.5])
     adv = torch.tensor(base * scale)[None, :]
-    metric = AdvantageStats()
+    metric = M.AdvantageStats()
     metric.update(advantages=adv[:, :2], response_mask=torch.ones(1, 2))
     metric.update(advantages=adv[:, 2:], response_mask=torch.ones(1, 3))
     out = metric.compute()
     assert out["critic/advantages/mean"].item() == pytest.approx(base.mean() * scale, rel=1e-12)
     assert out["critic/advantages/std"].item() == pytest.approx(base.std() * scale, rel=1e-12)  # population, as verl
-    rewards = RewardStats()
+    rewards = M.RewardStats()
     rewards.update(rewards=torch.tensor(base * scale))
     assert rewards.compute()["critic/rewards/mean"].item() == pytest.approx(base.mean() * scale, rel=1e-12)
     returns = torch.tensor(base * scale)[None, :]
@@ -439,7 +397,7 @@ def test_critic_statistics_of_huge_finite_values_are_finite(scale):
 
 # --- contracts ------------------------------------------------------------------------------------------
 def _all_metrics():
-    return training_metrics(max_response_length=10, max_prompt_length=30, data_sources=("gsm8k", "math", "aime"),
+    return M.training_metrics(max_response_length=10, max_prompt_length=30, data_sources=("gsm8k", "math", "aime"),
                             n_samples=6, ks=(1, 2), flops=P.TransformerFlops(1e9, 4, 64), peak_flops=1e15,
                             world_size=1)
 
@@ -506,10 +464,10 @@ def test_collection_skips_members_whose_fields_are_absent():
 
 # --- bad input ----------------------------------------------------------------------------------------
 def test_negative_lengths_in_tensors_raise_at_compute_naming_the_field():
-    for metric, field in ((ResponseLength(), "response_lengths"), (PromptLength(), "prompt_lengths"),
-                          (AbortedRatio(), "response_lengths"), (NumTurns(), "num_turns"),
-                          (GlobalSeqlen(world_size=1), "response_lengths"), (ValidationTurns(), "val_num_turns"),
-                          (AgentLoopTiming(), "agent_generate_s")):
+    for metric, field in ((M.ResponseLength(), "response_lengths"), (M.PromptLength(), "prompt_lengths"),
+                          (M.AbortedRatio(), "response_lengths"), (M.NumTurns(), "num_turns"),
+                          (M.GlobalSeqlen(world_size=1), "response_lengths"), (M.ValidationTurns(), "val_num_turns"),
+                          (M.AgentLoopTiming(), "agent_generate_s")):
         b = {"response_lengths": torch.tensor([3, -1]), "prompt_lengths": torch.tensor([-2, 5]),
              "num_turns": torch.tensor([1, -4]), "val_num_turns": torch.tensor([[1, -4]]),
              "agent_generate_s": torch.tensor([1.0, -2.0])}
@@ -520,25 +478,25 @@ def test_negative_lengths_in_tensors_raise_at_compute_naming_the_field():
 
 def test_host_inputs_are_checked_at_once():
     with pytest.raises(ValueError, match=r"`response_lengths`.*negative"):
-        ResponseLength().update(response_lengths=[3, -1])
+        M.ResponseLength().update(response_lengths=[3, -1])
     with pytest.raises(ValueError, match=r"`actor_loss`.*NaN"):
-        ActorLoss().update(actor_loss=float("nan"))
+        M.ActorLoss().update(actor_loss=float("nan"))
     with pytest.raises(ValueError, match="`loss_tokens`"):
-        ActorLoss().update(actor_loss=[1.0, 2.0], loss_tokens=[1])
+        M.ActorLoss().update(actor_loss=[1.0, 2.0], loss_tokens=[1])
     with pytest.raises(ValueError, match="`actor_loss`"):
-        ActorLoss().update(actor_loss="high")
+        M.ActorLoss().update(actor_loss="high")
 
 
 def test_nonfinite_tensor_values_raise_at_compute():
     b = make_training_batch(seed=1)
     b["entropies"][0, 0] = float("nan")
     b["response_mask"][0, 0] = 1
-    m = PolicyEntropy()
+    m = M.PolicyEntropy()
     m.update(b)
     with pytest.raises(ValueError, match="`entropies`"):
         m.compute()
     b["values"][0, 0] = float("inf")
-    m = ExplainedVariance()
+    m = M.ExplainedVariance()
     m.update(b)
     with pytest.raises(ValueError, match="`returns`"):
         m.compute()
@@ -547,28 +505,28 @@ def test_nonfinite_tensor_values_raise_at_compute():
 @pytest.mark.parametrize(
     "metric,change,field",
     [
-        (PPOKL(), lambda b: b.update(old_logprobs=b["old_logprobs"][:, :-1]), "old_logprobs"),
-        (PPOKL(), lambda b: b.update(response_mask=b["response_mask"][:, :-1]), "response_mask"),
-        (PPOKL(), lambda b: b.pop("policy_logprobs"), "policy_logprobs"),
-        (PolicyClipFraction(), lambda b: b.update(advantages=b["advantages"][:-1]), "advantages"),
-        (ValueStats(), lambda b: b.update(values=b["values"][None]), "values"),
-        (ExplainedVariance(), lambda b: b.update(values=b["values"][:, :-1]), "values"),
-        (DPOMetrics(), lambda b: b.update(policy_rejected_logps=b["policy_rejected_logps"][:-1]),
+        (M.PPOKL(), lambda b: b.update(old_logprobs=b["old_logprobs"][:, :-1]), "old_logprobs"),
+        (M.PPOKL(), lambda b: b.update(response_mask=b["response_mask"][:, :-1]), "response_mask"),
+        (M.PPOKL(), lambda b: b.pop("policy_logprobs"), "policy_logprobs"),
+        (M.PolicyClipFraction(), lambda b: b.update(advantages=b["advantages"][:-1]), "advantages"),
+        (M.ValueStats(), lambda b: b.update(values=b["values"][None]), "values"),
+        (M.ExplainedVariance(), lambda b: b.update(values=b["values"][:, :-1]), "values"),
+        (M.DPOMetrics(), lambda b: b.update(policy_rejected_logps=b["policy_rejected_logps"][:-1]),
          "policy_rejected_logps"),
-        (RewardModelMetrics(), lambda b: b.update(chosen_scores=b["chosen_scores"][:, None].expand(-1, 2)),
+        (M.RewardModelMetrics(), lambda b: b.update(chosen_scores=b["chosen_scores"][:, None].expand(-1, 2)),
          "chosen_scores"),
-        (ResponseLength(), lambda b: b.update(response_lengths=b["response_lengths"][None]), "response_lengths"),
-        (GlobalSeqlen(world_size=2), lambda b: b.update(prompt_lengths=b["prompt_lengths"][:-1]), "prompt_lengths"),
-        (GlobalSeqlen(world_size=2), lambda b: b.update(rank_ids=torch.zeros(2)), "rank_ids"),
-        (PolicyEntropy(from_logits=True), lambda b: b.update(logits=b["logits"][0]), "logits"),
-        (StageTiming(), lambda b: b.update(timing_s={"generate": 1.0}), "timing_s"),
-        (StageTiming(), lambda b: b.update(timing_s={"gen": float("nan")}), "timing_s"),
-        (StageTiming(), lambda b: b.update(timing_s=[1.0]), "timing_s"),
-        (ValidationAccuracy(["gsm8k"], n_samples=2), lambda b: b.update(val_acc=torch.ones(3, 4),
+        (M.ResponseLength(), lambda b: b.update(response_lengths=b["response_lengths"][None]), "response_lengths"),
+        (M.GlobalSeqlen(world_size=2), lambda b: b.update(prompt_lengths=b["prompt_lengths"][:-1]), "prompt_lengths"),
+        (M.GlobalSeqlen(world_size=2), lambda b: b.update(rank_ids=torch.zeros(2)), "rank_ids"),
+        (M.PolicyEntropy(from_logits=True), lambda b: b.update(logits=b["logits"][0]), "logits"),
+        (M.StageTiming(), lambda b: b.update(timing_s={"generate": 1.0}), "timing_s"),
+        (M.StageTiming(), lambda b: b.update(timing_s={"gen": float("nan")}), "timing_s"),
+        (M.StageTiming(), lambda b: b.update(timing_s=[1.0]), "timing_s"),
+        (M.ValidationAccuracy(["gsm8k"], n_samples=2), lambda b: b.update(val_acc=torch.ones(3, 4),
                                                                          data_sources="gsm8k"), "val_acc"),
-        (ValidationAccuracy(["gsm8k"]), lambda b: b.update(val_acc=torch.ones(3), data_sources=["gsm8k"]),
+        (M.ValidationAccuracy(["gsm8k"]), lambda b: b.update(val_acc=torch.ones(3), data_sources=["gsm8k"]),
          "data_sources"),
-        (ValidationAccuracy(["gsm8k"]), lambda b: b.update(val_acc=torch.ones(1), data_sources=torch.zeros(1)),
+        (M.ValidationAccuracy(["gsm8k"]), lambda b: b.update(val_acc=torch.ones(1), data_sources=torch.zeros(1)),
          "data_sources"),
     ],
 )
@@ -582,22 +540,22 @@ def test_bad_input_names_the_field(metric, change, field):
 
 def test_bad_constructor_arguments():
     bad = [
-        lambda: PolicyClipFraction(clip_ratio=1.5),
-        lambda: PolicyClipFraction(clip_ratio_c=1.0),
-        lambda: PPOKL(estimator="k4"),
-        lambda: DPOMetrics(beta=0.0),
-        lambda: DPOMetrics(label_smoothing=0.5),
-        lambda: ResponseLength(max_response_length=0),
-        lambda: ValidationAccuracy([]),
-        lambda: ValidationAccuracy(["a", "a"]),
-        lambda: ValidationAccuracy(["a"], n_samples=4, ks=[5]),
-        lambda: ValidationAccuracy(["a//b"]),
-        lambda: GlobalSeqlen(world_size=0),
-        lambda: GlobalSeqlen(algorithm="greedy"),
-        lambda: StageTiming(stages=("gen", "gen")),
-        lambda: StageTiming(stages=("gen",), per_token_stages=("ref",)),
-        lambda: Throughput(num_gpus=0),
-        lambda: ModelFlopsUtilization(P.TransformerFlops(1, 1, 1), stages={"x": ("s", "backward")}, peak_flops=1.0),
+        lambda: M.PolicyClipFraction(clip_ratio=1.5),
+        lambda: M.PolicyClipFraction(clip_ratio_c=1.0),
+        lambda: M.PPOKL(estimator="k4"),
+        lambda: M.DPOMetrics(beta=0.0),
+        lambda: M.DPOMetrics(label_smoothing=0.5),
+        lambda: M.ResponseLength(max_response_length=0),
+        lambda: M.ValidationAccuracy([]),
+        lambda: M.ValidationAccuracy(["a", "a"]),
+        lambda: M.ValidationAccuracy(["a"], n_samples=4, ks=[5]),
+        lambda: M.ValidationAccuracy(["a//b"]),
+        lambda: M.GlobalSeqlen(world_size=0),
+        lambda: M.GlobalSeqlen(algorithm="greedy"),
+        lambda: M.StageTiming(stages=("gen", "gen")),
+        lambda: M.StageTiming(stages=("gen",), per_token_stages=("ref",)),
+        lambda: M.Throughput(num_gpus=0),
+        lambda: M.ModelFlopsUtilization(P.TransformerFlops(1, 1, 1), stages={"x": ("s", "backward")}, peak_flops=1.0),
         lambda: P.TransformerFlops(0, 1, 1),
     ]
     for make in bad:
@@ -608,7 +566,7 @@ def test_bad_constructor_arguments():
 def test_rank_beyond_capacity_is_a_clear_error(monkeypatch):
     import opbc_metrics.training._base as base
 
-    m = StageTiming(world_size=2)
+    m = M.StageTiming(world_size=2)
     monkeypatch.setattr(base, "dist_rank_world", lambda group=None: (3, 4))
     with pytest.raises(ValueError, match="rank 3"):
         m.update(timing_s={"gen": 1.0})

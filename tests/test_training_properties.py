@@ -10,21 +10,10 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from opbc_metrics import training as M
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as FT
 from opbc_metrics.functional import validation as FV
-from opbc_metrics.training import (
-    PPOKL,
-    AbortedRatio,
-    AdvantageStats,
-    DPOMetrics,
-    ExplainedVariance,
-    GlobalSeqlen,
-    PolicyClipFraction,
-    PolicyEntropy,
-    ResponseLength,
-    RewardModelMetrics,
-)
 from tests.data import make_training_batch
 from tests.harness import VALIDATION
 
@@ -39,29 +28,29 @@ def test_fractions_and_bounds(params, low, high, c, spread):
     batch["policy_logprobs"] = batch["old_logprobs"] + torch.randn(b, t, generator=g, dtype=torch.float64) * spread
     mask = batch["response_mask"] != 0
     if not mask.any():  # no valid token: no values to bound (forward returns None)
-        assert PolicyClipFraction()(batch) is None
+        assert M.PolicyClipFraction()(batch) is None
         return
-    out = PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)(batch)
+    out = M.PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)(batch)
     neg = ((batch["advantages"] < 0) & mask).sum() / mask.sum().clamp_min(1)
     assert 0.0 <= out["actor/pg_clipfrac"] <= 1.0
     assert 0.0 <= out["actor/pg_clipfrac_lower"] <= neg + 1e-12
     for est in ("k2", "k3"):
-        assert PPOKL(estimator=est)(batch) >= 0
-    assert ExplainedVariance()(batch) <= 1.0
-    ent = PolicyEntropy(from_logits=True)(batch)
+        assert M.PPOKL(estimator=est)(batch) >= 0
+    assert M.ExplainedVariance()(batch) <= 1.0
+    ent = M.PolicyEntropy(from_logits=True)(batch)
     assert 0.0 <= ent <= math.log(batch["logits"].shape[-1]) + 1e-9
-    for key, v in DPOMetrics()(batch).items():
+    for key, v in M.DPOMetrics()(batch).items():
         if key in ("loss/dpo",):
             assert v >= 0
         if key == "rewards/accuracy":
             assert 0 <= v <= 1
-    rm = RewardModelMetrics()(batch)
+    rm = M.RewardModelMetrics()(batch)
     assert rm["rm/loss"] >= 0 and 0 <= rm["rm/accuracy"] <= 1
-    r = ResponseLength(max_response_length=4)(batch)
+    r = M.ResponseLength(max_response_length=4)(batch)
     assert 0 <= r["response_length/clip_ratio"] <= 1
     assert r["response_length/min"] <= r["response_length/mean"] <= r["response_length/max"]
-    assert 0 <= AbortedRatio()(batch) <= 1
-    adv = AdvantageStats()(batch)
+    assert 0 <= M.AbortedRatio()(batch) <= 1
+    adv = M.AdvantageStats()(batch)
     assert adv["critic/advantages/std"] >= 0
     assert adv["critic/advantages/min"] <= adv["critic/advantages/mean"] <= adv["critic/advantages/max"]
 
@@ -105,7 +94,7 @@ def test_balanced_partitions_bracket_the_mean(lengths, k, equal):
         assert len(loads) == k and math.isclose(sum(loads), sum(lengths))
         if lengths:
             assert min(loads) <= sum(lengths) / k <= max(loads)
-    m = GlobalSeqlen(world_size=k)
+    m = M.GlobalSeqlen(world_size=k)
     if lengths:
         ranks = torch.arange(len(lengths)) % k
         m.update(prompt_lengths=torch.zeros(len(lengths), dtype=torch.long), response_lengths=torch.tensor(lengths),
