@@ -254,11 +254,6 @@ def test_joins_collection_by_choice_and_skips_batches_without_pairs():
     assert_window({k: v for k, v in default.compute().items() if k.startswith("agent/")}, agent_reference(pairs))
 
 
-def test_metric_alone_requires_the_field():
-    with pytest.raises(ValueError, match="trajectory_pairs"):
-        A.ToolCallJaccard().update(trainer_logprobs=torch.zeros(1, 1))
-
-
 @pytest.mark.parametrize(
     "pairs, field",
     [

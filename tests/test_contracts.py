@@ -102,6 +102,15 @@ def test_no_data_reports_no_keys(case):
             assert not got or (name in section.counters and not any(got.values())), got
 
 
+def test_a_missing_field_is_a_clear_error(case):
+    section, make = case
+    metric = make()
+    assert metric.required_fields or section.stepwise  # the per-step metrics take each field when present
+    if metric.required_fields:
+        with pytest.raises(ValueError, match=f"({'|'.join(f'`{f}`' for f in metric.required_fields)}).* is required"):
+            metric.update({"unrelated": 1})
+
+
 def test_state_round_trip_and_merge_mid_accumulation(case):
     section, make = case
     parts = section.batches()

@@ -214,8 +214,3 @@ def test_bad_input_names_the_field(responses, requests, field):
         with pytest.raises(ValueError, match=field):
             metric.update(endpoint_responses=responses, endpoint_requests=requests)
 
-
-def test_metric_alone_requires_the_field():
-    with pytest.raises(ValueError, match="endpoint_responses"):
-        E.TokenIdsCoverage().update(trajectory_pairs=[])
-
