@@ -144,18 +144,9 @@ def multi_turn_batch(batch=5, seq=40, seed=0, p_on=0.55, p_switch=0.25, drift=0.
     }
 
 
-@st.composite
-def round_batches(draw, max_b=5, max_t=12):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    trainer = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    rollout = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    mask = draw(st.lists(st.sampled_from([0, 1, 1, 2]), min_size=b * t, max_size=b * t))  # 2 is "on" too
-    return {
-        "trainer_logprobs": torch.tensor(trainer, dtype=torch.float64).view(b, t),
-        "rollout_logprobs": torch.tensor(rollout, dtype=torch.float64).view(b, t),
-        "response_mask": torch.tensor(mask).view(b, t),
-    }
+def round_batches(max_b=5, max_t=12):
+    """Logprob batches whose mask entries are 0, 1 or 2 ("on" too): many rounds of random lengths."""
+    return logprob_batches(max_b, max_t, mask=st.sampled_from([0, 1, 1, 2]))
 
 
 # --- logprob batches (hypothesis) -----------------------------------------------------------------------
@@ -163,12 +154,12 @@ finite_logprobs = st.floats(-30.0, 0.0, allow_nan=False, width=64)
 
 
 @st.composite
-def logprob_batches(draw, max_b=6, max_t=8):
+def logprob_batches(draw, max_b=6, max_t=8, mask=None):
     b = draw(st.integers(1, max_b))
     t = draw(st.integers(1, max_t))
     trainer = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
     rollout = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
-    mask = draw(st.lists(st.booleans(), min_size=b * t, max_size=b * t))
+    mask = draw(st.lists(st.booleans() if mask is None else mask, min_size=b * t, max_size=b * t))
     return {
         "trainer_logprobs": torch.tensor(trainer, dtype=torch.float64).view(b, t),
         "rollout_logprobs": torch.tensor(rollout, dtype=torch.float64).view(b, t),
@@ -437,6 +428,31 @@ def make_training_batch(batch: int = 6, seq: int = 12, vocab: int = 7, seed: int
     }
 
 
+def make_validation_batch(prompts: int = 4, n: int = 4, seed: int = 0, sources=("gsm8k", "math", "aime")) -> dict:
+    """Validation results of ``prompts`` prompts (sources in turn) with ``n`` samples each; some samples are
+    masked out (a prompt may have none valid)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"val_acc": (torch.rand(prompts, n, generator=g) < 0.5).double(),
+            "val_rewards": torch.randn(prompts, n, generator=g, dtype=torch.float64).round(decimals=2),
+            "val_mask": torch.rand(prompts, n, generator=g) < 0.8,
+            "data_sources": [sources[(seed + i) % len(sources)] for i in range(prompts)],
+            "val_num_turns": torch.randint(1, 5, (prompts, n), generator=g)}
+
+
+def make_steps(steps: int = 1, seed: int = 0, rows: int = 4) -> dict:
+    """``{"steps": [...]}``: per-step updates of one rank (stage times and the step's sequence lengths); every
+    second step has no ``old_log_prob`` time (a stage a step did not run counts 0)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(steps):
+        times = (0.1 + torch.rand(4, generator=g, dtype=torch.float64) * 3).tolist()
+        timing = {s: t for s, t in zip(("gen", "update_actor", "old_log_prob", "step"), times) if i % 2 == 0 or
+                  s != "old_log_prob"}
+        out.append({"timing_s": timing, "prompt_lengths": torch.randint(5, 40, (rows,), generator=g),
+                    "response_lengths": torch.randint(0, 60, (rows,), generator=g)})
+    return {"steps": out}
+
+
 SCALARS = ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",
            "critic_loss", "critic_lr", "rm_grad_norm")
 
@@ -446,6 +462,7 @@ def make_scalars(n: int = 2, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(1000 + seed)
     out = {name: (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 0.5).tolist() for name in SCALARS}
     out["loss_tokens"] = torch.randint(10, 500, (n,), generator=g).tolist()
+    out["lr_scheduler"] = {"last_lr": (torch.rand(n, generator=g, dtype=torch.float64) * 1e-5).tolist()}
     return out
 
 

@@ -25,10 +25,13 @@ from opbc_metrics import functional as F
 from opbc_metrics.agent import AGENT_METRICS
 from opbc_metrics.endpoint import ENDPOINT_METRICS
 from opbc_metrics.functional.mismatch import sketch_relative_error_bound
+from opbc_metrics.functional.perf import TransformerFlops
 from opbc_metrics.mismatch import MISMATCH_METRICS
-from opbc_metrics.rollout import ROLLOUT_METRICS
+from opbc_metrics.rollout import ROLLOUT_METRICS, chart_ranges
 from tests import data as D
 from tests import reference as R
+from tests import training_reference as TR
+from tests.data import concat_batches
 from tests.ddp import count_collectives
 
 Batch = dict[str, Any]
@@ -96,26 +99,30 @@ class Section:
     unstable: Callable[[Batch], set[str]] = lambda b: set()  # keys too ill-conditioned on this batch to compare
     prepare: Callable[[Batch], Batch] | None = None  # turns a batch into the metrics' input (a controller step)
     alone: tuple[str, ...] = ()  # members whose keys clash with another member's: kept out of the collection
-    per_rank: tuple[str, ...] = ()  # members configured for one rank's figures: no DDP == concatenation
+    counters: tuple[str, ...] = ()  # members that count their input: zeros without data, not no keys
+    stepwise: bool = False  # a batch is {"steps": [...]}, one update per training step
+    # per-rank figures (per-step times, workloads): the values after a sync, from each rank's (concatenated)
+    # data, where they are not one process's on the concatenation
+    rank_reference: Callable[[list[Batch]], dict[str, float]] | None = None
 
-    def collection(self, ddp: bool = False) -> OPBCCollection:
-        left_out = (*self.alone, *(self.per_rank if ddp else ()))
-        return OPBCCollection(metrics=[make() for name, make in self.members.items() if name not in left_out])
+    def collection(self) -> OPBCCollection:
+        return OPBCCollection(metrics=[make() for name, make in self.members.items() if name not in self.alone])
 
-    def input(self, batch: Batch) -> Batch:
-        return self.prepare(batch) if self.prepare else batch
+    def updates(self, batch: Batch) -> list[Batch]:
+        """The metrics' inputs for one batch: one per step, or the batch (a controller step of it)."""
+        if self.stepwise:
+            return batch["steps"]
+        return [self.prepare(batch) if self.prepare else batch]
 
     def feed(self, metric: Any, batches: list[Batch]) -> Any:
         for b in batches:
-            metric.update(self.input(b))
+            for x in self.updates(b):
+                metric.update(x)
         return metric
 
     def runs(self) -> list[Any]:
         """Fresh metrics that together cover every member: the collection and the members kept out of it."""
         return [self.collection(), *(self.members[name]() for name in self.alone)]
-
-    def ddp_members(self) -> dict[str, Callable[[], Any]]:
-        return {name: make for name, make in self.members.items() if name not in self.per_rank}
 
     def shards(self, scenario: str) -> list[list[Batch]]:
         """Per-rank batches: ``uneven`` gives rank 0 two batches of different shapes and rank 1 one; on
@@ -199,6 +206,7 @@ MISMATCH = Section(
     reference=lambda b: R.mismatch_reference(*D.logprobs_numpy(b)),
     functional=_mismatch_functional,
     blank=masked_out,
+    counters=("InputHealth",),
     # raw-moment std and Pearson round at 1e-9 / 1e-7 absolute when chunks add in another order
     tol=lambda key: (1e-7, 1e-7 if key == "opbc/prob/pearson" else 1e-9),
     ref_tol=_mismatch_tol,
@@ -273,6 +281,22 @@ ENDPOINT = Section(
     atol=1e-15,
 )
 
+def _rollout_functional(b: Batch) -> dict[str, torch.Tensor]:
+    gid, lengths = b["group_ids"], b["response_lengths"]
+    return {
+        **F.rollout.reward_stats(b["rewards"]), **F.rollout.advantage_stats(b["advantages"]),
+        **F.rollout.token_stats(b["prompt_lengths"], lengths, gid),
+        **F.rollout.discarded_counts(b["discard_reasons"], b["rewards"]),
+        **F.rollout.discarded_rollout_stats(b["discard_reasons"], lengths, gid, b["stop_reasons"]),
+        **F.rollout.off_policy_steps(b["policy_lag"]), **F.rollout.sample_metric_stats(b["sample_metrics"], gid),
+        "rollout/tokens_completion/group_cv_mean": F.rollout.group_length_cv(lengths, gid),
+        "rollout/reward/group_gini_mean": F.rollout.group_gini(b["rewards"], gid),
+        "rollout/tokens_completion/group_gini_mean": F.rollout.group_gini(lengths.double(), gid),
+        "rollout/tokens_completion/group_max_median_ratio_mean": F.rollout.group_max_median_ratio(lengths, gid),
+        "rollout/stop_reason/length_pct": F.rollout.stop_reason_length_pct(b["stop_reasons"]),
+    }
+
+
 ROLLOUT = Section(
     "rollout",
     members={**{cls.__name__: cls for cls in ROLLOUT_METRICS},
@@ -282,20 +306,19 @@ ROLLOUT = Section(
     strategy=D.rollout_groups().map(D.groups_batch),
     reference=lambda b: R.rollout_reference(b, D.NAMES),
     unit="group",
+    functional=_rollout_functional,
     ref_tol=lambda key: (1e-9, 1e-9),
 )
 
 
-def _training_batches() -> list[Batch]:
-    return [D.make_training_batch(batch=5, seq=10, seed=1), D.make_training_batch(batch=3, seq=17, seed=2),
-            D.make_training_batch(batch=4, seq=6, seed=3, empty_rows=2),
-            D.make_training_batch(batch=6, seq=9, seed=4, empty_rows=1)]
+def _training_batch(batch: int, seq: int, seed: int, empty_rows: int = 0) -> Batch:
+    """Training fields whose ``entropies`` are those of the ``logits`` (both entropy metrics, one reference)."""
+    b = D.make_training_batch(batch=batch, seq=seq, seed=seed, empty_rows=empty_rows)
+    return dict(b, entropies=torch.from_numpy(TR.ref_token_entropies(b["logits"])))
 
 
 TRAINING = Section(
     "training",
-    # the metrics of batch tensors; the per-rank ones (workloads, timings) and trainer scalars have their own
-    # DDP test in test_training_ddp.py, the references are per metric in test_training_metrics.py
     members={
         "PPOKL": M.PPOKL, "ApproxKL": lambda: M.ApproxKL(estimator="k2"),
         "PolicyClipFraction": lambda: M.PolicyClipFraction(clip_ratio_low=0.1, clip_ratio_high=0.3),
@@ -305,16 +328,59 @@ TRAINING = Section(
         "ExplainedVariance": M.ExplainedVariance, "ResponseLength": lambda: M.ResponseLength(max_response_length=5),
         "PromptLength": lambda: M.PromptLength(max_prompt_length=20), "AbortedRatio": M.AbortedRatio,
         "NumTurns": M.NumTurns, "DPOMetrics": M.DPOMetrics, "RewardModelMetrics": M.RewardModelMetrics,
-        "AgentLoopTiming": M.AgentLoopTiming, "GlobalSeqlen": lambda: M.GlobalSeqlen(world_size=1),
+        "AgentLoopTiming": M.AgentLoopTiming, "AgentLoopSlowest": M.AgentLoopSlowest,
     },
     alone=("PolicyEntropy(logits)",),
-    per_rank=("GlobalSeqlen",),
-    batches=_training_batches,
-    strategy=st.builds(
-        lambda b, t, seed, empty: D.make_training_batch(batch=b, seq=t, seed=seed, empty_rows=min(empty, b)),
-        st.integers(1, 7), st.integers(1, 9), st.integers(0, 10_000), st.integers(0, 2)),
-    reference=None,
+    batches=lambda: [_training_batch(5, 10, 1), _training_batch(3, 17, 2), _training_batch(4, 6, 3, empty_rows=2),
+                     _training_batch(6, 9, 4, empty_rows=1)],
+    strategy=st.builds(lambda b, t, seed, empty: _training_batch(b, t, seed, empty_rows=min(empty, b)),
+                       st.integers(1, 7), st.integers(1, 9), st.integers(0, 10_000), st.integers(0, 2)),
+    reference=TR.training_reference,
 )
+
+SCALARS = Section(
+    "trainer-scalars",
+    members={**{cls.__name__: cls for cls in (M.ActorLoss, M.PolicyGradientLoss, M.EntropyLoss, M.KLLoss, M.KLCoef,
+                                              M.ActorGradNorm, M.ActorLR, M.CriticLoss, M.CriticLR, M.RMGradNorm)},
+             "LRSchedulerState": M.LRSchedulerState},
+    batches=lambda: [D.make_scalars(n, seed) for n, seed in ((2, 0), (1, 1), (3, 2), (4, 3))],
+    strategy=st.builds(D.make_scalars, st.integers(1, 6), st.integers(0, 10_000)),
+    reference=TR.scalars_reference,
+    unit="sample",
+)
+
+VAL_SOURCES, VAL_KS = ("gsm8k", "math", "aime"), (1, 2, 4)
+VALIDATION = Section(
+    "validation",
+    members={"ValidationAccuracy": lambda: M.ValidationAccuracy(VAL_SOURCES, n_samples=4, ks=VAL_KS),
+             "ValidationReward": lambda: M.ValidationReward(VAL_SOURCES, n_samples=4, ks=VAL_KS),
+             "ValidationTurns": M.ValidationTurns},
+    batches=lambda: [D.make_validation_batch(p, seed=seed) for p, seed in ((5, 1), (2, 2), (4, 3), (6, 4))],
+    strategy=st.builds(D.make_validation_batch, st.integers(1, 6), st.just(4), st.integers(0, 10_000)),
+    reference=lambda b: TR.validation_reference(b, VAL_SOURCES, 4, VAL_KS),
+    unit="sample",
+    absent_ok=lambda want: want is None or want == 0,  # a source without data has no keys
+)
+
+STAGES, FLOPS = ("gen", "update_actor", "old_log_prob", "step"), (1e9, 4, 256)
+
+
+def _steps_reference(ranks: list[Batch]) -> dict[str, float]:
+    return TR.steps_reference([r["steps"] for r in ranks], STAGES, FLOPS, peak=1e15)
+
+
+STEPS = Section(
+    "training-steps",
+    members={"StageTiming": lambda: M.StageTiming(stages=STAGES), "Throughput": M.Throughput,
+             "ModelFlopsUtilization": lambda: M.ModelFlopsUtilization(TransformerFlops(*FLOPS), peak_flops=1e15),
+             "GlobalSeqlen": M.GlobalSeqlen},
+    batches=lambda: [D.make_steps(n, seed, rows) for n, seed, rows in ((1, 1, 5), (1, 2, 3), (1, 3, 4), (3, 4, 6))],
+    strategy=st.builds(D.make_steps, st.integers(1, 4), st.integers(0, 10_000), st.integers(1, 6)),
+    reference=lambda b: _steps_reference([b]),
+    stepwise=True,
+    rank_reference=_steps_reference,
+)
+
 
 def _controller(preset: str) -> Section:
     def step(batch: Batch) -> Batch:
@@ -336,8 +402,8 @@ def _controller(preset: str) -> Section:
     )
 
 
-SECTIONS = {s.name: s for s in (MISMATCH, MOE, PER_ROUND, AGENT, ENDPOINT, ROLLOUT, TRAINING,
-                                _controller("masked_is"), _controller("truncated_is"))}
+SECTIONS = {s.name: s for s in (MISMATCH, MOE, PER_ROUND, AGENT, ENDPOINT, ROLLOUT, TRAINING, SCALARS, VALIDATION,
+                                STEPS, _controller("masked_is"), _controller("truncated_is"))}
 MEMBERS = [(s.name, m) for s in SECTIONS.values() for m in s.members]
 ONE_COLLECTION = [name for name in SECTIONS if name != "controller-truncated_is"]  # every class once
 
@@ -349,13 +415,10 @@ def ddp_worker(rank: int, world_size: int) -> dict:
     out: dict = {}
     for section in SECTIONS.values():
         for scenario in SCENARIOS:
-            shard = section.shards(scenario)[rank]
-            collection = section.collection(ddp=True)
-            alone = {name: make() for name, make in section.ddp_members().items()}
-            for b in shard:
-                collection.update(section.input(b))
-                for m in alone.values():
-                    m.update(section.input(b))
+            collection = section.collection()
+            alone = {name: make() for name, make in section.members.items()}
+            for m in (collection, *alone.values()):
+                section.feed(m, section.shards(scenario)[rank])
             local = {k: v.clone() for k, v in collection.state_dict().items()}
             with count_collectives() as calls:
                 values = floats(collection.compute())
@@ -363,13 +426,32 @@ def ddp_worker(rank: int, world_size: int) -> dict:
             restored = all(torch.equal(v, local[k]) for k, v in collection.state_dict().items())
             out[section.name, scenario] = (values, calls["n"], {n: floats(m.compute_dict()) for n, m in alone.items()},
                                            restored)
-    everything = OPBCCollection(metrics=[m for s in ONE_COLLECTION for m in SECTIONS[s].collection(ddp=True).members()])
+    everything = OPBCCollection(metrics=[m for s in ONE_COLLECTION for m in SECTIONS[s].collection().members()])
     for section in map(SECTIONS.get, ONE_COLLECTION):
-        own = {type(m) for m in section.collection(ddp=True).members()}
-        for b in section.shards("uneven")[rank]:
-            for m in everything.members():
-                if type(m) in own:
-                    m.update(section.input(b))
+        own = {type(m) for m in section.collection().members()}
+        for m in everything.members():
+            if type(m) in own:
+                section.feed(m, section.shards("uneven")[rank])
     with count_collectives() as calls:
         out["everything"] = (floats(everything.compute()), calls["n"])
-    return out
+    return {**out, **_ddp_specifics(rank)}
+
+
+def _ddp_specifics(rank: int) -> dict:
+    """What two ranks show beyond equality: the mean of per-rank ESS values (the peers' way) is not the global
+    ESS; rollout chart ranges after compute() (the declared bound, the global observed one); a deferred
+    bad-value error raised on every rank alike though one rank saw the bad value."""
+    local = concat_batches(MISMATCH.shards("uneven")[rank])
+    ess = F.importance_ess(local["trainer_logprobs"], local["rollout_logprobs"], local["response_mask"])
+    torch.distributed.all_reduce(ess)
+    rollout = OPBCCollection(M.rollout_metrics(D.NAMES, reward_min=0.0))
+    ROLLOUT.feed(rollout, ROLLOUT.shards("uneven")[rank]).compute()
+    bad = D.make_rollouts(groups=2, seed=9, first_id=9)
+    if rank == 0:
+        bad["response_lengths"][0] = -3
+    try:
+        ROLLOUT.feed(ROLLOUT.collection(), [bad]).compute()
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return {"mean_of_rank_ess": ess.item() / 2, "chart_ranges": chart_ranges(rollout), "deferred_error": error}

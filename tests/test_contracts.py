@@ -7,12 +7,14 @@ number of collectives per collection. Section test files keep only what is speci
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opbc_metrics import functional as F
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import concat_batches
 from tests.ddp import run_distributed
@@ -66,9 +68,9 @@ def test_update_never_syncs_host_and_device(case):
     section, make = case
     metric = make()
     for b in [*section.batches(), section.blank(section.batches()[0])]:
-        b = section.input(b)
-        with assert_no_host_sync():
-            metric.update(b)
+        for x in section.updates(b):
+            with assert_no_host_sync():
+                metric.update(x)
 
 
 def test_chunked_updates_equal_one_update(case):
@@ -80,13 +82,33 @@ def test_chunked_updates_equal_one_update(case):
 
 def test_forward_returns_the_batch_value_and_accumulates(case):
     section, make = case
-    a, b, c, _ = section.batches()
+    a, b, c, _ = section.batches()  # one update each
     metric = make()
-    metric.as_dict(metric(section.input(a)))
-    out_b = floats(metric.as_dict(metric(section.input(b))))
+    metric.as_dict(metric(*section.updates(a)))
+    out_b = floats(metric.as_dict(metric(*section.updates(b))))
     assert_close(out_b, _values(section.feed(make(), [b])), section)
-    metric(section.input(section.blank(c)))  # a batch without data: zero counts at most, the window unchanged
+    for x in section.updates(section.blank(c)):  # a batch without data: zero counts at most, the window unchanged
+        metric(x)
     assert_close(_values(metric), _values(section.feed(make(), [a, b])), section)
+
+
+def test_no_data_reports_no_keys(case):
+    section, make = case
+    name = next(n for n, m in section.members.items() if m is make)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compute before update" warning either
+        for metric in (make(), section.feed(make(), [section.blank(section.batches()[0])])):
+            got = _values(metric)
+            assert not got or (name in section.counters and not any(got.values())), got
+
+
+def test_a_missing_field_is_a_clear_error(case):
+    section, make = case
+    metric = make()
+    assert metric.required_fields or section.stepwise  # the per-step metrics take each field when present
+    if metric.required_fields:
+        with pytest.raises(ValueError, match=f"({'|'.join(f'`{f}`' for f in metric.required_fields)}).* is required"):
+            metric.update({"unrelated": 1})
 
 
 def test_state_round_trip_and_merge_mid_accumulation(case):
@@ -128,12 +150,20 @@ def test_functional_equals_class(name):
 
 
 @pytest.mark.parametrize("name", SECTION_IDS)
+def test_collection_without_data_reports_no_keys(name):
+    section = SECTIONS[name]
+    for run in section.runs():
+        assert not any(_values(run).values())
+        assert not any(_values(section.feed(run, [section.blank(section.batches()[0])])).values())
+
+
+@pytest.mark.parametrize("name", SECTION_IDS)
 def test_collection_update_never_syncs_host_and_device(name):
     section = SECTIONS[name]
     for run in section.runs():
-        for b in map(section.input, section.batches()):
+        for x in (x for b in section.batches() for x in section.updates(b)):
             with assert_no_host_sync():
-                run.update(b)
+                run.update(x)
 
 
 def _chunks(section, batch, n_chunks, dim):
@@ -179,20 +209,31 @@ def ddp_results():
     return run_distributed(ddp_worker, world_size=2, timeout=300)
 
 
+def _per_rank(section, scenario):
+    return [concat_batches(shard) for shard in section.shards(scenario)]
+
+
 def _single(section, scenario):
-    """One process on the concatenation of every rank's shard."""
-    flat = [b for shard in section.shards(scenario) for b in shard]
-    return concat_batches(flat)
+    """The concatenation of every rank's shard."""
+    return concat_batches(_per_rank(section, scenario))
+
+
+def _expected(section, scenario, make):
+    """The synced values: one process on the concatenation, or the rank reference of per-rank figures."""
+    if section.rank_reference is not None:
+        keys = set(_values(section.feed(make(), [_single(section, scenario)])))
+        return {k: v for k, v in section.rank_reference(_per_rank(section, scenario)).items() if k in keys}
+    return _values(section.feed(make(), [_single(section, scenario)]))
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 @pytest.mark.parametrize("name", SECTION_IDS)
 def test_ddp_collection_equals_one_process_on_the_concatenation(ddp_results, name, scenario):
     section = SECTIONS[name]
-    cat = _single(section, scenario)
-    expected = floats(section.feed(section.collection(ddp=True), [cat]).compute())
-    if section.reference is not None:
-        assert_matches_reference(section, expected, section.reference(cat), where="single process")
+    expected = _expected(section, scenario, section.collection)
+    if section.reference is not None and section.rank_reference is None:
+        assert_matches_reference(section, expected, section.reference(_single(section, scenario)),
+                                 where="single process")
     for rank, result in enumerate(ddp_results):
         values, n_collectives, _, restored = result[name, scenario]
         assert n_collectives <= 4, f"{n_collectives} collectives (3 reductions + the layout check)"
@@ -202,12 +243,10 @@ def test_ddp_collection_equals_one_process_on_the_concatenation(ddp_results, nam
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("case", [c for c in MEMBERS if c[1] not in SECTIONS[c[0]].per_rank], indirect=True,
-                         ids=lambda c: f"{c[0]}-{c[1]}")
 def test_ddp_each_metric_alone_equals_one_process(ddp_results, case, scenario):
     section, make = case
     name = next(n for n, m in section.members.items() if m is make)
-    expected = _values(section.feed(make(), [_single(section, scenario)]))
+    expected = _expected(section, scenario, make)
     for rank, result in enumerate(ddp_results):
         assert_close(result[section.name, scenario][2][name], expected, section, where=f"rank {rank}")
 
@@ -220,3 +259,31 @@ def test_ddp_one_collection_of_every_section_syncs_in_constant_collectives(ddp_r
         section = SECTIONS[name]
         own = ddp_results[0][name, "uneven"][0]
         assert_close({k: values[k] for k in own}, own, section, where=name)
+
+
+# --- glossary: every metric class documented and found by its name and aliases ---------------------------
+@pytest.mark.parametrize("case", MEMBERS, indirect=True, ids=MEMBER_IDS)
+def test_glossary_entry_found_by_name_alias_and_key(case):
+    from opbc_metrics import glossary
+
+    _, make = case
+    metric = make()
+    entry = type(metric).glossary
+    assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
+    for name in (entry.name, *entry.aliases, *type(metric).keys):  # the class keys (placeholders where settings decide)
+        assert glossary.lookup(name) is entry, name
+    markdown = glossary.glossary_markdown()
+    assert f"## {entry.name}" in markdown and all(f"`{key}`" in markdown for key in type(metric).keys)
+
+
+def test_ddp_global_values_not_means_of_rank_values_and_rollout_specifics(ddp_results):
+    cat = _single(SECTIONS["mismatch"], "uneven")
+    ess = F.importance_ess(cat["trainer_logprobs"], cat["rollout_logprobs"], cat["response_mask"]).item()
+    rewards = _single(SECTIONS["rollout"], "uneven")["rewards"]
+    for result in ddp_results:
+        assert result["mismatch", "uneven"][0]["opbc/is/ess"] == pytest.approx(ess, rel=1e-12)
+        assert abs(result["mean_of_rank_ess"] - ess) > 1e-3  # what averaging per-rank values would report
+        # declared lower bound, global observed upper bound, on every rank
+        assert result["chart_ranges"]["rollout/reward/max"] == pytest.approx((0.0, rewards.max().item()))
+        assert result["deferred_error"] is not None and "response_lengths" in result["deferred_error"]
+    assert ddp_results[0]["chart_ranges"] == ddp_results[1]["chart_ranges"]

@@ -11,16 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 
-from opbc_metrics import OPBCCollection, glossary
-from opbc_metrics.endpoint import (
-    ENDPOINT_METRICS,
-    EndpointResponseCount,
-    SeedSupportCoverage,
-    TokenIdsCoverage,
-    probe_response,
-)
+from opbc_metrics import OPBCCollection
+from opbc_metrics import endpoint as E
 from opbc_metrics.functional import endpoint as FE
 from tests.data import exchange_lists, make_batch, random_exchanges, split_exchanges
 from tests.reference import ENDPOINT_KEYS, FLAGS, endpoint_reference, ref_flags
@@ -52,13 +46,13 @@ def test_fixtures_cover_each_format():
 def test_probe_reads_fixture(path):
     data = load(path)
     assert "OpenAI API reference" in data["_comment"] or "vLLM docs" in data["_comment"]
-    caps = probe_response(data["response"], data["request"])
+    caps = E.probe_response(data["response"], data["request"])
     assert caps.api == data["expected"]["api"]
     assert caps.flags() == {f: data["expected"][f] for f in FLAGS}
     # The reference agrees with the hand-written expectations too.
     assert ref_flags(data["response"], data["request"]) == {f: data["expected"][f] for f in FLAGS}
     # Without the request, no seed counts as requested.
-    assert not probe_response(data["response"]).seed_supported
+    assert not E.probe_response(data["response"]).seed_supported
 
 
 def test_coverage_over_fixtures():
@@ -96,21 +90,21 @@ def test_client_objects_with_model_dump():
             return copy.deepcopy(self._data)
 
     data = load(FIXTURES[[p.stem for p in FIXTURES].index("vllm_chat_token_ids")])
-    caps = probe_response(Obj(data["response"]), Obj(data["request"]))
+    caps = E.probe_response(Obj(data["response"]), Obj(data["request"]))
     assert caps.flags() == {f: data["expected"][f] for f in FLAGS}
 
 
 def test_top_logprobs_need_alternatives_at_every_position():
     item = {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]}
     bare = {"token": "b", "logprob": -0.2, "top_logprobs": []}
-    assert probe_response(_chat(logprobs={"content": [item, item]})).top_logprobs_available
-    assert not probe_response(_chat(logprobs={"content": [item, bare]})).top_logprobs_available
-    assert probe_response(_completion(top_logprobs=[{"x": -0.1}], token_logprobs=[-0.1])).top_logprobs_available
+    assert E.probe_response(_chat(logprobs={"content": [item, item]})).top_logprobs_available
+    assert not E.probe_response(_chat(logprobs={"content": [item, bare]})).top_logprobs_available
+    assert E.probe_response(_completion(top_logprobs=[{"x": -0.1}], token_logprobs=[-0.1])).top_logprobs_available
     two = _completion(tokens=["x", "y"], token_logprobs=[None, -0.1], top_logprobs=[None, {"y": -0.1}],
                       text_offset=[0, 1])
-    assert probe_response(two).top_logprobs_available  # a null entry (echoed first token) is allowed
+    assert E.probe_response(two).top_logprobs_available  # a null entry (echoed first token) is allowed
     two["choices"][0]["logprobs"]["top_logprobs"] = [{"x": -0.3}, {}]
-    assert not probe_response(two).top_logprobs_available
+    assert not E.probe_response(two).top_logprobs_available
 
 
 def test_multiple_choices_need_the_capability_in_every_choice():
@@ -119,16 +113,17 @@ def test_multiple_choices_need_the_capability_in_every_choice():
     second = copy.deepcopy(resp["choices"][0])
     second.update(index=1, token_ids=None, logprobs=None)
     resp["choices"].append(second)
-    caps = probe_response(resp)
+    caps = E.probe_response(resp)
     assert not caps.token_ids_available and not caps.sampled_logprobs_available
     assert caps.prompt_token_ids_available
 
 
 # --- against the reference on generated responses --------------------------------------------------
 @given(exchange_lists())
+@example([])  # no response: the functional API's documented values
 def test_probe_and_window_match_reference(exchanges):
     for resp, req in exchanges:
-        assert probe_response(resp, req).flags() == ref_flags(resp, req)
+        assert E.probe_response(resp, req).flags() == ref_flags(resp, req)
     responses, requests = split_exchanges(exchanges)
     assert_window(FE.endpoint_capabilities(responses, requests), endpoint_reference(exchanges))
 
@@ -151,21 +146,6 @@ def test_requests_one_body_for_all_or_none():
     assert none["endpoint/capabilities/seed_requested"].item() == 0.0
 
 
-def test_empty_window_values():
-    out = {}
-    for cls in ENDPOINT_METRICS:
-        metric = cls()
-        metric.update(endpoint_responses=[])
-        out.update({k: v.item() for k, v in metric.compute_dict().items()})
-    assert out == {}  # no response in the window: no keys (the functional API keeps its documented values)
-    assert endpoint_reference([]) == {k: v.item() for k, v in FE.endpoint_capabilities([]).items()}
-    # A collection leaves out members whose optional inputs never carried data.
-    m = OPBCCollection(sections=["endpoint"])
-    assert m.compute() == {}
-    m.update(endpoint_responses=[])
-    assert m.compute() == {}
-
-
 def test_joins_collection_by_choice_or_as_members():
     batch = make_batch(seed=0, dtype=torch.float64)
     exchanges = random_exchanges(3, 8)
@@ -177,7 +157,7 @@ def test_joins_collection_by_choice_or_as_members():
     assert "opbc/is/ess" in out
     assert not any(k.startswith("agent/") for k in out)  # no trajectory_pairs arrived: agent keys left out
     assert_window({k: v for k, v in out.items() if k.startswith("endpoint/")}, endpoint_reference(exchanges))
-    members = OPBCCollection([TokenIdsCoverage(), SeedSupportCoverage(), EndpointResponseCount()])
+    members = OPBCCollection([E.TokenIdsCoverage(), E.SeedSupportCoverage(), E.EndpointResponseCount()])
     members.update(endpoint_responses=responses, endpoint_requests=requests)
     assert len(members.compute()) == 5
     default = OPBCCollection()  # a default section: keys only once responses arrive
@@ -230,23 +210,7 @@ def _completion(**logprobs):
     ],
 )
 def test_bad_input_names_the_field(responses, requests, field):
-    for metric in (TokenIdsCoverage(), OPBCCollection(sections=["endpoint"])):
+    for metric in (E.TokenIdsCoverage(), OPBCCollection(sections=["endpoint"])):
         with pytest.raises(ValueError, match=field):
             metric.update(endpoint_responses=responses, endpoint_requests=requests)
 
-
-def test_metric_alone_requires_the_field():
-    with pytest.raises(ValueError, match="endpoint_responses"):
-        TokenIdsCoverage().update(trajectory_pairs=[])
-
-
-def test_glossary_entries_and_aliases():
-    for name in ("token_ids_available", "sampled_logprobs_available", "top_logprobs_available", "seed_supported"):
-        entry = glossary.lookup(name)
-        assert entry.name == name
-        assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
-    assert glossary.lookup("prompt_token_ids_available").name == "token_ids_available"
-    assert glossary.lookup("endpoint/capabilities/seed_requested").name == "seed_supported"
-    md = glossary.glossary_markdown()
-    for key in ENDPOINT_KEYS:
-        assert f"`{key}`" in md

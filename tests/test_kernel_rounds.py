@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from opbc_metrics import OPBCCollection, PerRoundMismatch
+from opbc_metrics import (
+    ImportanceSamplingESS,
+    OPBCCollection,
+    PerRoundMismatch,
+    ProbabilityDiff,
+    TopGradientMass,
+)
 from opbc_metrics.batch import BatchView, valid_tokens
 from opbc_metrics.functional import mismatch as fm
 from opbc_metrics.functional.per_round import _per_round_update
@@ -36,26 +42,29 @@ def test_kernel_round_sums_match_the_reference_on_long_rows(seq):
         assert_rounds_close(got, per_round_reference(*logprobs_numpy(b), capacity=capacity))
 
 
-def test_collection_makes_one_kernel_call_for_mismatch_and_per_round(monkeypatch):
+@pytest.mark.parametrize("capacity,alone", [
+    (0, ((ImportanceSamplingESS, (False, False)), (ProbabilityDiff, (True, False)), (TopGradientMass, (False, True)))),
+    (4, ((lambda: PerRoundMismatch(capacity=4), (False, False)),)),
+], ids=["mismatch", "mismatch+per_round"])
+def test_one_kernel_call_per_batch_with_the_groups_its_members_read(monkeypatch, capacity, alone):
+    """A collection computes the union of its members' statistic groups in one call; a metric alone skips the
+    groups it does not read (the probability exps, the histogram, the rounds) and gets the same values."""
     calls = []
     kernel = fm._blocked_token_statistics
-
-    def counting(*args):
-        calls.append(args[6:])  # (prob, hist, rounds)
-        return kernel(*args)
-
-    monkeypatch.setattr(fm, "_blocked_token_statistics", counting)
+    monkeypatch.setattr(fm, "_blocked_token_statistics", lambda *args: calls.append(args[6:]) or kernel(*args))
     b = multi_turn_batch(seed=3)
-    collection = OPBCCollection(sections=["mismatch", "per_round"], section_options={"per_round": {"capacity": 4}})
+    sections = ["mismatch", "per_round"] if capacity else ["mismatch"]
+    collection = OPBCCollection(sections=sections, section_options={"per_round": {"capacity": capacity}}
+                                if capacity else None)
     collection.update(b)
-    assert calls == [(True, True, 4)]
-    out = collection.compute()
-    calls.clear()
-    alone = PerRoundMismatch(capacity=4)
-    alone.update(b)
-    assert calls == [(False, False, 4)]  # alone: the core and the rounds only
-    for key, value in alone.compute().items():
-        assert torch.equal(value, out[key]), key
+    assert calls == [(True, True, capacity)]
+    for make, groups in alone:
+        calls.clear()
+        metric = make()
+        metric.update(b)
+        assert calls == [(*groups, capacity)], metric
+        for key, value in metric.as_dict(metric.compute()).items():
+            torch.testing.assert_close(value, collection.compute()[key], msg=key)
 
 
 def test_two_capacities_share_one_call_and_fold_the_overflow(monkeypatch):

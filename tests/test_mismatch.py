@@ -33,17 +33,16 @@ def test_collection_produces_every_design_key():
     assert not missing
 
 
-@pytest.mark.parametrize("dtype,rtol,atol", [(torch.float64, 1e-9, 1e-12), (torch.float32, 2e-5, 1e-6)])
 @pytest.mark.parametrize("heavy", [False, True])
-def test_collection_matches_reference(dtype, rtol, atol, heavy):
-    batches = [make_batch(seed=s, dtype=dtype, heavy_tail=heavy, drift=2.0 if heavy else 0.3) for s in range(3)]
+def test_float32_collection_matches_reference(heavy):  # float64: the harness
+    batches = [make_batch(seed=s, heavy_tail=heavy, drift=2.0 if heavy else 0.3) for s in range(3)]
     metrics = OPBCCollection()
     for b in batches:
         metrics.update(b)
     out = metrics.compute()
     # The reference sees the same (dtype-rounded) numbers as the metric, concatenated.
     ref = mismatch_reference(*logprobs_numpy(concat_batches(batches)))
-    _assert_matches_reference(out, ref, rtol, atol)
+    _assert_matches_reference(out, ref, 2e-5, 1e-6)
 
 
 def test_large_log_ratios_hit_clamp_and_veto():
@@ -197,7 +196,7 @@ def test_bad_input_names_the_field(change, field):
 
 
 def test_bad_constructor_arguments():
-    from opbc_metrics import ImportanceSamplingESS, VetoFraction
+    from opbc_metrics import VetoFraction
 
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="clamp"):
@@ -219,33 +218,6 @@ def test_clamp_and_veto_are_constructor_arguments():
     ref = mismatch_reference(*logprobs_numpy(b), clamp=5.0, veto=8.0)
     assert ref["opbc/is/clipped_fraction"] > 0
     _assert_matches_reference(out, ref, 1e-9, 1e-12, sketch_rtol=sketch_relative_error_bound(5.0))
-
-
-def test_one_kernel_call_per_batch_with_the_groups_its_metrics_read(monkeypatch):
-    """A collection computes the union of its members' statistic groups in one call; a metric alone skips
-    the groups it does not read (the probability exps, the histogram) and gets the same values."""
-    import opbc_metrics.functional.mismatch as fm
-
-    calls = []
-    kernel = fm._blocked_token_statistics
-
-    def counting(*args):
-        calls.append(args[6:8])  # (prob, hist)
-        return kernel(*args)
-
-    monkeypatch.setattr(fm, "_blocked_token_statistics", counting)
-    batch = make_batch(batch=4, seq=33, seed=11)
-    collection = OPBCCollection(sections=["mismatch"])
-    collection.update(batch)
-    assert calls == [(True, True)]
-    for cls, expected in ((ImportanceSamplingESS, (False, False)), (ProbabilityDiff, (True, False)),
-                          (TopGradientMass, (False, True))):
-        calls.clear()
-        alone = cls()
-        alone.update(batch)
-        assert calls == [expected], cls.__name__
-        for key, value in alone.as_dict(alone.compute()).items():
-            torch.testing.assert_close(value, collection.compute()[key], msg=key)
 
 
 def _kernel_inputs(batch):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from opbc_metrics import OPBCCollection, RouterFlipRate, RouterSetDisagreement, glossary
+from opbc_metrics import OPBCCollection, RouterFlipRate, RouterSetDisagreement
 from opbc_metrics import functional as F
 from opbc_metrics.batch import BatchView
 from opbc_metrics.collection import DEFAULT_SECTIONS
@@ -201,19 +201,6 @@ def test_custom_collection_with_logits_member():
     _assert_close({k: v.item() for k, v in metrics.compute().items()}, want)
     assert RouterFlipRate(top_k=2).accepts(BatchView(rollout_experts=1, trainer_router_logits=2))
     assert not RouterFlipRate().accepts(BatchView(rollout_experts=1, trainer_router_logits=2))
-
-
-def test_glossary_aliases_resolve():
-    assert glossary.lookup("top-1 flip rate") is RouterFlipRate.glossary
-    assert glossary.lookup("router_flip_rate") is RouterFlipRate.glossary
-    assert glossary.lookup("top-k set disagreement") is RouterSetDisagreement.glossary
-    assert glossary.lookup("token_expert_disagreement_rate") is RouterSetDisagreement.glossary
-    assert glossary.lookup(SET) is RouterSetDisagreement.glossary
-    assert glossary.lookup("moe/router/layer_7/flip_rate") is RouterFlipRate.glossary
-    md = glossary.glossary_markdown()
-    assert "## router_flip_rate" in md and "## token_expert_disagreement_rate" in md
-    for entry in (RouterFlipRate.glossary, RouterSetDisagreement.glossary):
-        assert all(getattr(entry, f).strip() for f in ("what", "unit", "cap", "action"))
 
 
 # --- properties -------------------------------------------------------------------------------------

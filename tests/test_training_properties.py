@@ -10,31 +10,12 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from opbc_metrics import training as M
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as FT
 from opbc_metrics.functional import validation as FV
-from opbc_metrics.training import (
-    PPOKL,
-    AbortedRatio,
-    AdvantageStats,
-    DPOMetrics,
-    ExplainedVariance,
-    GlobalSeqlen,
-    PolicyClipFraction,
-    PolicyEntropy,
-    ResponseLength,
-    RewardModelMetrics,
-    ValidationAccuracy,
-    ValidationReward,
-)
 from tests.data import make_training_batch
-
-
-def _assert_close(a, b):
-    assert set(a) == set(b)
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), (k, a[k], b[k])
-
+from tests.harness import VALIDATION
 
 batch_params = st.tuples(st.integers(1, 7), st.integers(1, 9), st.integers(0, 10_000), st.integers(0, 2))
 
@@ -47,29 +28,29 @@ def test_fractions_and_bounds(params, low, high, c, spread):
     batch["policy_logprobs"] = batch["old_logprobs"] + torch.randn(b, t, generator=g, dtype=torch.float64) * spread
     mask = batch["response_mask"] != 0
     if not mask.any():  # no valid token: no values to bound (forward returns None)
-        assert PolicyClipFraction()(batch) is None
+        assert M.PolicyClipFraction()(batch) is None
         return
-    out = PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)(batch)
+    out = M.PolicyClipFraction(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)(batch)
     neg = ((batch["advantages"] < 0) & mask).sum() / mask.sum().clamp_min(1)
     assert 0.0 <= out["actor/pg_clipfrac"] <= 1.0
     assert 0.0 <= out["actor/pg_clipfrac_lower"] <= neg + 1e-12
     for est in ("k2", "k3"):
-        assert PPOKL(estimator=est)(batch) >= 0
-    assert ExplainedVariance()(batch) <= 1.0
-    ent = PolicyEntropy(from_logits=True)(batch)
+        assert M.PPOKL(estimator=est)(batch) >= 0
+    assert M.ExplainedVariance()(batch) <= 1.0
+    ent = M.PolicyEntropy(from_logits=True)(batch)
     assert 0.0 <= ent <= math.log(batch["logits"].shape[-1]) + 1e-9
-    for key, v in DPOMetrics()(batch).items():
+    for key, v in M.DPOMetrics()(batch).items():
         if key in ("loss/dpo",):
             assert v >= 0
         if key == "rewards/accuracy":
             assert 0 <= v <= 1
-    rm = RewardModelMetrics()(batch)
+    rm = M.RewardModelMetrics()(batch)
     assert rm["rm/loss"] >= 0 and 0 <= rm["rm/accuracy"] <= 1
-    r = ResponseLength(max_response_length=4)(batch)
+    r = M.ResponseLength(max_response_length=4)(batch)
     assert 0 <= r["response_length/clip_ratio"] <= 1
     assert r["response_length/min"] <= r["response_length/mean"] <= r["response_length/max"]
-    assert 0 <= AbortedRatio()(batch) <= 1
-    adv = AdvantageStats()(batch)
+    assert 0 <= M.AbortedRatio()(batch) <= 1
+    adv = M.AdvantageStats()(batch)
     assert adv["critic/advantages/std"] >= 0
     assert adv["critic/advantages/min"] <= adv["critic/advantages/mean"] <= adv["critic/advantages/max"]
 
@@ -98,44 +79,12 @@ def test_best_at_k_is_monotone_and_between_mean_and_max(values):
     assert all(a <= b + 1e-9 for a, b in itertools.pairwise(best))
 
 
-@st.composite
-def validation_batches(draw):
-    sources = ["a", "b", "c"]
-    n = draw(st.integers(1, 5))
-    p = draw(st.integers(1, 6))
-    acc = draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=p * n, max_size=p * n))
-    rew = draw(st.lists(st.floats(-5, 5, allow_nan=False), min_size=p * n, max_size=p * n))
-    mask = draw(st.lists(st.booleans(), min_size=p * n, max_size=p * n))
-    srcs = draw(st.lists(st.sampled_from(sources), min_size=p, max_size=p))
-    return n, {"val_acc": torch.tensor(acc).view(p, n),
-               "val_rewards": torch.tensor(rew, dtype=torch.float64).view(p, n),
-               "val_mask": torch.tensor(mask).view(p, n), "data_sources": srcs}
-
-
-@given(validation_batches(), st.integers(1, 4))
-def test_validation_chunked_equals_whole_and_bounded(nb, n_chunks):
-    n, batch = nb
-    sources = ("a", "b", "c")
-    make = lambda: [ValidationAccuracy(sources, n_samples=n), ValidationReward(sources, n_samples=n)]  # noqa: E731
-    whole, chunked = make(), make()
-    for m in whole:
-        m.update(batch)
-    p = batch["val_acc"].shape[0]
-    for idx in torch.tensor_split(torch.arange(p), n_chunks):
-        if idx.numel():
-            part = {k: (v[idx] if isinstance(v, torch.Tensor) else [v[i] for i in idx.tolist()])
-                    for k, v in batch.items()}
-            for m in chunked:
-                m.update(part)
-    for a, b in zip(whole, chunked):
-        _assert_close(a.compute_dict(), b.compute_dict())
-        assert a.compute_dict().keys() == b.compute_dict().keys()
-    out = whole[0].compute_dict()
-    if not out:  # no valid sample: no keys
-        return
-    for s in sources:
-        passes = [out[f"val-aux/{s}/acc/pass@{k}"].item() for k in whole[0].ks]
-        assert all(0 <= x <= 1 for x in passes)
+@given(VALIDATION.strategy)
+def test_validation_pass_at_k_is_bounded(batch):
+    metric = VALIDATION.members["ValidationAccuracy"]()
+    metric.update(batch)
+    for key, value in metric.compute_dict().items():
+        assert 0 <= value <= 1, key
 
 
 @given(st.lists(st.integers(0, 5000), min_size=0, max_size=40), st.integers(1, 6), st.booleans())
@@ -145,7 +94,7 @@ def test_balanced_partitions_bracket_the_mean(lengths, k, equal):
         assert len(loads) == k and math.isclose(sum(loads), sum(lengths))
         if lengths:
             assert min(loads) <= sum(lengths) / k <= max(loads)
-    m = GlobalSeqlen(world_size=k)
+    m = M.GlobalSeqlen(world_size=k)
     if lengths:
         ranks = torch.arange(len(lengths)) % k
         m.update(prompt_lengths=torch.zeros(len(lengths), dtype=torch.long), response_lengths=torch.tensor(lengths),

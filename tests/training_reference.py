@@ -257,3 +257,120 @@ def ref_transformer_active_params(hidden, layers, heads, vocab, inter, kv_heads=
         mlp = 3 * hidden * inter
     embed = vocab * hidden if count_embedding else 0
     return layers * (q_proj + k_proj + v_proj + o_proj + mlp) + vocab * hidden + embed
+
+
+# ---------------------------------------------------------------------------------------------------
+# whole sections, on one (concatenated) batch: the case table's references (tests/harness.py)
+# ---------------------------------------------------------------------------------------------------
+SCALAR_KEYS = {"actor_loss": "actor/loss", "pg_loss": "actor/pg_loss", "entropy_loss": "actor/entropy_loss",
+               "kl_loss": "actor/kl_loss", "kl_coef": "actor/kl_coef", "actor_grad_norm": "actor/grad_norm",
+               "actor_lr": "actor/lr", "critic_loss": "critic/loss", "critic_lr": "critic/lr",
+               "rm_grad_norm": "rm/grad_norm"}
+TOKEN_WEIGHTED = {"actor_loss", "pg_loss", "entropy_loss", "kl_loss", "critic_loss"}
+
+
+def ref_token_entropies(logits, temperature=1.0):
+    """[B, T] entropies of softmax(logits / temperature), one position at a time."""
+    lg = np.asarray(logits, dtype=np.float64)
+    return np.array([[ref_entropy(logits=lg[b:b + 1, t:t + 1], temperature=temperature)
+                      for t in range(lg.shape[1])] for b in range(lg.shape[0])])
+
+
+def ref_slowest(samples):
+    """Plain Python: the first sample (generate s, tool s, prompt, response) with the largest generation + tool
+    time; zeros when empty."""
+    best = None
+    for s in samples:
+        if best is None or s[0] + s[1] > best[0] + best[1]:
+            best = s
+    return [float(v) for v in best] if best else [0.0, 0.0, 0.0, 0.0]
+
+
+def _prefixed(prefix, stats):
+    return {f"{prefix}/{k}": v for k, v in stats.items()}
+
+
+def training_reference(b, clip=(0.1, 0.3), max_response=5, max_prompt=20):
+    """Every key of the batch-tensor training metrics of the harness (their settings as arguments)."""
+    n = {k: np.asarray(v, np.float64) for k, v in b.items() if not isinstance(v, list)}
+    mask = n["response_mask"]
+    new, old, lengths = n["policy_logprobs"], n["old_logprobs"], n["response_lengths"]
+    clipfrac = ref_clipfrac(new, old, n["advantages"], mask, *clip)
+    out = {"actor/ppo_kl": ref_kl(new, old, mask, "k1"), "actor/approx_kl": ref_kl(new, old, mask, "k2"),
+           "actor/pg_clipfrac": clipfrac[0], "actor/pg_clipfrac_lower": clipfrac[1],
+           "actor/entropy": ref_entropy(mask=mask, logits=n["logits"]),
+           "critic/vf_explained_var": ref_explained_var(n["values"], n["returns"], mask),
+           "response/aborted_ratio": float((lengths == 0).mean())}
+    for prefix, field, std in (("value", "values", False), ("returns", "returns", False),
+                               ("advantages", "advantages", True)):
+        out.update(_prefixed(f"critic/{prefix}", ref_token_stats(n[field], mask, with_std=std)))
+    for prefix, field in (("rewards", "rewards"), ("score", "scores")):
+        out.update(_prefixed(f"critic/{prefix}", ref_sequence_stats(n[field], mask)))
+    out.update(_prefixed("response_length", ref_lengths(lengths, max_response)))
+    out.update(_prefixed("prompt_length", ref_lengths(n["prompt_lengths"], max_prompt)))
+    out.update(_prefixed("num_turns", ref_stats(n["num_turns"])))
+    dpo = ref_dpo(*(n[f"{w}_{s}_logps"] for w in ("policy", "reference") for s in ("chosen", "rejected")), beta=0.1)
+    out.update({"loss/dpo": dpo["loss"], **{f"rewards/{k}": dpo[k] for k in ("chosen", "rejected", "margins",
+                                                                               "accuracy")}})
+    out.update(_prefixed("rm", ref_rm(n["chosen_scores"], n["rejected_scores"])))
+    for part, field in (("generate_sequences", "agent_generate_s"), ("tool_calls", "agent_tool_calls_s")):
+        out.update(_prefixed(f"timing_s/agent_loop/{part}", ref_lengths(n[field])))
+    fields = ("agent_generate_s", "agent_tool_calls_s", "prompt_lengths", "response_lengths")
+    slowest = ref_slowest(list(zip(*(n[f].tolist() for f in fields))))
+    for part, v in zip(("generate_sequences", "tool_calls", "prompt_length", "response_length"), slowest):
+        out[f"timing_s/agent_loop/slowest/{part}"] = v
+    return out
+
+
+def scalars_reference(b):
+    """Trainer scalars: token-weighted means for the losses, plain means for the rest; LR scheduler means."""
+    out = {}
+    for name, key in SCALAR_KEYS.items():
+        xs = b[name]
+        ws = b["loss_tokens"] if name in TOKEN_WEIGHTED else [1.0] * len(xs)
+        out[key] = sum(x * w for x, w in zip(xs, ws)) / sum(ws) if sum(ws) else None
+    lrs = b["lr_scheduler"]["last_lr"]
+    out["lr_scheduler/last_lr"] = sum(lrs) / len(lrs) if lrs else None
+    return out
+
+
+def validation_reference(b, sources, n_samples, ks):
+    """Validation accuracy and reward per source (rows of (source, samples, valid)), and the turn counts."""
+    rows = {f: [(s, b[f][p].tolist(), b["val_mask"][p].tolist()) for p, s in enumerate(b["data_sources"])]
+            for f in ("val_acc", "val_rewards")}
+    out = {**ref_validation(rows["val_acc"], sources, n_samples, ks, "acc"),
+           **ref_validation(rows["val_rewards"], sources, n_samples, ks, "reward")}
+    turns = np.asarray(b["val_num_turns"], np.float64)[np.asarray(b["val_mask"], bool)]
+    out.update(_prefixed("val-aux/num_turns", ref_stats(turns)))
+    return out
+
+
+def steps_reference(ranks, stages, flops, peak):
+    """Per-step metrics after a sync over ``len(ranks)`` ranks, from each rank's steps (a step: ``timing_s``,
+    ``prompt_lengths``, ``response_lengths``): each stage's time is the slowest rank's mean per step, token
+    counts are all ranks' per step (steps: the most any rank ran), workloads are per rank."""
+    world = len(ranks)
+    n_steps = max(len(steps) for steps in ranks)
+    seconds = {s: max(sum(st["timing_s"].get(s, 0.0) for st in steps) / len(steps) for steps in ranks if steps)
+               for s in stages}
+    seqs = [(int(p), int(r)) for steps in ranks for st in steps
+            for p, r in zip(st["prompt_lengths"].tolist(), st["response_lengths"].tolist())]
+    tokens = sum(p + r for p, r in seqs) / n_steps
+    response = sum(r for _, r in seqs) / n_steps
+    sum_sq = sum((p + r) ** 2 for p, r in seqs) / n_steps
+    out = {f"timing_s/{s}": v for s, v in seconds.items()}
+    out["timing_per_token_ms/gen"] = 1000 * seconds["gen"] / response
+    out["timing_per_token_ms/update_actor"] = 1000 * seconds["update_actor"] / tokens
+    out.update({"perf/total_num_tokens": tokens, "perf/time_per_step": seconds["step"],
+                "perf/throughput": tokens / (seconds["step"] * world)})
+    active, layers, dim = flops
+    forward = 2 * active * tokens + 4 * dim * layers * sum_sq
+    out["perf/mfu/actor"] = 3 * forward / (seconds["update_actor"] * world * peak)
+    out["perf/mfu/actor_infer"] = forward / (seconds["old_log_prob"] * world * peak)
+    loads = [sum(int(p.sum() + r.sum()) for p, r in ((st["prompt_lengths"], st["response_lengths"]) for st in steps))
+             for steps in ranks]
+    balanced = ref_karmarkar_karp_sums([p + r for p, r in seqs], world)
+    out.update({"global_seqlen/min": min(loads), "global_seqlen/max": max(loads),
+                "global_seqlen/minmax_diff": max(loads) - min(loads), "global_seqlen/mean": sum(loads) / world,
+                "global_seqlen/balanced_min": balanced[0], "global_seqlen/balanced_max": balanced[-1]})
+    return out
