@@ -358,13 +358,16 @@ def _gini_update(segs: GroupSegments, x: Tensor, valid: Tensor) -> Stats:
     """
     xs, vs, _ = _sort_within_groups(segs, x, valid)
     xv = torch.where(vs, xs, 0.0)
+    # Gini is scale-free: dividing each group by its largest |x| keeps subnormal groups exact and huge ones finite.
+    seg = segs.seg[:, None].expand_as(xv)
+    scale = torch.gather(torch.zeros_like(xv).scatter_reduce_(0, seg, xv.abs(), "amax"), 0, seg)
+    xv = xv / torch.where(scale > 0, scale, 1.0)
     n = _segment_sum(segs, vs.to(F64))
     total = _segment_sum(segs, xv)
     pos = torch.arange(x.shape[0], device=x.device)
     rank = (pos - segs.start + 1).to(F64)[:, None]  # 1-based rank among the group's valid values
     term = (2.0 * rank - n - 1.0) * xv
-    tiny = torch.finfo(F64).tiny
-    contrib = torch.where(total > 0, term / (n * total).clamp_min(tiny), 0.0)
+    contrib = torch.where(total > 0, term / (n * torch.where(total > 0, total, 1.0)), 0.0)
     groups = (segs.is_start[:, None] & (n > 0)).to(F64).sum(dim=0)
     return {"gini_sum": contrib.sum(dim=0), "groups": groups}
 
