@@ -99,44 +99,7 @@ Example:
     [0.75, 0.25, 1.25, 25.0, 3.0]
 """
 
-from opbc_metrics.rollout.metrics import (
-    ROLLOUT_METRICS,
-    CompletionLengthCV,
-    CompletionLengthGini,
-    CompletionLengthMaxMedianRatio,
-    CompletionTokenStats,
-    DiscardedRollouts,
-    DiscardedRolloutStats,
-    OffPolicySteps,
-    PromptTokenStats,
-    RolloutAdvantageStats,
-    RolloutRewardGini,
-    RolloutRewardStats,
-    SampleMetricStats,
-    StopReasonLengthPct,
-    TotalTokenStats,
-    chart_ranges,
-    rollout_metrics,
-    rollout_section,
-)
+from opbc_metrics.rollout import metrics
+from opbc_metrics.rollout.metrics import *  # noqa: F403
 
-__all__ = [
-    "ROLLOUT_METRICS",
-    "CompletionLengthCV",
-    "CompletionLengthGini",
-    "CompletionLengthMaxMedianRatio",
-    "CompletionTokenStats",
-    "DiscardedRolloutStats",
-    "DiscardedRollouts",
-    "OffPolicySteps",
-    "PromptTokenStats",
-    "RolloutAdvantageStats",
-    "RolloutRewardGini",
-    "RolloutRewardStats",
-    "SampleMetricStats",
-    "StopReasonLengthPct",
-    "TotalTokenStats",
-    "chart_ranges",
-    "rollout_metrics",
-    "rollout_section",
-]
+__all__ = metrics.__all__

@@ -15,6 +15,27 @@ from opbc_metrics.functional import rollout as F
 from opbc_metrics.functional.statistics import raise_if_invalid
 from opbc_metrics.metric import MAX, MIN, BySettings, GlossaryEntry, OPBCMetric, State, table
 
+__all__ = [
+    "ROLLOUT_METRICS",
+    "CompletionLengthCV",
+    "CompletionLengthGini",
+    "CompletionLengthMaxMedianRatio",
+    "CompletionTokenStats",
+    "DiscardedRolloutStats",
+    "DiscardedRollouts",
+    "OffPolicySteps",
+    "PromptTokenStats",
+    "RolloutAdvantageStats",
+    "RolloutRewardGini",
+    "RolloutRewardStats",
+    "SampleMetricStats",
+    "StopReasonLengthPct",
+    "TotalTokenStats",
+    "chart_ranges",
+    "rollout_metrics",
+    "rollout_section",
+]
+
 Range = tuple[float | None, float | None]
 
 _SAMPLES = "rollout samples (one per completion), over the batches since the last reset and all ranks"
