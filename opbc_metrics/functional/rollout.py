@@ -462,8 +462,8 @@ def _advantage_stats_update(view: BatchView) -> Stats:
     return _value_stats_update(view, ADVANTAGES, "mean")
 
 
-def _length_stats_update(view: BatchView, name: str) -> Stats:
-    x, invalid = _lengths(view, name)
+def _completion_token_stats_update(view: BatchView) -> Stats:
+    x, invalid = _lengths(view, RESPONSE_LENGTHS)
     return _moments_update(x, torch.ones_like(x), invalid)
 
 
@@ -541,7 +541,7 @@ def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any
     """
     view = BatchView(prompt_lengths=prompt_lengths, response_lengths=response_lengths, group_ids=group_ids)
     out = _moments_dict(PROMPT_TOKEN_KEYS, **_checked(_prompt_token_stats_update(view), PROMPT_LENGTHS, BAD_COUNTS))
-    out.update(_moments_dict(COMPLETION_TOKEN_KEYS, **_checked(_length_stats_update(view, RESPONSE_LENGTHS),
+    out.update(_moments_dict(COMPLETION_TOKEN_KEYS, **_checked(_completion_token_stats_update(view),
                                                                RESPONSE_LENGTHS, BAD_COUNTS)))
     out.update(_moments_dict(TOTAL_TOKEN_KEYS, **_checked(_total_token_stats_update(view), PROMPT_LENGTHS,
                                                           BAD_COUNTS)))
