@@ -3,7 +3,8 @@
 Every name a section package exports (its ``__all__``) is exported here too.
 """
 
-from opbc_metrics import agent, controller, endpoint, mismatch, moe, per_round, rollout, training
+# In this order the sections register their metric classes, which orders the glossary (collection before controller).
+from opbc_metrics import agent, collection, controller, endpoint, mismatch, moe, per_round, rollout, training  # noqa: F401
 from opbc_metrics.agent import *  # noqa: F403
 from opbc_metrics.batch import BatchView
 from opbc_metrics.collection import OPBCCollection
