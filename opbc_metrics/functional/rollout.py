@@ -65,7 +65,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_bool_mask
+from opbc_metrics.batch import (
+    GROUP_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOGPROBS,
+    TRAINER_LOGPROBS,
+    BatchView,
+    as_bool_mask,
+    check_like,
+)
 from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid
 
 F64 = torch.float64
@@ -109,7 +117,6 @@ ADVANTAGE_KEYS = stat_keys(ADVANTAGE_PREFIX)
 PROMPT_TOKEN_KEYS = stat_keys(PROMPT_TOKENS_PREFIX)
 COMPLETION_TOKEN_KEYS = stat_keys(COMPLETION_TOKENS_PREFIX)
 TOTAL_TOKEN_KEYS = stat_keys(TOTAL_TOKENS_PREFIX)
-TOKEN_KEYS = PROMPT_TOKEN_KEYS + COMPLETION_TOKEN_KEYS + TOTAL_TOKEN_KEYS
 REWARD_GINI_KEY = "rollout/reward/group_gini_mean"
 LENGTH_GINI_KEY = "rollout/tokens_completion/group_gini_mean"
 LENGTH_RATIO_KEY = "rollout/tokens_completion/group_max_median_ratio_mean"
@@ -184,12 +191,7 @@ def _token_mask(view: BatchView, name: str, t: Tensor) -> Tensor:
     if not view.has(RESPONSE_MASK):
         return torch.ones(t.shape, dtype=torch.bool, device=t.device)
     mask = view.tensor(RESPONSE_MASK)
-    if mask.shape != t.shape:
-        raise ValueError(
-            f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{name}` has shape {tuple(t.shape)}"
-        )
-    if mask.device != t.device:
-        raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{name}` is on {t.device}")
+    check_like(RESPONSE_MASK, mask, name, t)
     return as_bool_mask(mask)
 
 
