@@ -233,11 +233,7 @@ class ToolChoiceDisagreementRate(_AgentMetric):
 
 
 AGENT_METRICS: tuple[type[_AgentMetric], ...] = (
-    ToolCallJaccard,
-    FirstDivergenceStep,
-    AnswerMatchRate,
-    SoftAnswerMatch,
-    ToolChoiceDisagreementRate,
+    ToolCallJaccard, FirstDivergenceStep, AnswerMatchRate, SoftAnswerMatch, ToolChoiceDisagreementRate,
     TrajectoryStepCounts,
 )
 

@@ -194,11 +194,7 @@ class EndpointResponseCount(_CoverageMetric):
 
 
 ENDPOINT_METRICS: tuple[type[_CoverageMetric], ...] = (
-    TokenIdsCoverage,
-    SampledLogprobsCoverage,
-    TopLogprobsCoverage,
-    SeedSupportCoverage,
-    EndpointResponseCount,
+    TokenIdsCoverage, SampledLogprobsCoverage, TopLogprobsCoverage, SeedSupportCoverage, EndpointResponseCount,
 )
 
 

@@ -682,19 +682,9 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
 
 
 ROLLOUT_METRICS: tuple[type[OPBCMetric], ...] = (
-    RolloutRewardStats,
-    RolloutRewardGini,
-    RolloutAdvantageStats,
-    PromptTokenStats,
-    CompletionTokenStats,
-    TotalTokenStats,
-    CompletionLengthGini,
-    CompletionLengthMaxMedianRatio,
-    CompletionLengthCV,
-    StopReasonLengthPct,
-    DiscardedRollouts,
-    DiscardedRolloutStats,
-    OffPolicySteps,
+    RolloutRewardStats, RolloutRewardGini, RolloutAdvantageStats, PromptTokenStats, CompletionTokenStats,
+    TotalTokenStats, CompletionLengthGini, CompletionLengthMaxMedianRatio, CompletionLengthCV, StopReasonLengthPct,
+    DiscardedRollouts, DiscardedRolloutStats, OffPolicySteps,
 )
 
 
@@ -718,14 +708,10 @@ def rollout_metrics(
         >>> len(metrics.keys_produced)
         50
     """
-    out: list[OPBCMetric] = []
-    for cls in ROLLOUT_METRICS:
-        if cls is RolloutRewardStats:
-            out.append(RolloutRewardStats(reward_min=reward_min, reward_max=reward_max, **kwargs))
-        elif cls in (StopReasonLengthPct, DiscardedRolloutStats):
-            out.append(cls(length_code=length_code, **kwargs))
-        else:
-            out.append(cls(**kwargs))
+    settings: dict[type, dict[str, Any]] = {RolloutRewardStats: {"reward_min": reward_min, "reward_max": reward_max},
+                                            StopReasonLengthPct: {"length_code": length_code},
+                                            DiscardedRolloutStats: {"length_code": length_code}}
+    out = [cls(**settings.get(cls, {}), **kwargs) for cls in ROLLOUT_METRICS]
     if sample_metric_names:
         out.append(SampleMetricStats(sample_metric_names, metrics_ranges=metrics_ranges, **kwargs))
     elif metrics_ranges:
