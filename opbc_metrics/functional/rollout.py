@@ -553,18 +553,20 @@ def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any
 # ---------------------------------------------------------------------------------------------
 # Gini and max/median per prompt group
 # ---------------------------------------------------------------------------------------------
+def _group_gini_update(view: BatchView, name: str, x: Tensor, valid: Tensor) -> Stats:
+    """``value_sum`` (of the group Ginis) and ``groups`` of the ``[B]`` values ``x`` of the field ``name``."""
+    stats = _gini_update(_segments(view, name, x), x[:, None], valid[:, None])
+    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0]}
+
+
 def _reward_gini_update(view: BatchView) -> Stats:
     x, w, invalid = _finite(*_per_sample(view, REWARDS, "sum"))
-    segs = _segments(view, REWARDS, x)
-    stats = _gini_update(segs, x[:, None], (w > 0)[:, None])
-    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
+    return {**_group_gini_update(view, REWARDS, x, w > 0), "invalid": invalid}
 
 
 def _length_gini_update(view: BatchView) -> Stats:
     x, invalid = _lengths(view, RESPONSE_LENGTHS)
-    segs = _segments(view, RESPONSE_LENGTHS, x)
-    stats = _gini_update(segs, x[:, None], torch.ones_like(x, dtype=torch.bool)[:, None])
-    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
+    return {**_group_gini_update(view, RESPONSE_LENGTHS, x, torch.ones_like(x, dtype=torch.bool)), "invalid": invalid}
 
 
 def _length_ratio_update(view: BatchView) -> Stats:
@@ -629,8 +631,8 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
     x, w = _per_sample(view, "values", "sum")
     x, w, invalid = _finite(x, w)
     raise_if_invalid("values", invalid, NONFINITE)
-    stats = _gini_update(_segments(view, "values", x), x[:, None], (w > 0)[:, None])
-    return _mean_over_groups(stats["gini_sum"][0], stats["groups"][0], 0.0)
+    stats = _group_gini_update(view, "values", x, w > 0)
+    return _mean_over_groups(stats["value_sum"], stats["groups"], 0.0)
 
 
 def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
@@ -696,17 +698,9 @@ def zero_advantage_mask(
     return torch.empty_like(flat).scatter_(0, segs.order, flat)
 
 
-def discard_reasons(
-    rewards: Tensor,
-    group_ids: Any,
-    *,
-    policy_lag: Tensor | None = None,
-    max_off_policy_steps: int | None = None,
-    discard_group_zero_advantage: bool = True,
-    response_mask: Tensor | None = None,
-    atol: float = 0.0,
-    advantages: Tensor | None = None,
-) -> Tensor:
+def discard_reasons(rewards: Tensor, group_ids: Any, *, policy_lag: Tensor | None = None,
+                    max_off_policy_steps: int | None = None, discard_group_zero_advantage: bool = True,
+                    response_mask: Tensor | None = None, atol: float = 0.0, advantages: Tensor | None = None) -> Tensor:
     r"""``[B]`` int codes of :data:`DISCARD_REASON_CODES`: 0 kept, 1 ``max_async``, 2 ``zero_advantage``.
 
     ``max_async``: ``policy_lag > max_off_policy_steps`` (the rollout's weights are too many steps
@@ -909,16 +903,13 @@ def _discarded_stats_update(view: BatchView, length_code: int, device: torch.dev
     return stats
 
 
-def _discarded_stats_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor,
-                             total_hi: Tensor, total_sq_hi: Tensor, gini_sum: Tensor, gini_groups: Tensor,
-                             ratio_sum: Tensor, ratio_groups: Tensor, stop_length: Tensor, stop_count: Tensor,
-                             ) -> dict[str, Tensor]:
+def _discarded_stats_compute(gini_sum: Tensor, gini_groups: Tensor, ratio_sum: Tensor, ratio_groups: Tensor,
+                             stop_length: Tensor, stop_count: Tensor, **moments: Tensor) -> dict[str, Tensor]:
     """The keys that have data: token moments over the discarded, group keys over groups with a discarded
     rollout, the truncated share over discarded rollouts with a stop reason (host reads)."""
     out: dict[str, Tensor] = {}
-    if bool(count > 0):
-        out.update(_moments_dict(DISCARDED_TOKEN_KEYS, count=count, total=total, total_sq=total_sq, min=min, max=max,
-                                 total_hi=total_hi, total_sq_hi=total_sq_hi))
+    if bool(moments["count"] > 0):  # moments: the statistics of _moments_update
+        out.update(_moments_dict(DISCARDED_TOKEN_KEYS, **moments))
     if bool(gini_groups > 0):
         out[DISCARDED_GROUP_KEYS[0]] = gini_sum / gini_groups
     if bool(ratio_groups > 0):
@@ -1077,10 +1068,10 @@ def _sample_update(view: BatchView, names: tuple[str, ...], group_gini: bool, de
     return stats
 
 
-def _sample_compute(names: tuple[str, ...], count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor,
-                    max: Tensor, total_hi: Tensor, total_sq_hi: Tensor, gini_sum: Tensor | None = None,
-                    groups: Tensor | None = None) -> dict[str, Tensor]:
-    mean, std, lo, hi = _moments_compute(count, total, total_sq, min, max, total_hi, total_sq_hi)
+def _sample_compute(names: tuple[str, ...], gini_sum: Tensor | None = None, groups: Tensor | None = None,
+                    **moments: Tensor) -> dict[str, Tensor]:
+    mean, std, lo, hi = _moments_compute(**moments)
+    count = moments["count"]
     gini_mean = None if gini_sum is None or groups is None else _mean_over_groups(gini_sum, groups, 0.0)
     has_std = (count > 1).tolist()
     out: dict[str, Tensor] = {}
