@@ -263,12 +263,8 @@ def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
                 f"batch field `{TRAJECTORY_PAIRS}[{i}]` must be a (rollout, reference) pair, got "
                 f"{type(pair).__name__}{f' of length {len(pair)}' if isinstance(pair, Sequence) else ''}"
             )
-        pairs.append(
-            (
-                as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
-                as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]"),
-            )
-        )
+        pairs.append((as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
+                      as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]")))
     return pairs
 
 
@@ -293,20 +289,10 @@ def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
         d, e = _tool_choice(a, b)
         disagree += d
         tool_steps += e
-    values = {
-        "pairs": n,
-        "jaccard_sum": jaccard_sum,
-        "diverged": diverged,
-        "step_sum": step_sum,
-        "step_min": step_min,
-        **{f"kind_{k}": v for k, v in kinds.items()},
-        "matches": matches,
-        "soft_sum": soft_sum,
-        "rollout_steps": rollout_steps,
-        "reference_steps": reference_steps,
-        "disagree": disagree,
-        "tool_steps": tool_steps,
-    }
+    values = {"pairs": n, "jaccard_sum": jaccard_sum, "diverged": diverged, "step_sum": step_sum, "step_min": step_min,
+              **{f"kind_{k}": v for k, v in kinds.items()}, "matches": matches, "soft_sum": soft_sum,
+              "rollout_steps": rollout_steps, "reference_steps": reference_steps, "disagree": disagree,
+              "tool_steps": tool_steps}
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
 
 
