@@ -159,13 +159,8 @@ def seqlen_balance_from_loads(rank_loads: Sequence[float], balanced: Sequence[fl
     return {key: float(v) for key, v in zip(SEQLEN_KEYS, values, strict=True)}
 
 
-def seqlen_balance(
-    seqlens: Sequence[float],
-    num_ranks: int,
-    rank_ids: Sequence[int] | None = None,
-    algorithm: str = "karmarkar_karp",
-    equal_size: bool = True,
-) -> dict[str, float]:
+def seqlen_balance(seqlens: Sequence[float], num_ranks: int, rank_ids: Sequence[int] | None = None,
+                   algorithm: str = "karmarkar_karp", equal_size: bool = True) -> dict[str, float]:
     """``global_seqlen/*`` for one step, from every sequence's token count (host data).
 
     ``rank_ids`` gives the rank each sequence was assigned to; without it the sequences are dealt to

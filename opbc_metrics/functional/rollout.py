@@ -121,26 +121,17 @@ REWARD_GINI_KEY = "rollout/reward/group_gini_mean"
 LENGTH_GINI_KEY = "rollout/tokens_completion/group_gini_mean"
 LENGTH_RATIO_KEY = "rollout/tokens_completion/group_max_median_ratio_mean"
 STOP_LENGTH_PCT_KEY = "rollout/stop_reason/length_pct"
-DISCARD_KEYS = (
-    "rollout/discarded/max_async",
-    "rollout/discarded/zero_advantage",
-    "rollout/discarded/total",
-    "rollout/discarded/pct",
-)
+DISCARD_KEYS = ("rollout/discarded/max_async", "rollout/discarded/zero_advantage", "rollout/discarded/total",
+                "rollout/discarded/pct")
 #: Shares of the discarded rollouts by reason (percent of ``total``); only when something was discarded.
 DISCARD_SHARE_KEYS = ("rollout/discarded/max_async_pct", "rollout/discarded/zero_advantage_pct")
 #: The zero-advantage discards split by their (common) reward; only when ``rewards`` came with the codes.
-ZERO_ADVANTAGE_SPLIT_KEYS = (
-    "rollout/discarded/zero_advantage_all_zero",
-    "rollout/discarded/zero_advantage_all_positive",
-    "rollout/discarded/zero_advantage_reward_mean",
-)
+ZERO_ADVANTAGE_SPLIT_KEYS = tuple(f"rollout/discarded/zero_advantage_{s}" for s in ("all_zero", "all_positive",
+                                                                                   "reward_mean"))
 DISCARDED_PREFIX = "rollout/discarded"
 DISCARDED_TOKEN_KEYS = stat_keys(f"{DISCARDED_PREFIX}/tokens_completion")
-DISCARDED_GROUP_KEYS = (
-    f"{DISCARDED_PREFIX}/tokens_completion/group_gini_mean",
-    f"{DISCARDED_PREFIX}/tokens_completion/group_max_median_ratio_mean",
-)
+DISCARDED_GROUP_KEYS = (f"{DISCARDED_PREFIX}/tokens_completion/group_gini_mean",
+                        f"{DISCARDED_PREFIX}/tokens_completion/group_max_median_ratio_mean")
 DISCARDED_STOP_KEY = f"{DISCARDED_PREFIX}/stop_reason/length_pct"
 LENGTH_CV_KEY = "rollout/tokens_completion/group_cv_mean"
 POLICY_LAG = "policy_lag"
@@ -654,10 +645,8 @@ def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
     return _mean_over_groups(stats["value_sum"], stats["groups"], 1.0)
 
 
-def zero_advantage_mask(
-    rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0,
-    advantages: Tensor | None = None, advantage_atol: float = 1e-9,
-) -> Tensor:
+def zero_advantage_mask(rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0,
+                        advantages: Tensor | None = None, advantage_atol: float = 1e-9) -> Tensor:
     r"""``[B]`` bool: samples of a prompt group of two or more whose advantage is zero for the whole group.
 
     GRPO's group-normalised advantage is then 0 for every sample of the group, so it carries no
@@ -732,10 +721,8 @@ def discard_reasons(rewards: Tensor, group_ids: Any, *, policy_lag: Tensor | Non
 # ---------------------------------------------------------------------------------------------
 # stop reasons and discarded rollouts
 # ---------------------------------------------------------------------------------------------
-def _host_codes(
-    name: str, values: Sequence[Any], table: dict[str, int], none_code: int, unknown_code: int | None,
-    device: torch.device | str,
-) -> Tensor:
+def _host_codes(name: str, values: Sequence[Any], table: dict[str, int], none_code: int, unknown_code: int | None,
+                device: torch.device | str) -> Tensor:
     """Codes of a host list of strings / ints / None; unknown strings map to ``unknown_code`` or raise."""
     codes = []
     for v in values:
@@ -755,10 +742,8 @@ def _host_codes(
     return torch.tensor(codes, dtype=torch.long, device=device)
 
 
-def _code_tensor(
-    view: BatchView, name: str, table: dict[str, int], none_code: int, unknown_code: int | None,
-    device: torch.device | str, allow_bool: bool,
-) -> Tensor:
+def _code_tensor(view: BatchView, name: str, table: dict[str, int], none_code: int, unknown_code: int | None,
+                 device: torch.device | str, allow_bool: bool) -> Tensor:
     """A ``[B]`` int (or bool) tensor of codes from a tensor, a NumPy array, or a list of strings / ints / None."""
 
     def make() -> Tensor:

@@ -286,12 +286,8 @@ def _validation_compute(prompts: Tensor, sum_mean: Tensor, sum_at_k: Tensor, pro
     return out
 
 
-def validation_accuracy(
-    val_acc: Any,
-    data_sources: Sequence[str] | str,
-    ks: Sequence[int] | None = None,
-    val_mask: Tensor | None = None,
-) -> dict[str, Tensor]:
+def validation_accuracy(val_acc: Any, data_sources: Sequence[str] | str, ks: Sequence[int] | None = None,
+                        val_mask: Tensor | None = None) -> dict[str, Tensor]:
     """``val-core/<s>/acc/mean@n`` and ``val-aux/<s>/acc/pass@k`` of one validation batch.
 
     ``val_acc`` is ``[P, n]`` (or ``[P]``); a sample is correct when ``acc >= 0.5``, which is the
@@ -308,12 +304,8 @@ def validation_accuracy(
     return _validation_functional(val_acc, data_sources, ks, val_mask, VAL_ACC, "pass")
 
 
-def validation_reward(
-    val_rewards: Any,
-    data_sources: Sequence[str] | str,
-    ks: Sequence[int] | None = None,
-    val_mask: Tensor | None = None,
-) -> dict[str, Tensor]:
+def validation_reward(val_rewards: Any, data_sources: Sequence[str] | str, ks: Sequence[int] | None = None,
+                      val_mask: Tensor | None = None) -> dict[str, Tensor]:
     """``val-aux/<s>/reward/mean@n`` and ``val-aux/<s>/reward/best@k`` of one validation batch.
 
     Example:

@@ -631,13 +631,8 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         aliases=("sample_metrics",),
     )
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        metrics_ranges: Mapping[str, Range] | None = None,
-        group_gini: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, names: Sequence[str], metrics_ranges: Mapping[str, Range] | None = None, group_gini: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.names = F.check_sample_metric_names(names)
         self.group_gini = bool(group_gini)
@@ -688,15 +683,9 @@ ROLLOUT_METRICS: tuple[type[OPBCMetric], ...] = (
 )
 
 
-def rollout_metrics(
-    sample_metric_names: Sequence[str] = (),
-    *,
-    reward_min: float | None = None,
-    reward_max: float | None = None,
-    metrics_ranges: Mapping[str, Range] | None = None,
-    length_code: int = F.LENGTH_CODE,
-    **kwargs: Any,
-) -> list[OPBCMetric]:
+def rollout_metrics(sample_metric_names: Sequence[str] = (), *, reward_min: float | None = None,
+                    reward_max: float | None = None, metrics_ranges: Mapping[str, Range] | None = None,
+                    length_code: int = F.LENGTH_CODE, **kwargs: Any) -> list[OPBCMetric]:
     """Every rollout metric, ready for an :class:`~opbc_metrics.collection.OPBCCollection`.
 
     :class:`SampleMetricStats` is included when ``sample_metric_names`` is given (its state size depends
