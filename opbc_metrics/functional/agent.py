@@ -269,31 +269,22 @@ def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
 
 
 def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
-    n = jaccard_sum = diverged = step_sum = matches = soft_sum = disagree = tool_steps = 0.0
-    rollout_steps = reference_steps = 0.0
-    step_min = float("inf")
-    kinds = dict.fromkeys(DIVERGENCE_KINDS, 0.0)
+    kinds = tuple(f"kind_{k}" for k in DIVERGENCE_KINDS)
+    s = dict.fromkeys(("pairs", "jaccard_sum", "diverged", "step_sum", *kinds, "matches", "soft_sum", "rollout_steps",
+                       "reference_steps", "disagree", "tool_steps"), 0.0)
+    s["step_min"] = float("inf")
     for a, b in pairs:
-        n += 1
-        jaccard_sum += _jaccard(a, b)
+        disagree, either = _tool_choice(a, b)
+        seen = {"pairs": 1, "jaccard_sum": _jaccard(a, b), "matches": _answer_match(a, b),
+                "soft_sum": _soft_answer_match(a, b), "rollout_steps": len(a.steps), "reference_steps": len(b.steps),
+                "disagree": disagree, "tool_steps": either}
         div = _divergence(a, b)
         if div is not None:
-            diverged += 1
-            step_sum += div.step
-            step_min = min(step_min, float(div.step))
-            kinds[div.kind] += 1
-        matches += _answer_match(a, b)
-        soft_sum += _soft_answer_match(a, b)
-        rollout_steps += len(a.steps)
-        reference_steps += len(b.steps)
-        d, e = _tool_choice(a, b)
-        disagree += d
-        tool_steps += e
-    values = {"pairs": n, "jaccard_sum": jaccard_sum, "diverged": diverged, "step_sum": step_sum, "step_min": step_min,
-              **{f"kind_{k}": v for k, v in kinds.items()}, "matches": matches, "soft_sum": soft_sum,
-              "rollout_steps": rollout_steps, "reference_steps": reference_steps, "disagree": disagree,
-              "tool_steps": tool_steps}
-    return {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+            seen.update({"diverged": 1, "step_sum": div.step, f"kind_{div.kind}": 1})
+            s["step_min"] = min(s["step_min"], float(div.step))
+        for name, value in seen.items():
+            s[name] += value
+    return {k: torch.tensor(v, dtype=torch.float64) for k, v in s.items()}
 
 
 def _agent_update(view: BatchView) -> Stats:
