@@ -19,6 +19,9 @@ from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import agent as F
 from opbc_metrics.metric import MIN, GlossaryEntry, OPBCMetric, table
 
+__all__ = ["AGENT_METRICS", "AnswerMatchRate", "FirstDivergenceStep", "SoftAnswerMatch", "ToolCallJaccard",
+           "ToolChoiceDisagreementRate", "TrajectoryStepCounts", "agent_section"]
+
 _PAIRS = "(rollout, reference) trajectory pairs, summed over the window and all ranks"
 _NO_ACTION = (
     "no OPBC action; a drop flags behavioural drift between the rollout and reference engines, to be read "

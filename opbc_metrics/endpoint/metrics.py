@@ -19,6 +19,9 @@ from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import endpoint as F
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric, table
 
+__all__ = ["ENDPOINT_METRICS", "EndpointResponseCount", "SampledLogprobsCoverage", "SeedSupportCoverage",
+           "TokenIdsCoverage", "TopLogprobsCoverage", "endpoint_section"]
+
 _RESPONSES = (
     "OpenAI-compatible responses probed (one per request, all of its choices), summed over the window and "
     "all ranks"
