@@ -16,26 +16,10 @@ from opbc_metrics.functional import rollout as F
 from opbc_metrics.functional.statistics import Stats, raise_if_invalid
 from opbc_metrics.metric import MAX, MIN, BySettings, GlossaryEntry, OPBCMetric, State, table
 
-__all__ = [
-    "ROLLOUT_METRICS",
-    "CompletionLengthCV",
-    "CompletionLengthGini",
-    "CompletionLengthMaxMedianRatio",
-    "CompletionTokenStats",
-    "DiscardedRolloutStats",
-    "DiscardedRollouts",
-    "OffPolicySteps",
-    "PromptTokenStats",
-    "RolloutAdvantageStats",
-    "RolloutRewardGini",
-    "RolloutRewardStats",
-    "SampleMetricStats",
-    "StopReasonLengthPct",
-    "TotalTokenStats",
-    "chart_ranges",
-    "rollout_metrics",
-    "rollout_section",
-]
+__all__ = ["ROLLOUT_METRICS", "CompletionLengthCV", "CompletionLengthGini", "CompletionLengthMaxMedianRatio",
+           "CompletionTokenStats", "DiscardedRolloutStats", "DiscardedRollouts", "OffPolicySteps", "PromptTokenStats",
+           "RolloutAdvantageStats", "RolloutRewardGini", "RolloutRewardStats", "SampleMetricStats",
+           "StopReasonLengthPct", "TotalTokenStats", "chart_ranges", "rollout_metrics", "rollout_section"]
 
 Range = tuple[float | None, float | None]
 
