@@ -1,220 +1,31 @@
-"""opbc-metrics: distributed-exact metrics of train/rollout mismatch for RL post-training of LLMs."""
+"""opbc-metrics: distributed-exact metrics of train/rollout mismatch for RL post-training of LLMs.
 
-from opbc_metrics.agent import (
-    AnswerMatchRate,
-    FirstDivergenceStep,
-    SoftAnswerMatch,
-    ToolCallJaccard,
-    ToolChoiceDisagreementRate,
-    Trajectory,
-    TrajectoryStepCounts,
-)
+Every name a section package exports (its ``__all__``) is exported here too.
+"""
+
+# In this order the sections register their metric classes, which orders the glossary (collection before controller).
+from opbc_metrics import agent, collection, controller, endpoint, mismatch, moe, per_round, rollout, training  # noqa: F401
+from opbc_metrics.agent import *  # noqa: F403
 from opbc_metrics.batch import BatchView
 from opbc_metrics.collection import OPBCCollection
-from opbc_metrics.controller import (
-    Action,
-    BatchDecisions,
-    CorrectionTokenShare,
-    DecisionGroupShare,
-    DecisionReasonCount,
-    DecisionTokenShare,
-    GroupDecision,
-    GroupReport,
-    OPBCController,
-    OPBCPolicy,
-    Reason,
-)
-from opbc_metrics.endpoint import (
-    EndpointResponseCount,
-    SampledLogprobsCoverage,
-    SeedSupportCoverage,
-    TokenIdsCoverage,
-    TopLogprobsCoverage,
-    probe_response,
-)
+from opbc_metrics.controller import *  # noqa: F403
+from opbc_metrics.endpoint import *  # noqa: F403
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric
-from opbc_metrics.mismatch import (
-    ChiSquare,
-    ClippedFraction,
-    ImportanceSamplingESS,
-    ImportanceWeightMean,
-    ImportanceWeightSecondMoment,
-    ImportanceWeightStd,
-    InputHealth,
-    KLEstimators,
-    LogprobDiff,
-    LogRatioRange,
-    PerplexityGap,
-    ProbabilityDiff,
-    SequenceESS,
-    SequenceLogRatio,
-    TopGradientMass,
-    VetoFraction,
-)
-from opbc_metrics.moe import RouterFlipRate, RouterSetDisagreement
+from opbc_metrics.mismatch import *  # noqa: F403
+from opbc_metrics.moe import *  # noqa: F403
 from opbc_metrics.naming import make_key, parse_key
-from opbc_metrics.per_round import PerRoundMismatch
-from opbc_metrics.rollout import (
-    CompletionLengthCV,
-    CompletionLengthGini,
-    CompletionLengthMaxMedianRatio,
-    CompletionTokenStats,
-    DiscardedRollouts,
-    DiscardedRolloutStats,
-    OffPolicySteps,
-    PromptTokenStats,
-    RolloutAdvantageStats,
-    RolloutRewardGini,
-    RolloutRewardStats,
-    SampleMetricStats,
-    StopReasonLengthPct,
-    TotalTokenStats,
-    rollout_metrics,
-)
-from opbc_metrics.training import (
-    PPOKL,
-    AbortedRatio,
-    ActorGradNorm,
-    ActorLoss,
-    ActorLR,
-    AdvantageStats,
-    AgentLoopSlowest,
-    AgentLoopTiming,
-    ApproxKL,
-    CriticLoss,
-    CriticLR,
-    DPOMetrics,
-    EntropyLoss,
-    ExplainedVariance,
-    GlobalSeqlen,
-    KLCoef,
-    KLLoss,
-    LRSchedulerState,
-    ModelFlopsUtilization,
-    NumTurns,
-    PolicyClipFraction,
-    PolicyEntropy,
-    PolicyGradientLoss,
-    PromptLength,
-    ResponseLength,
-    ReturnStats,
-    RewardModelMetrics,
-    RewardStats,
-    RMGradNorm,
-    ScoreStats,
-    StageTimer,
-    StageTiming,
-    Throughput,
-    ValidationAccuracy,
-    ValidationReward,
-    ValidationTurns,
-    ValueStats,
-    training_metrics,
-)
+from opbc_metrics.per_round import *  # noqa: F403
+from opbc_metrics.rollout import *  # noqa: F403
+from opbc_metrics.training import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "PPOKL",
-    "AbortedRatio",
-    "Action",
-    "ActorGradNorm",
-    "ActorLR",
-    "ActorLoss",
-    "AdvantageStats",
-    "AgentLoopSlowest",
-    "AgentLoopTiming",
-    "AnswerMatchRate",
-    "ApproxKL",
-    "BatchDecisions",
-    "BatchView",
-    "ChiSquare",
-    "ClippedFraction",
-    "CompletionLengthCV",
-    "CompletionLengthGini",
-    "CompletionLengthMaxMedianRatio",
-    "CompletionTokenStats",
-    "CorrectionTokenShare",
-    "CriticLR",
-    "CriticLoss",
-    "DPOMetrics",
-    "DecisionGroupShare",
-    "DecisionReasonCount",
-    "DecisionTokenShare",
-    "DiscardedRolloutStats",
-    "DiscardedRollouts",
-    "EndpointResponseCount",
-    "EntropyLoss",
-    "ExplainedVariance",
-    "FirstDivergenceStep",
-    "GlobalSeqlen",
-    "GlossaryEntry",
-    "GroupDecision",
-    "GroupReport",
-    "ImportanceSamplingESS",
-    "ImportanceWeightMean",
-    "ImportanceWeightSecondMoment",
-    "ImportanceWeightStd",
-    "InputHealth",
-    "KLCoef",
-    "KLEstimators",
-    "KLLoss",
-    "LRSchedulerState",
-    "LogRatioRange",
-    "LogprobDiff",
-    "ModelFlopsUtilization",
-    "NumTurns",
-    "OPBCCollection",
-    "OPBCController",
-    "OPBCMetric",
-    "OPBCPolicy",
-    "OffPolicySteps",
-    "PerRoundMismatch",
-    "PerplexityGap",
-    "PolicyClipFraction",
-    "PolicyEntropy",
-    "PolicyGradientLoss",
-    "ProbabilityDiff",
-    "PromptLength",
-    "PromptTokenStats",
-    "RMGradNorm",
-    "Reason",
-    "ResponseLength",
-    "ReturnStats",
-    "RewardModelMetrics",
-    "RewardStats",
-    "RolloutAdvantageStats",
-    "RolloutRewardGini",
-    "RolloutRewardStats",
-    "RouterFlipRate",
-    "RouterSetDisagreement",
-    "SampleMetricStats",
-    "SampledLogprobsCoverage",
-    "ScoreStats",
-    "SeedSupportCoverage",
-    "SequenceESS",
-    "SequenceLogRatio",
-    "SoftAnswerMatch",
-    "StageTimer",
-    "StageTiming",
-    "StopReasonLengthPct",
-    "Throughput",
-    "TokenIdsCoverage",
-    "ToolCallJaccard",
-    "ToolChoiceDisagreementRate",
-    "TopGradientMass",
-    "TopLogprobsCoverage",
-    "TotalTokenStats",
-    "Trajectory",
-    "TrajectoryStepCounts",
-    "ValidationAccuracy",
-    "ValidationReward",
-    "ValidationTurns",
-    "ValueStats",
-    "VetoFraction",
-    "make_key",
-    "parse_key",
-    "probe_response",
-    "rollout_metrics",
-    "training_metrics",
-]
+__all__ = ["BatchView", "GlossaryEntry", "OPBCCollection", "OPBCMetric", "make_key", "parse_key"]
+__all__ += agent.__all__
+__all__ += controller.__all__
+__all__ += endpoint.__all__
+__all__ += mismatch.__all__
+__all__ += moe.__all__
+__all__ += per_round.__all__
+__all__ += rollout.__all__
+__all__ += training.__all__

@@ -219,13 +219,8 @@ class Trajectory:
         object.__setattr__(self, "steps", steps)
 
     @classmethod
-    def from_messages(
-        cls,
-        messages: Sequence[Any],
-        *,
-        final_answer: str | None = None,
-        terminal_reason: str | None = None,
-    ) -> Trajectory:
+    def from_messages(cls, messages: Sequence[Any], *, final_answer: str | None = None,
+                      terminal_reason: str | None = None) -> Trajectory:
         """Build a trajectory from an OpenAI-style chat message list.
 
         Every ``assistant`` message is one step. Its ``content`` may be a string, ``None`` or a list of

@@ -72,6 +72,30 @@ def test_gini_known_values(values, expected):
     assert R.gini(torch.tensor(values, dtype=torch.float64)).item() == pytest.approx(expected, abs=1e-15)
 
 
+def _gini_exact(values) -> float:
+    """The population Gini from its definition, sum_i sum_j |x_i - x_j| / (2 n^2 mean), in exact rationals."""
+    from fractions import Fraction
+
+    x = [Fraction(v) for v in values]
+    total = sum(x)
+    if total <= 0:
+        return 0.0
+    return float(sum(abs(a - b) for a in x for b in x) / (2 * len(x) * total))
+
+
+@pytest.mark.parametrize(
+    "values", [[0.0, 2.2e-309], [0.0, 0.0, 5e-324], [1e-310, 3e-310], [0.0, 1e308, 1.5e308], [1e-300, 1e300]]
+)
+def test_gini_of_subnormal_and_huge_values(values):
+    """Scale invariance down to subnormals and up to the float64 limit: [0, a] has Gini 1/2 for any a > 0."""
+    got = R.gini(torch.tensor(values, dtype=torch.float64)).item()
+    assert got == pytest.approx(_gini_exact(values), rel=1e-12)
+    groups = RolloutRewardGini()
+    n = len(values)
+    groups.update(rewards=torch.tensor(values * 2, dtype=torch.float64), group_ids=torch.tensor([0] * n + [1] * n))
+    assert groups.compute().item() == pytest.approx(_gini_exact(values), rel=1e-12)
+
+
 def test_group_ids_are_arbitrary():
     """Negative, huge, non-contiguous ints, strings and NumPy object arrays all give the same groups."""
     x = torch.tensor([1.0, 0.0, 3.0, 3.0, 2.0, 0.0, 7.0])

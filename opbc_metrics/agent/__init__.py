@@ -12,30 +12,8 @@ Example:
     tensor(1., dtype=torch.float64)
 """
 
-from opbc_metrics.agent.metrics import (
-    AGENT_METRICS,
-    AnswerMatchRate,
-    FirstDivergenceStep,
-    SoftAnswerMatch,
-    ToolCallJaccard,
-    ToolChoiceDisagreementRate,
-    TrajectoryStepCounts,
-    agent_section,
-)
-from opbc_metrics.trajectory import Step, ToolCall, Trajectory, as_trajectory, canonical_arguments
+from opbc_metrics.agent import metrics, trajectory
+from opbc_metrics.agent.metrics import *  # noqa: F403
+from opbc_metrics.agent.trajectory import *  # noqa: F403
 
-__all__ = [
-    "AGENT_METRICS",
-    "AnswerMatchRate",
-    "FirstDivergenceStep",
-    "SoftAnswerMatch",
-    "Step",
-    "ToolCall",
-    "ToolCallJaccard",
-    "ToolChoiceDisagreementRate",
-    "Trajectory",
-    "TrajectoryStepCounts",
-    "agent_section",
-    "as_trajectory",
-    "canonical_arguments",
-]
+__all__ = metrics.__all__ + trajectory.__all__

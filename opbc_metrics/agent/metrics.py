@@ -10,6 +10,7 @@ the four classes does the host work once. The inputs are optional: inside an
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from torch import Tensor
@@ -18,16 +19,23 @@ from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import agent as F
 from opbc_metrics.metric import MIN, GlossaryEntry, OPBCMetric, table
 
+__all__ = ["AGENT_METRICS", "AnswerMatchRate", "FirstDivergenceStep", "SoftAnswerMatch", "ToolCallJaccard",
+           "ToolChoiceDisagreementRate", "TrajectoryStepCounts", "agent_section"]
+
 _PAIRS = "(rollout, reference) trajectory pairs, summed over the window and all ranks"
-_DIAGNOSTIC = "none (diagnostic)"
 _NO_ACTION = (
     "no OPBC action; a drop flags behavioural drift between the rollout and reference engines, to be read "
     "with the token-level mismatch metrics (ESS, |Δlogp|) of the same run"
 )
+#: ``_entry(name, what, ...)``: a glossary entry of this section, a diagnostic over pairs unless it says otherwise.
+_entry = partial(GlossaryEntry, unit=_PAIRS, cap="none (diagnostic)", action=_NO_ACTION)
 
 
 class _AgentMetric(OPBCMetric):
-    """Base of the trajectory metrics: one batch field, per-pair host work shared through the view."""
+    """Base of the trajectory metrics: one batch field, per-pair host work shared through the view.
+
+    ``compute()`` gives the ratios of sums of :data:`~opbc_metrics.functional.agent.RATIOS` for ``keys``.
+    """
 
     required_fields = (F.TRAJECTORY_PAIRS,)
     optional_inputs = True
@@ -40,6 +48,10 @@ class _AgentMetric(OPBCMetric):
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         stats = F._agent_update(view)  # the statistics of every agent metric, computed once per view
         return {name: stats[name] for name in self.states}
+
+    def compute(self) -> Tensor | dict[str, Tensor]:
+        out = F._ratio_compute(self.keys, self.state_values())
+        return out if len(out) > 1 else out[self.keys[0]]
 
 
 class ToolCallJaccard(_AgentMetric):
@@ -59,25 +71,16 @@ class ToolCallJaccard(_AgentMetric):
         tensor(0.7500, dtype=torch.float64)
     """
 
-    keys = (F.JACCARD_KEY,)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="tool_call_jaccard",
-        what="Jaccard similarity of the (tool_name, arguments_hash) sets of the rollout and reference "
+    keys, higher_is_better, states = (F.JACCARD_KEY,), True, table("jaccard_sum", "pairs")
+    plot_lower_bound, plot_upper_bound = 0.0, 1.0
+    glossary = _entry(
+        "tool_call_jaccard",
+        "Jaccard similarity of the (tool_name, arguments_hash) sets of the rollout and reference "
         "trajectories (arguments hashed as sha256 of canonical JSON: sorted keys, compact separators), "
         "averaged over pairs. 1.0 = identical tool invocations across the run; < 1.0 = the rollout "
         "engine picked at least one tool call the reference engine did not (or vice versa). Lower = "
         "more behavioural drift.",
-        unit=_PAIRS,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
     )
-    states = table("jaccard_sum", "pairs")
-
-    def compute(self) -> Tensor:
-        return F._jaccard_compute(**self.state_values())
 
 
 class FirstDivergenceStep(_AgentMetric):
@@ -104,21 +107,17 @@ class FirstDivergenceStep(_AgentMetric):
         True
     """
 
-    keys = F.DIVERGENCE_KEYS
-    higher_is_better = None
-    glossary = GlossaryEntry(
-        name="first_divergence_step",
-        what="First assistant step (0-based) where the rollout and reference trajectories took a different "
+    keys, higher_is_better = F.DIVERGENCE_KEYS, None
+    states = table("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in F.DIVERGENCE_KINDS), step_min=MIN)
+    glossary = _entry(
+        "first_divergence_step",
+        "First assistant step (0-based) where the rollout and reference trajectories took a different "
         "action: tool choice compared first, then tool arguments, then normalised content; a trajectory "
         "that ends early diverges at its end. Reported as the mean and min over diverged pairs (-1 when "
         "none diverged), the share of diverged pairs, and the share by kind (tool_choice, "
         "tool_arguments, content, length). The lower the step, the earlier the rollout rolled off-policy.",
-        unit=_PAIRS,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
         aliases=("diverged_fraction", "divergence_kind"),
     )
-    states = table("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in F.DIVERGENCE_KINDS), step_min=MIN)
 
     def compute(self) -> dict[str, Tensor]:
         return F._divergence_compute(**self.state_values())
@@ -140,27 +139,18 @@ class AnswerMatchRate(_AgentMetric):
         tensor(0.5000, dtype=torch.float64)
     """
 
-    keys = (F.ANSWER_KEY,)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="answer_match",
-        what="Whether the rollout engine and reference engine reached the same final assistant answer "
+    keys, higher_is_better, states = (F.ANSWER_KEY,), True, table("matches", "pairs")
+    plot_lower_bound, plot_upper_bound = 0.0, 1.0
+    glossary = _entry(
+        "answer_match",
+        "Whether the rollout engine and reference engine reached the same final assistant answer "
         "(normalised whitespace + case; when neither side reached an answer they did not reach the same "
         "one: no match), as a rate over all comparisons (answer_match_rate): the "
         "fraction of tasks where rollout and reference produced the same final answer. The headline "
         "trajectory metric: small per-token drift can compound into a different answer over multi-step "
         "tool use.",
-        unit=_PAIRS,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
         aliases=("answer_match_rate",),
     )
-    states = table("matches", "pairs")
-
-    def compute(self) -> Tensor:
-        return F._answer_compute(**self.state_values())
 
 
 class SoftAnswerMatch(_AgentMetric):
@@ -180,24 +170,15 @@ class SoftAnswerMatch(_AgentMetric):
         tensor(0.7000, dtype=torch.float64)
     """
 
-    keys = (F.SOFT_ANSWER_KEY,)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="answer_soft_match",
-        what="Soft answer match: token-overlap F1 of the normalised final answers of the rollout and reference "
+    keys, higher_is_better, states = (F.SOFT_ANSWER_KEY,), True, table("soft_sum", "pairs")
+    plot_lower_bound, plot_upper_bound = 0.0, 1.0
+    glossary = _entry(
+        "answer_soft_match",
+        "Soft answer match: token-overlap F1 of the normalised final answers of the rollout and reference "
         "trajectories (SQuAD's F1 over whitespace tokens, multiset overlap; 0 when either side has no "
         "answer), averaged over pairs. The trajectory lab's partial-credit counterpart of answer_match.",
-        unit=_PAIRS,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
         aliases=("soft_answer_match", "answer_f1"),
     )
-    states = table("soft_sum", "pairs")
-
-    def compute(self) -> Tensor:
-        return F._soft_answer_compute(**self.state_values())
 
 
 class TrajectoryStepCounts(_AgentMetric):
@@ -215,21 +196,11 @@ class TrajectoryStepCounts(_AgentMetric):
         [2.0, 1.5]
     """
 
-    keys = F.STEP_COUNT_KEYS
-    higher_is_better = None
-    glossary = GlossaryEntry(
-        name="trajectory_step_count",
-        what="Mean number of assistant steps of the rollout trajectories and of the reference trajectories "
-        "(the trajectory lab's step counts), over pairs.",
-        unit=_PAIRS,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
-        aliases=("rollout_steps", "reference_steps", "num_steps"),
-    )
+    keys, higher_is_better = F.STEP_COUNT_KEYS, None
     states = table("rollout_steps", "reference_steps", "pairs")
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._step_count_compute(**self.state_values())
+    glossary = _entry("trajectory_step_count", "Mean number of assistant steps of the rollout trajectories and of "
+                      "the reference trajectories (the trajectory lab's step counts), over pairs.",
+                      aliases=("rollout_steps", "reference_steps", "num_steps"))
 
 
 class ToolChoiceDisagreementRate(_AgentMetric):
@@ -249,34 +220,23 @@ class ToolChoiceDisagreementRate(_AgentMetric):
         tensor(0.5000, dtype=torch.float64)
     """
 
-    keys = (F.TOOL_CHOICE_KEY,)
-    higher_is_better = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="tool_choice_disagreement_rate",
-        what="Fraction of assistant steps where rollout and reference invoked different tools: steps whose "
+    keys, higher_is_better = (F.TOOL_CHOICE_KEY,), False
+    plot_lower_bound, plot_upper_bound = 0.0, 1.0
+    glossary = _entry(
+        "tool_choice_disagreement_rate",
+        "Fraction of assistant steps where rollout and reference invoked different tools: steps whose "
         "tool-name lists differ / steps where either side calls a tool. The per-step counterpart to "
         "tool_call_jaccard; > 0 means the trajectories diverged at the step level.",
         unit="assistant steps (aligned by index) where either side calls a tool, summed over pairs, the "
         "window and all ranks",
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
     )
     # ``pairs`` is not needed for the rate; it marks that the window saw pairs, so a collection reports the
     # key (0) for pairs without any tool call instead of leaving it out as "no data".
     states = table("disagree", "tool_steps", "pairs")
 
-    def compute(self) -> Tensor:
-        return F._tool_choice_compute(**self.state_values(exclude=("pairs",)))
-
 
 AGENT_METRICS: tuple[type[_AgentMetric], ...] = (
-    ToolCallJaccard,
-    FirstDivergenceStep,
-    AnswerMatchRate,
-    SoftAnswerMatch,
-    ToolChoiceDisagreementRate,
+    ToolCallJaccard, FirstDivergenceStep, AnswerMatchRate, SoftAnswerMatch, ToolChoiceDisagreementRate,
     TrajectoryStepCounts,
 )
 

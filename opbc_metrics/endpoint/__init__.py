@@ -11,27 +11,8 @@ Example:
     (tensor(1., dtype=torch.float64), tensor(0., dtype=torch.float64))
 """
 
-from opbc_metrics.endpoint.metrics import (
-    ENDPOINT_METRICS,
-    EndpointResponseCount,
-    SampledLogprobsCoverage,
-    SeedSupportCoverage,
-    TokenIdsCoverage,
-    TopLogprobsCoverage,
-    endpoint_section,
-)
-from opbc_metrics.functional.endpoint import CHAT_COMPLETION, TEXT_COMPLETION, EndpointCapabilities, probe_response
+from opbc_metrics.endpoint import metrics, probe
+from opbc_metrics.endpoint.metrics import *  # noqa: F403
+from opbc_metrics.endpoint.probe import *  # noqa: F403
 
-__all__ = [
-    "CHAT_COMPLETION",
-    "ENDPOINT_METRICS",
-    "TEXT_COMPLETION",
-    "EndpointCapabilities",
-    "EndpointResponseCount",
-    "SampledLogprobsCoverage",
-    "SeedSupportCoverage",
-    "TokenIdsCoverage",
-    "TopLogprobsCoverage",
-    "endpoint_section",
-    "probe_response",
-]
+__all__ = metrics.__all__ + probe.__all__

@@ -10,7 +10,8 @@ No response in the window: no keys.
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, ClassVar
 
 from torch import Tensor
 
@@ -18,20 +19,34 @@ from opbc_metrics.batch import BatchView
 from opbc_metrics.functional import endpoint as F
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric, table
 
+__all__ = ["ENDPOINT_METRICS", "EndpointResponseCount", "SampledLogprobsCoverage", "SeedSupportCoverage",
+           "TokenIdsCoverage", "TopLogprobsCoverage", "endpoint_section"]
+
 _RESPONSES = (
     "OpenAI-compatible responses probed (one per request, all of its choices), summed over the window and "
     "all ranks"
 )
-_DIAGNOSTIC = "none (diagnostic)"
+#: ``_entry(name, what, action=...)``: a glossary entry of this section, a diagnostic over probed responses.
+_entry = partial(GlossaryEntry, unit=_RESPONSES, cap="none (diagnostic)")
 
 
 class _CoverageMetric(OPBCMetric):
-    """Base: the fraction of probed responses with each capability flag (the states after ``responses``)."""
+    """Base: the fraction of probed responses with each of the capability ``flags`` (its keys, and its states
+    after ``responses``)."""
 
     required_fields = (F.ENDPOINT_RESPONSES,)
     optional_inputs = True
     data_counts = ("responses",)
     states = table("responses")
+    flags: ClassVar[tuple[str, ...]] = ()
+    higher_is_better = True
+    plot_lower_bound, plot_upper_bound = 0.0, 1.0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        if cls.flags:
+            cls.keys = tuple(map(F.capability_key, cls.flags))
+            cls.states = table("responses", *cls.flags)
+        super().__init_subclass__(**kwargs)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate ``endpoint_responses`` (a list of responses) and the optional ``endpoint_requests``
@@ -66,24 +81,18 @@ class TokenIdsCoverage(_CoverageMetric):
         tensor(0.2500, dtype=torch.float64)
     """
 
-    keys = (F.capability_key("token_ids_available"), F.capability_key("prompt_token_ids_available"))
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="token_ids_available",
-        what="Whether the API exposes the integer token IDs of the response (not just text), as the share "
+    flags = ("token_ids_available", "prompt_token_ids_available")
+    glossary = _entry(
+        "token_ids_available",
+        "Whether the API exposes the integer token IDs of the response (not just text), as the share "
         "of probed responses that do (vLLM: token_ids per choice with return_token_ids, or "
         "'token_id:<int>' logprob tokens with return_tokens_as_token_ids); prompt_token_ids_available "
         "is the same for the prompt. Without ids the trainer must re-tokenize text, which can split "
         "tokens differently from the rollout and misalign the logprobs.",
-        unit=_RESPONSES,
-        cap=_DIAGNOSTIC,
         action="no OPBC action; below 1.0, rollouts are re-tokenized from text and token-level logprob "
         "comparisons can misalign (a misaligned batch is a contract failure the OPBC rejects)",
         aliases=("prompt_token_ids_available",),
     )
-    states = table("responses", "token_ids_available", "prompt_token_ids_available")
 
 
 class SampledLogprobsCoverage(_CoverageMetric):
@@ -100,21 +109,15 @@ class SampledLogprobsCoverage(_CoverageMetric):
         tensor(0.5000, dtype=torch.float64)
     """
 
-    keys = (F.capability_key("sampled_logprobs_available"),)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="sampled_logprobs_available",
-        what="Whether the API returns the logprob of each sampled token (chat: logprobs.content[].logprob; "
+    flags = ("sampled_logprobs_available",)
+    glossary = _entry(
+        "sampled_logprobs_available",
+        "Whether the API returns the logprob of each sampled token (chat: logprobs.content[].logprob; "
         "completions: logprobs.token_logprobs), as the share of probed responses that do. These are the "
         "rollout_logprobs every mismatch metric and the OPBC need.",
-        unit=_RESPONSES,
-        cap=_DIAGNOSTIC,
         action="no OPBC action by itself; a rollout without sampled logprobs fails the OPBC input contract "
         "(missing rollout_logprobs), and its group is rejected",
     )
-    states = table("responses", "sampled_logprobs_available")
 
 
 class TopLogprobsCoverage(_CoverageMetric):
@@ -131,21 +134,15 @@ class TopLogprobsCoverage(_CoverageMetric):
         tensor(1., dtype=torch.float64)
     """
 
-    keys = (F.capability_key("top_logprobs_available"),)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="top_logprobs_available",
-        what="Whether the API returns the top-k alternatives at each sampled position (chat: non-empty "
+    flags = ("top_logprobs_available",)
+    glossary = _entry(
+        "top_logprobs_available",
+        "Whether the API returns the top-k alternatives at each sampled position (chat: non-empty "
         "logprobs.content[].top_logprobs; completions: logprobs.top_logprobs maps), as the share of "
         "probed responses that do. Needed for distribution-level comparisons (top-k KL, probability "
         "scatter) beyond the sampled token.",
-        unit=_RESPONSES,
-        cap=_DIAGNOSTIC,
         action="no OPBC action; without top-k only sampled-token statistics can be computed",
     )
-    states = table("responses", "top_logprobs_available")
 
 
 class SeedSupportCoverage(_CoverageMetric):
@@ -165,22 +162,16 @@ class SeedSupportCoverage(_CoverageMetric):
         {'endpoint/capabilities/seed_supported': 0.5, 'endpoint/capabilities/seed_requested': 0.5}
     """
 
-    keys = (F.capability_key("seed_supported"), F.capability_key("seed_requested"))
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-    glossary = GlossaryEntry(
-        name="seed_supported",
-        what="Whether the API honours a generation seed and signals it back via system_fingerprint: the "
+    flags = ("seed_supported", "seed_requested")
+    glossary = _entry(
+        "seed_supported",
+        "Whether the API honours a generation seed and signals it back via system_fingerprint: the "
         "share of probed responses whose request set a seed and whose response returned a "
         "system_fingerprint (seed_requested: the share whose request set a seed).",
-        unit=_RESPONSES,
-        cap=_DIAGNOSTIC,
         action="no OPBC action; below seed_requested, reruns of the same request may not reproduce the "
         "rollout, so replayed groups cannot be regenerated bit-for-bit",
         aliases=("seed_requested",),
     )
-    states = table("responses", "seed_supported", "seed_requested")
 
 
 class EndpointResponseCount(_CoverageMetric):
@@ -196,24 +187,17 @@ class EndpointResponseCount(_CoverageMetric):
     """
 
     keys = (F.NUM_RESPONSES_KEY,)
-    glossary = GlossaryEntry(
-        name="endpoint_num_responses",
-        what="Number of OpenAI-compatible responses the endpoint-capability fractions were computed over.",
-        unit=_RESPONSES,
-        cap=_DIAGNOSTIC,
-        action="no OPBC action; 0 means no response was probed and every capability fraction reads 0",
-    )
+    higher_is_better = plot_lower_bound = plot_upper_bound = None
+    glossary = _entry("endpoint_num_responses", "Number of OpenAI-compatible responses the endpoint-capability "
+                      "fractions were computed over.", action="no OPBC action; 0 means no response was probed and "
+                      "every capability fraction reads 0")
 
     def compute(self) -> Tensor:
         return self.responses.clone()
 
 
 ENDPOINT_METRICS: tuple[type[_CoverageMetric], ...] = (
-    TokenIdsCoverage,
-    SampledLogprobsCoverage,
-    TopLogprobsCoverage,
-    SeedSupportCoverage,
-    EndpointResponseCount,
+    TokenIdsCoverage, SampledLogprobsCoverage, TopLogprobsCoverage, SeedSupportCoverage, EndpointResponseCount,
 )
 
 

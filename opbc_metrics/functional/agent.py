@@ -263,51 +263,28 @@ def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
                 f"batch field `{TRAJECTORY_PAIRS}[{i}]` must be a (rollout, reference) pair, got "
                 f"{type(pair).__name__}{f' of length {len(pair)}' if isinstance(pair, Sequence) else ''}"
             )
-        pairs.append(
-            (
-                as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
-                as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]"),
-            )
-        )
+        pairs.append((as_trajectory(pair[0], f"{TRAJECTORY_PAIRS}[{i}][0]"),
+                      as_trajectory(pair[1], f"{TRAJECTORY_PAIRS}[{i}][1]")))
     return pairs
 
 
 def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
-    n = jaccard_sum = diverged = step_sum = matches = soft_sum = disagree = tool_steps = 0.0
-    rollout_steps = reference_steps = 0.0
-    step_min = float("inf")
-    kinds = dict.fromkeys(DIVERGENCE_KINDS, 0.0)
+    kinds = tuple(f"kind_{k}" for k in DIVERGENCE_KINDS)
+    s = dict.fromkeys(("pairs", "jaccard_sum", "diverged", "step_sum", *kinds, "matches", "soft_sum", "rollout_steps",
+                       "reference_steps", "disagree", "tool_steps"), 0.0)
+    s["step_min"] = float("inf")
     for a, b in pairs:
-        n += 1
-        jaccard_sum += _jaccard(a, b)
+        disagree, either = _tool_choice(a, b)
+        seen = {"pairs": 1, "jaccard_sum": _jaccard(a, b), "matches": _answer_match(a, b),
+                "soft_sum": _soft_answer_match(a, b), "rollout_steps": len(a.steps), "reference_steps": len(b.steps),
+                "disagree": disagree, "tool_steps": either}
         div = _divergence(a, b)
         if div is not None:
-            diverged += 1
-            step_sum += div.step
-            step_min = min(step_min, float(div.step))
-            kinds[div.kind] += 1
-        matches += _answer_match(a, b)
-        soft_sum += _soft_answer_match(a, b)
-        rollout_steps += len(a.steps)
-        reference_steps += len(b.steps)
-        d, e = _tool_choice(a, b)
-        disagree += d
-        tool_steps += e
-    values = {
-        "pairs": n,
-        "jaccard_sum": jaccard_sum,
-        "diverged": diverged,
-        "step_sum": step_sum,
-        "step_min": step_min,
-        **{f"kind_{k}": v for k, v in kinds.items()},
-        "matches": matches,
-        "soft_sum": soft_sum,
-        "rollout_steps": rollout_steps,
-        "reference_steps": reference_steps,
-        "disagree": disagree,
-        "tool_steps": tool_steps,
-    }
-    return {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+            seen.update({"diverged": 1, "step_sum": div.step, f"kind_{div.kind}": 1})
+            s["step_min"] = min(s["step_min"], float(div.step))
+        for name, value in seen.items():
+            s[name] += value
+    return {k: torch.tensor(v, dtype=torch.float64) for k, v in s.items()}
 
 
 def _agent_update(view: BatchView) -> Stats:
@@ -315,60 +292,38 @@ def _agent_update(view: BatchView) -> Stats:
     return view.shared("agent/pair_stats", lambda: _pair_stats(trajectory_pairs(view.field(TRAJECTORY_PAIRS))))
 
 
-def _jaccard_compute(jaccard_sum: Tensor, pairs: Tensor) -> Tensor:
-    return safe_div(jaccard_sum, pairs, 1.0)
+#: The window values that are ratios of sums: key -> (numerator state, denominator state, empty-window value).
+RATIOS = {
+    JACCARD_KEY: ("jaccard_sum", "pairs", 1.0),
+    ANSWER_KEY: ("matches", "pairs", 1.0),
+    SOFT_ANSWER_KEY: ("soft_sum", "pairs", 1.0),
+    TOOL_CHOICE_KEY: ("disagree", "tool_steps", 0.0),
+    STEP_COUNT_KEYS[0]: ("rollout_steps", "pairs", 0.0),
+    STEP_COUNT_KEYS[1]: ("reference_steps", "pairs", 0.0),
+}
 
 
-def _divergence_compute(
-    pairs: Tensor,
-    diverged: Tensor,
-    step_sum: Tensor,
-    step_min: Tensor,
-    kind_tool_choice: Tensor,
-    kind_tool_arguments: Tensor,
-    kind_content: Tensor,
-    kind_length: Tensor,
-) -> dict[str, Tensor]:
-    none = torch.full_like(step_min, NO_DIVERGENCE)
-    kinds = (kind_tool_choice, kind_tool_arguments, kind_content, kind_length)
+def _ratio_compute(keys: Sequence[str], stats: Stats) -> dict[str, Tensor]:
+    return {key: safe_div(stats[num], stats[den], empty) for key in keys for num, den, empty in [RATIOS[key]]}
+
+
+def _divergence_compute(pairs: Tensor, diverged: Tensor, step_sum: Tensor, step_min: Tensor, **kinds: Tensor
+                        ) -> dict[str, Tensor]:
+    """``kinds``: the ``kind_<kind>`` counts, in :data:`DIVERGENCE_KINDS` order."""
     return {
         DIVERGENCE_KEYS[0]: safe_div(step_sum, diverged, NO_DIVERGENCE),
-        DIVERGENCE_KEYS[1]: torch.where(diverged > 0, step_min, none),
+        DIVERGENCE_KEYS[1]: torch.where(diverged > 0, step_min, torch.full_like(step_min, NO_DIVERGENCE)),
         DIVERGENCE_KEYS[2]: safe_div(diverged, pairs, 0.0),
-        **{key: safe_div(k, pairs, 0.0) for key, k in zip(DIVERGENCE_KEYS[3:7], kinds)},
+        **{key: safe_div(kinds[f"kind_{k}"], pairs, 0.0) for key, k in zip(DIVERGENCE_KEYS[3:7], DIVERGENCE_KINDS)},
         DIVERGENCE_KEYS[7]: pairs.clone(),
     }
 
 
-def _answer_compute(matches: Tensor, pairs: Tensor) -> Tensor:
-    return safe_div(matches, pairs, 1.0)
-
-
-def _soft_answer_compute(soft_sum: Tensor, pairs: Tensor) -> Tensor:
-    return safe_div(soft_sum, pairs, 1.0)
-
-
-def _step_count_compute(rollout_steps: Tensor, reference_steps: Tensor, pairs: Tensor) -> dict[str, Tensor]:
-    return dict(zip(STEP_COUNT_KEYS, (safe_div(rollout_steps, pairs, 0.0), safe_div(reference_steps, pairs, 0.0)),
-                    strict=True))
-
-
-def _tool_choice_compute(disagree: Tensor, tool_steps: Tensor) -> Tensor:
-    return safe_div(disagree, tool_steps, 0.0)
-
-
 def _all_compute(s: Stats) -> dict[str, Tensor]:
-    return {
-        JACCARD_KEY: _jaccard_compute(s["jaccard_sum"], s["pairs"]),
-        **_divergence_compute(
-            s["pairs"], s["diverged"], s["step_sum"], s["step_min"],
-            *(s[f"kind_{k}"] for k in DIVERGENCE_KINDS),
-        ),
-        ANSWER_KEY: _answer_compute(s["matches"], s["pairs"]),
-        SOFT_ANSWER_KEY: _soft_answer_compute(s["soft_sum"], s["pairs"]),
-        TOOL_CHOICE_KEY: _tool_choice_compute(s["disagree"], s["tool_steps"]),
-        **_step_count_compute(s["rollout_steps"], s["reference_steps"], s["pairs"]),
-    }
+    kinds = {f"kind_{k}": s[f"kind_{k}"] for k in DIVERGENCE_KINDS}
+    out = {**_ratio_compute(RATIOS, s), **_divergence_compute(s["pairs"], s["diverged"], s["step_sum"], s["step_min"],
+                                                              **kinds)}
+    return {key: out[key] for key in AGENT_KEYS}
 
 
 def agent_metrics(pairs: Sequence[tuple[AnyTrajectory, AnyTrajectory]]) -> dict[str, Tensor]:

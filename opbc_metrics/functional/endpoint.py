@@ -77,18 +77,11 @@ ENDPOINT_RESPONSES = "endpoint_responses"
 ENDPOINT_REQUESTS = "endpoint_requests"
 
 # The flags of EndpointCapabilities, in their reporting order.
-CAPABILITY_FLAGS = (
-    "token_ids_available",
-    "prompt_token_ids_available",
-    "sampled_logprobs_available",
-    "top_logprobs_available",
-    "seed_requested",
-    "seed_supported",
-)
+CAPABILITY_FLAGS = ("token_ids_available", "prompt_token_ids_available", "sampled_logprobs_available",
+                    "top_logprobs_available", "seed_requested", "seed_supported")
 CAPABILITY_PREFIX = "endpoint/capabilities/"
 NUM_RESPONSES_KEY = CAPABILITY_PREFIX + "num_responses"
 ENDPOINT_KEYS = (*(CAPABILITY_PREFIX + f for f in CAPABILITY_FLAGS), NUM_RESPONSES_KEY)
-
 
 
 def capability_key(flag: str) -> str:
@@ -189,15 +182,9 @@ def probe_response(response: Any, request: Mapping[str, Any] | None = None) -> E
         prompt_ids &= choice_prompt_ids
         sampled &= s
         top &= t
-    return EndpointCapabilities(
-        api=api,
-        token_ids_available=token_ids,
-        prompt_token_ids_available=prompt_ids,
-        sampled_logprobs_available=sampled,
-        top_logprobs_available=top,
-        seed_requested=seed_requested,
-        seed_supported=seed_requested and bool(fingerprint),
-    )
+    return EndpointCapabilities(api, token_ids_available=token_ids, prompt_token_ids_available=prompt_ids,
+                                sampled_logprobs_available=sampled, top_logprobs_available=top,
+                                seed_requested=seed_requested, seed_supported=seed_requested and bool(fingerprint))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,10 +365,8 @@ def probe_responses(responses: Any, requests: Any = None) -> list[EndpointCapabi
 
 
 def _probe_stats(caps: Sequence[EndpointCapabilities]) -> Stats:
-    stats = {"responses": torch.tensor(float(len(caps)), dtype=torch.float64)}
-    for flag in CAPABILITY_FLAGS:
-        stats[flag] = torch.tensor(float(sum(getattr(c, flag) for c in caps)), dtype=torch.float64)
-    return stats
+    counts = {"responses": len(caps), **{flag: sum(getattr(c, flag) for c in caps) for flag in CAPABILITY_FLAGS}}
+    return {name: torch.tensor(float(n), dtype=torch.float64) for name, n in counts.items()}
 
 
 def _endpoint_update(view: BatchView) -> Stats:

@@ -148,36 +148,19 @@ def partition_loads(lengths: Sequence[float], k: int, algorithm: str = "karmarka
     return [float(sum(float(lengths[i]) for i in p)) for p in partition(lengths, k, algorithm, equal_size)]
 
 
-SEQLEN_KEYS = (
-    "global_seqlen/min",
-    "global_seqlen/max",
-    "global_seqlen/minmax_diff",
-    "global_seqlen/balanced_min",
-    "global_seqlen/balanced_max",
-    "global_seqlen/mean",
-)
+SEQLEN_KEYS = ("global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff", "global_seqlen/balanced_min",
+               "global_seqlen/balanced_max", "global_seqlen/mean")
 
 
 def seqlen_balance_from_loads(rank_loads: Sequence[float], balanced: Sequence[float]) -> dict[str, float]:
     """The six ``global_seqlen/*`` values from the actual per-rank loads and the balanced loads."""
     lo, hi = min(rank_loads), max(rank_loads)
-    return {
-        SEQLEN_KEYS[0]: float(lo),
-        SEQLEN_KEYS[1]: float(hi),
-        SEQLEN_KEYS[2]: float(hi - lo),
-        SEQLEN_KEYS[3]: float(min(balanced)),
-        SEQLEN_KEYS[4]: float(max(balanced)),
-        SEQLEN_KEYS[5]: float(sum(rank_loads)) / len(rank_loads),
-    }
+    values = (lo, hi, hi - lo, min(balanced), max(balanced), float(sum(rank_loads)) / len(rank_loads))
+    return {key: float(v) for key, v in zip(SEQLEN_KEYS, values, strict=True)}
 
 
-def seqlen_balance(
-    seqlens: Sequence[float],
-    num_ranks: int,
-    rank_ids: Sequence[int] | None = None,
-    algorithm: str = "karmarkar_karp",
-    equal_size: bool = True,
-) -> dict[str, float]:
+def seqlen_balance(seqlens: Sequence[float], num_ranks: int, rank_ids: Sequence[int] | None = None,
+                   algorithm: str = "karmarkar_karp", equal_size: bool = True) -> dict[str, float]:
     """``global_seqlen/*`` for one step, from every sequence's token count (host data).
 
     ``rank_ids`` gives the rank each sequence was assigned to; without it the sequences are dealt to
@@ -210,33 +193,15 @@ def seqlen_balance(
 # ---------------------------------------------------------------------------------------------
 # FLOPs, peak FLOPs, MFU
 # ---------------------------------------------------------------------------------------------
-# Dense (no 2:4 sparsity) bf16 peak FLOP/s per device, from the vendors' data sheets. Matched
+# Dense (no 2:4 sparsity) bf16 peak FLOP/s per device (H100: the SXM part), from the vendors' data sheets. Matched
 # case-insensitively against the device name, longest entry first ("GH200" before "H200" before "H20").
 PEAK_FLOPS: dict[str, float] = {
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H100": 989e12,  # SXM
-    "H800": 989e12,
-    "H200": 989e12,
-    "GH200": 989e12,
-    "H20": 148e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "A40": 149.7e12,
-    "L40S": 362.05e12,
-    "L40": 181.05e12,
-    "L20": 119.5e12,
-    "L4": 121e12,
-    "B100": 1.75e15,
-    "B200": 2.25e15,
-    "GB200": 2.5e15,
-    "MI250X": 383e12,
-    "MI300X": 1307.4e12,
-    "MI325X": 1307.4e12,
-    "MI355X": 2.5e15,
-    "TPU v4": 275e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H800": 989e12, "H200": 989e12, "GH200": 989e12,
+    "H20": 148e12, "A100": 312e12, "A800": 312e12, "A40": 149.7e12,
+    "L40S": 362.05e12, "L40": 181.05e12, "L20": 119.5e12, "L4": 121e12,
+    "B100": 1.75e15, "B200": 2.25e15, "GB200": 2.5e15,
+    "MI250X": 383e12, "MI300X": 1307.4e12, "MI325X": 1307.4e12, "MI355X": 2.5e15,
+    "TPU v4": 275e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
     "RTX 4090": 165.2e12,
 }
 
@@ -310,24 +275,11 @@ class TransformerFlops:
         return flops_multiplier(mode) * self.forward_flops(tokens, sum_sq_seqlen)
 
     @classmethod
-    def from_config(
-        cls,
-        *,
-        hidden_size: int,
-        num_layers: int,
-        num_heads: int,
-        vocab_size: int,
-        intermediate_size: int = 0,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        num_experts: int = 0,
-        experts_per_token: int = 0,
-        moe_intermediate_size: int | None = None,
-        shared_experts: int = 0,
-        mlp_matrices: int = 3,
-        count_embedding: bool = False,
-        causal: bool = False,
-    ) -> TransformerFlops:
+    def from_config(cls, *, hidden_size: int, num_layers: int, num_heads: int, vocab_size: int,
+                    intermediate_size: int = 0, num_kv_heads: int | None = None, head_dim: int | None = None,
+                    num_experts: int = 0, experts_per_token: int = 0, moe_intermediate_size: int | None = None,
+                    shared_experts: int = 0, mlp_matrices: int = 3, count_embedding: bool = False,
+                    causal: bool = False) -> TransformerFlops:
         """Count active matmul parameters from a Llama/Qwen-style config (GQA attention, gated MLP).
 
         Per layer: attention ``hidden * (2 q + 2 kv)`` with ``q = heads * head_dim``,
@@ -383,18 +335,8 @@ def mfu(flops: float, seconds: float, num_gpus: int, peak: float) -> float:
 # timing
 # ---------------------------------------------------------------------------------------------
 # verl's stage names (ray_trainer's timing_raw); "step" is the whole step.
-DEFAULT_STAGES = (
-    "gen",
-    "reward",
-    "old_log_prob",
-    "ref",
-    "values",
-    "adv",
-    "update_critic",
-    "update_actor",
-    "update_weights",
-    "step",
-)
+DEFAULT_STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+                  "update_weights", "step")
 # Stages that get timing_per_token_ms/*; "gen" is normalised by response tokens, the others by all.
 DEFAULT_PER_TOKEN_STAGES = ("gen", "ref", "values", "adv", "update_critic", "update_actor")
 DEFAULT_RESPONSE_TOKEN_STAGES = ("gen",)

@@ -65,7 +65,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_bool_mask
+from opbc_metrics.batch import (
+    GROUP_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOGPROBS,
+    TRAINER_LOGPROBS,
+    BatchView,
+    as_bool_mask,
+    check_like,
+)
 from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid
 
 F64 = torch.float64
@@ -109,31 +117,21 @@ ADVANTAGE_KEYS = stat_keys(ADVANTAGE_PREFIX)
 PROMPT_TOKEN_KEYS = stat_keys(PROMPT_TOKENS_PREFIX)
 COMPLETION_TOKEN_KEYS = stat_keys(COMPLETION_TOKENS_PREFIX)
 TOTAL_TOKEN_KEYS = stat_keys(TOTAL_TOKENS_PREFIX)
-TOKEN_KEYS = PROMPT_TOKEN_KEYS + COMPLETION_TOKEN_KEYS + TOTAL_TOKEN_KEYS
 REWARD_GINI_KEY = "rollout/reward/group_gini_mean"
 LENGTH_GINI_KEY = "rollout/tokens_completion/group_gini_mean"
 LENGTH_RATIO_KEY = "rollout/tokens_completion/group_max_median_ratio_mean"
 STOP_LENGTH_PCT_KEY = "rollout/stop_reason/length_pct"
-DISCARD_KEYS = (
-    "rollout/discarded/max_async",
-    "rollout/discarded/zero_advantage",
-    "rollout/discarded/total",
-    "rollout/discarded/pct",
-)
+DISCARD_KEYS = ("rollout/discarded/max_async", "rollout/discarded/zero_advantage", "rollout/discarded/total",
+                "rollout/discarded/pct")
 #: Shares of the discarded rollouts by reason (percent of ``total``); only when something was discarded.
 DISCARD_SHARE_KEYS = ("rollout/discarded/max_async_pct", "rollout/discarded/zero_advantage_pct")
 #: The zero-advantage discards split by their (common) reward; only when ``rewards`` came with the codes.
-ZERO_ADVANTAGE_SPLIT_KEYS = (
-    "rollout/discarded/zero_advantage_all_zero",
-    "rollout/discarded/zero_advantage_all_positive",
-    "rollout/discarded/zero_advantage_reward_mean",
-)
+ZERO_ADVANTAGE_SPLIT_KEYS = tuple(f"rollout/discarded/zero_advantage_{s}" for s in ("all_zero", "all_positive",
+                                                                                   "reward_mean"))
 DISCARDED_PREFIX = "rollout/discarded"
 DISCARDED_TOKEN_KEYS = stat_keys(f"{DISCARDED_PREFIX}/tokens_completion")
-DISCARDED_GROUP_KEYS = (
-    f"{DISCARDED_PREFIX}/tokens_completion/group_gini_mean",
-    f"{DISCARDED_PREFIX}/tokens_completion/group_max_median_ratio_mean",
-)
+DISCARDED_GROUP_KEYS = (f"{DISCARDED_PREFIX}/tokens_completion/group_gini_mean",
+                        f"{DISCARDED_PREFIX}/tokens_completion/group_max_median_ratio_mean")
 DISCARDED_STOP_KEY = f"{DISCARDED_PREFIX}/stop_reason/length_pct"
 LENGTH_CV_KEY = "rollout/tokens_completion/group_cv_mean"
 POLICY_LAG = "policy_lag"
@@ -184,12 +182,7 @@ def _token_mask(view: BatchView, name: str, t: Tensor) -> Tensor:
     if not view.has(RESPONSE_MASK):
         return torch.ones(t.shape, dtype=torch.bool, device=t.device)
     mask = view.tensor(RESPONSE_MASK)
-    if mask.shape != t.shape:
-        raise ValueError(
-            f"batch field `{RESPONSE_MASK}` has shape {tuple(mask.shape)} but `{name}` has shape {tuple(t.shape)}"
-        )
-    if mask.device != t.device:
-        raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{name}` is on {t.device}")
+    check_like(RESPONSE_MASK, mask, name, t)
     return as_bool_mask(mask)
 
 
@@ -358,13 +351,16 @@ def _gini_update(segs: GroupSegments, x: Tensor, valid: Tensor) -> Stats:
     """
     xs, vs, _ = _sort_within_groups(segs, x, valid)
     xv = torch.where(vs, xs, 0.0)
+    # Gini is scale-free: dividing each group by its largest |x| keeps subnormal groups exact and huge ones finite.
+    seg = segs.seg[:, None].expand_as(xv)
+    scale = torch.gather(torch.zeros_like(xv).scatter_reduce_(0, seg, xv.abs(), "amax"), 0, seg)
+    xv = xv / torch.where(scale > 0, scale, 1.0)
     n = _segment_sum(segs, vs.to(F64))
     total = _segment_sum(segs, xv)
     pos = torch.arange(x.shape[0], device=x.device)
     rank = (pos - segs.start + 1).to(F64)[:, None]  # 1-based rank among the group's valid values
     term = (2.0 * rank - n - 1.0) * xv
-    tiny = torch.finfo(F64).tiny
-    contrib = torch.where(total > 0, term / (n * total).clamp_min(tiny), 0.0)
+    contrib = torch.where(total > 0, term / (n * torch.where(total > 0, total, 1.0)), 0.0)
     groups = (segs.is_start[:, None] & (n > 0)).to(F64).sum(dim=0)
     return {"gini_sum": contrib.sum(dim=0), "groups": groups}
 
@@ -459,8 +455,8 @@ def _advantage_stats_update(view: BatchView) -> Stats:
     return _value_stats_update(view, ADVANTAGES, "mean")
 
 
-def _length_stats_update(view: BatchView, name: str) -> Stats:
-    x, invalid = _lengths(view, name)
+def _completion_token_stats_update(view: BatchView) -> Stats:
+    x, invalid = _lengths(view, RESPONSE_LENGTHS)
     return _moments_update(x, torch.ones_like(x), invalid)
 
 
@@ -538,7 +534,7 @@ def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any
     """
     view = BatchView(prompt_lengths=prompt_lengths, response_lengths=response_lengths, group_ids=group_ids)
     out = _moments_dict(PROMPT_TOKEN_KEYS, **_checked(_prompt_token_stats_update(view), PROMPT_LENGTHS, BAD_COUNTS))
-    out.update(_moments_dict(COMPLETION_TOKEN_KEYS, **_checked(_length_stats_update(view, RESPONSE_LENGTHS),
+    out.update(_moments_dict(COMPLETION_TOKEN_KEYS, **_checked(_completion_token_stats_update(view),
                                                                RESPONSE_LENGTHS, BAD_COUNTS)))
     out.update(_moments_dict(TOTAL_TOKEN_KEYS, **_checked(_total_token_stats_update(view), PROMPT_LENGTHS,
                                                           BAD_COUNTS)))
@@ -548,18 +544,20 @@ def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any
 # ---------------------------------------------------------------------------------------------
 # Gini and max/median per prompt group
 # ---------------------------------------------------------------------------------------------
+def _group_gini_update(view: BatchView, name: str, x: Tensor, valid: Tensor) -> Stats:
+    """``value_sum`` (of the group Ginis) and ``groups`` of the ``[B]`` values ``x`` of the field ``name``."""
+    stats = _gini_update(_segments(view, name, x), x[:, None], valid[:, None])
+    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0]}
+
+
 def _reward_gini_update(view: BatchView) -> Stats:
     x, w, invalid = _finite(*_per_sample(view, REWARDS, "sum"))
-    segs = _segments(view, REWARDS, x)
-    stats = _gini_update(segs, x[:, None], (w > 0)[:, None])
-    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
+    return {**_group_gini_update(view, REWARDS, x, w > 0), "invalid": invalid}
 
 
 def _length_gini_update(view: BatchView) -> Stats:
     x, invalid = _lengths(view, RESPONSE_LENGTHS)
-    segs = _segments(view, RESPONSE_LENGTHS, x)
-    stats = _gini_update(segs, x[:, None], torch.ones_like(x, dtype=torch.bool)[:, None])
-    return {"value_sum": stats["gini_sum"][0], "groups": stats["groups"][0], "invalid": invalid}
+    return {**_group_gini_update(view, RESPONSE_LENGTHS, x, torch.ones_like(x, dtype=torch.bool)), "invalid": invalid}
 
 
 def _length_ratio_update(view: BatchView) -> Stats:
@@ -624,8 +622,8 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
     x, w = _per_sample(view, "values", "sum")
     x, w, invalid = _finite(x, w)
     raise_if_invalid("values", invalid, NONFINITE)
-    stats = _gini_update(_segments(view, "values", x), x[:, None], (w > 0)[:, None])
-    return _mean_over_groups(stats["gini_sum"][0], stats["groups"][0], 0.0)
+    stats = _group_gini_update(view, "values", x, w > 0)
+    return _mean_over_groups(stats["value_sum"], stats["groups"], 0.0)
 
 
 def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
@@ -647,10 +645,8 @@ def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
     return _mean_over_groups(stats["value_sum"], stats["groups"], 1.0)
 
 
-def zero_advantage_mask(
-    rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0,
-    advantages: Tensor | None = None, advantage_atol: float = 1e-9,
-) -> Tensor:
+def zero_advantage_mask(rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0,
+                        advantages: Tensor | None = None, advantage_atol: float = 1e-9) -> Tensor:
     r"""``[B]`` bool: samples of a prompt group of two or more whose advantage is zero for the whole group.
 
     GRPO's group-normalised advantage is then 0 for every sample of the group, so it carries no
@@ -691,17 +687,9 @@ def zero_advantage_mask(
     return torch.empty_like(flat).scatter_(0, segs.order, flat)
 
 
-def discard_reasons(
-    rewards: Tensor,
-    group_ids: Any,
-    *,
-    policy_lag: Tensor | None = None,
-    max_off_policy_steps: int | None = None,
-    discard_group_zero_advantage: bool = True,
-    response_mask: Tensor | None = None,
-    atol: float = 0.0,
-    advantages: Tensor | None = None,
-) -> Tensor:
+def discard_reasons(rewards: Tensor, group_ids: Any, *, policy_lag: Tensor | None = None,
+                    max_off_policy_steps: int | None = None, discard_group_zero_advantage: bool = True,
+                    response_mask: Tensor | None = None, atol: float = 0.0, advantages: Tensor | None = None) -> Tensor:
     r"""``[B]`` int codes of :data:`DISCARD_REASON_CODES`: 0 kept, 1 ``max_async``, 2 ``zero_advantage``.
 
     ``max_async``: ``policy_lag > max_off_policy_steps`` (the rollout's weights are too many steps
@@ -733,10 +721,8 @@ def discard_reasons(
 # ---------------------------------------------------------------------------------------------
 # stop reasons and discarded rollouts
 # ---------------------------------------------------------------------------------------------
-def _host_codes(
-    name: str, values: Sequence[Any], table: dict[str, int], none_code: int, unknown_code: int | None,
-    device: torch.device | str,
-) -> Tensor:
+def _host_codes(name: str, values: Sequence[Any], table: dict[str, int], none_code: int, unknown_code: int | None,
+                device: torch.device | str) -> Tensor:
     """Codes of a host list of strings / ints / None; unknown strings map to ``unknown_code`` or raise."""
     codes = []
     for v in values:
@@ -756,10 +742,8 @@ def _host_codes(
     return torch.tensor(codes, dtype=torch.long, device=device)
 
 
-def _code_tensor(
-    view: BatchView, name: str, table: dict[str, int], none_code: int, unknown_code: int | None,
-    device: torch.device | str, allow_bool: bool,
-) -> Tensor:
+def _code_tensor(view: BatchView, name: str, table: dict[str, int], none_code: int, unknown_code: int | None,
+                 device: torch.device | str, allow_bool: bool) -> Tensor:
     """A ``[B]`` int (or bool) tensor of codes from a tensor, a NumPy array, or a list of strings / ints / None."""
 
     def make() -> Tensor:
@@ -904,16 +888,13 @@ def _discarded_stats_update(view: BatchView, length_code: int, device: torch.dev
     return stats
 
 
-def _discarded_stats_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor, max: Tensor,
-                             total_hi: Tensor, total_sq_hi: Tensor, gini_sum: Tensor, gini_groups: Tensor,
-                             ratio_sum: Tensor, ratio_groups: Tensor, stop_length: Tensor, stop_count: Tensor,
-                             ) -> dict[str, Tensor]:
+def _discarded_stats_compute(gini_sum: Tensor, gini_groups: Tensor, ratio_sum: Tensor, ratio_groups: Tensor,
+                             stop_length: Tensor, stop_count: Tensor, **moments: Tensor) -> dict[str, Tensor]:
     """The keys that have data: token moments over the discarded, group keys over groups with a discarded
     rollout, the truncated share over discarded rollouts with a stop reason (host reads)."""
     out: dict[str, Tensor] = {}
-    if bool(count > 0):
-        out.update(_moments_dict(DISCARDED_TOKEN_KEYS, count=count, total=total, total_sq=total_sq, min=min, max=max,
-                                 total_hi=total_hi, total_sq_hi=total_sq_hi))
+    if bool(moments["count"] > 0):  # moments: the statistics of _moments_update
+        out.update(_moments_dict(DISCARDED_TOKEN_KEYS, **moments))
     if bool(gini_groups > 0):
         out[DISCARDED_GROUP_KEYS[0]] = gini_sum / gini_groups
     if bool(ratio_groups > 0):
@@ -1072,10 +1053,10 @@ def _sample_update(view: BatchView, names: tuple[str, ...], group_gini: bool, de
     return stats
 
 
-def _sample_compute(names: tuple[str, ...], count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor,
-                    max: Tensor, total_hi: Tensor, total_sq_hi: Tensor, gini_sum: Tensor | None = None,
-                    groups: Tensor | None = None) -> dict[str, Tensor]:
-    mean, std, lo, hi = _moments_compute(count, total, total_sq, min, max, total_hi, total_sq_hi)
+def _sample_compute(names: tuple[str, ...], gini_sum: Tensor | None = None, groups: Tensor | None = None,
+                    **moments: Tensor) -> dict[str, Tensor]:
+    mean, std, lo, hi = _moments_compute(**moments)
+    count = moments["count"]
     gini_mean = None if gini_sum is None or groups is None else _mean_over_groups(gini_sum, groups, 0.0)
     has_std = (count > 1).tolist()
     out: dict[str, Tensor] = {}

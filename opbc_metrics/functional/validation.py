@@ -130,6 +130,19 @@ def source_index(value: Any, sources: tuple[str, ...], allow_other: bool, num_pr
     return torch.tensor(idx, dtype=torch.long, device=device)
 
 
+def _val_mask(view: BatchView, name: str, x: Tensor, per_prompt: bool) -> Tensor:
+    """The bool ``val_mask`` for the field ``name`` of values ``x`` (all true without one); ``per_prompt``: a
+    ``[P]`` mask applies to ``[P, 1]`` values."""
+    if not view.has(VAL_MASK):
+        return torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    m, _ = field_tensor(view, VAL_MASK, ndims=(1, 2), dims=("P", "n"), device=x.device)
+    m = m[:, None] if per_prompt and m.ndim == 1 else m
+    if m.shape != x.shape:
+        raise ValueError(f"batch field `{VAL_MASK}` has shape {tuple(m.shape)} but `{name}` has {tuple(x.shape)}")
+    check_same_device(VAL_MASK, m, name, x)
+    return as_bool_mask(m)
+
+
 def _samples(view: BatchView, name: str, n_samples: int) -> tuple[Tensor, Tensor, Tensor]:
     """A ``[P, n]`` (or ``[P]``) field as float64 ``[P, n]``, its valid mask (finite, under ``val_mask``) and
     the number of non-finite values under the mask (left out, counted for the deferred error)."""
@@ -141,14 +154,7 @@ def _samples(view: BatchView, name: str, n_samples: int) -> tuple[Tensor, Tensor
             f"batch field `{name}` has {x.shape[1]} samples per prompt (shape {tuple(x.shape)}) but the metric "
             f"was built with n_samples={n_samples}"
         )
-    valid = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    if view.has(VAL_MASK):
-        m, _ = field_tensor(view, VAL_MASK, ndims=(1, 2), dims=("P", "n"), device=x.device)
-        m = m[:, None] if m.ndim == 1 else m
-        if m.shape != x.shape:
-            raise ValueError(f"batch field `{VAL_MASK}` has shape {tuple(m.shape)} but `{name}` has {tuple(x.shape)}")
-        check_same_device(VAL_MASK, m, name, x)
-        valid = as_bool_mask(m)
+    valid = _val_mask(view, name, x, per_prompt=True)
     x = x.to(F64)
     finite = torch.isfinite(x)
     nonfinite = (valid & ~finite).to(F64).sum()
@@ -226,15 +232,8 @@ def _per_source(idx: Tensor, x: Tensor, num_sources: int) -> Tensor:
     return out.index_add_(0, idx.to(x.device), x.to(F64))
 
 
-def _validation_update(
-    view: BatchView,
-    name: str,
-    sources: tuple[str, ...],
-    allow_other: bool,
-    n_samples: int,
-    ks: tuple[int, ...],
-    mode: str,
-) -> Stats:
+def _validation_update(view: BatchView, name: str, sources: tuple[str, ...], allow_other: bool, n_samples: int,
+                       ks: tuple[int, ...], mode: str) -> Stats:
     """Per-source sums for ``mean@n`` and pass@k (``mode="pass"``, correctness ``x >= 0.5``) or best@k."""
     x, valid, nonfinite = _samples(view, name, n_samples)
     num_prompts = x.shape[0]
@@ -274,16 +273,8 @@ def validation_keys(sources: tuple[str, ...], n_samples: int, ks: tuple[int, ...
     return tuple(keys)
 
 
-def _validation_compute(
-    prompts: Tensor,
-    sum_mean: Tensor,
-    sum_at_k: Tensor,
-    prompts_at_k: Tensor,
-    sources: tuple[str, ...],
-    n_samples: int,
-    ks: tuple[int, ...],
-    mode: str,
-) -> dict[str, Tensor]:
+def _validation_compute(prompts: Tensor, sum_mean: Tensor, sum_at_k: Tensor, prompts_at_k: Tensor,
+                        sources: tuple[str, ...], n_samples: int, ks: tuple[int, ...], mode: str) -> dict[str, Tensor]:
     keys = iter(validation_keys(sources, n_samples, ks, mode))
     means = safe_div(sum_mean, prompts, 0.0)
     at_k = safe_div(sum_at_k, prompts_at_k, 0.0)
@@ -295,12 +286,8 @@ def _validation_compute(
     return out
 
 
-def validation_accuracy(
-    val_acc: Any,
-    data_sources: Sequence[str] | str,
-    ks: Sequence[int] | None = None,
-    val_mask: Tensor | None = None,
-) -> dict[str, Tensor]:
+def validation_accuracy(val_acc: Any, data_sources: Sequence[str] | str, ks: Sequence[int] | None = None,
+                        val_mask: Tensor | None = None) -> dict[str, Tensor]:
     """``val-core/<s>/acc/mean@n`` and ``val-aux/<s>/acc/pass@k`` of one validation batch.
 
     ``val_acc`` is ``[P, n]`` (or ``[P]``); a sample is correct when ``acc >= 0.5``, which is the
@@ -317,12 +304,8 @@ def validation_accuracy(
     return _validation_functional(val_acc, data_sources, ks, val_mask, VAL_ACC, "pass")
 
 
-def validation_reward(
-    val_rewards: Any,
-    data_sources: Sequence[str] | str,
-    ks: Sequence[int] | None = None,
-    val_mask: Tensor | None = None,
-) -> dict[str, Tensor]:
+def validation_reward(val_rewards: Any, data_sources: Sequence[str] | str, ks: Sequence[int] | None = None,
+                      val_mask: Tensor | None = None) -> dict[str, Tensor]:
     """``val-aux/<s>/reward/mean@n`` and ``val-aux/<s>/reward/best@k`` of one validation batch.
 
     Example:
@@ -354,14 +337,7 @@ def _val_turns_update(view: BatchView) -> Stats:
     x, _ = field_tensor(view, VAL_NUM_TURNS, ndims=(1, 2), dims=("P", "n"), check="nonnegative",
                         device=tensor_device(view, VAL_MASK))
     x = x.to(F64)
-    valid = torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    if view.has(VAL_MASK):
-        m, _ = field_tensor(view, VAL_MASK, ndims=(1, 2), dims=("P", "n"), device=x.device)
-        if m.shape != x.shape:
-            raise ValueError(f"batch field `{VAL_MASK}` has shape {tuple(m.shape)} but `{VAL_NUM_TURNS}` has "
-                             f"{tuple(x.shape)}")
-        check_same_device(VAL_MASK, m, VAL_NUM_TURNS, x)
-        valid = as_bool_mask(m)
+    valid = _val_mask(view, VAL_NUM_TURNS, x, per_prompt=False)
     ok = torch.isfinite(x) & (x >= 0)
     zero = torch.zeros((), dtype=F64, device=x.device)
     inf = torch.full((), float("inf"), dtype=F64, device=x.device)

@@ -174,16 +174,11 @@ class RouterSetDisagreement(_RouterMetric):
 MOE_METRICS: tuple[type[_RouterMetric], ...] = (RouterFlipRate, RouterSetDisagreement)
 
 
-def moe_section(
-    num_layers: int | None = None,
-    top_k: int | None = None,
-    num_experts: int | None = None,
-    **kwargs: Any,
-) -> list[OPBCMetric]:
+def moe_section(num_layers: int | None = None, top_k: int | None = None, num_experts: int | None = None,
+                **kwargs: Any) -> list[OPBCMetric]:
     """The ``moe`` section of :class:`~opbc_metrics.collection.OPBCCollection`: both router metrics.
 
-    ``num_layers``,
-    ``top_k`` and ``num_experts`` come from ``OPBCCollection(section_options={"moe": {...}})``.
+    ``num_layers``, ``top_k`` and ``num_experts`` come from ``OPBCCollection(section_options={"moe": {...}})``.
     """
     return [
         RouterFlipRate(num_layers=num_layers, top_k=top_k, **kwargs),

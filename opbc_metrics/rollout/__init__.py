@@ -39,23 +39,6 @@ quantity, then the statistic.
 ``loss_computation``, ``compute_kl``, ``compute_entropy``, ``data_to_device``, ``prepare_tensors``,
 ``waiting_for_data``, ``weight_sync_trainer``, ``weight_sync_inference``).
 
-| keys | class |
-|---|---|
-| ``rollout/reward/{mean,std,min,max}`` | :class:`RolloutRewardStats` |
-| ``rollout/reward/group_gini_mean`` | :class:`RolloutRewardGini` |
-| ``rollout/advantage/*`` | :class:`RolloutAdvantageStats` |
-| ``rollout/tokens_prompt/{mean,std,min,max}`` | :class:`PromptTokenStats` |
-| ``rollout/tokens_completion/{mean,std,min,max}`` | :class:`CompletionTokenStats` |
-| ``rollout/tokens_total/{mean,std,min,max}`` | :class:`TotalTokenStats` |
-| ``rollout/tokens_completion/group_gini_mean`` | :class:`CompletionLengthGini` |
-| ``rollout/tokens_completion/group_max_median_ratio_mean`` | :class:`CompletionLengthMaxMedianRatio` |
-| ``rollout/tokens_completion/group_cv_mean`` | :class:`CompletionLengthCV` |
-| ``rollout/off_policy_steps/*`` | :class:`OffPolicySteps` |
-| ``rollout/stop_reason/length_pct`` | :class:`StopReasonLengthPct` |
-| ``rollout/discarded/{max_async,zero_advantage,total,pct,...}`` | :class:`DiscardedRollouts` |
-| ``rollout/discarded/{tokens_completion,stop_reason}/*`` | :class:`DiscardedRolloutStats` |
-| ``sample_metrics/<name>/*`` | :class:`SampleMetricStats` |
-
 Batch fields (the batch schema of :mod:`opbc_metrics.batch`, plus three of this section): ``rewards``,
 ``advantages`` ([B] or [B, T]; how a [B, T] field is reduced is in :mod:`opbc_metrics.functional.rollout`),
 ``prompt_lengths``, ``response_lengths`` ([B] token counts), ``group_ids`` ([B] int tensor of arbitrary
@@ -66,12 +49,9 @@ ids, or a list of hashable ids such as verl's ``uid`` strings), ``stop_reasons``
 trainer steps behind, for the off-policy steps).
 
 "Per step" is torchmetrics' window: ``update()`` every batch of the step, ``compute()``, ``reset()``.
-Std is the **sample** std (n - 1, as Telescope; no std key while the window holds one sample), exact
-from mergeable float64 sums (a second set of sums scaled by 2^-600 keeps values up to the float64 limit
-finite). Prompt tokens count each prompt group's prompt once when ``group_ids`` are given. Per-group
-values (Gini, max/median, CV) are merged as (sum over groups, number of groups): **a prompt group must
-arrive whole in one update on one rank** (GRPO generates and scores a group together); a group split
-across updates or ranks counts as two groups.
+How each statistic is kept exact over updates and ranks (sample std from mergeable sums; per-group values
+merged as (sum over groups, number of groups), so **a prompt group must arrive whole in one update on one
+rank**) is in :mod:`opbc_metrics.functional.rollout`.
 
 In an :class:`~opbc_metrics.collection.OPBCCollection`, ask for ``sections=("mismatch", "rollout")`` (or
 pass :func:`rollout_metrics`, which also takes the sample-metric names and the declared ranges). Every
@@ -99,44 +79,7 @@ Example:
     [0.75, 0.25, 1.25, 25.0, 3.0]
 """
 
-from opbc_metrics.rollout.metrics import (
-    ROLLOUT_METRICS,
-    CompletionLengthCV,
-    CompletionLengthGini,
-    CompletionLengthMaxMedianRatio,
-    CompletionTokenStats,
-    DiscardedRollouts,
-    DiscardedRolloutStats,
-    OffPolicySteps,
-    PromptTokenStats,
-    RolloutAdvantageStats,
-    RolloutRewardGini,
-    RolloutRewardStats,
-    SampleMetricStats,
-    StopReasonLengthPct,
-    TotalTokenStats,
-    chart_ranges,
-    rollout_metrics,
-    rollout_section,
-)
+from opbc_metrics.rollout import metrics
+from opbc_metrics.rollout.metrics import *  # noqa: F403
 
-__all__ = [
-    "ROLLOUT_METRICS",
-    "CompletionLengthCV",
-    "CompletionLengthGini",
-    "CompletionLengthMaxMedianRatio",
-    "CompletionTokenStats",
-    "DiscardedRolloutStats",
-    "DiscardedRollouts",
-    "OffPolicySteps",
-    "PromptTokenStats",
-    "RolloutAdvantageStats",
-    "RolloutRewardGini",
-    "RolloutRewardStats",
-    "SampleMetricStats",
-    "StopReasonLengthPct",
-    "TotalTokenStats",
-    "chart_ranges",
-    "rollout_metrics",
-    "rollout_section",
-]
+__all__ = metrics.__all__

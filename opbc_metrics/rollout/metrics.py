@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -12,8 +13,13 @@ from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, BatchView
 from opbc_metrics.functional import rollout as F
-from opbc_metrics.functional.statistics import raise_if_invalid
+from opbc_metrics.functional.statistics import Stats, raise_if_invalid
 from opbc_metrics.metric import MAX, MIN, BySettings, GlossaryEntry, OPBCMetric, State, table
+
+__all__ = ["ROLLOUT_METRICS", "CompletionLengthCV", "CompletionLengthGini", "CompletionLengthMaxMedianRatio",
+           "CompletionTokenStats", "DiscardedRolloutStats", "DiscardedRollouts", "OffPolicySteps", "PromptTokenStats",
+           "RolloutAdvantageStats", "RolloutRewardGini", "RolloutRewardStats", "SampleMetricStats",
+           "StopReasonLengthPct", "TotalTokenStats", "chart_ranges", "rollout_metrics", "rollout_section"]
 
 Range = tuple[float | None, float | None]
 
@@ -24,6 +30,8 @@ _GROUPS = (
 )
 _DIAGNOSTIC = "none (diagnostic)"
 _NO_ACTION = "no OPBC action; a dashboard signal"
+#: ``_entry(name, what, ...)``: a glossary entry of this section, a diagnostic over samples unless it says otherwise.
+_entry = partial(GlossaryEntry, unit=_SAMPLES, cap=_DIAGNOSTIC, action=_NO_ACTION)
 
 
 def _check_range(name: str, value: Any) -> Range:
@@ -62,11 +70,31 @@ def _stat_ranges(prefix: str, rng: tuple[float, float], gini: bool = False) -> d
     return out
 
 
+def _check_length_code(length_code: Any) -> int:
+    if not isinstance(length_code, int) or isinstance(length_code, bool):
+        raise ValueError(f"`length_code` must be an int, got {length_code!r}")
+    return length_code
+
+
 class _RolloutMetric(OPBCMetric):
-    """Base of the rollout metrics: optional inputs (a collection skips them on batches without their fields)."""
+    """Base of the rollout metrics: optional inputs (a collection skips them on batches without their fields).
+
+    ``kernel`` is the batch statistics (the functional ``_x_update``) of a metric without settings. The
+    ``invalid`` state counts bad values (``invalid_what``); ``compute()`` raises on them, naming
+    ``invalid_field`` (default: the first required field).
+    """
 
     optional_inputs = True
     data_counts = ("count", "groups", "seen", "invalid")  # invalid: compute() raises on them
+    kernel: ClassVar[Callable[[BatchView], Stats]]
+    invalid_field: ClassVar[str | tuple[str, ...]] = ""
+    invalid_what: ClassVar[str] = F.NONFINITE
+
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
+        return self.kernel(view)
+
+    def _raise_if_invalid(self) -> None:
+        raise_if_invalid(self.invalid_field or self.required_fields[0], self.invalid, self.invalid_what)
 
 
 class _ObservedRange(OPBCMetric):
@@ -92,12 +120,8 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
     """Mean, sample std (n - 1), min and max of one per-sample quantity (keys ``<prefix>/{mean,std,min,max}``).
 
     The std key is left out while the window holds fewer than two samples (the sample std is undefined).
-    ``invalid_field`` (default: the first required field) is the field a bad value is reported against.
     """
 
-    prefix: ClassVar[str] = ""
-    invalid_field: ClassVar[str | tuple[str, ...]] = ""
-    invalid_what: ClassVar[str] = F.NONFINITE
     states = _MOMENTS
 
     def __init__(self, value_range: Range = (None, None), **kwargs: Any) -> None:
@@ -106,7 +130,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
         self._init_observed()
 
     def compute(self) -> dict[str, Tensor]:
-        raise_if_invalid(self.invalid_field or self.required_fields[0], self.invalid, self.invalid_what)
+        self._raise_if_invalid()
         self._observe(self.min, self.max)
         return F._moments_dict(self.keys, **self.state_values(exclude=("invalid",)))
 
@@ -117,7 +141,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
         ``compute()``). Reads two scalars to the host: call it when logging, not in the training step.
         """
         rng = _resolve(self.declared_range, float(self.observed_min), float(self.observed_max))
-        return {} if rng is None else _stat_ranges(self.prefix, rng)
+        return {} if rng is None else _stat_ranges(self.keys[0].rsplit("/", 1)[0], rng)
 
 
 class RolloutRewardStats(_MomentStats):
@@ -147,27 +171,19 @@ class RolloutRewardStats(_MomentStats):
         ((0.0, 1.0), (0.0, 0.7071067811865475))
     """
 
-    keys = F.REWARD_KEYS
-    prefix = F.REWARD_PREFIX
-    required_fields = (F.REWARDS,)
-    higher_is_better = True
-    glossary = GlossaryEntry(
-        name="Reward (rollout)",
-        what="Per-step statistics (mean, sample std (n - 1), min, max) of the total reward each sample received "
+    keys, required_fields, higher_is_better = F.REWARD_KEYS, (F.REWARDS,), True
+    kernel = staticmethod(F._reward_stats_update)
+    glossary = _entry(
+        "Reward (rollout)",
+        "Per-step statistics (mean, sample std (n - 1), min, max) of the total reward each sample received "
         "from the environment (RewardResult.total_reward). Declared reward_min/reward_max only normalise "
         "the charts.",
-        unit=_SAMPLES,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
         aliases=("reward", "reward_mean", "reward_std"),
     )
 
     def __init__(self, reward_min: float | None = None, reward_max: float | None = None, **kwargs: Any) -> None:
         super().__init__(value_range=(reward_min, reward_max), **kwargs)
         self.reward_min, self.reward_max = self.declared_range
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._reward_stats_update(view)
 
 
 class RolloutAdvantageStats(_MomentStats):
@@ -186,21 +202,12 @@ class RolloutAdvantageStats(_MomentStats):
         [0.0, 0.7071, -0.5, 0.5]
     """
 
-    keys = F.ADVANTAGE_KEYS
-    prefix = F.ADVANTAGE_PREFIX
-    required_fields = (F.ADVANTAGES,)
-    glossary = GlossaryEntry(
-        name="Advantage (rollout)",
-        what="Per-step statistics (mean, sample std (n - 1), min, max) of the per-sample advantage. A std near 0 "
-        "means most groups carry no learning signal.",
-        unit=_SAMPLES + " (a [B, T] field is averaged over each sample's response tokens)",
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
-        aliases=("advantage",),
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._advantage_stats_update(view)
+    keys, required_fields = F.ADVANTAGE_KEYS, (F.ADVANTAGES,)
+    kernel = staticmethod(F._advantage_stats_update)
+    glossary = _entry("Advantage (rollout)", "Per-step statistics (mean, sample std (n - 1), min, max) of the "
+                      "per-sample advantage. A std near 0 means most groups carry no learning signal.",
+                      unit=_SAMPLES + " (a [B, T] field is averaged over each sample's response tokens)",
+                      aliases=("advantage",))
 
 
 class PromptTokenStats(_MomentStats):
@@ -219,21 +226,10 @@ class PromptTokenStats(_MomentStats):
         [192.0, 193.7473, 55.0, 329.0]
     """
 
-    keys = F.PROMPT_TOKEN_KEYS
-    prefix = F.PROMPT_TOKENS_PREFIX
-    required_fields = (F.PROMPT_LENGTHS,)
-    invalid_what = F.BAD_COUNTS
-    glossary = GlossaryEntry(
-        name="Tokens (Prompt)",
-        what="Distribution of prompt token counts in the step: mean, sample std (n - 1), min, max; each "
-        "prompt group's prompt counted once when group_ids are given (Telescope).",
-        unit=_SAMPLES,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._prompt_token_stats_update(view)
+    keys, required_fields, invalid_what = F.PROMPT_TOKEN_KEYS, (F.PROMPT_LENGTHS,), F.BAD_COUNTS
+    kernel = staticmethod(F._prompt_token_stats_update)
+    glossary = _entry("Tokens (Prompt)", "Distribution of prompt token counts in the step: mean, sample std (n - 1), "
+                      "min, max; each prompt group's prompt counted once when group_ids are given (Telescope).")
 
 
 class CompletionTokenStats(_MomentStats):
@@ -250,21 +246,10 @@ class CompletionTokenStats(_MomentStats):
         [25.0, 12.9099, 10.0, 40.0]
     """
 
-    keys = F.COMPLETION_TOKEN_KEYS
-    prefix = F.COMPLETION_TOKENS_PREFIX
-    required_fields = (F.RESPONSE_LENGTHS,)
-    invalid_what = F.BAD_COUNTS
-    glossary = GlossaryEntry(
-        name="Tokens (Completion)",
-        what="Distribution of completion token counts in the step (summed across turns for multi-turn): "
-        "mean, sample std (n - 1), min, max.",
-        unit=_SAMPLES,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._length_stats_update(view, F.RESPONSE_LENGTHS)
+    keys, required_fields, invalid_what = F.COMPLETION_TOKEN_KEYS, (F.RESPONSE_LENGTHS,), F.BAD_COUNTS
+    kernel = staticmethod(F._completion_token_stats_update)
+    glossary = _entry("Tokens (Completion)", "Distribution of completion token counts in the step (summed across "
+                      "turns for multi-turn): mean, sample std (n - 1), min, max.")
 
 
 class TotalTokenStats(_MomentStats):
@@ -278,33 +263,21 @@ class TotalTokenStats(_MomentStats):
         [220.0, 155.5635, 110.0, 330.0]
     """
 
-    keys = F.TOTAL_TOKEN_KEYS
-    prefix = F.TOTAL_TOKENS_PREFIX
-    required_fields = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
-    invalid_field = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
-    invalid_what = F.BAD_COUNTS
-    glossary = GlossaryEntry(
-        name="Tokens (Total)",
-        what="Distribution of total tokens per sample (prompt + completion) in the step: mean, sample std "
-        "(n - 1), min, max.",
-        unit=_SAMPLES,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._total_token_stats_update(view)
+    keys, invalid_what = F.TOTAL_TOKEN_KEYS, F.BAD_COUNTS
+    required_fields = invalid_field = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
+    kernel = staticmethod(F._total_token_stats_update)
+    glossary = _entry("Tokens (Total)", "Distribution of total tokens per sample (prompt + completion) in the "
+                      "step: mean, sample std (n - 1), min, max.")
 
 
 class _GroupMean(_RolloutMetric):
     """A per-group value averaged over the groups of the window: states ``(value_sum, groups)``."""
 
-    invalid_what: ClassVar[str] = ""
     empty_value: ClassVar[float] = 0.0
     states = table("value_sum", "groups", "invalid")
 
     def compute(self) -> Tensor:
-        raise_if_invalid(self.required_fields[0], self.invalid, self.invalid_what)
+        self._raise_if_invalid()
         return F._mean_over_groups(self.value_sum, self.groups, self.empty_value)
 
 
@@ -326,21 +299,16 @@ class RolloutRewardGini(_GroupMean):
         tensor(0.3750, dtype=torch.float64)
     """
 
-    keys = (F.REWARD_GINI_KEY,)
-    required_fields = (F.REWARDS, GROUP_IDS)
-    invalid_what = F.NONFINITE
-    glossary = GlossaryEntry(
-        name="Reward Gini (group mean)",
-        what="Population Gini coefficient of the rewards within each prompt group, averaged across groups: "
+    keys, required_fields = (F.REWARD_GINI_KEY,), (F.REWARDS, GROUP_IDS)
+    kernel = staticmethod(F._reward_gini_update)
+    glossary = _entry(
+        "Reward Gini (group mean)",
+        "Population Gini coefficient of the rewards within each prompt group, averaged across groups: "
         "reward sparsity. 0 = all samples of a group got the same reward; toward 1 = extreme concentration.",
         unit=_GROUPS,
-        cap=_DIAGNOSTIC,
         action="no OPBC action; groups with Gini 0 carry no GRPO advantage (see rollout/discarded/zero_advantage)",
         aliases=("reward_gini", "group_reward_gini_mean"),
     )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._reward_gini_update(view)
 
 
 class CompletionLengthGini(_GroupMean):
@@ -357,20 +325,10 @@ class CompletionLengthGini(_GroupMean):
         tensor(0.1250, dtype=torch.float64)
     """
 
-    keys = (F.LENGTH_GINI_KEY,)
-    required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
-    invalid_what = F.BAD_COUNTS
-    glossary = GlossaryEntry(
-        name="group_length_gini_mean",
-        what="Gini coefficient of completion lengths within prompt groups, averaged across groups: "
-        "within-group length inequality.",
-        unit=_GROUPS,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._length_gini_update(view)
+    keys, required_fields, invalid_what = (F.LENGTH_GINI_KEY,), (F.RESPONSE_LENGTHS, GROUP_IDS), F.BAD_COUNTS
+    kernel = staticmethod(F._length_gini_update)
+    glossary = _entry("group_length_gini_mean", "Gini coefficient of completion lengths within prompt groups, "
+                      "averaged across groups: within-group length inequality.", unit=_GROUPS)
 
 
 class CompletionLengthMaxMedianRatio(_GroupMean):
@@ -389,23 +347,17 @@ class CompletionLengthMaxMedianRatio(_GroupMean):
         tensor(1.2500, dtype=torch.float64)
     """
 
-    keys = (F.LENGTH_RATIO_KEY,)
-    required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
-    invalid_what = F.BAD_COUNTS
-    empty_value = 1.0
-    higher_is_better = False
-    glossary = GlossaryEntry(
-        name="group_length_max_median_ratio_mean",
-        what="Max/median ratio of completion lengths within prompt groups, averaged across groups (Telescope: "
+    keys, required_fields, invalid_what = (F.LENGTH_RATIO_KEY,), (F.RESPONSE_LENGTHS, GROUP_IDS), F.BAD_COUNTS
+    empty_value, higher_is_better = 1.0, False
+    kernel = staticmethod(F._length_ratio_update)
+    glossary = _entry(
+        "group_length_max_median_ratio_mean",
+        "Max/median ratio of completion lengths within prompt groups, averaged across groups (Telescope: "
         "no length floor; a group with median 0 has no ratio and is left out): a straggler indicator; close "
         "to 1 = completions of a group are roughly equal length.",
         unit=_GROUPS,
-        cap=_DIAGNOSTIC,
         action="no OPBC action; high values mean a few long generations hold up each group's step",
     )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._length_ratio_update(view)
 
 
 class CompletionLengthCV(_GroupMean):
@@ -424,22 +376,13 @@ class CompletionLengthCV(_GroupMean):
         tensor(0.3536, dtype=torch.float64)
     """
 
-    keys = (F.LENGTH_CV_KEY,)
-    required_fields = (F.RESPONSE_LENGTHS, GROUP_IDS)
-    invalid_what = F.BAD_COUNTS
+    keys, required_fields, invalid_what = (F.LENGTH_CV_KEY,), (F.RESPONSE_LENGTHS, GROUP_IDS), F.BAD_COUNTS
     higher_is_better = False
-    glossary = GlossaryEntry(
-        name="group_length_cv_mean",
-        what="Coefficient of variation (sample std / mean) of completion lengths within prompt groups, "
-        "averaged across groups (Telescope); groups of one sample or with mean length 0 are left out. "
-        "Within-group length spread, independent of the typical length.",
-        unit=_GROUPS,
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
-    )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._length_cv_update(view)
+    kernel = staticmethod(F._length_cv_update)
+    glossary = _entry("group_length_cv_mean", "Coefficient of variation (sample std / mean) of completion lengths "
+                      "within prompt groups, averaged across groups (Telescope); groups of one sample or with mean "
+                      "length 0 are left out. Within-group length spread, independent of the typical length.",
+                      unit=_GROUPS)
 
 
 class OffPolicySteps(_MomentStats):
@@ -458,23 +401,16 @@ class OffPolicySteps(_MomentStats):
         [1.0, 0.8165, 0.0, 2.0]
     """
 
-    keys = F.OFF_POLICY_KEYS
-    prefix = F.OFF_POLICY_PREFIX
-    required_fields = (F.POLICY_LAG,)
-    invalid_what = F.BAD_COUNTS
+    keys, required_fields, invalid_what = F.OFF_POLICY_KEYS, (F.POLICY_LAG,), F.BAD_COUNTS
     higher_is_better = False
-    glossary = GlossaryEntry(
-        name="off_policy_steps",
-        what="Off-policy steps per rollout: trainer steps between the weights that generated the rollout and "
+    kernel = staticmethod(F._off_policy_update)
+    glossary = _entry(
+        "off_policy_steps",
+        "Off-policy steps per rollout: trainer steps between the weights that generated the rollout and "
         "the weights being trained (policy_lag); mean, sample std (n - 1), min, max over the step's rollouts.",
-        unit=_SAMPLES,
         cap="rollouts with lag > max_off_policy_steps are discarded (rollout/discarded/max_async)",
-        action=_NO_ACTION,
         aliases=("policy_lag", "off_policy_steps_mean", "async_level"),
     )
-
-    def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._off_policy_update(view)
 
 
 class StopReasonLengthPct(_RolloutMetric):
@@ -497,26 +433,16 @@ class StopReasonLengthPct(_RolloutMetric):
         tensor(37.5000, dtype=torch.float64)
     """
 
-    keys = (F.STOP_LENGTH_PCT_KEY,)
-    required_fields = (F.STOP_REASONS,)
-    higher_is_better = False
+    keys, required_fields, higher_is_better = (F.STOP_LENGTH_PCT_KEY,), (F.STOP_REASONS,), False
     states = table("length", "count")
-    plot_lower_bound = 0.0
-    plot_upper_bound = 100.0
-    glossary = GlossaryEntry(
-        name="stop_reason_length_pct",
-        what="Percentage of samples that hit the token length limit (finish reason 'length').",
-        unit=_SAMPLES,
-        cap=_DIAGNOSTIC,
-        action="no OPBC action; a high value may indicate that max_token_len is too low",
-        aliases=("truncation_pct",),
-    )
+    plot_lower_bound, plot_upper_bound = 0.0, 100.0
+    glossary = _entry("stop_reason_length_pct", "Percentage of samples that hit the token length limit (finish "
+                      "reason 'length').", action="no OPBC action; a high value may indicate that max_token_len "
+                      "is too low", aliases=("truncation_pct",))
 
     def __init__(self, length_code: int = F.LENGTH_CODE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not isinstance(length_code, int) or isinstance(length_code, bool):
-            raise ValueError(f"`length_code` must be an int, got {length_code!r}")
-        self.length_code = length_code
+        self.length_code = _check_length_code(length_code)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         stats = F._stop_update(view, self.length_code, self.device)
@@ -557,10 +483,10 @@ class DiscardedRollouts(_RolloutMetric):
 
     keys = (*F.DISCARD_KEYS, *F.DISCARD_SHARE_KEYS, *F.ZERO_ADVANTAGE_SPLIT_KEYS)
     required_fields = (F.DISCARD_REASONS,)
-    higher_is_better = False
-    glossary = GlossaryEntry(
-        name="Discarded rollouts",
-        what="Rollouts discarded and not used for training, counted by reason: max_async (generated with "
+    invalid_what, higher_is_better = "codes outside {0, 1, 2}", False
+    glossary = _entry(
+        "Discarded rollouts",
+        "Rollouts discarded and not used for training, counted by reason: max_async (generated with "
         "weights too many steps behind) and zero_advantage (every sample of the group got the same reward, or "
         "the same advantage within 1e-9; never a group of one), their total and share of all rollouts (pct), "
         "each reason's share of the discarded (max_async_pct, zero_advantage_pct), and the zero-advantage "
@@ -579,7 +505,7 @@ class DiscardedRollouts(_RolloutMetric):
         return F._discard_update(view, self.device)
 
     def compute(self) -> dict[str, Tensor]:
-        raise_if_invalid(F.DISCARD_REASONS, self.invalid, "codes outside {0, 1, 2}")
+        self._raise_if_invalid()
         return F._discard_compute(**self.state_values(exclude=("invalid",)))
 
 
@@ -610,31 +536,27 @@ class DiscardedRolloutStats(_RolloutMetric):
     """
 
     keys = (*F.DISCARDED_TOKEN_KEYS, *F.DISCARDED_GROUP_KEYS, F.DISCARDED_STOP_KEY)
-    required_fields = (F.DISCARD_REASONS, F.RESPONSE_LENGTHS)
-    higher_is_better = None
-    glossary = GlossaryEntry(
-        name="Discarded rollout statistics",
-        what="Token (completion length mean, sample std, min, max), per-group length Gini and max/median "
+    required_fields, invalid_field = (F.DISCARD_REASONS, F.RESPONSE_LENGTHS), F.RESPONSE_LENGTHS
+    invalid_what, higher_is_better = F.BAD_COUNTS + " or discard codes outside {0, 1, 2}", None
+    glossary = _entry(
+        "Discarded rollout statistics",
+        "Token (completion length mean, sample std, min, max), per-group length Gini and max/median "
         "ratio, and stop-reason (length_pct) statistics of the rollouts discarded in the step (max_async or "
         "zero_advantage), with the definitions of the same statistics over all rollouts (Telescope).",
         unit="discarded rollouts (and their prompt groups), over the window and all ranks",
-        cap=_DIAGNOSTIC,
-        action=_NO_ACTION,
     )
     states = table("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid", "gini_sum", "gini_groups",
                    "ratio_sum", "ratio_groups", "stop_length", "stop_count", min=MIN, max=MAX)
 
     def __init__(self, length_code: int = F.LENGTH_CODE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not isinstance(length_code, int) or isinstance(length_code, bool):
-            raise ValueError(f"`length_code` must be an int, got {length_code!r}")
-        self.length_code = length_code
+        self.length_code = _check_length_code(length_code)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return F._discarded_stats_update(view, self.length_code, self.device)
 
     def compute(self) -> dict[str, Tensor]:
-        raise_if_invalid(F.RESPONSE_LENGTHS, self.invalid, F.BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+        self._raise_if_invalid()
         return F._discarded_stats_compute(**self.state_values(exclude=("invalid",)))
 
 
@@ -693,13 +615,8 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         aliases=("sample_metrics",),
     )
 
-    def __init__(
-        self,
-        names: Sequence[str],
-        metrics_ranges: Mapping[str, Range] | None = None,
-        group_gini: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, names: Sequence[str], metrics_ranges: Mapping[str, Range] | None = None, group_gini: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.names = F.check_sample_metric_names(names)
         self.group_gini = bool(group_gini)
@@ -744,31 +661,15 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
 
 
 ROLLOUT_METRICS: tuple[type[OPBCMetric], ...] = (
-    RolloutRewardStats,
-    RolloutRewardGini,
-    RolloutAdvantageStats,
-    PromptTokenStats,
-    CompletionTokenStats,
-    TotalTokenStats,
-    CompletionLengthGini,
-    CompletionLengthMaxMedianRatio,
-    CompletionLengthCV,
-    StopReasonLengthPct,
-    DiscardedRollouts,
-    DiscardedRolloutStats,
-    OffPolicySteps,
+    RolloutRewardStats, RolloutRewardGini, RolloutAdvantageStats, PromptTokenStats, CompletionTokenStats,
+    TotalTokenStats, CompletionLengthGini, CompletionLengthMaxMedianRatio, CompletionLengthCV, StopReasonLengthPct,
+    DiscardedRollouts, DiscardedRolloutStats, OffPolicySteps,
 )
 
 
-def rollout_metrics(
-    sample_metric_names: Sequence[str] = (),
-    *,
-    reward_min: float | None = None,
-    reward_max: float | None = None,
-    metrics_ranges: Mapping[str, Range] | None = None,
-    length_code: int = F.LENGTH_CODE,
-    **kwargs: Any,
-) -> list[OPBCMetric]:
+def rollout_metrics(sample_metric_names: Sequence[str] = (), *, reward_min: float | None = None,
+                    reward_max: float | None = None, metrics_ranges: Mapping[str, Range] | None = None,
+                    length_code: int = F.LENGTH_CODE, **kwargs: Any) -> list[OPBCMetric]:
     """Every rollout metric, ready for an :class:`~opbc_metrics.collection.OPBCCollection`.
 
     :class:`SampleMetricStats` is included when ``sample_metric_names`` is given (its state size depends
@@ -780,14 +681,10 @@ def rollout_metrics(
         >>> len(metrics.keys_produced)
         50
     """
-    out: list[OPBCMetric] = []
-    for cls in ROLLOUT_METRICS:
-        if cls is RolloutRewardStats:
-            out.append(RolloutRewardStats(reward_min=reward_min, reward_max=reward_max, **kwargs))
-        elif cls in (StopReasonLengthPct, DiscardedRolloutStats):
-            out.append(cls(length_code=length_code, **kwargs))
-        else:
-            out.append(cls(**kwargs))
+    settings: dict[type, dict[str, Any]] = {RolloutRewardStats: {"reward_min": reward_min, "reward_max": reward_max},
+                                            StopReasonLengthPct: {"length_code": length_code},
+                                            DiscardedRolloutStats: {"length_code": length_code}}
+    out = [cls(**settings.get(cls, {}), **kwargs) for cls in ROLLOUT_METRICS]
     if sample_metric_names:
         out.append(SampleMetricStats(sample_metric_names, metrics_ranges=metrics_ranges, **kwargs))
     elif metrics_ranges:
