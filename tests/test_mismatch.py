@@ -33,16 +33,17 @@ def test_collection_produces_every_design_key():
     assert not missing
 
 
+@pytest.mark.parametrize("dtype,rtol,atol", [(torch.float64, 1e-9, 1e-12), (torch.float32, 2e-5, 1e-6)])
 @pytest.mark.parametrize("heavy", [False, True])
-def test_float32_collection_matches_reference(heavy):  # float64: the harness
-    batches = [make_batch(seed=s, heavy_tail=heavy, drift=2.0 if heavy else 0.3) for s in range(3)]
+def test_collection_matches_reference(dtype, rtol, atol, heavy):
+    batches = [make_batch(seed=s, dtype=dtype, heavy_tail=heavy, drift=2.0 if heavy else 0.3) for s in range(3)]
     metrics = OPBCCollection()
     for b in batches:
         metrics.update(b)
     out = metrics.compute()
     # The reference sees the same (dtype-rounded) numbers as the metric, concatenated.
     ref = mismatch_reference(*logprobs_numpy(concat_batches(batches)))
-    _assert_matches_reference(out, ref, 2e-5, 1e-6)
+    _assert_matches_reference(out, ref, rtol, atol)
 
 
 def test_large_log_ratios_hit_clamp_and_veto():
