@@ -424,28 +424,11 @@ def _times(name: str) -> Builder:
 
 
 BUILDERS: dict[str, Builder] = {
-    "trainer_logprobs": _float_field(logprobs, "trainer_logprobs", "bt"),
-    "rollout_logprobs": _float_field(logprobs, "rollout_logprobs", "bt"),
-    "policy_logprobs": _float_field(logprobs, "policy_logprobs", "bt"),
-    "old_logprobs": _float_field(logprobs, "old_logprobs", "bt"),
     "response_mask": lambda plan, b, t: mask_values(plan, b, t),
     "group_ids": _group_ids,
-    "rollout_experts": _experts("rollout_experts"),
-    "trainer_experts": _experts("trainer_experts"),
-    "rollout_router_logits": _router_logits("rollout_router_logits"),
-    "trainer_router_logits": _router_logits("trainer_router_logits"),
-    "rollout_token_ids": _token_ids("rollout_token_ids"),
-    "trainer_token_ids": _token_ids("trainer_token_ids"),
     "policy_lag": lambda plan, b, t: to_tensor(counts(plan, "policy_lag", (b,), high=10), torch.float64),
-    "rewards": _b_or_bt(reals, "rewards"),
-    "advantages": _b_or_bt(reals, "advantages"),
-    "values": _b_or_bt(reals, "values"),
-    "returns": _b_or_bt(reals, "returns"),
-    "scores": _b_or_bt(reals, "scores"),
     "entropies": _float_field(lambda p, n, s: np.abs(reals(p, n, s)), "entropies", "bt"),
     "logits": _float_field(reals, "logits", "bt3"),
-    "prompt_lengths": _counts("prompt_lengths"),
-    "response_lengths": _counts("response_lengths"),
     "num_turns": _counts("num_turns", torch.int32),
     "rank_ids": _rank_ids,
     "stop_reasons": _stop_reasons,
@@ -453,20 +436,27 @@ BUILDERS: dict[str, Builder] = {
     "sample_metrics": _sample_metrics,
     "loss_tokens": _loss_tokens,
     "timing_s": _timing,
-    "agent_generate_s": _times("agent_generate_s"),
-    "agent_tool_calls_s": _times("agent_tool_calls_s"),
-    "policy_chosen_logps": _float_field(logprobs, "policy_chosen_logps", "b"),
     "policy_rejected_logps": _float_field(logprobs, "policy_rejected_logps", "b1"),
-    "reference_chosen_logps": _float_field(logprobs, "reference_chosen_logps", "b"),
-    "reference_rejected_logps": _float_field(logprobs, "reference_rejected_logps", "b"),
-    "chosen_scores": _float_field(reals, "chosen_scores", "b"),
-    "rejected_scores": _float_field(reals, "rejected_scores", "b"),
-    "val_acc": _val("val_acc"),
-    "val_rewards": _val("val_rewards"),
     "val_num_turns": _float_field(lambda p, n, s: counts(p, n, s, high=6), "val_num_turns", "b2"),
     "val_mask": _val_mask,
     "data_sources": _data_sources,
 }
+for _name in ("trainer_logprobs", "rollout_logprobs", "policy_logprobs", "old_logprobs"):
+    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
+for _name in ("policy_chosen_logps", "reference_chosen_logps", "reference_rejected_logps"):
+    BUILDERS[_name] = _float_field(logprobs, _name, "b")
+for _name in ("chosen_scores", "rejected_scores"):
+    BUILDERS[_name] = _float_field(reals, _name, "b")
+for _name in ("rewards", "advantages", "values", "returns", "scores"):
+    BUILDERS[_name] = _b_or_bt(reals, _name)
+for _name, _make in (("experts", _experts), ("router_logits", _router_logits), ("token_ids", _token_ids)):
+    BUILDERS["rollout_" + _name], BUILDERS["trainer_" + _name] = _make("rollout_" + _name), _make("trainer_" + _name)
+for _name in ("prompt_lengths", "response_lengths"):
+    BUILDERS[_name] = _counts(_name)
+for _name in ("agent_generate_s", "agent_tool_calls_s"):
+    BUILDERS[_name] = _times(_name)
+for _name in ("val_acc", "val_rewards"):
+    BUILDERS[_name] = _val(_name)
 for _name in ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",
               "critic_loss", "critic_lr", "rm_grad_norm"):
     BUILDERS[_name] = _scalar(_name)
@@ -563,21 +553,12 @@ def _prompt_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
     return torch.from_numpy((np.arange(3)[None, :] >= plan.rng("prompt_mask").integers(0, 4, (b, 1))).astype(np.int64))
 
 
-BUILDERS.update(
-    {
-        "old_log_probs": _float_field(logprobs, "old_log_probs", "bt"),
-        "rollout_log_probs": _float_field(logprobs, "rollout_log_probs", "bt"),
-        "responses": _token_ids("responses"),
-        "attention_mask": _attention_mask,
-        "uid": _uid,
-        "token_level_rewards": _float_field(reals, "token_level_rewards", "bt"),
-        "old_per_token_logps": _float_field(logprobs, "old_per_token_logps", "bt"),
-        "sampling_per_token_logps": _float_field(logprobs, "sampling_per_token_logps", "bt"),
-        "completion_mask": _completion_mask("completion_mask"),
-        "tool_mask": _completion_mask("tool_mask"),
-        "prompt_mask": _prompt_mask,
-    }
-)
+BUILDERS.update({"responses": _token_ids("responses"), "attention_mask": _attention_mask, "uid": _uid,
+                 "token_level_rewards": _float_field(reals, "token_level_rewards", "bt"), "prompt_mask": _prompt_mask})
+for _name in ("old_log_probs", "rollout_log_probs", "old_per_token_logps", "sampling_per_token_logps"):
+    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
+for _name in ("completion_mask", "tool_mask"):
+    BUILDERS[_name] = _completion_mask(_name)
 
 
 def int_group_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
