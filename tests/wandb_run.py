@@ -138,6 +138,17 @@ def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
     raise KeyError(f"{key} was not logged")
 
 
+def assert_logged(row: dict[str, Any], want: dict[str, float], suffix: str = "", rel: float = 1e-9,
+                  abs_: float = 1e-12) -> None:
+    """Every value of ``want`` is in the logged ``row`` (under ``key + suffix``), or given by the rule that left
+    it out (:func:`read_back`), within ``rel`` (at least the rule's own tolerance) and ``abs_``."""
+    assert want, "nothing to compare"
+    row = {k[: len(k) - len(suffix)]: v for k, v in row.items() if k.endswith(suffix)} if suffix else row
+    for key, value in want.items():
+        got, tol = read_back(row, key)
+        assert math.isclose(got, value, rel_tol=max(tol, rel), abs_tol=abs_), (key, got, value)
+
+
 def scalar_series(run: dict[str, Any]) -> dict[str, dict[int, float]]:
     """``{key: {row index: value}}`` of every numeric key W&B draws a line chart for (``_step`` and metrics
     defined ``hidden``, such as a step metric, excluded)."""
