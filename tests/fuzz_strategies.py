@@ -92,9 +92,7 @@ def plans(fields: tuple[str, ...], mutate: bool = True, max_b: int = 5, max_t: i
     return make()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# values
-# ---------------------------------------------------------------------------------------------------------
+# -- values -----------------------------------------------------------------------------------------------
 def with_specials(plan: Plan, name: str, values: np.ndarray) -> np.ndarray:
     """Replace a ``plan.rate`` share of ``values`` (float64) by specials drawn from ``plan.specials``."""
     if not plan.specials or plan.rate == 0.0 or values.size == 0:
@@ -156,9 +154,7 @@ def mask_values(plan: Plan, b: int, t: int) -> torch.Tensor | None:
     return torch.from_numpy(m)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# layouts: the same values, other memory layouts
-# ---------------------------------------------------------------------------------------------------------
+# -- layouts: the same values, other memory layouts -------------------------------------------------------
 def expanded_values(t: torch.Tensor) -> torch.Tensor:
     """The values an ``expanded`` layout holds: the first slice along dim 0, repeated (contiguous)."""
     if t.ndim == 0 or t.shape[0] == 0:
@@ -184,9 +180,7 @@ def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t
 
 
-# ---------------------------------------------------------------------------------------------------------
-# structural mutations
-# ---------------------------------------------------------------------------------------------------------
+# -- structural mutations ---------------------------------------------------------------------------------
 def mutate(value: Any, kind: str) -> Any:
     """One structural mutation of a field's value (tensors; other values get the type mutations only)."""
     if kind == "none":
@@ -255,9 +249,7 @@ def out_of_range(name: str, value: Any) -> bool:
     return limit is not None and isinstance(value, torch.Tensor) and bool((value >= limit).any())
 
 
-# ---------------------------------------------------------------------------------------------------------
-# field builders: name -> (plan, b, t) -> value
-# ---------------------------------------------------------------------------------------------------------
+# -- field builders: name -> (plan, b, t) -> value --------------------------------------------------------
 Builder = Callable[[Plan, int, int], Any]
 
 
@@ -519,9 +511,7 @@ COUNT_FIELDS = frozenset(
 )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs)
-# ---------------------------------------------------------------------------------------------------------
+# -- framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs) -------------------------
 def _attention_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
     """verl's [B, P + T] attention mask: left-padded prompt (P = 3), right-padded response."""
     rng = plan.rng("attention_mask")
@@ -577,9 +567,7 @@ def lag_or_number(plan: Plan, b: int, t: int) -> Any:
     return to_tensor(x, torch.float64)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# host data: agent trajectories and OpenAI-compatible endpoint responses
-# ---------------------------------------------------------------------------------------------------------
+# -- host data: agent trajectories and OpenAI-compatible endpoint responses -------------------------------
 class Opaque:
     """A value no JSON encoder, number check or mapping check accepts."""
 

@@ -33,9 +33,7 @@ from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch
 from tests.support import load_module
 
-# ---------------------------------------------------------------------------------------------------
-# Plain-Python reference, written from DESIGN's formulas: loops, math.exp, sorted().
-# ---------------------------------------------------------------------------------------------------
+# -- Plain-Python reference, written from DESIGN's formulas: loops, math.exp, sorted(). -------------
 
 
 def _lists(batch):
@@ -132,9 +130,7 @@ def _grouped_batch(seed=0, batch=12, seq=24, dtype=torch.float64, heavy=True, dr
     return b
 
 
-# ---------------------------------------------------------------------------------------------------
-# Per-group statistics
-# ---------------------------------------------------------------------------------------------------
+# -- Per-group statistics ---------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(3))
 def test_group_reports_match_plain_python_reference(seed):
     b = _grouped_batch(seed)
@@ -267,9 +263,7 @@ def test_permuting_rows_changes_no_group_report(seed, rnd):
             assert vx == pytest.approx(vy, rel=1e-9, abs=1e-12), name
 
 
-# ---------------------------------------------------------------------------------------------------
-# Contract validation
-# ---------------------------------------------------------------------------------------------------
+# -- Contract validation ----------------------------------------------------------------------------
 def _clean(b=4, t=5, groups=(0, 0, 1, 1)):
     g = torch.Generator().manual_seed(0)
     trainer = -0.1 - torch.rand(b, t, generator=g, dtype=torch.float64) * 3
@@ -432,9 +426,7 @@ def test_invalid_policy_lag_rejects_its_group_with_its_own_reason(bad):
     assert mapped[1].primary_reason is Reason.INVALID_POLICY_LAG and mapped[0].action is Action.TRAIN
 
 
-# ---------------------------------------------------------------------------------------------------
-# What the trainer consumes
-# ---------------------------------------------------------------------------------------------------
+# -- What the trainer consumes ----------------------------------------------------------------------
 def _correction_batch():
     """Group 0 clean; group 1 with ratios e^{+-0.9} and one token clipped (1/8 > 0.10) at r = -25, whose
     weight e^-20 keeps ESS at 0.70 (train_with_correction, default); group 2 stale (replay); group 3 vetoed
@@ -547,9 +539,7 @@ def test_functional_correction_weights():
         FC.correction_weights(t, r, mode="clip")
 
 
-# ---------------------------------------------------------------------------------------------------
-# JSON, host sync, budget metrics
-# ---------------------------------------------------------------------------------------------------
+# -- JSON, host sync, budget metrics ----------------------------------------------------------------
 def test_decisions_round_trip_through_json():
     b = _grouped_batch(seed=2)
     b["rollout_logprobs"][0, 0] = -9999.0

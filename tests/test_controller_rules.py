@@ -18,9 +18,7 @@ from opbc_metrics.policy import LOOSEN_DOWN, LOOSEN_UP
 pytestmark = pytest.mark.filterwarnings("ignore:with clamp C")
 
 
-# ---------------------------------------------------------------------------------------------------
-# A plain-Python statement of DESIGN's rules: an if/elif chain, written apart from the implementation.
-# ---------------------------------------------------------------------------------------------------
+# -- A plain-Python statement of DESIGN's rules: an if/elif chain, written apart from the implementation. ---
 def reference_rules(s: dict, contract: set[str], p: OPBCPolicy) -> tuple[str, list[str]]:
     lag, flip, ess = s.get("policy_lag"), s.get("router_flip_rate"), s["ess"]
     fired = {  # reason -> whether it holds, in DESIGN's rule order
@@ -124,9 +122,7 @@ def test_decision_objects_carry_enum_reasons_and_primary_reason():
     assert d[2].action is Action.REPLAY and d[2].reasons == (Reason.LAG_ABOVE_REPLAY,)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Policies and presets
-# ---------------------------------------------------------------------------------------------------
+# -- Policies and presets ---------------------------------------------------------------------------
 def test_default_preset_is_design():
     p = OPBCPolicy.preset("default")
     assert p == OPBCPolicy()
@@ -215,9 +211,7 @@ def test_from_dict_rejects_unknown_fields_and_controller_rejects_bad_policy():
         OPBCController("nope")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Properties
-# ---------------------------------------------------------------------------------------------------
+# -- Properties -------------------------------------------------------------------------------------
 @st.composite
 def policies(draw):
     min_ess = draw(st.floats(0.0, 1.0))

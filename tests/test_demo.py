@@ -40,9 +40,7 @@ def demo(tm: ModuleType) -> ModuleType:
     torch.set_num_threads(threads)
 
 
-# ------------------------------------------------------------------------------------------------
-# The demo as `make demo` runs it
-# ------------------------------------------------------------------------------------------------
+# -- The demo as `make demo` runs it -------------------------------------------------------------
 def test_demo_end_to_end_subprocess(tmp_path: Path):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(
@@ -89,9 +87,7 @@ def test_demo_end_to_end_subprocess(tmp_path: Path):
     assert f"W&B run (offline): {tmp_path / 'wandb'}" in out
 
 
-# ------------------------------------------------------------------------------------------------
-# In process: fallback without fp8, reproducibility, real mismatch
-# ------------------------------------------------------------------------------------------------
+# -- In process: fallback without fp8, reproducibility, real mismatch ----------------------------
 def test_demo_without_fp8_is_reproducible_and_measures_real_mismatch(
     demo: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ):
@@ -158,9 +154,7 @@ def test_available_precisions(demo: ModuleType, monkeypatch: pytest.MonkeyPatch)
     assert precisions == ("bf16",) and len(notes) == 2
 
 
-# ------------------------------------------------------------------------------------------------
-# The tiny MoE and its engines
-# ------------------------------------------------------------------------------------------------
+# -- The tiny MoE and its engines ----------------------------------------------------------------
 def test_cached_generation_matches_full_scoring_in_fp32(tm: ModuleType):
     """An fp32 'engine' (no reduced precision) must reproduce the trainer's logprobs and expert ids: the
     KV cache, positions and the logprob/expert alignment are right, so the demo's mismatch is numerics."""

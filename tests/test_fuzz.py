@@ -56,9 +56,7 @@ from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.testing import assert_no_host_sync
 from tests import fuzz_strategies as S
 
-# ---------------------------------------------------------------------------------------------------------
-# bookkeeping: generated cases per target
-# ---------------------------------------------------------------------------------------------------------
+# -- bookkeeping: generated cases per target --------------------------------------------------------------
 CASES: dict[str, Counter] = defaultdict(Counter)
 # OPBC_FUZZ_SCALE=10 runs ten times the examples of every test (the defaults keep the file under ~90 s).
 SCALE = float(os.environ.get("OPBC_FUZZ_SCALE", "1"))
@@ -155,9 +153,7 @@ def whole_batch_on_meta(case: S.Case) -> S.Case:
     return S.Case(case.plan, batch, case.plain, "*", case.hostile)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# targets: every public metric class
-# ---------------------------------------------------------------------------------------------------------
+# -- targets: every public metric class -------------------------------------------------------------------
 LOGPROBS = ("trainer_logprobs", "rollout_logprobs")
 PPO = ("policy_logprobs", "old_logprobs")
 DPO = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
@@ -340,9 +336,7 @@ def test_whole_batch_on_another_device_is_a_clear_error(target: Target):
     run_outcome(target.name + "/meta", _update_compute(target), case)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the collection: the default sections (with the non-finite accounting checked), and every section
-# ---------------------------------------------------------------------------------------------------------
+# -- the collection: the default sections (with the non-finite accounting checked), and every section -----
 MOE_FIELDS = ("rollout_experts", "trainer_experts")
 TOKEN_KEYS = (
     "opbc/is/ess", "opbc/is/second_moment", "opbc/is/weight_mean", "opbc/is/top_1pct_gradient_mass",
@@ -441,9 +435,7 @@ def test_collection_whole_batch_on_another_device_is_a_clear_error():
         _collection_run(tuple(SECTIONS))(case.batch)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the controller: step / evaluate, its trainer outputs, decisions and budget metrics
-# ---------------------------------------------------------------------------------------------------------
+# -- the controller: step / evaluate, its trainer outputs, decisions and budget metrics -------------------
 CONTROLLER_OPTIONAL = ("response_mask", "policy_lag", *MOE_FIELDS, "rollout_token_ids", "trainer_token_ids")
 CONTROLLER_BUILDERS = {"group_ids": S.int_group_ids, "policy_lag": S.lag_or_number}
 _REPORT_FLOATS = ("ess", "seq_ess", "second_moment", "weight_mean", "clipped_fraction", "veto_fraction",
@@ -535,9 +527,7 @@ def test_fuzz_budget_metric_update(cls: type[OPBCMetric], plan: S.Plan, form: st
     assert_finite(metric.compute_dict(), cls.__name__)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# framework adapters feeding a collection
-# ---------------------------------------------------------------------------------------------------------
+# -- framework adapters feeding a collection --------------------------------------------------------------
 ADAPTER_SECTIONS = ("mismatch", "moe", "per_round", "rollout")
 VERL_ALIASES = {
     "old_log_probs": ("trainer_logprobs",),
@@ -609,9 +599,7 @@ def test_fuzz_trl_adapter_into_collection(data: st.DataObject, num_generations: 
     run_outcome("trl_to_batch -> OPBCCollection", run, case, aliases=TRL_ALIASES)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# host-data metrics: agent trajectories and endpoint responses
-# ---------------------------------------------------------------------------------------------------------
+# -- host-data metrics: agent trajectories and endpoint responses -----------------------------------------
 AGENT_CLASSES = (opbc_metrics.ToolCallJaccard, opbc_metrics.FirstDivergenceStep, opbc_metrics.AnswerMatchRate,
                  opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.SoftAnswerMatch,
                  opbc_metrics.TrajectoryStepCounts)
@@ -689,9 +677,7 @@ def _endpoint_case(responses: Any, requests: Any) -> None:
                   ["endpoint_responses", "endpoint_requests"])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# regression cases: one per bug the fuzzer found (each failed before its fix)
-# ---------------------------------------------------------------------------------------------------------
+# -- regression cases: one per bug the fuzzer found (each failed before its fix) --------------------------
 F32_MIN = torch.finfo(torch.float32).min
 
 

@@ -19,9 +19,7 @@ from opbc_metrics.integrations.verl import verl_to_batch
 from opbc_metrics.testing import assert_no_host_sync
 
 
-# ------------------------------------------------------------------------------------------------
-# verl fixture
-# ------------------------------------------------------------------------------------------------
+# -- verl fixture --------------------------------------------------------------------------------
 class FakeTensorDict(dict):
     """The parts of tensordict.TensorDict the adapter may touch: mapping access and ``batch_size``."""
 
@@ -172,9 +170,7 @@ def test_verl_clear_errors():
         verl_to_batch(42)
 
 
-# ------------------------------------------------------------------------------------------------
-# TRL fixture
-# ------------------------------------------------------------------------------------------------
+# -- TRL fixture ---------------------------------------------------------------------------------
 def make_trl_inputs(b: int = 6, prompt_width: int = 4, completion_width: int = 6, tools: bool = False, seed: int = 0):
     """The dict GRPOTrainer._generate_and_score_completions returns (vLLM with IS correction on)."""
     rng = np.random.default_rng(seed)
@@ -256,9 +252,7 @@ def test_trl_clear_errors():
         trl_to_batch(inputs, group_ids=[1, 2])
 
 
-# ------------------------------------------------------------------------------------------------
-# verl fields the training section reads, bypass mode, and what the integrations log
-# ------------------------------------------------------------------------------------------------
+# -- verl fields the training section reads, bypass mode, and what the integrations log ----------
 def test_verl_maps_scores_turns_and_v1_lengths():
     case = make_verl_case(seed=7)
     case.data.non_tensor_batch["__num_turns__"] = np.array([1, 2, 3, 1, 2, 3], dtype=np.int32)

@@ -29,9 +29,7 @@ QUIET = ("does not have many workers", "GPU available but not used", "log_every_
 pytestmark = [pytest.mark.filterwarnings(f"ignore:.*{m}") for m in QUIET]
 
 
-# ------------------------------------------------------------------------------------------------
-# A tiny model, a per-sample dataset, and a logger that records what it receives
-# ------------------------------------------------------------------------------------------------
+# -- A tiny model, a per-sample dataset, and a logger that records what it receives --------------
 def make_samples(n: int, seed: int, empty_every: int = 0) -> list[dict[str, torch.Tensor]]:
     """Per-sample dicts (the default collate stacks them into a batch-schema dict)."""
     b = make_batch(batch=n, seq=SEQ, seed=seed, drift=0.4, dtype=torch.float64, heavy_tail=True)
@@ -112,9 +110,7 @@ def loader(samples: list[dict[str, Any]], batch_size: int = 2) -> torch.utils.da
     return torch.utils.data.DataLoader(samples, batch_size=batch_size, shuffle=False)
 
 
-# ------------------------------------------------------------------------------------------------
-# Single process
-# ------------------------------------------------------------------------------------------------
+# -- Single process ------------------------------------------------------------------------------
 def test_interval_and_epoch_values_equal_an_independent_collection_on_the_same_batches():
     samples = make_samples(12, seed=3, empty_every=5)  # 6 batches of 2 per epoch
     logger = MemoryLogger()
@@ -207,9 +203,7 @@ def test_callback_state_round_trip():
     assert fresh.batches_seen == 3
 
 
-# ------------------------------------------------------------------------------------------------
-# Two processes (gloo): the logged values are global, on every rank, with no Lightning reduction
-# ------------------------------------------------------------------------------------------------
+# -- Two processes (gloo): the logged values are global, on every rank, with no Lightning reduction ---
 DDP_SAMPLES = dict(n=16, seed=11, empty_every=3)  # rank r trains on samples r, r+2, ... (explicit shards)
 
 
@@ -261,9 +255,7 @@ def test_ddp_two_processes_log_global_values():
     assert math.isclose(results[0]["callback_ess"], results[1]["callback_ess"], rel_tol=1e-12)
 
 
-# ------------------------------------------------------------------------------------------------
-# The callback with a W&B sink (offline run, read back)
-# ------------------------------------------------------------------------------------------------
+# -- The callback with a W&B sink (offline run, read back) ---------------------------------------
 def test_callback_with_wandb_sink_writes_windows_epoch_and_histograms(tmp_path):
     pytest.importorskip("wandb")
     from opbc_metrics.integrations.wandb_logger import DistributionHistograms, OPBCWandbLogger
@@ -311,9 +303,7 @@ def test_lightning_example_runs_and_measures_a_real_bf16_mismatch(tmp_path, monk
     assert any("train/loss" in r for r in history) and any("opbc/glossary" in r for r in history)
 
 
-# ------------------------------------------------------------------------------------------------
-# One destination, one key per quantity, and the torchmetrics habit
-# ------------------------------------------------------------------------------------------------
+# -- One destination, one key per quantity, and the torchmetrics habit ---------------------------
 def test_each_quantity_is_written_once_and_epoch_copies_are_opt_in():
     samples = make_samples(8, seed=12)
     logger = MemoryLogger()

@@ -37,9 +37,7 @@ from tests.wandb_run import assert_logged, read_back, read_offline_run  # noqa: 
 LAYERS, TOP_K = 4, 2
 
 
-# ------------------------------------------------------------------------------------------------
-# Data with real router disagreement
-# ------------------------------------------------------------------------------------------------
+# -- Data with real router disagreement ----------------------------------------------------------
 def expert_batch(seed: int, batch: int = 6, seq: int = 10, flip_p: float = 0.2) -> dict[str, torch.Tensor]:
     b = make_batch(batch=batch, seq=seq, seed=seed, drift=0.3, dtype=torch.float64)
     g = torch.Generator().manual_seed(1000 + seed)
@@ -83,9 +81,7 @@ def np_hist(values: np.ndarray, bins: int, half_width: float) -> np.ndarray:
     return counts.astype(float)
 
 
-# ------------------------------------------------------------------------------------------------
-# The logger against an offline run
-# ------------------------------------------------------------------------------------------------
+# -- The logger against an offline run -----------------------------------------------------------
 def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
     batches = [[expert_batch(3 * s + k) for k in range(2)] for s in range(3)]  # 3 windows of 2 batches
     metrics = OPBCCollection()
@@ -323,9 +319,7 @@ def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert float(hist.token_counts.sum()) == 0.0  # the window was consumed (and reset) all the same
 
 
-# ------------------------------------------------------------------------------------------------
-# Histograms: bin limit, reference, no host sync, chunking
-# ------------------------------------------------------------------------------------------------
+# -- Histograms: bin limit, reference, no host sync, chunking ------------------------------------
 def test_histograms_respect_wandbs_bin_limit():
     assert MAX_HISTOGRAM_BINS == wandb.Histogram.MAX_LENGTH == 512
     with pytest.raises(ValueError, match="512"):
@@ -408,9 +402,7 @@ def test_distribution_histograms_properties(sizes, seed, drift):
     assert torch.equal(restored.compute()["opbc/dist/log_ratio"], a["opbc/dist/log_ratio"])
 
 
-# ------------------------------------------------------------------------------------------------
-# Two processes: every rank calls log(), rank 0 writes the global values
-# ------------------------------------------------------------------------------------------------
+# -- Two processes: every rank calls log(), rank 0 writes the global values ----------------------
 SHARDS = [[dict(seed=21), dict(seed=22, batch=3)], [dict(seed=23, flip_p=0.6)]]
 
 
@@ -439,9 +431,7 @@ def test_ddp_rank_zero_writes_global_values(tmp_path: Path):
     np.testing.assert_allclose(row["moe/dist/layer_flip_rate"]["values"], np_layer_flip_rate(everything), rtol=1e-9)
 
 
-# ------------------------------------------------------------------------------------------------
-# The dashboard of a full run: one key per quantity
-# ------------------------------------------------------------------------------------------------
+# -- The dashboard of a full run: one key per quantity -------------------------------------------
 def full_window_batch(seed: int) -> dict[str, Any]:
     """Every field the demo's collection reads: logprobs, experts, groups, lags, rewards, lengths, stop reasons
     and the controller's decisions; single-turn responses, one prompt length (as in the demo)."""
