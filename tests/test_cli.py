@@ -463,6 +463,8 @@ HOSTILE_FILES = {
                         1, "`trainer_logprobs` must be a floating-point tensor"),
     "shape.pt": (lambda p: torch.save({**_good(), "rollout_logprobs": torch.zeros(3, 7)}, p), 1,
                  "`rollout_logprobs` has shape (3, 7) but `trainer_logprobs` has shape (3, "),
+    "nope.jsonl": (lambda p: None, 2, "no such file"),
+    "dir.jsonl": (lambda p: p.mkdir(), 1, "directory"),
 }
 
 
@@ -471,20 +473,10 @@ def test_hostile_files_give_clear_messages(tmp_path, name):
     make, expected_status, fragment = HOSTILE_FILES[name]
     path = tmp_path / name
     make(path)
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "out"))
-    assert status == expected_status, (status, err)
+    status, result, _, err = analyze(path, tmp_path / "out")
+    assert status == expected_status and result is None, (status, err)
     assert fragment in err, err
     assert err.count("opbc-metrics: error:") == 1 and "Traceback" not in err
-    assert not (tmp_path / "out" / "result.json").exists()
-
-
-def test_missing_file_and_directory(tmp_path):
-    status, _, err = run_main("analyze", str(tmp_path / "nope.jsonl"))
-    assert status == 2 and "no such file" in err
-    folder = tmp_path / "dir.jsonl"
-    folder.mkdir()
-    status, _, err = run_main("analyze", str(folder), "--out", str(tmp_path / "o"))
-    assert status == 1 and "directory" in err
 
 
 def _pt(tmp_path: Path, name: str, obj) -> Path:

@@ -155,6 +155,7 @@ def whole_batch_on_meta(case: S.Case) -> S.Case:
 
 # -- targets: every public metric class -------------------------------------------------------------------
 LOGPROBS = ("trainer_logprobs", "rollout_logprobs")
+MASK = ("response_mask",)
 PPO = ("policy_logprobs", "old_logprobs")
 DPO = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
 
@@ -178,25 +179,23 @@ def _flops_metric() -> OPBCMetric:
 
 def tensor_targets() -> list[Target]:
     m = opbc_metrics
-    out = [Target(c.__name__, c, LOGPROBS, ("response_mask",)) for c in MISMATCH_METRICS]
+    out = [Target(c.__name__, c, LOGPROBS, MASK) for c in MISMATCH_METRICS]
     out += [
-        Target("TopGradientMass(exact)", lambda: m.TopGradientMass(exact=True), LOGPROBS, ("response_mask",)),
-        Target("PerRoundMismatch", lambda: m.PerRoundMismatch(capacity=2), LOGPROBS, ("response_mask",)),
-        Target("RouterFlipRate", lambda: m.RouterFlipRate(num_layers=2), ("rollout_experts", "trainer_experts"),
-               ("response_mask",)),
-        Target("RouterSetDisagreement", m.RouterSetDisagreement, ("rollout_experts", "trainer_experts"),
-               ("response_mask",)),
+        Target("TopGradientMass(exact)", lambda: m.TopGradientMass(exact=True), LOGPROBS, MASK),
+        Target("PerRoundMismatch", lambda: m.PerRoundMismatch(capacity=2), LOGPROBS, MASK),
+        Target("RouterFlipRate", lambda: m.RouterFlipRate(num_layers=2), ("rollout_experts", "trainer_experts"), MASK),
+        Target("RouterSetDisagreement", m.RouterSetDisagreement, ("rollout_experts", "trainer_experts"), MASK),
         Target("RouterFlipRate(logits)", lambda: m.RouterFlipRate(num_layers=2, top_k=2),
                ("rollout_router_logits", "trainer_router_logits"), ("response_mask", "rollout_experts")),
         Target("RouterSetDisagreement(logits)", lambda: m.RouterSetDisagreement(top_k=2),
                ("rollout_router_logits", "trainer_router_logits"), ("response_mask", "trainer_experts")),
         # rollout section
-        Target("RolloutRewardStats", m.RolloutRewardStats, ("rewards",), ("response_mask",)),
-        Target("RolloutAdvantageStats", m.RolloutAdvantageStats, ("advantages",), ("response_mask",)),
+        Target("RolloutRewardStats", m.RolloutRewardStats, ("rewards",), MASK),
+        Target("RolloutAdvantageStats", m.RolloutAdvantageStats, ("advantages",), MASK),
         Target("PromptTokenStats", m.PromptTokenStats, ("prompt_lengths",)),
         Target("CompletionTokenStats", m.CompletionTokenStats, ("response_lengths",)),
         Target("TotalTokenStats", m.TotalTokenStats, ("prompt_lengths", "response_lengths")),
-        Target("RolloutRewardGini", m.RolloutRewardGini, ("rewards", "group_ids"), ("response_mask",)),
+        Target("RolloutRewardGini", m.RolloutRewardGini, ("rewards", "group_ids"), MASK),
         Target("CompletionLengthGini", m.CompletionLengthGini, ("response_lengths", "group_ids")),
         Target("CompletionLengthMaxMedianRatio", m.CompletionLengthMaxMedianRatio, ("response_lengths", "group_ids")),
         Target("CompletionLengthCV", m.CompletionLengthCV, ("response_lengths", "group_ids")),
@@ -208,17 +207,17 @@ def tensor_targets() -> list[Target]:
         Target("SampleMetricStats", lambda: m.SampleMetricStats(["format", "tool_calls"]),
                ("sample_metrics", "group_ids")),
         # training section
-        Target("PolicyEntropy", m.PolicyEntropy, ("entropies",), ("response_mask",)),
-        Target("PolicyEntropy(logits)", lambda: m.PolicyEntropy(from_logits=True), ("logits",), ("response_mask",)),
-        Target("PPOKL", m.PPOKL, PPO, ("response_mask",)),
-        Target("ApproxKL", m.ApproxKL, PPO, ("response_mask",)),
-        Target("PolicyClipFraction", m.PolicyClipFraction, (*PPO, "advantages"), ("response_mask",)),
-        Target("ValueStats", m.ValueStats, ("values",), ("response_mask",)),
-        Target("ReturnStats", m.ReturnStats, ("returns",), ("response_mask",)),
-        Target("AdvantageStats", m.AdvantageStats, ("advantages",), ("response_mask",)),
-        Target("RewardStats", m.RewardStats, ("rewards",), ("response_mask",)),
-        Target("ScoreStats", m.ScoreStats, ("scores",), ("response_mask",)),
-        Target("ExplainedVariance", m.ExplainedVariance, ("values", "returns"), ("response_mask",)),
+        Target("PolicyEntropy", m.PolicyEntropy, ("entropies",), MASK),
+        Target("PolicyEntropy(logits)", lambda: m.PolicyEntropy(from_logits=True), ("logits",), MASK),
+        Target("PPOKL", m.PPOKL, PPO, MASK),
+        Target("ApproxKL", m.ApproxKL, PPO, MASK),
+        Target("PolicyClipFraction", m.PolicyClipFraction, (*PPO, "advantages"), MASK),
+        Target("ValueStats", m.ValueStats, ("values",), MASK),
+        Target("ReturnStats", m.ReturnStats, ("returns",), MASK),
+        Target("AdvantageStats", m.AdvantageStats, ("advantages",), MASK),
+        Target("RewardStats", m.RewardStats, ("rewards",), MASK),
+        Target("ScoreStats", m.ScoreStats, ("scores",), MASK),
+        Target("ExplainedVariance", m.ExplainedVariance, ("values", "returns"), MASK),
         Target("ResponseLength", lambda: m.ResponseLength(max_response_length=30), ("response_lengths",)),
         Target("PromptLength", lambda: m.PromptLength(max_prompt_length=30), ("prompt_lengths",)),
         Target("AbortedRatio", m.AbortedRatio, ("response_lengths",)),
@@ -803,18 +802,9 @@ META = torch.device("meta")
          r"`sample_metrics`\[0\]\['format'\] must be a number"),
         (lambda: opbc_metrics.ValidationAccuracy(["a"]), {"val_acc": torch.ones(2), "data_sources": ["a"]},
          r"`data_sources` has 1 entries but `val_acc` has 2 prompts"),
-    ],
-)
-def test_a_bad_field_is_a_clear_error_at_update(make, batch, match):
-    """Fields on another device were moved silently (a hidden copy; on meta a crash inside torch) or mixed
-    devices; the other cases crashed inside torch or Python."""
-    with pytest.raises(ValueError, match=match):
-        make().update(batch)
-
-
-@pytest.mark.parametrize(
-    "make,batch",
-    [
+    ] + [(make, batch, r"are on meta but the states of") for make, batch in [
+        # host lists next to device tensors go to the tensors' device (no field-versus-field device error); the
+        # only refusal left is the whole batch being elsewhere than the metric's states
         (opbc_metrics.PolicyEntropy, {"entropies": [[0.5, 1.0]], "response_mask": torch.ones(1, 2, device=META)}),
         (opbc_metrics.PPOKL, {"policy_logprobs": [[-1.0, -2.0]], "old_logprobs": torch.zeros(1, 2, device=META)}),
         (opbc_metrics.ExplainedVariance, {"values": [[1.0, 2.0]], "returns": torch.ones(1, 2, device=META)}),
@@ -827,12 +817,12 @@ def test_a_bad_field_is_a_clear_error_at_update(make, batch, match):
         (lambda: opbc_metrics.GlobalSeqlen(world_size=1),
          {"prompt_lengths": [3, 4], "response_lengths": torch.ones(2, device=META)}),
         (opbc_metrics.AgentLoopTiming, {"agent_generate_s": torch.ones(2, device=META), "agent_tool_calls_s": [1, 2]}),
-    ],
+    ]],
 )
-def test_host_values_follow_the_device_of_their_tensor_fields(make, batch):
-    """Host lists next to device tensors go to the tensors' device (no field-versus-field device error); the
-    only refusal left is the whole batch being elsewhere than the metric's states."""
-    with pytest.raises(ValueError, match=r"are on meta but the states of"):
+def test_a_bad_field_is_a_clear_error_at_update(make, batch, match):
+    """Fields on another device were moved silently (a hidden copy; on meta a crash inside torch) or mixed
+    devices; the other cases crashed inside torch or Python."""
+    with pytest.raises(ValueError, match=match):
         make().update(batch)
 
 

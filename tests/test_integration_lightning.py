@@ -74,17 +74,11 @@ class TinyModule(L.LightningModule):
 class MemoryLogger(Logger):
     """Records every ``log_metrics`` call as ``(step, metrics)``."""
 
+    name, version = "memory", 0
+
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
 
     @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
