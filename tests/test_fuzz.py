@@ -756,6 +756,9 @@ def test_non_finite_trainer_scalar_tensors_are_counted_not_averaged(cls, field):
          "agent_tool_calls_s"),
         (lambda: opbc_metrics.GlobalSeqlen(world_size=1), {"prompt_lengths": torch.tensor([-3]),
                                                            "response_lengths": torch.tensor([2])}, "prompt_lengths"),
+        # negative tensor loss weights are counted
+        (opbc_metrics.ActorLoss, {"actor_loss": torch.tensor([1.0, 2.0]), "loss_tokens": torch.tensor([3.0, -1.0])},
+         "actor_loss`, `loss_tokens"),
     ],
 )
 def test_a_count_shared_by_several_fields_names_them_all(make, batch, bad):
