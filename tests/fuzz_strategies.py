@@ -92,9 +92,7 @@ def plans(fields: tuple[str, ...], mutate: bool = True, max_b: int = 5, max_t: i
     return make()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# values
-# ---------------------------------------------------------------------------------------------------------
+# -- values -----------------------------------------------------------------------------------------------
 def with_specials(plan: Plan, name: str, values: np.ndarray) -> np.ndarray:
     """Replace a ``plan.rate`` share of ``values`` (float64) by specials drawn from ``plan.specials``."""
     if not plan.specials or plan.rate == 0.0 or values.size == 0:
@@ -156,9 +154,7 @@ def mask_values(plan: Plan, b: int, t: int) -> torch.Tensor | None:
     return torch.from_numpy(m)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# layouts: the same values, other memory layouts
-# ---------------------------------------------------------------------------------------------------------
+# -- layouts: the same values, other memory layouts -------------------------------------------------------
 def expanded_values(t: torch.Tensor) -> torch.Tensor:
     """The values an ``expanded`` layout holds: the first slice along dim 0, repeated (contiguous)."""
     if t.ndim == 0 or t.shape[0] == 0:
@@ -184,9 +180,7 @@ def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t
 
 
-# ---------------------------------------------------------------------------------------------------------
-# structural mutations
-# ---------------------------------------------------------------------------------------------------------
+# -- structural mutations ---------------------------------------------------------------------------------
 def mutate(value: Any, kind: str) -> Any:
     """One structural mutation of a field's value (tensors; other values get the type mutations only)."""
     if kind == "none":
@@ -255,9 +249,7 @@ def out_of_range(name: str, value: Any) -> bool:
     return limit is not None and isinstance(value, torch.Tensor) and bool((value >= limit).any())
 
 
-# ---------------------------------------------------------------------------------------------------------
-# field builders: name -> (plan, b, t) -> value
-# ---------------------------------------------------------------------------------------------------------
+# -- field builders: name -> (plan, b, t) -> value --------------------------------------------------------
 Builder = Callable[[Plan, int, int], Any]
 
 
@@ -424,28 +416,11 @@ def _times(name: str) -> Builder:
 
 
 BUILDERS: dict[str, Builder] = {
-    "trainer_logprobs": _float_field(logprobs, "trainer_logprobs", "bt"),
-    "rollout_logprobs": _float_field(logprobs, "rollout_logprobs", "bt"),
-    "policy_logprobs": _float_field(logprobs, "policy_logprobs", "bt"),
-    "old_logprobs": _float_field(logprobs, "old_logprobs", "bt"),
     "response_mask": lambda plan, b, t: mask_values(plan, b, t),
     "group_ids": _group_ids,
-    "rollout_experts": _experts("rollout_experts"),
-    "trainer_experts": _experts("trainer_experts"),
-    "rollout_router_logits": _router_logits("rollout_router_logits"),
-    "trainer_router_logits": _router_logits("trainer_router_logits"),
-    "rollout_token_ids": _token_ids("rollout_token_ids"),
-    "trainer_token_ids": _token_ids("trainer_token_ids"),
     "policy_lag": lambda plan, b, t: to_tensor(counts(plan, "policy_lag", (b,), high=10), torch.float64),
-    "rewards": _b_or_bt(reals, "rewards"),
-    "advantages": _b_or_bt(reals, "advantages"),
-    "values": _b_or_bt(reals, "values"),
-    "returns": _b_or_bt(reals, "returns"),
-    "scores": _b_or_bt(reals, "scores"),
     "entropies": _float_field(lambda p, n, s: np.abs(reals(p, n, s)), "entropies", "bt"),
     "logits": _float_field(reals, "logits", "bt3"),
-    "prompt_lengths": _counts("prompt_lengths"),
-    "response_lengths": _counts("response_lengths"),
     "num_turns": _counts("num_turns", torch.int32),
     "rank_ids": _rank_ids,
     "stop_reasons": _stop_reasons,
@@ -453,20 +428,27 @@ BUILDERS: dict[str, Builder] = {
     "sample_metrics": _sample_metrics,
     "loss_tokens": _loss_tokens,
     "timing_s": _timing,
-    "agent_generate_s": _times("agent_generate_s"),
-    "agent_tool_calls_s": _times("agent_tool_calls_s"),
-    "policy_chosen_logps": _float_field(logprobs, "policy_chosen_logps", "b"),
     "policy_rejected_logps": _float_field(logprobs, "policy_rejected_logps", "b1"),
-    "reference_chosen_logps": _float_field(logprobs, "reference_chosen_logps", "b"),
-    "reference_rejected_logps": _float_field(logprobs, "reference_rejected_logps", "b"),
-    "chosen_scores": _float_field(reals, "chosen_scores", "b"),
-    "rejected_scores": _float_field(reals, "rejected_scores", "b"),
-    "val_acc": _val("val_acc"),
-    "val_rewards": _val("val_rewards"),
     "val_num_turns": _float_field(lambda p, n, s: counts(p, n, s, high=6), "val_num_turns", "b2"),
     "val_mask": _val_mask,
     "data_sources": _data_sources,
 }
+for _name in ("trainer_logprobs", "rollout_logprobs", "policy_logprobs", "old_logprobs"):
+    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
+for _name in ("policy_chosen_logps", "reference_chosen_logps", "reference_rejected_logps"):
+    BUILDERS[_name] = _float_field(logprobs, _name, "b")
+for _name in ("chosen_scores", "rejected_scores"):
+    BUILDERS[_name] = _float_field(reals, _name, "b")
+for _name in ("rewards", "advantages", "values", "returns", "scores"):
+    BUILDERS[_name] = _b_or_bt(reals, _name)
+for _name, _make in (("experts", _experts), ("router_logits", _router_logits), ("token_ids", _token_ids)):
+    BUILDERS["rollout_" + _name], BUILDERS["trainer_" + _name] = _make("rollout_" + _name), _make("trainer_" + _name)
+for _name in ("prompt_lengths", "response_lengths"):
+    BUILDERS[_name] = _counts(_name)
+for _name in ("agent_generate_s", "agent_tool_calls_s"):
+    BUILDERS[_name] = _times(_name)
+for _name in ("val_acc", "val_rewards"):
+    BUILDERS[_name] = _val(_name)
 for _name in ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",
               "critic_loss", "critic_lr", "rm_grad_norm"):
     BUILDERS[_name] = _scalar(_name)
@@ -529,9 +511,7 @@ COUNT_FIELDS = frozenset(
 )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs)
-# ---------------------------------------------------------------------------------------------------------
+# -- framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs) -------------------------
 def _attention_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
     """verl's [B, P + T] attention mask: left-padded prompt (P = 3), right-padded response."""
     rng = plan.rng("attention_mask")
@@ -563,21 +543,12 @@ def _prompt_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
     return torch.from_numpy((np.arange(3)[None, :] >= plan.rng("prompt_mask").integers(0, 4, (b, 1))).astype(np.int64))
 
 
-BUILDERS.update(
-    {
-        "old_log_probs": _float_field(logprobs, "old_log_probs", "bt"),
-        "rollout_log_probs": _float_field(logprobs, "rollout_log_probs", "bt"),
-        "responses": _token_ids("responses"),
-        "attention_mask": _attention_mask,
-        "uid": _uid,
-        "token_level_rewards": _float_field(reals, "token_level_rewards", "bt"),
-        "old_per_token_logps": _float_field(logprobs, "old_per_token_logps", "bt"),
-        "sampling_per_token_logps": _float_field(logprobs, "sampling_per_token_logps", "bt"),
-        "completion_mask": _completion_mask("completion_mask"),
-        "tool_mask": _completion_mask("tool_mask"),
-        "prompt_mask": _prompt_mask,
-    }
-)
+BUILDERS.update({"responses": _token_ids("responses"), "attention_mask": _attention_mask, "uid": _uid,
+                 "token_level_rewards": _float_field(reals, "token_level_rewards", "bt"), "prompt_mask": _prompt_mask})
+for _name in ("old_log_probs", "rollout_log_probs", "old_per_token_logps", "sampling_per_token_logps"):
+    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
+for _name in ("completion_mask", "tool_mask"):
+    BUILDERS[_name] = _completion_mask(_name)
 
 
 def int_group_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
@@ -596,9 +567,7 @@ def lag_or_number(plan: Plan, b: int, t: int) -> Any:
     return to_tensor(x, torch.float64)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# host data: agent trajectories and OpenAI-compatible endpoint responses
-# ---------------------------------------------------------------------------------------------------------
+# -- host data: agent trajectories and OpenAI-compatible endpoint responses -------------------------------
 class Opaque:
     """A value no JSON encoder, number check or mapping check accepts."""
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import importlib
-import importlib.util
 import io
 import json
 import math
@@ -23,29 +21,22 @@ import torch
 from opbc_metrics import OPBCCollection
 from opbc_metrics.cli import import_all_metrics, main, summary_lines
 from opbc_metrics.collection import DEFAULT_SECTIONS
+from opbc_metrics.controller import Action, OPBCController
 from opbc_metrics.glossary import glossary_dict
-from opbc_metrics.report import render_html, symlog_edges
+from opbc_metrics.report import STEP_KEYS, fmt, render_html, render_report, symlog_edges
+from tests.support import ROOT, load_module
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cli"
-ROOT = Path(__file__).resolve().parents[1]
+JSONL = FIXTURES / "rollouts.jsonl"
+GEN = load_module(FIXTURES / "make_fixtures.py", "cli_make_fixtures")
+LINES = [x for x in JSONL.read_text().splitlines() if x.strip()]
+SAMPLES = [json.loads(x) for x in LINES]  # read independently of the CLI's parser
 
 
-def _load_generator():
-    spec = importlib.util.spec_from_file_location("cli_make_fixtures", FIXTURES / "make_fixtures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = _load_generator()
-
-
-def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
-    return subprocess.run(
-        [sys.executable, "-m", "opbc_metrics.cli", *args],
-        capture_output=True, text=True, timeout=120, cwd=cwd or ROOT, env=env,
-    )
+    return subprocess.run([sys.executable, "-m", "opbc_metrics.cli", *args], input=input, capture_output=True,
+                          text=input is None, timeout=120, cwd=ROOT, env=env)
 
 
 def run_main(*args: str) -> tuple[int, str, str]:
@@ -55,52 +46,41 @@ def run_main(*args: str) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-# ---------------------------------------------------------------------------------------------
-# An independent reading of the JSONL fixture, fed to a collection one sample at a time
-# ---------------------------------------------------------------------------------------------
-def _reference_samples(path: Path) -> list[dict]:
-    samples = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            samples.append(json.loads(line))
-    return samples
+def analyze(path: Path | str, out: Path, *options: str) -> tuple[int, dict | None, str, str]:
+    """``opbc-metrics analyze PATH --out OUT *OPTIONS`` in process: (status, result.json or None, stdout, stderr)."""
+    status, stdout, err = run_main("analyze", str(path), "--out", str(out), *options)
+    result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else None
+    return status, result, stdout, err
 
 
+# -- An independent reading of the JSONL fixture, fed to a collection one prompt group at a time -----------
 def _sample_batch(s: dict, group_id: int) -> dict:
     def f64(values):
         return torch.tensor([[math.nan if v is None else v for v in values]], dtype=torch.float64)
 
-    batch = {
-        "trainer_logprobs": f64(s["trainer_logprobs"]),
-        "rollout_logprobs": f64(s["rollout_logprobs"]),
-        "response_mask": torch.tensor([s.get("response_mask", [1] * len(s["trainer_logprobs"]))]),
-        "group_ids": torch.tensor([group_id]),
-    }
+    batch = {"trainer_logprobs": f64(s["trainer_logprobs"]), "rollout_logprobs": f64(s["rollout_logprobs"]),
+             "response_mask": torch.tensor([s.get("response_mask", [1] * len(s["trainer_logprobs"]))]),
+             "group_ids": torch.tensor([group_id])}
     if "rollout_experts" in s:
         batch["rollout_experts"] = torch.tensor([s["rollout_experts"]])
         batch["trainer_experts"] = torch.tensor([s["trainer_experts"]])
-    if "policy_lag" in s:
-        batch["policy_lag"] = torch.tensor([float(s["policy_lag"])], dtype=torch.float64)
-    if "reward" in s:
-        batch["rewards"] = torch.tensor([s["reward"]], dtype=torch.float64)
-    if "stop_reason" in s:
-        batch["stop_reasons"] = [s["stop_reason"]]
-    if "advantage" in s:
-        batch["advantages"] = torch.tensor([s["advantage"]], dtype=torch.float64)
+    for key, field in (("policy_lag", "policy_lag"), ("reward", "rewards"), ("advantage", "advantages")):
+        if key in s:
+            batch[field] = torch.tensor([float(s[key])], dtype=torch.float64)
     for key in ("prompt_length", "response_length"):
         if key in s:
             batch[key + "s"] = torch.tensor([s[key]])
-    if "discard_reason" in s:
-        batch["discard_reasons"] = [s["discard_reason"]]
+    for key in ("stop_reason", "discard_reason"):
+        if key in s:
+            batch[key + "s"] = [s[key]]
     return batch
 
 
 def _collate(parts: list[dict]) -> dict:
     """Concatenate single-sample batches, right-padding the time dim (masked)."""
-    fields = set.intersection(*(set(p) for p in parts))
     t = max(p["trainer_logprobs"].shape[1] for p in parts)
     batch = {}
-    for k in fields:
+    for k in set.intersection(*(set(p) for p in parts)):
         vs = [p[k] for p in parts]
         if isinstance(vs[0], list):
             batch[k] = [x for v in vs for x in v]
@@ -126,6 +106,12 @@ def reference_metrics(samples: list[dict], sections=DEFAULT_SECTIONS) -> dict[st
     for run in runs:
         metrics.update(_collate(run))
     return {k: v.tolist() for k, v in metrics.compute().items()}
+
+
+def collection_on(batch: dict, sections) -> dict:
+    ref = OPBCCollection(sections=sections)
+    ref.update(batch)
+    return {k: v.tolist() for k, v in ref.compute().items()}
 
 
 def reference_histograms(samples: list[dict]) -> tuple[list[int], list[int]]:
@@ -159,51 +145,40 @@ def assert_close(got, expected, key):
         assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12), (key, got, expected)
 
 
-# ---------------------------------------------------------------------------------------------
-# HTML parsing
-# ---------------------------------------------------------------------------------------------
+def assert_metrics(got: dict, want: dict, keys=None) -> None:
+    for key in want if keys is None else keys:
+        assert_close(got[key], want[key], key)
+
+
+# -- HTML parsing -------------------------------------------------------------------------------------------
 class ReportParser(HTMLParser):
-    def __init__(self) -> None:
+    """Every tag with its attributes, the page's text, and each chart's title (the first <title> of its <svg>)."""
+
+    def __init__(self, html: str) -> None:
         super().__init__()
-        self.svgs: dict[str, dict] = {}
         self.tags: list[tuple[str, dict]] = []
-        self._svg: str | None = None
-        self._in_title = False
-        self._rect_title = False
-        self.text: list[str] = []
+        self.svgs: dict[str, str] = {}
+        self.parts: list[str] = []
+        self._svg, self._title = None, False
+        self.feed(html)
+        self.close()
+        self.text = "".join(self.parts)
 
     def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        self.tags.append((tag, a))
+        self.tags.append((tag, dict(attrs)))
         if tag == "svg":
-            self._svg = a.get("id")
-            self.svgs[self._svg] = {"title": "", "rects": [], "rect_titles": []}
-        elif tag == "title" and self._svg is not None:
-            self._in_title = True
-        elif tag == "rect" and self._svg is not None:
-            self.svgs[self._svg]["rects"].append(a)
+            self._svg = dict(attrs).get("id")
+            self.svgs[self._svg] = ""
+        self._title = tag == "title" and self._svg is not None and not self.svgs[self._svg]
 
     def handle_endtag(self, tag):
-        if tag == "svg":
-            self._svg = None
-        elif tag == "title":
-            self._in_title = False
+        self._svg = None if tag == "svg" else self._svg
+        self._title = False
 
     def handle_data(self, data):
-        self.text.append(data)
-        if self._in_title and self._svg is not None:
-            chart = self.svgs[self._svg]
-            if not chart["title"]:
-                chart["title"] = data
-            else:
-                chart["rect_titles"].append(data)
-
-
-def parse_report(text: str) -> ReportParser:
-    parser = ReportParser()
-    parser.feed(text)
-    parser.close()
-    return parser
+        self.parts.append(data)
+        if self._title:
+            self.svgs[self._svg] += data
 
 
 def assert_self_contained(parser: ReportParser) -> None:
@@ -214,13 +189,10 @@ def assert_self_contained(parser: ReportParser) -> None:
             assert not value or value.startswith("#"), (tag, name, value)
 
 
-# ---------------------------------------------------------------------------------------------
-# Fixtures
-# ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def jsonl_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("jsonl")
-    proc = run_cli("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(out), "--batch-size", "16")
+    proc = run_cli("analyze", str(JSONL), "--out", str(out), "--batch-size", "16")
     result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else None
     html = (out / "report.html").read_text() if (out / "report.html").exists() else ""
     return proc, result, html
@@ -237,9 +209,7 @@ def test_fixtures_are_reproducible(tmp_path):
         assert torch.equal(new[k], old[k]) if isinstance(new[k], torch.Tensor) else new[k] == old[k], k
 
 
-# ---------------------------------------------------------------------------------------------
-# analyze on the JSONL fixture (one subprocess run shared by these tests)
-# ---------------------------------------------------------------------------------------------
+# -- analyze on the JSONL fixture (one subprocess run shared by these tests) ----------------------------------
 def test_analyze_jsonl_runs_and_prints_a_summary(jsonl_run):
     proc, result, _ = jsonl_run
     assert proc.returncode == 0, proc.stderr
@@ -255,9 +225,8 @@ def test_analyze_jsonl_runs_and_prints_a_summary(jsonl_run):
 
 def test_json_result_equals_collection_on_the_same_data(jsonl_run):
     _, result, _ = jsonl_run
-    samples = _reference_samples(FIXTURES / "rollouts.jsonl")
     assert set(DEFAULT_SECTIONS) <= set(result["settings"]["sections"])
-    ref = reference_metrics(samples, result["settings"]["sections"])
+    ref = reference_metrics(SAMPLES, result["settings"]["sections"])
     assert set(ref) <= set(result["metrics"])
     # Rounds no sequence reached (and the unused overflow bucket) have no keys: "no data in the input".
     unreached = {k for k, why in result["not_computed"].items()
@@ -265,9 +234,8 @@ def test_json_result_equals_collection_on_the_same_data(jsonl_run):
     assert not any(k.startswith(("opbc/", "moe/", "per_round/")) for k in set(result["not_computed"]) - unreached)
     # the only extra keys are the controller's budget metrics
     assert all(k.startswith("opbc/decision/") for k in set(result["metrics"]) - set(ref))
-    for key, expected in ref.items():
-        assert_close(result["metrics"][key], expected, key)
-    assert result["input"]["samples"] == len(samples) == 48
+    assert_metrics(result["metrics"], ref)
+    assert result["input"]["samples"] == len(SAMPLES) == 48
     assert result["input"]["groups"] == 12
     assert result["input"]["layers_seen"] == 3
     assert result["metrics"]["opbc/input/nonfinite_count"] > 0  # q11's -Infinity
@@ -278,7 +246,7 @@ def test_json_result_equals_collection_on_the_same_data(jsonl_run):
 
 def test_histograms_match_numpy(jsonl_run):
     _, result, _ = jsonl_run
-    tokens, seqs = reference_histograms(_reference_samples(FIXTURES / "rollouts.jsonl"))
+    tokens, seqs = reference_histograms(SAMPLES)
     assert result["histograms"]["token_log_ratio"]["edges"] == symlog_edges()
     assert result["histograms"]["token_log_ratio"]["counts"] == tokens
     assert result["histograms"]["sequence_log_ratio"]["counts"] == seqs
@@ -288,48 +256,32 @@ def test_histograms_match_numpy(jsonl_run):
 
 def test_html_report_has_its_charts(jsonl_run):
     _, result, html = jsonl_run
-    parser = parse_report(html)
+    parser = ReportParser(html)
     assert_self_contained(parser)
     svgs = parser.svgs
     for chart in ("chart-token-log-ratio", "chart-sequence-log-ratio", "chart-per-layer-moe-router-flip_rate",
                   "chart-step-opbc-is-ess", "chart-step-moe-router-flip_rate"):
-        assert chart in svgs and svgs[chart]["title"], chart
+        assert svgs.get(chart), chart
     # the fixture has no step field: one point per batch, and the page says so
-    assert svgs["chart-step-opbc-is-ess"]["title"] == "ESS (token) over batches"
-    assert "each point is one batch" in "".join(parser.text)
-    if result["controller"]["available"]:
-        assert "chart-decision-mix" in svgs and "chart-decision-steps" in svgs
-        assert "groups-table" in html
-    else:
-        assert "chart-decision-mix" not in svgs
-        assert "controller" in "".join(parser.text)
-    assert "metrics-table" in html
-
-
-def _group_batches(samples: list[dict]) -> dict[str, dict]:
-    """Each group's rows as one padded batch (group id 0), built from the independently parsed samples."""
-    by_group: dict[str, list[dict]] = {}
-    for s in samples:
-        by_group.setdefault(str(s["group_id"]), []).append(_sample_batch(s, 0))
-    return {label: _collate(parts) for label, parts in by_group.items()}
+    assert svgs["chart-step-opbc-is-ess"] == "ESS (token) over batches"
+    assert "each point is one batch" in parser.text
+    assert result["controller"]["available"]
+    assert "chart-decision-mix" in svgs and "chart-decision-steps" in svgs
+    assert "groups-table" in html and "metrics-table" in html
 
 
 def test_controller_decisions_per_group(jsonl_run):
     _, result, _ = jsonl_run
     controller = result["controller"]
-    if not controller["available"]:
-        assert controller["note"] and controller["decision_mix"] is None
-        pytest.skip("opbc_metrics.controller is not available")
-    ctl = pytest.importorskip("opbc_metrics.controller")
     groups = {g["group"]: g for g in controller["groups"]}
     assert groups.keys() == GEN.EXPECTED_DECISIONS.keys()
     for label, (decision, reason) in GEN.EXPECTED_DECISIONS.items():
         assert groups[label]["decision"] == decision, (label, groups[label])
         assert (groups[label]["reasons"] or [None])[0] == reason, (label, groups[label])
         assert groups[label]["batches"] == 1
-    # each group's decision is the controller's on that group's rows alone
-    for label, batch in _group_batches(_reference_samples(FIXTURES / "rollouts.jsonl")).items():
-        (d,) = ctl.OPBCController().evaluate(batch).decisions
+        # each group's decision is the controller's on that group's rows alone
+        rows = [_sample_batch(s, 0) for s in SAMPLES if str(s["group_id"]) == label]
+        (d,) = OPBCController().evaluate(_collate(rows)).decisions
         assert d.action.value == groups[label]["decision"], label
         assert [r.value for r in d.reasons] == groups[label]["reasons"], label
         assert math.isclose(d.report.ess, groups[label]["stats"]["ess"], rel_tol=1e-9), label
@@ -341,80 +293,61 @@ def test_controller_decisions_per_group(jsonl_run):
 
 def test_groups_split_across_batches_keep_the_strictest_decision(tmp_path):
     """Interleaved groups with batches of 2: every group is decided in 4 batches, the strictest is kept."""
-    ctl = pytest.importorskip("opbc_metrics.controller")
-    samples = _reference_samples(FIXTURES / "rollouts.jsonl")
-    interleaved = [samples[g * 4 + i] for i in range(4) for g in range(12)]
-    path = tmp_path / "interleaved.jsonl"
-    path.write_text("".join(json.dumps(s) + "\n" for s in interleaved))
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--batch-size", "2", "--no-html")
+    GEN.write_jsonl(tmp_path / "interleaved.jsonl", [SAMPLES[g * 4 + i] for i in range(4) for g in range(12)])
+    status, result, _, err = analyze(tmp_path / "interleaved.jsonl", tmp_path / "o", "--batch-size", "2", "--no-html")
     assert status == 0, err
-    result = json.loads((tmp_path / "o" / "result.json").read_text())
     groups = {g["group"]: g for g in result["controller"]["groups"]}
     assert "12 group(s) were split across batches" in result["controller"]["note"]
-    strictness = {a.value: a.strictness for a in ctl.Action}
+    strictness = {a.value: a.strictness for a in Action}
     for label in GEN.EXPECTED_DECISIONS:
-        rows = [s for s in samples if str(s["group_id"]) == label]
-        singles = [ctl.OPBCController().evaluate(_sample_batch(s, 0)).decisions[0] for s in rows]
+        rows = [s for s in SAMPLES if str(s["group_id"]) == label]
+        singles = [OPBCController().evaluate(_sample_batch(s, 0)).decisions[0] for s in rows]
         strictest = max(singles, key=lambda d: d.action.strictness)
         assert groups[label]["batches"] == 4
         assert groups[label]["decision"] == strictest.action.value, label
         assert strictness[groups[label]["decision"]] == max(strictness[d.action.value] for d in singles)
-        reasons = {r.value for d in singles for r in d.reasons}
-        assert set(groups[label]["reasons"]) == reasons, label
+        assert set(groups[label]["reasons"]) == {r.value for d in singles for r in d.reasons}, label
     # the metrics do not depend on how the file was batched
-    ref = reference_metrics(samples, result["settings"]["sections"])
-    for key in ("opbc/is/ess", "opbc/kl/k3", "moe/router/flip_rate", "per_round/round_1_abs_diff_mean"):
-        assert_close(result["metrics"][key], ref[key], key)
+    assert_metrics(result["metrics"], reference_metrics(SAMPLES, result["settings"]["sections"]),
+                   ("opbc/is/ess", "opbc/kl/k3", "moe/router/flip_rate", "per_round/round_1_abs_diff_mean"))
 
 
-# ---------------------------------------------------------------------------------------------
-# .pt input, batch-size invariance, options
-# ---------------------------------------------------------------------------------------------
+# -- .pt input, batch-size invariance, options -------------------------------------------------------------
 def test_pt_file_equals_its_batch_and_the_jsonl(tmp_path, jsonl_run):
-    status, _, err = run_main("analyze", str(FIXTURES / "rollouts.pt"), "--out", str(tmp_path), "--batch-size", "7")
+    status, result, _, err = analyze(FIXTURES / "rollouts.pt", tmp_path, "--batch-size", "7")
     assert status == 0, err
-    result = json.loads((tmp_path / "result.json").read_text())
     assert result["input"]["format"] == "pt" and result["input"]["samples"] == 48
     assert result["input"]["batches"] == 6  # slices of 7 rows extended to the end of a group of 4
     batch = torch.load(FIXTURES / "rollouts.pt", weights_only=True)
-    ref = OPBCCollection(sections=result["settings"]["sections"])
-    ref.update(batch)
-    for key, value in ref.compute().items():
-        assert_close(result["metrics"][key], value.tolist(), key)
+    assert_metrics(result["metrics"], collection_on(batch, result["settings"]["sections"]))
     # everything but the router metrics agrees with the JSONL run (the .pt adds expert ids for q11 only)
     _, jsonl_result, _ = jsonl_run
     assert set(result["metrics"]) == set(jsonl_result["metrics"])
-    for key, value in jsonl_result["metrics"].items():
-        if not key.startswith(("moe/", "opbc/decision/")):
-            assert_close(result["metrics"][key], float(value), key)
+    assert_metrics(result["metrics"], {k: float(v) for k, v in jsonl_result["metrics"].items()
+                                       if not k.startswith(("moe/", "opbc/decision/"))})
     assert result["histograms"] == jsonl_result["histograms"]
 
 
 def test_batch_size_and_limit(tmp_path):
     runs = {}
     for bs in ("1", "64"):
-        status, _, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path / bs),
-                                  "--batch-size", bs, "--no-html")
+        status, runs[bs], _, err = analyze(JSONL, tmp_path / bs, "--batch-size", bs, "--no-html")
         assert status == 0, err
-        runs[bs] = json.loads((tmp_path / bs / "result.json").read_text())
         assert not (tmp_path / bs / "report.html").exists()
-    for key, value in runs["64"]["metrics"].items():
-        assert_close(runs["1"]["metrics"][key], float(value) if not isinstance(value, list) else value, key)
+    assert_metrics(runs["1"]["metrics"], {k: v if isinstance(v, list) else float(v)
+                                          for k, v in runs["64"]["metrics"].items()})
     # batch size 1: a group's 4 consecutive samples stay together; 64: 0-43, then q11 (no expert ids)
     assert runs["1"]["input"]["batches"] == 12 and runs["64"]["input"]["batches"] == 2
-    status, _, _ = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path / "l"), "--limit", "5")
+    status, limited, _, _ = analyze(JSONL, tmp_path / "l", "--limit", "5")
     assert status == 0
-    limited = json.loads((tmp_path / "l" / "result.json").read_text())
     assert limited["input"]["samples"] == 5
-    ref = reference_metrics(_reference_samples(FIXTURES / "rollouts.jsonl")[:5], limited["settings"]["sections"])
-    assert_close(limited["metrics"]["opbc/is/ess"], ref["opbc/is/ess"], "ess")
+    ref = reference_metrics(SAMPLES[:5], limited["settings"]["sections"])
+    assert_metrics(limited["metrics"], ref, ["opbc/is/ess"])
 
 
 def test_clamp_and_veto_options_reach_the_metrics(tmp_path):
-    status, out, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path),
-                                "--clamp", "5", "--veto", "10000", "--no-html")
+    status, result, out, err = analyze(JSONL, tmp_path, "--clamp", "5", "--veto", "10000", "--no-html")
     assert status == 0, err
-    result = json.loads((tmp_path / "result.json").read_text())
     assert result["settings"]["clamp"] == 5 and result["metrics"]["opbc/is/veto_fraction"] == 0
     assert "clamp C = 5 nats, veto = 10000 nats" in out
 
@@ -427,39 +360,33 @@ def test_bad_options_exit_2_without_traceback(tmp_path):
             main(args)
         assert exc.value.code == 2, args
         assert "Traceback" not in err.getvalue()
-    status, _, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path), "--sections", "nope")
+    status, _, _, err = analyze(JSONL, tmp_path, "--sections", "nope")
     assert status == 1 and "unknown sections" in err
 
 
 def test_controller_policy_options(tmp_path):
-    pytest.importorskip("opbc_metrics.controller")
-    jsonl = str(FIXTURES / "rollouts.jsonl")
-    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "a"), "--preset", "nope")
+    status, _, _, err = analyze(JSONL, tmp_path / "a", "--preset", "nope")
     assert status == 1 and "unknown OPBC preset 'nope'" in err and "Traceback" not in err
-    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "b"), "--veto", "10")
+    status, _, _, err = analyze(JSONL, tmp_path / "b", "--veto", "10")
     assert status == 1 and "`veto` (10.0) must be >= `clamp` (20.0)" in err
-    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "c"), "--preset", "truncated_is", "--no-html")
+    status, result, _, err = analyze(JSONL, tmp_path / "c", "--preset", "truncated_is", "--no-html")
     assert status == 0, err
-    result = json.loads((tmp_path / "c" / "result.json").read_text())
     assert result["controller"]["policy"]["weight_cap"] == 2.0 and result["settings"]["preset"] == "truncated_is"
 
 
 def test_progress_bar_is_tqdm_on_request_and_off_without_a_terminal(tmp_path):
-    jsonl = str(FIXTURES / "rollouts.jsonl")
-    size = os.path.getsize(jsonl)
-    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "a"), "--progress", "--no-html")
+    size = os.path.getsize(JSONL)
+    status, _, _, err = analyze(JSONL, tmp_path / "a", "--progress", "--no-html")
     assert status == 0
     # tqdm's bar (it throttles its redraws, so the last state drawn varies): the file name, a percentage,
     # and the file size as the total in bytes, scaled by tqdm
     assert err.startswith("\rrollouts.jsonl:") and "%|" in err and f"/{size / 1000:.1f}k [" in err, err
     assert "B/s]" in err
-    status, _, err = run_main("analyze", jsonl, "--out", str(tmp_path / "c"), "--no-html")  # not a terminal
+    status, _, _, err = analyze(JSONL, tmp_path / "c", "--no-html")  # not a terminal
     assert status == 0 and err == ""
 
 
-# ---------------------------------------------------------------------------------------------
-# Hostile files
-# ---------------------------------------------------------------------------------------------
+# -- Hostile files -----------------------------------------------------------------------------------------
 def test_hostile_jsonl_skip_reports_every_line(tmp_path):
     proc = run_cli("analyze", str(FIXTURES / "hostile.jsonl"), "--out", str(tmp_path))
     # 9 of 13 samples are bad, over --max-bad-fraction 0.1: exit status 1, after writing what it has
@@ -477,41 +404,28 @@ def test_hostile_jsonl_skip_reports_every_line(tmp_path):
     assert "4 samples" in proc.stdout and f"{len(GEN.HOSTILE_ISSUES)} issue(s) skipped" in proc.stdout
     # the valid lines, read independently, give the same metrics
     lines = (FIXTURES / "hostile.jsonl").read_text().splitlines()
-    valid = [json.loads(lines[n - 1]) for n in GEN.HOSTILE_VALID_LINES]
-    ref = reference_metrics(valid, result["settings"]["sections"])
+    ref = reference_metrics([json.loads(lines[n - 1]) for n in GEN.HOSTILE_VALID_LINES], result["settings"]["sections"])
     assert set(ref) == {k for k in result["metrics"] if not k.startswith("opbc/decision/")}
     assert "moe/router/flip_rate" in result["not_computed"]  # no expert ids in the file
-    for key, expected in ref.items():
-        assert_close(result["metrics"][key], expected, key)
+    assert_metrics(result["metrics"], ref)
     assert result["input"]["bad_samples"] == 9 and math.isclose(result["input"]["bad_fraction"], 9 / 13)
-    parser = parse_report((tmp_path / "report.html").read_text())
-    assert "line 14" in "".join(parser.text)
+    assert "line 14" in ReportParser((tmp_path / "report.html").read_text()).text
     proc = run_cli("analyze", str(FIXTURES / "hostile.jsonl"), "--out", str(tmp_path / "b"), "--max-bad-fraction", "1")
     assert proc.returncode == 0 and "max-bad-fraction" not in proc.stderr, proc.stderr
 
 
-def test_hostile_jsonl_fail_stops_at_the_first_bad_line(tmp_path):
-    proc = run_cli("analyze", str(FIXTURES / "hostile.jsonl"), "--out", str(tmp_path / "out"), "--on-error", "fail")
+@pytest.mark.parametrize("name,args,fragments,absent", [
+    ("hostile.jsonl", ("--on-error", "fail"), ("hostile.jsonl line 3: invalid JSON",), "line 5"),
+    ("pickled.pt", (), ("refused", "pickle", "weights_only=True"), "PWNED"),
+])
+def test_a_refused_file_exits_1_without_traceback_or_result(tmp_path, name, args, fragments, absent):
+    """--on-error fail stops at the first bad line; a pickled .pt is refused without unpickling it."""
+    proc = run_cli("analyze", str(FIXTURES / name), "--out", str(tmp_path / "out"), *args)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert "hostile.jsonl line 3: invalid JSON" in proc.stderr
-    assert "line 5" not in proc.stderr
+    assert all(f in proc.stderr for f in fragments), proc.stderr
+    assert absent not in proc.stdout + proc.stderr
     assert not (tmp_path / "out" / "result.json").exists()
-
-
-def test_pickled_pt_is_refused_without_unpickling(tmp_path):
-    proc = run_cli("analyze", str(FIXTURES / "pickled.pt"), "--out", str(tmp_path))
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
-    assert "refused" in proc.stderr and "pickle" in proc.stderr and "weights_only=True" in proc.stderr
-    assert "PWNED" not in proc.stdout + proc.stderr
-    assert not (tmp_path / "result.json").exists()
-
-
-def _pt(tmp_path: Path, name: str, obj) -> Path:
-    path = tmp_path / name
-    torch.save(obj, path)
-    return path
 
 
 def _good() -> dict:
@@ -549,6 +463,8 @@ HOSTILE_FILES = {
                         1, "`trainer_logprobs` must be a floating-point tensor"),
     "shape.pt": (lambda p: torch.save({**_good(), "rollout_logprobs": torch.zeros(3, 7)}, p), 1,
                  "`rollout_logprobs` has shape (3, 7) but `trainer_logprobs` has shape (3, "),
+    "nope.jsonl": (lambda p: None, 2, "no such file"),
+    "dir.jsonl": (lambda p: p.mkdir(), 1, "directory"),
 }
 
 
@@ -557,47 +473,34 @@ def test_hostile_files_give_clear_messages(tmp_path, name):
     make, expected_status, fragment = HOSTILE_FILES[name]
     path = tmp_path / name
     make(path)
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "out"))
-    assert status == expected_status, (status, err)
+    status, result, _, err = analyze(path, tmp_path / "out")
+    assert status == expected_status and result is None, (status, err)
     assert fragment in err, err
     assert err.count("opbc-metrics: error:") == 1 and "Traceback" not in err
-    assert not (tmp_path / "out" / "result.json").exists()
 
 
-def test_missing_file_and_directory(tmp_path):
-    status, _, err = run_main("analyze", str(tmp_path / "nope.jsonl"))
-    assert status == 2 and "no such file" in err
-    folder = tmp_path / "dir.jsonl"
-    folder.mkdir()
-    status, _, err = run_main("analyze", str(folder), "--out", str(tmp_path / "o"))
-    assert status == 1 and "directory" in err
+def _pt(tmp_path: Path, name: str, obj) -> Path:
+    torch.save(obj, tmp_path / name)
+    return tmp_path / name
 
 
 def test_pt_list_of_records_skips_a_bad_record(tmp_path):
     good = _good()
     path = _pt(tmp_path, "steps.pt", [good, {"trainer_logprobs": "x", "rollout_logprobs": torch.zeros(1, 2)}, good])
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html",
-                              "--max-bad-fraction", "1")
+    status, result, _, err = analyze(path, tmp_path / "o", "--no-html", "--max-bad-fraction", "1")
     assert status == 0, err
     assert "steps.pt record 1: `trainer_logprobs` must be a tensor" in err
-    result = json.loads((tmp_path / "o" / "result.json").read_text())
     assert result["input"]["samples"] == 6 and result["input"]["issues_total"] == 1
 
 
 def test_failed_batch_rolls_back_every_member(tmp_path):
     """A .pt batch rejected by a metric's validation (float expert ids) leaves no partial state behind."""
     good = _good()
-    bad = {**good, "rollout_experts": good["rollout_experts"].float()}
-    path = _pt(tmp_path, "mixed.pt", [good, bad])
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html",
-                              "--max-bad-fraction", "1")
+    path = _pt(tmp_path, "mixed.pt", [good, {**good, "rollout_experts": good["rollout_experts"].float()}])
+    status, result, _, err = analyze(path, tmp_path / "o", "--no-html", "--max-bad-fraction", "1")
     assert status == 0, err
     assert "mixed.pt record 1 rows 0-2: " in err and "rollout_experts" in err
-    result = json.loads((tmp_path / "o" / "result.json").read_text())
-    ref = OPBCCollection(sections=result["settings"]["sections"])
-    ref.update(good)
-    for key, value in ref.compute().items():
-        assert_close(result["metrics"][key], value.tolist(), key)
+    assert_metrics(result["metrics"], collection_on(good, result["settings"]["sections"]))
 
 
 def test_report_escapes_input_text():
@@ -612,7 +515,7 @@ def test_report_escapes_input_text():
     }
     html = render_html(result)
     assert "<script" not in html and "&lt;script&gt;" in html
-    parser = parse_report(html)
+    parser = ReportParser(html)
     assert_self_contained(parser)
     assert "chart-decision-mix" in parser.svgs and "chart-per-round-per_round-abs_diff_mean" in parser.svgs
 
@@ -630,9 +533,7 @@ def test_summary_lines_with_decisions():
     assert "decisions (4 groups): train 3 (75.0%), reject 1 (25.0%)" in text
 
 
-# ---------------------------------------------------------------------------------------------
-# glossary
-# ---------------------------------------------------------------------------------------------
+# -- glossary and help ----------------------------------------------------------------------------------------
 def test_glossary_command_outputs_every_key():
     assert import_all_metrics() == []  # every metric class of the package registers, as in the command
     script = Path(sys.executable).parent / "opbc-metrics"  # the console script, when installed next to python
@@ -658,53 +559,39 @@ def test_help_documents_the_schema():
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exc:
         main(["analyze", "--help"])
     assert exc.value.code == 0
-    text = out.getvalue()
     for word in ("trainer_logprobs", "rollout_logprobs", "response_mask", "group_id", "rollout_experts",
                  "policy_lag", "weights_only=True", "--on-error", "--batch-size"):
-        assert word in text, word
+        assert word in out.getvalue(), word
 
 
-# ---------------------------------------------------------------------------------------------
-# Invalid values, the share of bad lines, other text formats, framework hints
-# ---------------------------------------------------------------------------------------------
-def _fixture_lines() -> list[str]:
-    return [x for x in (FIXTURES / "rollouts.jsonl").read_text().splitlines() if x.strip()]
-
-
+# -- Invalid values, the share of bad lines, other text formats, framework hints ------------------------------
 @pytest.mark.parametrize("bad", ['"reward": NaN', '"reward": Infinity', '"advantage": -Infinity'])
 def test_non_finite_scalar_is_reported_with_its_line_and_skipped(tmp_path, bad):
-    lines = _fixture_lines()
+    lines = list(LINES)
     lines[29] = lines[29][:-1] + ", " + bad + "}"  # line 30
-    path = tmp_path / "nan.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "out"), "--no-html")
+    (tmp_path / "nan.jsonl").write_text("\n".join(lines) + "\n")
+    status, result, _, err = analyze(tmp_path / "nan.jsonl", tmp_path / "out", "--no-html")
     field = bad.split('"')[1]
     assert status == 0, err  # 1 bad line of 48: under --max-bad-fraction
     assert f"skipped: nan.jsonl line 30: `{field}` must be a finite number" in err
-    result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert [(i["line"], i["message"].split(" must")[0]) for i in result["input"]["issues"]] == [(30, f"`{field}`")]
     assert result["input"]["samples"] == 47 and result["input"]["bad_samples"] == 1
     # the other 47 samples, read independently, give the same metrics
-    kept = [json.loads(x) for n, x in enumerate(lines, 1) if n != 30]
-    ref = reference_metrics(kept, result["settings"]["sections"])
-    for key, expected in ref.items():
-        assert_close(result["metrics"][key], expected, key)
+    assert_metrics(result["metrics"], reference_metrics(SAMPLES[:29] + SAMPLES[30:], result["settings"]["sections"]))
 
 
 def test_max_bad_fraction_exits_1_after_writing_everything(tmp_path):
-    lines = _fixture_lines()[:20]
+    lines = LINES[:20]
     for n in (2, 5, 9):  # 3 of 20 samples bad: 15%
         lines[n] = lines[n][:-1] + ', "reward": NaN}'
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    status, out, err = run_main("analyze", str(path), "--out", str(tmp_path / "a"))
+    status, result, out, err = analyze(path, tmp_path / "a")
     assert status == 1
     assert "3 of 20 samples (15.0%) were bad and skipped, more than --max-bad-fraction 0.1" in err
-    assert (tmp_path / "a" / "result.json").exists() and (tmp_path / "a" / "report.html").exists()
-    assert "wrote" in out
-    assert json.loads((tmp_path / "a" / "result.json").read_text())["input"]["samples"] == 17
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "b"), "--max-bad-fraction", "0.15")
-    assert status == 0, err
+    assert (tmp_path / "a" / "report.html").exists() and "wrote" in out
+    assert result["input"]["samples"] == 17
+    assert analyze(path, tmp_path / "b", "--max-bad-fraction", "0.15")[0] == 0
     proc = run_cli("analyze", str(path), "--out", str(tmp_path / "c"), "--max-bad-fraction", "1.5")
     assert proc.returncode == 2 and "expected a fraction in [0, 1]" in proc.stderr
 
@@ -719,24 +606,17 @@ def _result_without_path(path: Path) -> dict:
 def test_gzip_json_array_and_stdin_read_like_the_jsonl(tmp_path, jsonl_run):
     _, reference, _ = jsonl_run
     reference = {**reference, "input": {k: v for k, v in reference["input"].items() if k not in ("path", "format")}}
-    text = (FIXTURES / "rollouts.jsonl").read_text()
-    samples = [json.loads(x) for x in text.splitlines() if x.strip()]
+    text = JSONL.read_text()
     (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(text.encode()))
-    (tmp_path / "r.json").write_text("[\n" + ",\n".join(json.dumps(s) for s in samples) + "\n]\n")
+    (tmp_path / "r.json").write_text("[\n" + ",\n".join(json.dumps(s) for s in SAMPLES) + "\n]\n")
     (tmp_path / "r.json.gz").write_bytes(gzip.compress((tmp_path / "r.json").read_bytes()))
-    for name in ("r.jsonl.gz", "r.json", "r.json.gz"):
-        proc = run_cli("analyze", str(tmp_path / name), "--out", str(tmp_path / name.replace(".", "_")),
-                       "--batch-size", "16", "--no-html")
+    for name, data in (("r.jsonl.gz", None), ("r.json", None), ("r.json.gz", None), ("-", text.encode()),
+                       ("/dev/stdin", gzip.compress(text.encode()))):
+        out = tmp_path / f"out{len(os.listdir(tmp_path))}"
+        source = name if data is not None else str(tmp_path / name)
+        proc = run_cli("analyze", source, "--out", str(out), "--batch-size", "16", "--no-html", input=data)
         assert proc.returncode == 0, (name, proc.stderr)
-        assert _result_without_path(tmp_path / name.replace(".", "_") / "result.json") == reference, name
-    for stdin_name, data in (("-", text.encode()), ("/dev/stdin", gzip.compress(text.encode()))):
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        out = tmp_path / f"stdin{len(data)}"
-        proc = subprocess.run([sys.executable, "-m", "opbc_metrics.cli", "analyze", stdin_name, "--out", str(out),
-                               "--batch-size", "16", "--no-html"], input=data, capture_output=True, timeout=120,
-                              cwd=ROOT, env=env)
-        assert proc.returncode == 0, proc.stderr.decode()
-        assert _result_without_path(out / "result.json") == reference, stdin_name
+        assert _result_without_path(out / "result.json") == reference, name
 
 
 def test_json_array_reports_bad_elements_by_line(tmp_path):
@@ -745,81 +625,75 @@ def test_json_array_reports_bad_elements_by_line(tmp_path):
     bad = '{"trainer_logprobs": [-1.0], "rollout_logprobs": "x"}'
     path.write_text("[\n" + good + ",\n" + good + ",\n" + bad + ",\n" + good + "\n]\n")
     options = ("--no-html", "--max-bad-fraction", "1")
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), *options)
+    status, result, _, err = analyze(path, tmp_path / "o", *options)
     assert status == 0, err
     assert "skipped: a.json line 4: `rollout_logprobs` must be a list of numbers, got str" in err
-    assert json.loads((tmp_path / "o" / "result.json").read_text())["input"]["samples"] == 3
+    assert result["input"]["samples"] == 3
     path.write_text("[\n" + good + ",\n" + good + ",\n" + good[:-5] + "\n")  # cut in the third element
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "p"), *options)
+    status, _, _, err = analyze(path, tmp_path / "p", *options)
     assert status == 0 and "a.json line 4: truncated JSON array" in err, err
 
 
 def test_json_error_message_has_no_doubled_word(tmp_path):
     path = tmp_path / "s.jsonl"
     path.write_text('{"trainer_logprobs": [-1.0], "rollout_logprobs": [-1.0], "x": "unterminated}\n')
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"))
+    status, _, _, err = analyze(path, tmp_path / "o")
     assert status == 1
     assert "line 1: invalid JSON (Unterminated string starting at, column 63)" in err, err
     assert "at at" not in err
 
 
 @pytest.mark.parametrize(
-    ("fields", "adapter"),
-    [({"old_log_probs": [-1.0], "rollout_log_probs": [-1.1], "uid": "a"},
-      "opbc_metrics.integrations.verl.verl_to_batch"),
-     ({"old_per_token_logps": [-1.0], "sampling_per_token_logps": [-1.1], "completion_mask": [1]},
-      "opbc_metrics.integrations.trl.trl_to_batch")],
+    ("name", "fields", "adapter"),
+    [("f.jsonl", {"old_log_probs": [-1.0], "rollout_log_probs": [-1.1], "uid": "a"}, "verl.verl_to_batch"),
+     ("f.jsonl", {"old_per_token_logps": [-1.0], "sampling_per_token_logps": [-1.1], "completion_mask": [1]},
+      "trl.trl_to_batch"),
+     ("verl.pt", {"old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3)}, "verl.verl_to_batch")],
 )
-def test_framework_field_names_get_a_hint_naming_the_adapter(tmp_path, fields, adapter):
-    path = tmp_path / "f.jsonl"
-    path.write_text((json.dumps(fields) + "\n") * 3)
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"))
-    assert status == 1 and "no valid sample" in err
-    hint = [line for line in err.splitlines() if line.startswith("skipped: f.jsonl line 1:")]
-    assert hint and "`trainer_logprobs` is required but missing" in hint[0] and f"`{adapter}`" in hint[0], err
+def test_framework_field_names_get_a_hint_naming_the_adapter(tmp_path, name, fields, adapter):
+    path = tmp_path / name
+    if name.endswith(".pt"):
+        torch.save(fields, path)
+    else:
+        path.write_text((json.dumps(fields) + "\n") * 3)
+    status, _, _, err = analyze(path, tmp_path / "o")
+    adapter = f"`opbc_metrics.integrations.{adapter}`"
+    assert status == 1 and adapter in err, err
+    if name.endswith(".jsonl"):
+        assert "no valid sample" in err
+        hint = [line for line in err.splitlines() if line.startswith("skipped: f.jsonl line 1:")]
+        assert hint and "`trainer_logprobs` is required but missing" in hint[0] and adapter in hint[0], err
 
 
-# ---------------------------------------------------------------------------------------------
-# Steps and several files
-# ---------------------------------------------------------------------------------------------
-def _with_steps(samples: list[dict], per_step: int) -> list[dict]:
-    return [{**s, "step": 10 + i // per_step} for i, s in enumerate(samples)]
+# -- Steps and several files --------------------------------------------------------------------------------
+STEPPED = [{**s, "step": 10 + i // 12} for i, s in enumerate(SAMPLES)]  # 4 steps of 3 groups
 
 
 def test_step_series_equal_a_collection_per_step(tmp_path):
-    samples = _with_steps(_reference_samples(FIXTURES / "rollouts.jsonl"), 12)  # 4 steps of 3 groups
-    path = tmp_path / "steps.jsonl"
-    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"), "--no-html")
+    GEN.write_jsonl(tmp_path / "steps.jsonl", STEPPED)
+    status, result, _, err = analyze(tmp_path / "steps.jsonl", tmp_path / "o", "--no-html")
     assert status == 0, err
-    result = json.loads((tmp_path / "o" / "result.json").read_text())
     steps = result["steps"]
     assert steps["axis"] == "step" and [p["x"] for p in steps["points"]] == [10, 11, 12, 13]
-    from opbc_metrics.report import STEP_KEYS
-
     for point in steps["points"]:
-        part = [s for s in samples if s["step"] == point["x"]]
-        ref = reference_metrics(part)
+        part = [s for s in STEPPED if s["step"] == point["x"]]
         assert point["samples"] == len(part) == 12
-        expected = {k: v for k, v in ref.items() if k in STEP_KEYS}
+        expected = {k: v for k, v in reference_metrics(part).items() if k in STEP_KEYS}
         if not any("rollout_experts" in s for s in part):  # a step without expert ids measured no flip rate
             expected.pop("moe/router/flip_rate")
         assert set(point["metrics"]) == set(expected), point["x"]
-        for key, value in expected.items():
-            assert_close(point["metrics"][key], value, key)
-    if result["controller"]["available"]:
-        per_step = [p["decisions"] for p in steps["points"]]
-        assert [sum(m.values()) for m in per_step] == [3, 3, 3, 3]
-        total = {d: sum(m[d] for m in per_step) for d in result["controller"]["decision_mix"]}
-        assert total == result["controller"]["decision_mix"]
-        assert {g["group"]: g["step"] for g in result["controller"]["groups"]} == {
-            str(s["group_id"]): s["step"] for s in samples}
+        assert_metrics(point["metrics"], expected)
+    per_step = [p["decisions"] for p in steps["points"]]
+    assert [sum(m.values()) for m in per_step] == [3, 3, 3, 3]
+    total = {d: sum(m[d] for m in per_step) for d in result["controller"]["decision_mix"]}
+    assert total == result["controller"]["decision_mix"]
+    assert {g["group"]: g["step"] for g in result["controller"]["groups"]} == {
+        str(s["group_id"]): s["step"] for s in STEPPED}
 
 
 def test_several_files_make_one_comparison_report(tmp_path):
-    samples = _with_steps(_reference_samples(FIXTURES / "rollouts.jsonl"), 12)
-    (tmp_path / "bf16.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples[:24]))
-    text = "".join(json.dumps(s) + "\n" for s in samples[24:])
+    GEN.write_jsonl(tmp_path / "bf16.jsonl", STEPPED[:24])
+    text = "".join(json.dumps(s) + "\n" for s in STEPPED[24:])
     (tmp_path / "async.jsonl.gz").write_bytes(gzip.compress(text.encode()))
     status, out, err = run_main("analyze", str(tmp_path / "bf16.jsonl"), str(tmp_path / "async.jsonl.gz"),
                                 "--out", str(tmp_path / "o"))
@@ -827,10 +701,9 @@ def test_several_files_make_one_comparison_report(tmp_path):
     a = json.loads((tmp_path / "o" / "result-bf16.json").read_text())
     b = json.loads((tmp_path / "o" / "result-async.json").read_text())
     assert a["input"]["samples"] == b["input"]["samples"] == 24
-    for key, value in reference_metrics(samples[24:], b["settings"]["sections"]).items():
-        assert_close(b["metrics"][key], value, key)
+    assert_metrics(b["metrics"], reference_metrics(STEPPED[24:], b["settings"]["sections"]))
     assert "wrote " + str(tmp_path / "o" / "report.html") in out
-    parser = parse_report((tmp_path / "o" / "report.html").read_text())
+    parser = ReportParser((tmp_path / "o" / "report.html").read_text())
     assert_self_contained(parser)
     ids = {a.get("id") for t, a in parser.tags if t == "g"}
     for stream in ("bf16", "async"):  # one line per stream, overlaid in the same charts
@@ -840,18 +713,12 @@ def test_several_files_make_one_comparison_report(tmp_path):
     assert status == 2 and "standard input can be read only once" in err
 
 
-def test_pt_with_verl_field_names_gets_the_hint(tmp_path):
-    path = _pt(tmp_path, "verl.pt", {"old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3)})
-    status, _, err = run_main("analyze", str(path), "--out", str(tmp_path / "o"))
-    assert status == 1 and "`opbc_metrics.integrations.verl.verl_to_batch`" in err, err
-
-
 def test_report_without_matplotlib_says_how_to_get_the_charts(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    status, _, err = run_main("analyze", str(FIXTURES / "rollouts.jsonl"), "--out", str(tmp_path))
+    status, _, _, err = analyze(JSONL, tmp_path)
     assert status == 0 and 'pip install ".[report]"' in err
-    parser = parse_report((tmp_path / "report.html").read_text())
-    assert not parser.svgs and 'pip install ".[report]"' in "".join(parser.text)
+    parser = ReportParser((tmp_path / "report.html").read_text())
+    assert not parser.svgs and 'pip install ".[report]"' in parser.text
     assert "groups-table" in (tmp_path / "report.html").read_text()
 
 
@@ -862,19 +729,11 @@ def test_report_shows_a_missing_key_as_not_measured(jsonl_run):
     dense["metrics"].pop("moe/router/flip_rate")
     for point in dense["steps"]["points"]:
         point["metrics"].pop("moe/router/flip_rate", None)
-    from opbc_metrics.report import render_report
-
     html = render_report({"moe": result, "dense": dense})
     card = html.split('id="card-moe-router-flip_rate"', 1)[1].split('<div class="card"', 1)[0]
     assert 'data-stream="dense">—</span>' in card
-    assert f'data-stream="moe">{fmt_value(result["metrics"]["moe/router/flip_rate"])}</span>' in card
+    assert f'data-stream="moe">{fmt(result["metrics"]["moe/router/flip_rate"])}</span>' in card
     chart = html.split('<svg id="chart-step-moe-router-flip_rate"', 1)[1].split("</svg>", 1)[0]
     assert 'id="chart-step-moe-router-flip_rate-series-moe"' in chart
     assert "series-dense" not in chart
     assert 'id="chart-step-opbc-is-ess-series-dense"' in html
-
-
-def fmt_value(value) -> str:
-    from opbc_metrics.report import fmt
-
-    return fmt(value)

@@ -18,35 +18,26 @@ from opbc_metrics.policy import LOOSEN_DOWN, LOOSEN_UP
 pytestmark = pytest.mark.filterwarnings("ignore:with clamp C")
 
 
-# ---------------------------------------------------------------------------------------------------
-# A plain-Python statement of DESIGN's rules: an if/elif chain, written apart from the implementation.
-# ---------------------------------------------------------------------------------------------------
+# -- A plain-Python statement of DESIGN's rules: an if/elif chain, written apart from the implementation. ---
 def reference_rules(s: dict, contract: set[str], p: OPBCPolicy) -> tuple[str, list[str]]:
     lag, flip, ess = s.get("policy_lag"), s.get("router_flip_rate"), s["ess"]
-    reasons = [c for c in FC.CONTRACT_REASONS if c in contract]
-    if s["veto_fraction"] > p.max_veto_fraction:
-        reasons.append("veto")
-    if lag is not None and lag > p.max_lag:
-        reasons.append("lag_above_max")
-    if ess < p.min_ess:
-        reasons.append("ess_below_min")
-    if flip is not None and flip > p.max_flip:
-        reasons.append("router_flip_above_max")
-    if s["clipped_fraction"] > p.max_clipped:
-        reasons.append("clipped_above_max")
-    if lag is not None and lag > p.replay_lag:
-        reasons.append("lag_above_replay")
-    if ess < p.replay_ess:
-        reasons.append("ess_below_replay")
+    fired = {  # reason -> whether it holds, in DESIGN's rule order
+        "veto": s["veto_fraction"] > p.max_veto_fraction,
+        "lag_above_max": lag is not None and lag > p.max_lag,
+        "ess_below_min": ess < p.min_ess,
+        "router_flip_above_max": flip is not None and flip > p.max_flip,
+        "clipped_above_max": s["clipped_fraction"] > p.max_clipped,
+        "lag_above_replay": lag is not None and lag > p.replay_lag,
+        "ess_below_replay": ess < p.replay_ess,
+    }
+    reasons = [c for c in FC.CONTRACT_REASONS if c in contract] + [r for r, hold in fired.items() if hold]
     if contract:
         action = "reject"
-    elif s["veto_fraction"] > p.max_veto_fraction:
+    elif fired["veto"] or fired["lag_above_max"] or fired["ess_below_min"] or fired["router_flip_above_max"]:
         action = "quarantine"
-    elif (lag is not None and lag > p.max_lag) or ess < p.min_ess or (flip is not None and flip > p.max_flip):
-        action = "quarantine"
-    elif s["clipped_fraction"] > p.max_clipped:
+    elif fired["clipped_above_max"]:
         action = "train_with_correction"
-    elif (lag is not None and lag > p.replay_lag) or ess < p.replay_ess:
+    elif fired["lag_above_replay"] or fired["ess_below_replay"]:
         action = "replay"
     else:
         action = "train"
@@ -71,9 +62,7 @@ def _decide_stats(stats: list[dict], contracts: list[set[str]], policy: OPBCPoli
 CLEAN = {"ess": 0.95, "veto_fraction": 0.0, "clipped_fraction": 0.0, "policy_lag": 0.0, "router_flip_rate": 0.0}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Each rule in isolation (boundaries included: caps are strict '>', floors strict '<')
-# ---------------------------------------------------------------------------------------------------
+# -- Each rule in isolation (boundaries included: caps are strict '>', floors strict '<') and combined ---------
 @pytest.mark.parametrize(
     "change,contract,action,reasons",
     [
@@ -92,22 +81,8 @@ CLEAN = {"ess": 0.95, "veto_fraction": 0.0, "clipped_fraction": 0.0, "policy_lag
         ({"clipped_fraction": 0.11}, set(), "train_with_correction", ["clipped_above_max"]),
         ({"clipped_fraction": 0.10}, set(), "train", []),
         ({"policy_lag": None, "router_flip_rate": None}, set(), "train", []),  # not given: never fire
-    ],
-)
-def test_each_rule_in_isolation(change, contract, action, reasons):
-    s = {**CLEAN, **change}
-    policy = OPBCPolicy()
-    assert _decide_stats([s], [contract], policy) == [(action, reasons)]
-    assert reference_rules(s, contract, policy) == (action, reasons)
+        # Combinations: which rule wins, and every reason is kept. Contract beats everything
 
-
-# ---------------------------------------------------------------------------------------------------
-# Combinations: which rule wins, and every reason is kept
-# ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "change,contract,action,reasons",
-    [
-        # contract beats everything
         ({"veto_fraction": 0.5, "ess": 0.1, "policy_lag": 20, "clipped_fraction": 0.9}, {"logprobs_misaligned"},
          "reject",
          ["logprobs_misaligned", "veto", "lag_above_max", "ess_below_min", "clipped_above_max", "lag_above_replay",
@@ -128,10 +103,9 @@ def test_each_rule_in_isolation(change, contract, action, reasons):
          ["logprobs_missing", "non_finite", "token_ids_mismatch"]),
     ],
 )
-def test_rules_in_combination(change, contract, action, reasons):
+def test_each_rule_alone_and_in_combination(change, contract, action, reasons):
     s = {**CLEAN, **change}
-    got = _decide_stats([s], [contract], OPBCPolicy())
-    assert got == [(action, reasons)]
+    assert _decide_stats([s], [contract], OPBCPolicy()) == [(action, reasons)]
     assert reference_rules(s, contract, OPBCPolicy()) == (action, reasons)
 
 
@@ -148,15 +122,15 @@ def test_decision_objects_carry_enum_reasons_and_primary_reason():
     assert d[2].action is Action.REPLAY and d[2].reasons == (Reason.LAG_ABOVE_REPLAY,)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Policies and presets
-# ---------------------------------------------------------------------------------------------------
+# -- Policies and presets ---------------------------------------------------------------------------
 def test_default_preset_is_design():
     p = OPBCPolicy.preset("default")
     assert p == OPBCPolicy()
     assert (p.clamp, p.veto, p.max_veto_fraction, p.max_lag, p.min_ess, p.max_flip, p.max_clipped, p.replay_lag,
             p.replay_ess) == (20.0, 30.0, 0.0, 8.0, 0.30, 0.15, 0.10, 4.0, 0.60)
     assert p.weight_bounds == (math.exp(-20.0), math.exp(20.0)) and not p.correct_train
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.min_ess = 0.1  # type: ignore[misc]
 
 
 def test_truncated_is_preset_maps_the_weight_cap_and_keeps_design_thresholds():
@@ -190,12 +164,6 @@ def test_policy_json_round_trip(name):
     assert OPBCPolicy.from_json(p.to_json()) == p
     q = p.replace(max_lag=math.inf, replay_lag=6.0, veto=math.inf)
     assert OPBCPolicy.from_json(q.to_json()) == q and '"inf"' in q.to_json()
-
-
-def test_policy_is_frozen():
-    p = OPBCPolicy()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        p.min_ess = 0.1  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
@@ -243,15 +211,7 @@ def test_from_dict_rejects_unknown_fields_and_controller_rejects_bad_policy():
         OPBCController("nope")
 
 
-def test_action_strictness_order():
-    order = sorted(Action, key=lambda a: a.strictness)
-    assert order == [Action.TRAIN, Action.REPLAY, Action.TRAIN_WITH_CORRECTION, Action.QUARANTINE, Action.REJECT]
-    assert [a.trains for a in order] == [True, False, True, False, False]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Properties
-# ---------------------------------------------------------------------------------------------------
+# -- Properties -------------------------------------------------------------------------------------
 @st.composite
 def policies(draw):
     min_ess = draw(st.floats(0.0, 1.0))
@@ -372,9 +332,12 @@ def test_loosening_a_threshold_never_makes_an_action_stricter(batch, policy, nam
         assert set(y.reasons) <= set(x.reasons)
 
 
-def test_reason_codes_are_ordered_by_action_precedence():
+def test_actions_and_reason_codes_are_ordered_by_strictness():
     """First match = the strictest action among the rules that hold, because rules are listed in action
     precedence order (each reason's code is >= the previous one's)."""
+    order = sorted(Action, key=lambda a: a.strictness)
+    assert order == [Action.TRAIN, Action.REPLAY, Action.TRAIN_WITH_CORRECTION, Action.QUARANTINE, Action.REJECT]
+    assert [a.trains for a in order] == [True, False, True, False, False]
     codes = [a for _, a in FC.REASONS]
     assert codes == sorted(codes)
     assert [a for a, n in FC._REASON_RUNS for _ in range(n)] == codes

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,36 +20,27 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.support import ROOT, load_module
+
 pytest.importorskip("lightning")
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 STEPS = 3
 
 
-def _load(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tm() -> ModuleType:
-    return _load("tiny_moe")
+    return load_module("tiny_moe")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def demo(tm: ModuleType) -> ModuleType:
-    return _load("demo")
+    """The demo module; the thread count it sets is restored after each test."""
+    threads = torch.get_num_threads()
+    yield load_module("demo")
+    torch.set_num_threads(threads)
 
 
-# ------------------------------------------------------------------------------------------------
-# The demo as `make demo` runs it
-# ------------------------------------------------------------------------------------------------
+# -- The demo as `make demo` runs it -------------------------------------------------------------
 def test_demo_end_to_end_subprocess(tmp_path: Path):
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     proc = subprocess.run(
@@ -97,18 +87,12 @@ def test_demo_end_to_end_subprocess(tmp_path: Path):
     assert f"W&B run (offline): {tmp_path / 'wandb'}" in out
 
 
-# ------------------------------------------------------------------------------------------------
-# In process: fallback without fp8, reproducibility, real mismatch
-# ------------------------------------------------------------------------------------------------
+# -- In process: fallback without fp8, reproducibility, real mismatch ----------------------------
 def test_demo_without_fp8_is_reproducible_and_measures_real_mismatch(
     demo: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ):
     monkeypatch.setattr(demo.tm, "fp8_available", lambda: "no float8 in this build")
-    threads = torch.get_num_threads()
-    try:
-        runs = [demo.main(2, out_dir=tmp_path, use_wandb=False, report=False, verbose=False) for _ in range(2)]
-    finally:
-        torch.set_num_threads(threads)
+    runs = [demo.main(2, out_dir=tmp_path, use_wandb=False, report=False, verbose=False) for _ in range(2)]
     assert "note: skipping the fp8 rollout engine: no float8 in this build" in capsys.readouterr().out
     first, second = runs
     assert first["streams"] == ["bf16", "async"]
@@ -129,11 +113,7 @@ def test_demo_wandb_dashboard_has_one_chart_per_quantity(demo: ModuleType, tmp_p
     pytest.importorskip("wandb")
     from tests.wandb_run import chart_report, read_offline_run
 
-    threads = torch.get_num_threads()
-    try:
-        result = demo.main(12, out_dir=tmp_path, use_wandb=True, report=False, verbose=False)
-    finally:
-        torch.set_num_threads(threads)
+    result = demo.main(12, out_dir=tmp_path, use_wandb=True, report=False, verbose=False)
     run = read_offline_run(tmp_path)
     report = chart_report(run)
     assert report["rows"] == 12
@@ -157,11 +137,7 @@ def test_demo_wandb_dashboard_has_one_chart_per_quantity(demo: ModuleType, tmp_p
 
 def test_readme_quotes_the_demo_summary_of_the_default_run(demo: ModuleType, tmp_path: Path):
     """The figures in README.md are the ones `make demo` writes to runs/demo/demo_summary.md today (seeded)."""
-    threads = torch.get_num_threads()
-    try:
-        demo.main(out_dir=tmp_path, use_wandb=False, report=False, verbose=False)
-    finally:
-        torch.set_num_threads(threads)
+    demo.main(out_dir=tmp_path, use_wandb=False, report=False, verbose=False)
     summary = (tmp_path / "demo_summary.md").read_text()
     readme = (ROOT / "README.md").read_text()
     quoted = readme.split("<!-- demo-summary -->\n", 1)[1].split("<!-- /demo-summary -->", 1)[0]
@@ -178,9 +154,7 @@ def test_available_precisions(demo: ModuleType, monkeypatch: pytest.MonkeyPatch)
     assert precisions == ("bf16",) and len(notes) == 2
 
 
-# ------------------------------------------------------------------------------------------------
-# The tiny MoE and its engines
-# ------------------------------------------------------------------------------------------------
+# -- The tiny MoE and its engines ----------------------------------------------------------------
 def test_cached_generation_matches_full_scoring_in_fp32(tm: ModuleType):
     """An fp32 'engine' (no reduced precision) must reproduce the trainer's logprobs and expert ids: the
     KV cache, positions and the logprob/expert alignment are right, so the demo's mismatch is numerics."""

@@ -69,9 +69,7 @@ def test_glossary_renders_every_key_and_resolves_aliases():
         glossary.lookup("no such metric")
 
 
-# ------------------------------------------------------------------------------------------------
-# README: the commands it gives are true
-# ------------------------------------------------------------------------------------------------
+# -- README: the commands it gives are true ------------------------------------------------------
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 

@@ -56,9 +56,7 @@ from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.testing import assert_no_host_sync
 from tests import fuzz_strategies as S
 
-# ---------------------------------------------------------------------------------------------------------
-# bookkeeping: generated cases per target
-# ---------------------------------------------------------------------------------------------------------
+# -- bookkeeping: generated cases per target --------------------------------------------------------------
 CASES: dict[str, Counter] = defaultdict(Counter)
 # OPBC_FUZZ_SCALE=10 runs ten times the examples of every test (the defaults keep the file under ~90 s).
 SCALE = float(os.environ.get("OPBC_FUZZ_SCALE", "1"))
@@ -155,10 +153,9 @@ def whole_batch_on_meta(case: S.Case) -> S.Case:
     return S.Case(case.plan, batch, case.plain, "*", case.hostile)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# targets: every public metric class
-# ---------------------------------------------------------------------------------------------------------
+# -- targets: every public metric class -------------------------------------------------------------------
 LOGPROBS = ("trainer_logprobs", "rollout_logprobs")
+MASK = ("response_mask",)
 PPO = ("policy_logprobs", "old_logprobs")
 DPO = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
 
@@ -182,25 +179,23 @@ def _flops_metric() -> OPBCMetric:
 
 def tensor_targets() -> list[Target]:
     m = opbc_metrics
-    out = [Target(c.__name__, c, LOGPROBS, ("response_mask",)) for c in MISMATCH_METRICS]
+    out = [Target(c.__name__, c, LOGPROBS, MASK) for c in MISMATCH_METRICS]
     out += [
-        Target("TopGradientMass(exact)", lambda: m.TopGradientMass(exact=True), LOGPROBS, ("response_mask",)),
-        Target("PerRoundMismatch", lambda: m.PerRoundMismatch(capacity=2), LOGPROBS, ("response_mask",)),
-        Target("RouterFlipRate", lambda: m.RouterFlipRate(num_layers=2), ("rollout_experts", "trainer_experts"),
-               ("response_mask",)),
-        Target("RouterSetDisagreement", m.RouterSetDisagreement, ("rollout_experts", "trainer_experts"),
-               ("response_mask",)),
+        Target("TopGradientMass(exact)", lambda: m.TopGradientMass(exact=True), LOGPROBS, MASK),
+        Target("PerRoundMismatch", lambda: m.PerRoundMismatch(capacity=2), LOGPROBS, MASK),
+        Target("RouterFlipRate", lambda: m.RouterFlipRate(num_layers=2), ("rollout_experts", "trainer_experts"), MASK),
+        Target("RouterSetDisagreement", m.RouterSetDisagreement, ("rollout_experts", "trainer_experts"), MASK),
         Target("RouterFlipRate(logits)", lambda: m.RouterFlipRate(num_layers=2, top_k=2),
                ("rollout_router_logits", "trainer_router_logits"), ("response_mask", "rollout_experts")),
         Target("RouterSetDisagreement(logits)", lambda: m.RouterSetDisagreement(top_k=2),
                ("rollout_router_logits", "trainer_router_logits"), ("response_mask", "trainer_experts")),
         # rollout section
-        Target("RolloutRewardStats", m.RolloutRewardStats, ("rewards",), ("response_mask",)),
-        Target("RolloutAdvantageStats", m.RolloutAdvantageStats, ("advantages",), ("response_mask",)),
+        Target("RolloutRewardStats", m.RolloutRewardStats, ("rewards",), MASK),
+        Target("RolloutAdvantageStats", m.RolloutAdvantageStats, ("advantages",), MASK),
         Target("PromptTokenStats", m.PromptTokenStats, ("prompt_lengths",)),
         Target("CompletionTokenStats", m.CompletionTokenStats, ("response_lengths",)),
         Target("TotalTokenStats", m.TotalTokenStats, ("prompt_lengths", "response_lengths")),
-        Target("RolloutRewardGini", m.RolloutRewardGini, ("rewards", "group_ids"), ("response_mask",)),
+        Target("RolloutRewardGini", m.RolloutRewardGini, ("rewards", "group_ids"), MASK),
         Target("CompletionLengthGini", m.CompletionLengthGini, ("response_lengths", "group_ids")),
         Target("CompletionLengthMaxMedianRatio", m.CompletionLengthMaxMedianRatio, ("response_lengths", "group_ids")),
         Target("CompletionLengthCV", m.CompletionLengthCV, ("response_lengths", "group_ids")),
@@ -212,17 +207,17 @@ def tensor_targets() -> list[Target]:
         Target("SampleMetricStats", lambda: m.SampleMetricStats(["format", "tool_calls"]),
                ("sample_metrics", "group_ids")),
         # training section
-        Target("PolicyEntropy", m.PolicyEntropy, ("entropies",), ("response_mask",)),
-        Target("PolicyEntropy(logits)", lambda: m.PolicyEntropy(from_logits=True), ("logits",), ("response_mask",)),
-        Target("PPOKL", m.PPOKL, PPO, ("response_mask",)),
-        Target("ApproxKL", m.ApproxKL, PPO, ("response_mask",)),
-        Target("PolicyClipFraction", m.PolicyClipFraction, (*PPO, "advantages"), ("response_mask",)),
-        Target("ValueStats", m.ValueStats, ("values",), ("response_mask",)),
-        Target("ReturnStats", m.ReturnStats, ("returns",), ("response_mask",)),
-        Target("AdvantageStats", m.AdvantageStats, ("advantages",), ("response_mask",)),
-        Target("RewardStats", m.RewardStats, ("rewards",), ("response_mask",)),
-        Target("ScoreStats", m.ScoreStats, ("scores",), ("response_mask",)),
-        Target("ExplainedVariance", m.ExplainedVariance, ("values", "returns"), ("response_mask",)),
+        Target("PolicyEntropy", m.PolicyEntropy, ("entropies",), MASK),
+        Target("PolicyEntropy(logits)", lambda: m.PolicyEntropy(from_logits=True), ("logits",), MASK),
+        Target("PPOKL", m.PPOKL, PPO, MASK),
+        Target("ApproxKL", m.ApproxKL, PPO, MASK),
+        Target("PolicyClipFraction", m.PolicyClipFraction, (*PPO, "advantages"), MASK),
+        Target("ValueStats", m.ValueStats, ("values",), MASK),
+        Target("ReturnStats", m.ReturnStats, ("returns",), MASK),
+        Target("AdvantageStats", m.AdvantageStats, ("advantages",), MASK),
+        Target("RewardStats", m.RewardStats, ("rewards",), MASK),
+        Target("ScoreStats", m.ScoreStats, ("scores",), MASK),
+        Target("ExplainedVariance", m.ExplainedVariance, ("values", "returns"), MASK),
         Target("ResponseLength", lambda: m.ResponseLength(max_response_length=30), ("response_lengths",)),
         Target("PromptLength", lambda: m.PromptLength(max_prompt_length=30), ("prompt_lengths",)),
         Target("AbortedRatio", m.AbortedRatio, ("response_lengths",)),
@@ -340,9 +335,7 @@ def test_whole_batch_on_another_device_is_a_clear_error(target: Target):
     run_outcome(target.name + "/meta", _update_compute(target), case)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the collection: the default sections (with the non-finite accounting checked), and every section
-# ---------------------------------------------------------------------------------------------------------
+# -- the collection: the default sections (with the non-finite accounting checked), and every section -----
 MOE_FIELDS = ("rollout_experts", "trainer_experts")
 TOKEN_KEYS = (
     "opbc/is/ess", "opbc/is/second_moment", "opbc/is/weight_mean", "opbc/is/top_1pct_gradient_mass",
@@ -441,9 +434,7 @@ def test_collection_whole_batch_on_another_device_is_a_clear_error():
         _collection_run(tuple(SECTIONS))(case.batch)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the controller: step / evaluate, its trainer outputs, decisions and budget metrics
-# ---------------------------------------------------------------------------------------------------------
+# -- the controller: step / evaluate, its trainer outputs, decisions and budget metrics -------------------
 CONTROLLER_OPTIONAL = ("response_mask", "policy_lag", *MOE_FIELDS, "rollout_token_ids", "trainer_token_ids")
 CONTROLLER_BUILDERS = {"group_ids": S.int_group_ids, "policy_lag": S.lag_or_number}
 _REPORT_FLOATS = ("ess", "seq_ess", "second_moment", "weight_mean", "clipped_fraction", "veto_fraction",
@@ -535,9 +526,7 @@ def test_fuzz_budget_metric_update(cls: type[OPBCMetric], plan: S.Plan, form: st
     assert_finite(metric.compute_dict(), cls.__name__)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# framework adapters feeding a collection
-# ---------------------------------------------------------------------------------------------------------
+# -- framework adapters feeding a collection --------------------------------------------------------------
 ADAPTER_SECTIONS = ("mismatch", "moe", "per_round", "rollout")
 VERL_ALIASES = {
     "old_log_probs": ("trainer_logprobs",),
@@ -609,9 +598,7 @@ def test_fuzz_trl_adapter_into_collection(data: st.DataObject, num_generations: 
     run_outcome("trl_to_batch -> OPBCCollection", run, case, aliases=TRL_ALIASES)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# host-data metrics: agent trajectories and endpoint responses
-# ---------------------------------------------------------------------------------------------------------
+# -- host-data metrics: agent trajectories and endpoint responses -----------------------------------------
 AGENT_CLASSES = (opbc_metrics.ToolCallJaccard, opbc_metrics.FirstDivergenceStep, opbc_metrics.AnswerMatchRate,
                  opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.SoftAnswerMatch,
                  opbc_metrics.TrajectoryStepCounts)
@@ -689,9 +676,7 @@ def _endpoint_case(responses: Any, requests: Any) -> None:
                   ["endpoint_responses", "endpoint_requests"])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# regression cases: one per bug the fuzzer found (each failed before its fix)
-# ---------------------------------------------------------------------------------------------------------
+# -- regression cases: one per bug the fuzzer found (each failed before its fix) --------------------------
 F32_MIN = torch.finfo(torch.float32).min
 
 
@@ -753,13 +738,6 @@ def test_non_finite_trainer_scalar_tensors_are_counted_not_averaged(cls, field):
     assert clean.compute().item() == 2.0
 
 
-def test_negative_tensor_loss_weights_are_counted():
-    metric = opbc_metrics.ActorLoss()
-    metric.update(actor_loss=torch.tensor([1.0, 2.0]), loss_tokens=torch.tensor([3.0, -1.0]))
-    with pytest.raises(ValueError, match=r"`actor_loss`, `loss_tokens`"):
-        metric.compute()
-
-
 @pytest.mark.parametrize(
     "make,batch,bad",
     [
@@ -778,6 +756,9 @@ def test_negative_tensor_loss_weights_are_counted():
          "agent_tool_calls_s"),
         (lambda: opbc_metrics.GlobalSeqlen(world_size=1), {"prompt_lengths": torch.tensor([-3]),
                                                            "response_lengths": torch.tensor([2])}, "prompt_lengths"),
+        # negative tensor loss weights are counted
+        (opbc_metrics.ActorLoss, {"actor_loss": torch.tensor([1.0, 2.0]), "loss_tokens": torch.tensor([3.0, -1.0])},
+         "actor_loss`, `loss_tokens"),
     ],
 )
 def test_a_count_shared_by_several_fields_names_them_all(make, batch, bad):
@@ -788,18 +769,12 @@ def test_a_count_shared_by_several_fields_names_them_all(make, batch, bad):
         metric.compute()
 
 
-def test_agent_loop_timing_without_its_required_field_is_a_clear_error():
-    """An IndexError (sum of an empty list) when only the optional tool-call times were given."""
-    with pytest.raises(ValueError, match=r"`agent_generate_s` is required"):
-        opbc_metrics.AgentLoopTiming().update(agent_tool_calls_s=[1.0])
-
-
 META = torch.device("meta")
 
 
 @pytest.mark.parametrize(
-    "make,batch,field",
-    [
+    "make,batch,match",
+    [(make, batch, rf"`{field}` is on meta") for make, batch, field in [
         (opbc_metrics.PolicyEntropy, {"entropies": torch.ones(2, 3), "response_mask": torch.ones(2, 3, device=META)},
          "response_mask"),
         (opbc_metrics.RewardStats, {"rewards": torch.ones(2, 3), "response_mask": torch.ones(2, 3, device=META)},
@@ -820,17 +795,19 @@ META = torch.device("meta")
                                         "response_lengths": torch.ones(2, device=META)}, "response_lengths"),
         (opbc_metrics.AgentLoopTiming, {"agent_generate_s": torch.ones(2),
                                         "agent_tool_calls_s": torch.ones(2, device=META)}, "agent_tool_calls_s"),
-    ],
-)
-def test_a_field_on_another_device_is_a_clear_error(make, batch, field):
-    """These fields were moved silently (a hidden copy; on meta a crash inside torch) or mixed devices."""
-    with pytest.raises(ValueError, match=rf"`{field}` is on meta"):
-        make().update(batch)
-
-
-@pytest.mark.parametrize(
-    "make,batch",
-    [
+    ]] + [
+        # an IndexError (sum of an empty list) when only the optional tool-call times were given
+        (opbc_metrics.AgentLoopTiming, {"agent_tool_calls_s": [1.0]}, r"`agent_generate_s` is required"),
+        # a tensor inside a per-sample mapping raised torch's 'only one element tensors...' (and float() of a
+        # device tensor is a host sync)
+        (lambda: opbc_metrics.SampleMetricStats(["format"], group_gini=False),
+         {"sample_metrics": [{"format": torch.tensor([1.0, 2.0])}]},
+         r"`sample_metrics`\[0\]\['format'\] must be a number"),
+        (lambda: opbc_metrics.ValidationAccuracy(["a"]), {"val_acc": torch.ones(2), "data_sources": ["a"]},
+         r"`data_sources` has 1 entries but `val_acc` has 2 prompts"),
+    ] + [(make, batch, r"are on meta but the states of") for make, batch in [
+        # host lists next to device tensors go to the tensors' device (no field-versus-field device error); the
+        # only refusal left is the whole batch being elsewhere than the metric's states
         (opbc_metrics.PolicyEntropy, {"entropies": [[0.5, 1.0]], "response_mask": torch.ones(1, 2, device=META)}),
         (opbc_metrics.PPOKL, {"policy_logprobs": [[-1.0, -2.0]], "old_logprobs": torch.zeros(1, 2, device=META)}),
         (opbc_metrics.ExplainedVariance, {"values": [[1.0, 2.0]], "returns": torch.ones(1, 2, device=META)}),
@@ -843,12 +820,12 @@ def test_a_field_on_another_device_is_a_clear_error(make, batch, field):
         (lambda: opbc_metrics.GlobalSeqlen(world_size=1),
          {"prompt_lengths": [3, 4], "response_lengths": torch.ones(2, device=META)}),
         (opbc_metrics.AgentLoopTiming, {"agent_generate_s": torch.ones(2, device=META), "agent_tool_calls_s": [1, 2]}),
-    ],
+    ]],
 )
-def test_host_values_follow_the_device_of_their_tensor_fields(make, batch):
-    """Host lists next to device tensors go to the tensors' device (no field-versus-field device error); the
-    only refusal left is the whole batch being elsewhere than the metric's states."""
-    with pytest.raises(ValueError, match=r"are on meta but the states of"):
+def test_a_bad_field_is_a_clear_error_at_update(make, batch, match):
+    """Fields on another device were moved silently (a hidden copy; on meta a crash inside torch) or mixed
+    devices; the other cases crashed inside torch or Python."""
+    with pytest.raises(ValueError, match=match):
         make().update(batch)
 
 
@@ -884,20 +861,6 @@ def test_verl_token_rewards_are_summed_without_float32_overflow():
                          "token_level_rewards": torch.full((1, 3), F32_MIN)})
     assert out["rewards"].dtype == torch.float64 and math.isfinite(out["rewards"].item())
     assert out["rewards"].item() == pytest.approx(3 * F32_MIN)
-
-
-def test_per_sample_metric_mappings_must_hold_numbers():
-    """A tensor inside a per-sample mapping raised torch's 'only one element tensors...' (and float() of a
-    device tensor is a host sync)."""
-    metric = opbc_metrics.SampleMetricStats(["format"], group_gini=False)
-    with pytest.raises(ValueError, match=r"`sample_metrics`\[0\]\['format'\] must be a number"):
-        metric.update(sample_metrics=[{"format": torch.tensor([1.0, 2.0])}])
-
-
-def test_data_sources_length_error_names_the_value_field():
-    metric = opbc_metrics.ValidationAccuracy(["a"])
-    with pytest.raises(ValueError, match=r"`data_sources` has 1 entries but `val_acc` has 2 prompts"):
-        metric.update(val_acc=torch.ones(2), data_sources=["a"])
 
 
 @pytest.mark.parametrize("cls,field", [(opbc_metrics.ValidationAccuracy, "val_acc"),

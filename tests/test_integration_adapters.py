@@ -19,9 +19,7 @@ from opbc_metrics.integrations.verl import verl_to_batch
 from opbc_metrics.testing import assert_no_host_sync
 
 
-# ------------------------------------------------------------------------------------------------
-# verl fixture
-# ------------------------------------------------------------------------------------------------
+# -- verl fixture --------------------------------------------------------------------------------
 class FakeTensorDict(dict):
     """The parts of tensordict.TensorDict the adapter may touch: mapping access and ``batch_size``."""
 
@@ -83,32 +81,26 @@ def make_verl_case(n_prompts: int = 3, n: int = 2, prompt_width: int = 5, respon
         if response_lengths[i]:
             token_rewards[i, response_lengths[i] - 1] = rewards[i]
     batch = FakeTensorDict(
-        {
-            "prompts": torch.randint(3, 100, (b, prompt_width)),
-            "responses": torch.randint(3, 100, (b, response_width)),
-            "input_ids": torch.randint(3, 100, (b, prompt_width + response_width)),
-            "attention_mask": attention,
-            "position_ids": torch.clamp(torch.cumsum(attention, dim=-1) - 1, min=0),
-            "response_mask": response_mask,
-            "old_log_probs": old,
-            "rollout_log_probs": rollout,
-            "token_level_scores": token_rewards.clone(),
-            "token_level_rewards": token_rewards,
-            "advantages": torch.randn(b, response_width),
-        },
-        batch_size=[b],
-    )
+        {"prompts": torch.randint(3, 100, (b, prompt_width)), "responses": torch.randint(3, 100, (b, response_width)),
+         "input_ids": torch.randint(3, 100, (b, prompt_width + response_width)), "attention_mask": attention,
+         "position_ids": torch.clamp(torch.cumsum(attention, dim=-1) - 1, min=0), "response_mask": response_mask,
+         "old_log_probs": old, "rollout_log_probs": rollout, "token_level_scores": token_rewards.clone(),
+         "token_level_rewards": token_rewards, "advantages": torch.randn(b, response_width)},
+        batch_size=[b])
     non_tensor = {"uid": np.array(uids, dtype=object), "data_source": np.array(["toy"] * b, dtype=object)}
     data = FakeDataProto(batch=batch, non_tensor_batch=non_tensor, meta_info={"global_steps": 1})
     return VerlCase(data, prompt_lengths, response_lengths, tool_spans, uids, rewards)
 
 
 def expected_group_ids(uids: list[str]) -> list[int]:
-    first_seen: list[str] = []
-    for u in uids:
-        if u not in first_seen:
-            first_seen.append(u)
-    return [first_seen.index(u) for u in uids]
+    first_seen: dict[str, int] = {}
+    return [first_seen.setdefault(u, len(first_seen)) for u in uids]
+
+
+def assert_same_values(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_verl_dataproto_maps_every_field():
@@ -139,10 +131,7 @@ def test_verl_derives_response_mask_from_attention_mask_like_compute_response_ma
 def test_verl_flat_dict_and_tensor_uids_and_offset():
     case = make_verl_case(seed=2)
     flat = {**case.data.batch, **case.data.non_tensor_batch}
-    a, b = verl_to_batch(case.data), verl_to_batch(flat)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_same_values(verl_to_batch(flat), verl_to_batch(case.data))
     flat["uid"] = torch.tensor([7, 7, 3, 3, 9, 9])
     assert verl_to_batch(flat, group_offset=100)["group_ids"].tolist() == [107, 107, 103, 103, 109, 109]
     assert ids_to_group_ids(["z", "a", "z"], offset=5).tolist() == [5, 6, 5]
@@ -151,29 +140,16 @@ def test_verl_flat_dict_and_tensor_uids_and_offset():
 def test_verl_collection_values_equal_a_schema_batch_built_by_hand():
     case = make_verl_case(seed=3)
     by_adapter, by_hand = OPBCCollection(), OPBCCollection()
-    out = verl_to_batch(case.data)
-    with assert_no_host_sync():
-        by_adapter.update(out)
+    with assert_no_host_sync():  # neither the adapter nor the update
+        by_adapter.update(verl_to_batch(case.data))
     mask = torch.zeros(6, 7, dtype=torch.int64)
     for i, length in enumerate(case.response_lengths):
         for j in range(length):
             if not case.tool_spans[i][0] <= j < case.tool_spans[i][1]:
                 mask[i, j] = 1
-    by_hand.update(
-        trainer_logprobs=case.data.batch["old_log_probs"].clone(),
-        rollout_logprobs=case.data.batch["rollout_log_probs"].clone(),
-        response_mask=mask,
-    )
-    got, want = by_adapter.compute(), by_hand.compute()
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-
-
-def test_verl_adapter_does_not_sync():
-    case = make_verl_case(seed=4)
-    with assert_no_host_sync():
-        verl_to_batch(case.data)
+    by_hand.update(trainer_logprobs=case.data.batch["old_log_probs"].clone(),
+                   rollout_logprobs=case.data.batch["rollout_log_probs"].clone(), response_mask=mask)
+    assert_same_values(by_adapter.compute(), by_hand.compute())
 
 
 def test_verl_clear_errors():
@@ -194,9 +170,7 @@ def test_verl_clear_errors():
         verl_to_batch(42)
 
 
-# ------------------------------------------------------------------------------------------------
-# TRL fixture
-# ------------------------------------------------------------------------------------------------
+# -- TRL fixture ---------------------------------------------------------------------------------
 def make_trl_inputs(b: int = 6, prompt_width: int = 4, completion_width: int = 6, tools: bool = False, seed: int = 0):
     """The dict GRPOTrainer._generate_and_score_completions returns (vLLM with IS correction on)."""
     rng = np.random.default_rng(seed)
@@ -208,16 +182,11 @@ def make_trl_inputs(b: int = 6, prompt_width: int = 4, completion_width: int = 6
     old = -torch.rand(b, completion_width, generator=g) * 2
     sampling = old + 0.1 * torch.randn(b, completion_width, generator=g)
     inputs: dict[str, Any] = {
-        "prompt_ids": torch.randint(3, 50, (b, prompt_width), generator=g),
-        "prompt_mask": prompt_mask,
-        "completion_ids": torch.randint(3, 50, (b, completion_width), generator=g),
-        "completion_mask": completion_mask,
-        "advantages": torch.randn(b, generator=g),
-        "num_items_in_batch": completion_mask.sum(),
-        "old_per_token_logps": old,
-        "sampling_per_token_logps": sampling,
-        "importance_sampling_ratio": torch.exp(old - sampling).clamp(max=2.0),
-    }
+        "prompt_ids": torch.randint(3, 50, (b, prompt_width), generator=g), "prompt_mask": prompt_mask,
+        "completion_ids": torch.randint(3, 50, (b, completion_width), generator=g), "completion_mask": completion_mask,
+        "advantages": torch.randn(b, generator=g), "num_items_in_batch": completion_mask.sum(),
+        "old_per_token_logps": old, "sampling_per_token_logps": sampling,
+        "importance_sampling_ratio": torch.exp(old - sampling).clamp(max=2.0)}
     if tools:
         tool_mask = torch.ones(b, completion_width, dtype=torch.int64)
         tool_mask[:, 1:3] = 0  # a tool result inserted after the first generated token
@@ -250,20 +219,14 @@ def test_trl_tool_mask_is_combined_like_trls_loss():
 
 def test_trl_collection_values_equal_a_schema_batch_built_by_hand():
     inputs, _, completion_lengths = make_trl_inputs(tools=True, seed=2)
-    out = trl_to_batch(inputs, num_generations=3)
     by_adapter, by_hand = OPBCCollection(), OPBCCollection()
     with assert_no_host_sync():
-        out = trl_to_batch(inputs, num_generations=3)
-        by_adapter.update(out)
+        by_adapter.update(trl_to_batch(inputs, num_generations=3))
     mask = torch.tensor([[1 if (j < c and not 1 <= j < 3) else 0 for j in range(6)] for c in completion_lengths])
-    by_hand.update(
-        trainer_logprobs=inputs["old_per_token_logps"].clone(),
-        rollout_logprobs=inputs["sampling_per_token_logps"].clone(),
-        response_mask=mask,
-    )
-    got, want = by_adapter.compute(), by_hand.compute()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    by_hand.update(trainer_logprobs=inputs["old_per_token_logps"].clone(),
+                   rollout_logprobs=inputs["sampling_per_token_logps"].clone(), response_mask=mask)
+    got = by_adapter.compute()
+    assert_same_values(got, by_hand.compute())
     # The importance ratio TRL logs is exp(old - sampling) on the same tokens: our mean weight matches
     # its unclipped mean when nothing is clipped at 2.0.
     ratio = torch.exp(inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]).double()
@@ -289,23 +252,19 @@ def test_trl_clear_errors():
         trl_to_batch(inputs, group_ids=[1, 2])
 
 
-# ------------------------------------------------------------------------------------------------
-# verl fields the training section reads, bypass mode, and what the integrations log
-# ------------------------------------------------------------------------------------------------
+# -- verl fields the training section reads, bypass mode, and what the integrations log ----------
 def test_verl_maps_scores_turns_and_v1_lengths():
-    from opbc_metrics.integrations.verl import verl_to_batch as to_batch
-
     case = make_verl_case(seed=7)
     case.data.non_tensor_batch["__num_turns__"] = np.array([1, 2, 3, 1, 2, 3], dtype=np.int32)
     case.data.batch["token_level_scores"][0, 0] += 0.5  # scores differ from rewards
-    out = to_batch(case.data)
+    out = verl_to_batch(case.data)
     assert out["num_turns"].tolist() == [1, 2, 3, 1, 2, 3]
     assert out["scores"].tolist() == [r + (0.5 if i == 0 else 0.0) for i, r in enumerate(case.rewards)]
     assert out["rewards"].tolist() == case.rewards
     v1 = {"old_log_probs": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3), "response_mask": torch.ones(2, 3),
           "rm_scores": torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]), "num_turns": torch.tensor([2, 4]),
           "prompt_length": torch.tensor([5.0, 7.0]), "response_length": torch.tensor([3.0, 2.0])}
-    out = to_batch(v1)
+    out = verl_to_batch(v1)
     assert out["scores"].tolist() == [1.0, 0.0] and out["rewards"].tolist() == [1.0, 0.0]
     assert out["prompt_lengths"].tolist() == [5.0, 7.0] and out["response_lengths"].tolist() == [3.0, 2.0]
     assert out["num_turns"].tolist() == [2, 4]

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 L = pytest.importorskip("lightning.pytorch")
-from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
 
@@ -22,14 +21,15 @@ from opbc_metrics.integrations.lightning import OPBCCallback  # noqa: E402
 from opbc_metrics.integrations.verl import verl_to_batch  # noqa: E402
 from tests.data import make_batch  # noqa: E402
 from tests.ddp import run_distributed  # noqa: E402
-from tests.wandb_run import read_back  # noqa: E402
+from tests.support import collection_values, load_module  # noqa: E402
+from tests.wandb_run import assert_logged as assert_close  # noqa: E402
 
 SEQ = 12
+QUIET = ("does not have many workers", "GPU available but not used", "log_every_n_steps")
+pytestmark = [pytest.mark.filterwarnings(f"ignore:.*{m}") for m in QUIET]
 
 
-# ------------------------------------------------------------------------------------------------
-# A tiny model, a per-sample dataset, and a logger that records what it receives
-# ------------------------------------------------------------------------------------------------
+# -- A tiny model, a per-sample dataset, and a logger that records what it receives --------------
 def make_samples(n: int, seed: int, empty_every: int = 0) -> list[dict[str, torch.Tensor]]:
     """Per-sample dicts (the default collate stacks them into a batch-schema dict)."""
     b = make_batch(batch=n, seq=SEQ, seed=seed, drift=0.4, dtype=torch.float64, heavy_tail=True)
@@ -38,26 +38,14 @@ def make_samples(n: int, seed: int, empty_every: int = 0) -> list[dict[str, torc
         mask = b["response_mask"][i].clone()
         if empty_every and i % empty_every == 0:
             mask.zero_()  # sequences with no valid token: uneven work across ranks
-        samples.append(
-            {
-                "trainer_logprobs": b["trainer_logprobs"][i],
-                "rollout_logprobs": b["rollout_logprobs"][i],
-                "response_mask": mask,
-                "group_ids": torch.tensor(i // 2),
-            }
-        )
+        samples.append({"trainer_logprobs": b["trainer_logprobs"][i], "rollout_logprobs": b["rollout_logprobs"][i],
+                        "response_mask": mask, "group_ids": torch.tensor(i // 2)})
     return samples
-
-
-def stack(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
 def reference(samples: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Values of a fresh single-process collection on exactly these samples (one update)."""
-    metrics = OPBCCollection()
-    metrics.update(stack(samples))
-    return {k: v.item() for k, v in metrics.compute().items() if v.numel() == 1}
+    return collection_values([{k: torch.stack([s[k] for s in samples]) for k in samples[0]}])
 
 
 class TinyModule(L.LightningModule):
@@ -75,11 +63,8 @@ class TinyModule(L.LightningModule):
             return (self.scale - 1.0) ** 2
         trainer_logprobs = batch["trainer_logprobs"] * self.scale  # == the batch values, requires grad
         loss = (trainer_logprobs * batch["response_mask"]).sum() * 0.0 + (self.scale - 1.0) ** 2
-        fields = {
-            "trainer_logprobs": trainer_logprobs,
-            "rollout_logprobs": batch["rollout_logprobs"],
-            "response_mask": batch["response_mask"],
-        }
+        fields = {"trainer_logprobs": trainer_logprobs, "rollout_logprobs": batch["rollout_logprobs"],
+                  "response_mask": batch["response_mask"]}
         return {"loss": loss, "opbc": fields}
 
     def configure_optimizers(self) -> Any:
@@ -89,17 +74,11 @@ class TinyModule(L.LightningModule):
 class MemoryLogger(Logger):
     """Records every ``log_metrics`` call as ``(step, metrics)``."""
 
+    name, version = "memory", 0
+
     def __init__(self) -> None:
         super().__init__()
         self.records: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
 
     @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
@@ -114,46 +93,18 @@ class MemoryLogger(Logger):
         return [(step, m) for step, m in self.records if f"opbc/is/ess{suffix}" in m]
 
 
-def make_trainer(callback: OPBCCallback, logger: MemoryLogger, epochs: int = 1, **kwargs: Any) -> Any:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        logger=logger,
-        callbacks=[callback],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+def make_trainer(callbacks: OPBCCallback | list, logger: Logger, epochs: int = 1, **kwargs: Any) -> Any:
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    return L.Trainer(**{"accelerator": "cpu", "devices": 1, "max_epochs": epochs, "logger": logger,
+                        "callbacks": callbacks, "enable_checkpointing": False, "enable_progress_bar": False,
+                        "enable_model_summary": False, "num_sanity_val_steps": 0, **kwargs})
 
 
 def loader(samples: list[dict[str, Any]], batch_size: int = 2) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(samples, batch_size=batch_size, shuffle=False)
 
 
-def assert_close(got: dict[str, float], want: dict[str, float], suffix: str = "") -> None:
-    """Every value of ``want`` is in ``got``: logged, or given by the rule that left it out (``read_back``)."""
-    assert want, "nothing to compare"
-    row = {k[: len(k) - len(suffix)] if suffix else k: v for k, v in got.items() if k.endswith(suffix)}
-    for key, value in want.items():
-        logged, tol = read_back(row, key)
-        assert math.isclose(logged, value, rel_tol=max(tol, 1e-9), abs_tol=1e-12), (key, logged, value)
-
-
-@pytest.fixture(autouse=True)
-def _quiet() -> Any:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=r".*GPU available but not used.*")
-        warnings.filterwarnings("ignore", message=r".*log_every_n_steps.*")
-        yield
-
-
-# ------------------------------------------------------------------------------------------------
-# Single process
-# ------------------------------------------------------------------------------------------------
+# -- Single process ------------------------------------------------------------------------------
 def test_interval_and_epoch_values_equal_an_independent_collection_on_the_same_batches():
     samples = make_samples(12, seed=3, empty_every=5)  # 6 batches of 2 per epoch
     logger = MemoryLogger()
@@ -203,19 +154,11 @@ def test_module_held_collection_source_batch_and_trainer_interval():
 
 def test_transform_maps_a_frameworks_names_and_epoch_only_logging():
     samples = make_samples(6, seed=5)
-    verl_samples = [
-        {
-            "old_log_probs": s["trainer_logprobs"],
-            "rollout_log_probs": s["rollout_logprobs"],
-            "response_mask": s["response_mask"],
-            "uid": f"prompt-{i // 3}",
-        }
-        for i, s in enumerate(samples)
-    ]
+    verl_samples = [{"old_log_probs": s["trainer_logprobs"], "rollout_log_probs": s["rollout_logprobs"],
+                     "response_mask": s["response_mask"], "uid": f"prompt-{i // 3}"} for i, s in enumerate(samples)]
     logger = MemoryLogger()
-    callback = OPBCCallback(
-        source="batch", transform=verl_to_batch, log_every_n_steps=0, log_epoch=True, epoch_suffix=""
-    )
+    callback = OPBCCallback(source="batch", transform=verl_to_batch, log_every_n_steps=0, log_epoch=True,
+                            epoch_suffix="")
     trainer = make_trainer(callback, logger, log_every_n_steps=50)
     trainer.fit(TinyModule(return_fields=False), loader(verl_samples, batch_size=3))
     records = [m for _, m in logger.records if "opbc/is/ess" in m]
@@ -254,9 +197,7 @@ def test_callback_state_round_trip():
     assert fresh.batches_seen == 3
 
 
-# ------------------------------------------------------------------------------------------------
-# Two processes (gloo): the logged values are global, on every rank, with no Lightning reduction
-# ------------------------------------------------------------------------------------------------
+# -- Two processes (gloo): the logged values are global, on every rank, with no Lightning reduction ---
 DDP_SAMPLES = dict(n=16, seed=11, empty_every=3)  # rank r trains on samples r, r+2, ... (explicit shards)
 
 
@@ -264,26 +205,14 @@ def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
     # The process group already exists (tests/ddp.py); LOCAL_RANK tells Lightning that processes were
     # launched externally, so it neither spawns nor re-initialises.
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), NODE_RANK="0")
-    import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
     warnings.filterwarnings("ignore")
     samples = make_samples(**DDP_SAMPLES)
     logger = MemoryLogger()
     callback = OPBCCallback(key="opbc", log_every_n_steps=2, log_epoch=True)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=DDPStrategy(process_group_backend="gloo"),
-        max_epochs=1,
-        logger=logger,
-        callbacks=[callback],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=50,
-        use_distributed_sampler=False,
-    )
+    trainer = make_trainer(callback, logger, devices=world_size, strategy=DDPStrategy(process_group_backend="gloo"),
+                           log_every_n_steps=50, use_distributed_sampler=False)
     trainer.fit(TinyModule(), loader(samples[rank::world_size]))  # this rank's shard, in order
     return {
         "records": logger.records,
@@ -320,18 +249,15 @@ def test_ddp_two_processes_log_global_values():
     assert math.isclose(results[0]["callback_ess"], results[1]["callback_ess"], rel_tol=1e-12)
 
 
-# ------------------------------------------------------------------------------------------------
-# The callback with a W&B sink (offline run, read back)
-# ------------------------------------------------------------------------------------------------
+# -- The callback with a W&B sink (offline run, read back) ---------------------------------------
 def test_callback_with_wandb_sink_writes_windows_epoch_and_histograms(tmp_path):
     pytest.importorskip("wandb")
     from opbc_metrics.integrations.wandb_logger import DistributionHistograms, OPBCWandbLogger
     from tests.wandb_run import read_offline_run
 
     samples = make_samples(10, seed=8)  # 5 batches: windows after batches 2 and 4, a 1-batch tail
-    sink = OPBCWandbLogger(
-        distributions=DistributionHistograms(bins=16), mode="offline", dir=str(tmp_path), log_glossary=False
-    )
+    sink = OPBCWandbLogger(distributions=DistributionHistograms(bins=16), mode="offline", dir=str(tmp_path),
+                           log_glossary=False)
     callback = OPBCCallback(key="opbc", log_every_n_steps=2, sinks=[sink], log_epoch=True)
     trainer_logger = MemoryLogger()
     make_trainer(callback, trainer_logger, log_every_n_steps=50).fit(TinyModule(), loader(samples))
@@ -354,13 +280,7 @@ def test_callback_with_wandb_sink_writes_windows_epoch_and_histograms(tmp_path):
 
 
 def test_lightning_example_runs_and_measures_a_real_bf16_mismatch(tmp_path, monkeypatch):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "lightning_example.py"
-    spec = importlib.util.spec_from_file_location("lightning_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_module("lightning_example")
     monkeypatch.chdir(tmp_path)
     out = example.main(["--batches", "4", "--epochs", "1", "--log-every", "2"])
     assert 0.99 < out["opbc/is/ess"] <= 1.0
@@ -377,9 +297,7 @@ def test_lightning_example_runs_and_measures_a_real_bf16_mismatch(tmp_path, monk
     assert any("train/loss" in r for r in history) and any("opbc/glossary" in r for r in history)
 
 
-# ------------------------------------------------------------------------------------------------
-# One destination, one key per quantity, and the torchmetrics habit
-# ------------------------------------------------------------------------------------------------
+# -- One destination, one key per quantity, and the torchmetrics habit ---------------------------
 def test_each_quantity_is_written_once_and_epoch_copies_are_opt_in():
     samples = make_samples(8, seed=12)
     logger = MemoryLogger()
@@ -395,9 +313,8 @@ def test_each_quantity_is_written_once_and_epoch_copies_are_opt_in():
     assert_close({k: v.item() for k, v in callback.epoch_values.items()}, reference(samples))  # still computed
 
     everything = MemoryLogger()
-    make_trainer(OPBCCallback(key="opbc", log_every_n_steps=2, log_all=True), everything, log_every_n_steps=50).fit(
-        TinyModule(), loader(samples)
-    )
+    make_trainer(OPBCCallback(key="opbc", log_every_n_steps=2, log_all=True), everything,
+                 log_every_n_steps=50).fit(TinyModule(), loader(samples))
     record = everything.opbc_records()[0][1]
     assert set(reference(samples[:4])) <= set(record)
 
@@ -421,9 +338,7 @@ def test_log_dict_of_the_collection_fails_at_the_first_call_with_advice(with_cal
     """Without the callback Lightning would log nothing on step (and fail at epoch end): the first
     ``self.log_dict(self.opbc)`` raises, before the first step finishes."""
     module = LogsTheCollection()
-    callbacks = [OPBCCallback("opbc", key="opbc")] if with_callback else []
-    trainer = Trainer(max_epochs=1, logger=MemoryLogger(), callbacks=callbacks, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = make_trainer([OPBCCallback("opbc", key="opbc")] if with_callback else [], MemoryLogger())
     with pytest.raises(TypeError, match=r"self\.log_dict\(self\.opbc\.compute\(\), sync_dist=False\)"):
         trainer.fit(module, loader(make_samples(8, seed=13)))
     assert getattr(module, "batches_run", 0) == 0
@@ -447,10 +362,7 @@ def test_lightning_wandb_logger_owns_the_run_and_the_sink_keeps_every_row(tmp_pa
     lightning_logger = WandbLogger(project="lightning-owns", save_dir=str(tmp_path), offline=True)
     sink = OPBCWandbLogger(log_glossary=False)
     callback = OPBCCallback(key="opbc", log_every_n_steps=1, sinks=[sink])
-    trainer = L.Trainer(
-        accelerator="cpu", max_epochs=1, logger=lightning_logger, callbacks=[callback], log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )
+    trainer = make_trainer(callback, lightning_logger, log_every_n_steps=1)
     trainer.fit(LogsLoss(), loader(samples))
     assert sink.run is lightning_logger.experiment and not sink.owns_run
     sink.finish()

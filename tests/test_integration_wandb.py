@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -32,14 +31,13 @@ from opbc_metrics.integrations.wandb_logger import (  # noqa: E402
 from opbc_metrics.testing import assert_no_host_sync  # noqa: E402
 from tests.data import concat_batches, make_batch  # noqa: E402
 from tests.ddp import run_distributed  # noqa: E402
-from tests.wandb_run import read_back, read_offline_run  # noqa: E402
+from tests.support import collection_values  # noqa: E402
+from tests.wandb_run import assert_logged, read_back, read_offline_run  # noqa: E402
 
 LAYERS, TOP_K = 4, 2
 
 
-# ------------------------------------------------------------------------------------------------
-# Data with real router disagreement
-# ------------------------------------------------------------------------------------------------
+# -- Data with real router disagreement ----------------------------------------------------------
 def expert_batch(seed: int, batch: int = 6, seq: int = 10, flip_p: float = 0.2) -> dict[str, torch.Tensor]:
     b = make_batch(batch=batch, seq=seq, seed=seed, drift=0.3, dtype=torch.float64)
     g = torch.Generator().manual_seed(1000 + seed)
@@ -83,23 +81,14 @@ def np_hist(values: np.ndarray, bins: int, half_width: float) -> np.ndarray:
     return counts.astype(float)
 
 
-# ------------------------------------------------------------------------------------------------
-# The logger against an offline run
-# ------------------------------------------------------------------------------------------------
+# -- The logger against an offline run -----------------------------------------------------------
 def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
     batches = [[expert_batch(3 * s + k) for k in range(2)] for s in range(3)]  # 3 windows of 2 batches
     metrics = OPBCCollection()
     hist = DistributionHistograms(bins=32, log_ratio_range=1.5, seq_log_ratio_range=6.0, num_layers=LAYERS)
-    logger = OPBCWandbLogger(
-        collection=metrics,
-        distributions=hist,
-        num_layers=LAYERS,
-        layer_bars=True,
-        ranges={"rollout/reward/mean": (0.0, 2.0)},
-        project="opbc-test",
-        mode="offline",
-        dir=str(tmp_path),
-    )
+    logger = OPBCWandbLogger(collection=metrics, distributions=hist, num_layers=LAYERS, layer_bars=True,
+                             ranges={"rollout/reward/mean": (0.0, 2.0)}, project="opbc-test", mode="offline",
+                             dir=str(tmp_path))
     logged: list[dict[str, float]] = []
     for step, window in enumerate(batches):
         for b in window:
@@ -119,13 +108,7 @@ def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
     for row, window in zip(rows, batches):
         # Scalars: exactly what a fresh collection computes on the window (independent recomputation);
         # an alias left out of the row equals its canonical key there.
-        fresh = OPBCCollection()
-        for b in window:
-            fresh.update(b)
-        want = {k: v.item() for k, v in fresh.compute().items() if v.numel() == 1}
-        for key, value in want.items():
-            got, tol = read_back(row, key)
-            assert math.isclose(got, value, rel_tol=tol, abs_tol=1e-15), key
+        assert_logged(row, collection_values(window), rel=0.0, abs_=1e-15)
         assert "opbc/log_ratio/max_abs" not in row and "opbc/ppl/log_ppl_diff" not in row
         # Distribution histograms (fixed bins, end bins open) against numpy on the window's tokens.
         tokens, seqs = np_valid_log_ratios(window)
@@ -157,9 +140,8 @@ def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
     assert summary["opbc/is/ess"]["min"] == pytest.approx(min(v["opbc/is/ess"] for v in logged), rel=1e-12)
     assert summary["opbc/is/ess"]["last"] == pytest.approx(logged[-1]["opbc/is/ess"], rel=1e-12)
     assert summary["opbc/kl/k3"]["max"] == pytest.approx(max(v["opbc/kl/k3"] for v in logged), rel=1e-12)
-    assert summary["moe/router/flip_rate"]["max"] == pytest.approx(
-        max(v["moe/router/flip_rate"] for v in logged), rel=1e-12
-    )
+    assert summary["moe/router/flip_rate"]["max"] == pytest.approx(max(v["moe/router/flip_rate"] for v in logged),
+                                                                   rel=1e-12)
     assert summary["opbc/logprob/diff_mean"]["last"] == pytest.approx(logged[-1]["opbc/logprob/diff_mean"])
 
     # Config: chart ranges (class bounds + declared) and histogram bins; no glossary text.
@@ -172,9 +154,8 @@ def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
     table = read_table(run, GLOSSARY_KEY)
     ess = next(r for r in table if r["entry"] == "ESS")
     assert ess["keys"] == "opbc/is/ess" and ess["cap"]
-    assert "opbc/log_ratio/max_abs = opbc/logprob/abs_diff_max" in next(r for r in table if r["entry"] == "log_ratio")[
-        "identities"
-    ]
+    identities = next(r for r in table if r["entry"] == "log_ratio")["identities"]
+    assert "opbc/log_ratio/max_abs = opbc/logprob/abs_diff_max" in identities
     assert sum(GLOSSARY_KEY in r for r in run["history"]) == 1
 
 
@@ -300,11 +281,8 @@ def test_per_round_keys_start_with_the_first_multi_round_window():
     f = KeyFilter()
     single = {"per_round/total_rounds": 1.0, "per_round/round_0_abs_diff_mean": 0.2, "opbc/logprob/abs_diff_mean": 0.2}
     multi = {"per_round/total_rounds": 2.0, "per_round/round_1_abs_diff_mean": 0.4, "opbc/logprob/abs_diff_mean": 0.3}
-    assert [sorted(f(v)) for v in (single, multi, single)] == [
-        ["opbc/logprob/abs_diff_mean"],
-        sorted(multi),
-        sorted(single),
-    ]
+    assert [sorted(f(v)) for v in (single, multi, single)] == [["opbc/logprob/abs_diff_mean"], sorted(multi),
+                                                                sorted(single)]
     alone = {"per_round/total_rounds": 1.0, "per_round/round_0_abs_diff_mean": 0.2}  # nothing it repeats
     assert KeyFilter()(alone) == alone
 
@@ -341,9 +319,7 @@ def test_only_rank_zero_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert float(hist.token_counts.sum()) == 0.0  # the window was consumed (and reset) all the same
 
 
-# ------------------------------------------------------------------------------------------------
-# Histograms: bin limit, reference, no host sync, chunking
-# ------------------------------------------------------------------------------------------------
+# -- Histograms: bin limit, reference, no host sync, chunking ------------------------------------
 def test_histograms_respect_wandbs_bin_limit():
     assert MAX_HISTOGRAM_BINS == wandb.Histogram.MAX_LENGTH == 512
     with pytest.raises(ValueError, match="512"):
@@ -385,9 +361,8 @@ def test_distribution_histograms_reference_chunking_and_no_host_sync():
 
 def test_summaries_follow_the_worst_case_direction():
     directions = {"a/b/good": True, "a/b/bad": False, "a/b/neutral": None, "rollout/reward/mean": True}
-    got = summaries_for(
-        [*directions, "a/b/unknown", "a/b/good_epoch", "pre/a/b/bad"], directions, overrides={"a/b/bad": "max,mean"}
-    )
+    got = summaries_for([*directions, "a/b/unknown", "a/b/good_epoch", "pre/a/b/bad"], directions,
+                        overrides={"a/b/bad": "max,mean"})
     assert got == {
         "a/b/good": "min,last",
         "a/b/bad": "max,mean",
@@ -406,10 +381,8 @@ def test_summaries_follow_the_worst_case_direction():
     drift=st.floats(0.01, 3.0),
 )
 def test_distribution_histograms_properties(sizes, seed, drift):
-    batches = [
-        make_batch(batch=b, seq=t, seed=seed + i, drift=drift, dtype=torch.float64, empty_rows=i % 2)
-        for i, (b, t) in enumerate(sizes)
-    ]
+    batches = [make_batch(batch=b, seq=t, seed=seed + i, drift=drift, dtype=torch.float64, empty_rows=i % 2)
+               for i, (b, t) in enumerate(sizes)]
     chunked, one, permuted = (DistributionHistograms(bins=24, log_ratio_range=0.7) for _ in range(3))
     for b in batches:
         chunked.update(b)
@@ -429,23 +402,15 @@ def test_distribution_histograms_properties(sizes, seed, drift):
     assert torch.equal(restored.compute()["opbc/dist/log_ratio"], a["opbc/dist/log_ratio"])
 
 
-# ------------------------------------------------------------------------------------------------
-# Two processes: every rank calls log(), rank 0 writes the global values
-# ------------------------------------------------------------------------------------------------
+# -- Two processes: every rank calls log(), rank 0 writes the global values ----------------------
 SHARDS = [[dict(seed=21), dict(seed=22, batch=3)], [dict(seed=23, flip_p=0.6)]]
 
 
 def _wandb_worker(rank: int, world_size: int, root: str) -> bool:
     os.environ["RANK"] = str(rank)
     metrics = OPBCCollection()
-    logger = OPBCWandbLogger(
-        collection=metrics,
-        distributions=DistributionHistograms(bins=16, num_layers=LAYERS),
-        num_layers=LAYERS,
-        mode="offline",
-        dir=root,
-        log_glossary=False,
-    )
+    logger = OPBCWandbLogger(collection=metrics, distributions=DistributionHistograms(bins=16, num_layers=LAYERS),
+                             num_layers=LAYERS, mode="offline", dir=root, log_glossary=False)
     for spec in SHARDS[rank]:
         b = expert_batch(**spec)
         metrics.update(b)
@@ -459,22 +424,14 @@ def _wandb_worker(rank: int, world_size: int, root: str) -> bool:
 def test_ddp_rank_zero_writes_global_values(tmp_path: Path):
     assert run_distributed(_wandb_worker, world_size=2, args=(str(tmp_path),)) == [True, False]
     everything = [expert_batch(**spec) for shard in SHARDS for spec in shard]
-    single = OPBCCollection()
-    for b in everything:
-        single.update(b)
-    want = {k: v.item() for k, v in single.compute().items() if v.numel() == 1}
     row = next(r for r in read_offline_run(tmp_path)["history"] if "opbc/is/ess" in r)
-    for key, value in want.items():
-        got, tol = read_back(row, key)
-        assert math.isclose(got, value, rel_tol=max(tol, 1e-9), abs_tol=1e-12), key
+    assert_logged(row, collection_values(everything))
     tokens, _ = np_valid_log_ratios(everything)
     np.testing.assert_allclose(row["opbc/dist/log_ratio"]["values"], np_hist(tokens, 16, 1.0))
     np.testing.assert_allclose(row["moe/dist/layer_flip_rate"]["values"], np_layer_flip_rate(everything), rtol=1e-9)
 
 
-# ------------------------------------------------------------------------------------------------
-# The dashboard of a full run: one key per quantity
-# ------------------------------------------------------------------------------------------------
+# -- The dashboard of a full run: one key per quantity -------------------------------------------
 def full_window_batch(seed: int) -> dict[str, Any]:
     """Every field the demo's collection reads: logprobs, experts, groups, lags, rewards, lengths, stop reasons
     and the controller's decisions; single-turn responses, one prompt length (as in the demo)."""
@@ -501,10 +458,8 @@ def test_a_full_run_has_no_two_keys_equal_on_every_step(tmp_path: Path):
     from opbc_metrics.controller import OPBCController, budget_metrics
     from tests.wandb_run import chart_report
 
-    base = OPBCCollection(
-        sections=("mismatch", "moe", "per_round", "rollout"),
-        section_options={"moe": {"num_layers": LAYERS}, "per_round": {"capacity": 2}},
-    )
+    base = OPBCCollection(sections=("mismatch", "moe", "per_round", "rollout"),
+                          section_options={"moe": {"num_layers": LAYERS}, "per_round": {"capacity": 2}})
     metrics = OPBCCollection([*base.members(), *budget_metrics(optional=True)])
     controller = OPBCController("truncated_is")
     computed: list[dict[str, Tensor]] = []
@@ -528,7 +483,4 @@ def test_a_full_run_has_no_two_keys_equal_on_every_step(tmp_path: Path):
     assert report["scalar_charts"] < everything["scalar_charts"] and report["tables"] == 1
     rows = [r for r in read_offline_run(tmp_path / "False")["history"] if "opbc/is/ess" in r]
     for row, values in zip(rows, computed[6:]):
-        for key, value in values.items():
-            if value.numel() == 1:
-                got, tol = read_back(row, key)
-                assert math.isclose(got, value.item(), rel_tol=max(tol, 1e-9), abs_tol=1e-12), key
+        assert_logged(row, {k: v.item() for k, v in values.items() if v.numel() == 1})

@@ -17,6 +17,7 @@ from opbc_metrics import OPBCCollection
 from tests.data import concat_batches, make_batch
 from tests.ddp import run_distributed
 from tests.reference import mismatch_reference
+from tests.support import assert_values_close, collection_values
 
 
 def _rank_batches(rank: int) -> list[dict[str, torch.Tensor]]:
@@ -35,13 +36,9 @@ def _uneven_updates_worker(rank, world_size):
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_world_sizes_3_and_4_with_uneven_update_counts(world_size):
     results = run_distributed(_uneven_updates_worker, world_size=world_size, timeout=180)
-    single = OPBCCollection()
-    single.update(concat_batches([b for r in range(world_size) for b in _rank_batches(r)]))
-    expected = {k: v.item() for k, v in single.compute().items()}
+    expected = collection_values([concat_batches([b for r in range(world_size) for b in _rank_batches(r)])])
     for values in results:
-        assert set(values) == set(expected)
-        for key, want in expected.items():
-            assert math.isclose(values[key], want, rel_tol=1e-9, abs_tol=1e-12), (key, values[key], want)
+        assert_values_close(values, expected)
 
 
 def _optional_members_worker(rank, world_size):
@@ -114,12 +111,8 @@ def test_checkpoint_restored_in_a_new_process(tmp_path):
     state, result = tmp_path / "state.pt", tmp_path / "result.pt"
     for args in (["save", str(state)], ["load", str(state), str(result)]):
         subprocess.run([sys.executable, str(script), *args], check=True, timeout=120, cwd=root)
-    resumed = torch.load(result, weights_only=True)
-    straight = OPBCCollection()
-    for s in range(4):
-        straight.update(make_batch(seed=s, dtype=torch.float64))
-    for key, want in straight.compute().items():
-        assert math.isclose(resumed[key], want.item(), rel_tol=1e-12, abs_tol=1e-15), key
+    straight = collection_values([make_batch(seed=s, dtype=torch.float64) for s in range(4)])
+    assert_values_close(torch.load(result, weights_only=True), straight, rel=1e-12, abs_=1e-15)
 
 
 def _worker_state(seed: int) -> dict[str, torch.Tensor]:
@@ -136,20 +129,9 @@ def test_merging_worker_states_into_one_controller_equals_single_process():
     controller = OPBCCollection()
     for state in shipped:
         controller.merge_state(state)
-    single = OPBCCollection()
-    single.update(concat_batches([make_batch(batch=3 + i, seq=9 + s, seed=10 * s + i, dtype=torch.float64)
-                                  for s in range(3) for i in range(2)]))
-    expected = single.compute()
-    got = controller.compute()
-    assert set(got) == set(expected)
-    for key in expected:
-        assert math.isclose(got[key].item(), expected[key].item(), rel_tol=1e-9, abs_tol=1e-12), key
-
-
-def test_merge_rejects_a_state_from_another_configuration():
-    other = OPBCCollection(sections=["mismatch"]).state_dict()
-    with pytest.raises(ValueError, match=r"member .RouterFlipRate. is missing"):
-        OPBCCollection().merge_state(other)
+    single = collection_values([concat_batches([make_batch(batch=3 + i, seq=9 + s, seed=10 * s + i,
+                                                           dtype=torch.float64) for s in range(3) for i in range(2)])])
+    assert_values_close(controller.compute(), single)
 
 
 def test_long_sequences_64_by_32k():

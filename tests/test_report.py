@@ -9,13 +9,13 @@ Chromium is missing outside CI (``.ci/run`` installs it).
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -68,22 +68,6 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
         shutil.rmtree(profile, ignore_errors=True)
 
 
-class _Pre(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inside, self.text = False, ""
-
-    def handle_starttag(self, tag, attrs):
-        self.inside = tag == "pre" and dict(attrs).get("id") == "probe"
-
-    def handle_endtag(self, tag):
-        self.inside = False
-
-    def handle_data(self, data):
-        if self.inside:
-            self.text += data
-
-
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
     if not charts_available():
@@ -99,12 +83,11 @@ def rendered(tmp_path_factory):
     (tmp / "report.html").write_text(page)
     (tmp / "probe.html").write_text(page.replace("</body>", PROBE + "</body>"))
     proc = _chromium("--dump-dom", f"file://{tmp / 'probe.html'}")
-    parser = _Pre()
-    parser.feed(proc.stdout)
-    assert parser.text, proc.stderr[-2000:]
+    probe = re.search(r'<pre id="probe">(.+?)</pre>', proc.stdout, re.S)  # the JSON the probe script wrote
+    assert probe, proc.stderr[-2000:]
     shot = tmp / "report.png"
     _chromium(f"--screenshot={shot}", f"file://{tmp / 'report.html'}")
-    return results, page, json.loads(parser.text), shot
+    return results, page, json.loads(html.unescape(probe.group(1))), shot
 
 
 def test_page_is_self_contained_and_fits_the_window(rendered):

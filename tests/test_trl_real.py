@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import pytest
 
@@ -20,18 +21,13 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from opbc_metrics.integrations import trl as opbc_trl  # noqa: E402
 from opbc_metrics.integrations._common import OPBCIntegrationWarning  # noqa: E402
+from tests.support import ROOT, load_module  # noqa: E402
 
 VOCAB = ["<pad>", "<eos>", *[f"w{i}" for i in range(30)]]
 PROMPT_LEN, COMPLETION_LEN = 4, 5
 OFFSET = 0.1  # rollout logprob = trainer logprob - OFFSET, so r = trainer - rollout = +OFFSET on every token
-CORE_KEYS = (
-    "opbc/is/ess",
-    "opbc/is/weight_mean",
-    "opbc/logprob/abs_diff_mean",
-    "opbc/logprob/diff_mean",
-    "opbc/kl/k3",
-    "opbc/input/num_tokens",
-)
+CORE_KEYS = ("opbc/is/ess", "opbc/is/weight_mean", "opbc/logprob/abs_diff_mean", "opbc/logprob/diff_mean",
+             "opbc/kl/k3", "opbc/input/num_tokens")
 
 
 def make_tokenizer():
@@ -44,19 +40,9 @@ def make_tokenizer():
 
 def make_model():
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=len(VOCAB),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=1,
-        tie_word_embeddings=True,
-    )
+    config = transformers.Qwen2Config(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                      pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=True)
     return transformers.Qwen2ForCausalLM(config)
 
 
@@ -103,40 +89,28 @@ class _StubVLLM:
         self.synced += 1
 
 
+def grpo_args(output_dir: str, max_steps: int, **options) -> Any:
+    return trl.GRPOConfig(output_dir=output_dir, per_device_train_batch_size=4, num_generations=2,
+                          max_completion_length=COMPLETION_LEN, max_steps=max_steps, logging_steps=1,
+                          report_to="none", save_strategy="no", use_cpu=True, seed=0, **options)
+
+
+def make_trainer(args: Any, cls: Any = None, with_rollout: bool = True, **kwargs) -> Any:
+    return (cls or opbc_trl.OPBCGRPOTrainer)(
+        model=make_model(), reward_funcs=reward_len, args=args, train_dataset=make_dataset(),
+        processing_class=make_tokenizer(), rollout_func=rollout_func if with_rollout else None, **kwargs)
+
+
 def run(tmp_path, monkeypatch, *, use_vllm=False, is_correction=False, steps_per_generation=1, grad_accum=1,
         with_rollout=True, max_steps=3, controller=None, trainer_cls=None):
     if use_vllm:
         monkeypatch.setattr("trl.trainer.grpo_trainer.VLLMGeneration", _StubVLLM)
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=COMPLETION_LEN,
-        steps_per_generation=steps_per_generation,
-        gradient_accumulation_steps=grad_accum,
-        max_steps=max_steps,
-        logging_steps=1,
-        learning_rate=1e-2,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        seed=0,
-        use_vllm=use_vllm,
-        vllm_mode="colocate",
-        vllm_importance_sampling_correction=is_correction,
-        dataloader_num_workers=0,
-    )
-    cls = trainer_cls or opbc_trl.OPBCGRPOTrainer
+    args = grpo_args(str(tmp_path), max_steps, steps_per_generation=steps_per_generation,
+                     gradient_accumulation_steps=grad_accum, learning_rate=1e-2, use_vllm=use_vllm,
+                     vllm_mode="colocate", vllm_importance_sampling_correction=is_correction,
+                     dataloader_num_workers=0)
     kwargs = {"opbc_controller": controller} if controller is not None else {}
-    trainer = cls(
-        model=make_model(),
-        reward_funcs=reward_len,
-        args=args,
-        train_dataset=make_dataset(),
-        processing_class=make_tokenizer(),
-        rollout_func=rollout_func if with_rollout else None,
-        **kwargs,
-    )
+    trainer = make_trainer(args, trainer_cls, with_rollout, **kwargs)
     trainer.train()
     train_logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(train_logs) == max_steps
@@ -240,14 +214,7 @@ def test_with_opbc_wraps_a_subclass_and_the_module_imports_without_trl_access():
 
 
 def test_readme_snippet_trains_and_logs(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "readme_trl.py"
-    spec = importlib.util.spec_from_file_location("readme_trl", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    trainer = module.train(
+    trainer = load_module("readme_trl").train(
         make_model(), make_tokenizer(), make_dataset(), reward_len, rollout_func=rollout_func,
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
         max_completion_length=COMPLETION_LEN, max_steps=1, logging_steps=1, report_to="none", save_strategy="no",
@@ -263,12 +230,7 @@ def _ddp_worker(rank: int, world: int, out: str, port: str) -> None:
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port)
-    args = trl.GRPOConfig(output_dir=f"{out}/r{rank}", per_device_train_batch_size=4, num_generations=2,
-                          max_completion_length=COMPLETION_LEN, max_steps=2, logging_steps=1, report_to="none",
-                          save_strategy="no", use_cpu=True, seed=0, ddp_backend="gloo")
-    trainer = opbc_trl.OPBCGRPOTrainer(model=make_model(), reward_funcs=reward_len, args=args,
-                                       train_dataset=make_dataset(), processing_class=make_tokenizer(),
-                                       rollout_func=rollout_func)
+    trainer = make_trainer(grpo_args(f"{out}/r{rank}", 2, ddp_backend="gloo"))
     trainer.train()
     assert trainer.accelerator.num_processes == world
     with open(f"{out}/logs{rank}.json", "w") as f:
@@ -281,15 +243,13 @@ def test_two_processes_log_the_synced_values_on_every_process(tmp_path):
     import socket
     import subprocess
     import sys
-    from pathlib import Path
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "WANDB_MODE": "offline"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_trl_real", str(r), "2", str(tmp_path), port],
-                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     logs = [json.loads((tmp_path / f"logs{r}.json").read_text()) for r in range(2)]

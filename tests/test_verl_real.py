@@ -23,23 +23,18 @@ with warnings.catch_warnings():
 from opbc_metrics import glossary  # noqa: E402
 from opbc_metrics.integrations import verl as opbc_verl  # noqa: E402
 from opbc_metrics.integrations._common import OPBCIntegrationWarning  # noqa: E402
+from tests.support import load_module  # noqa: E402
 from tests.verl_data import TIMING_RAW, make_dataproto, v1_transfer_queue_form  # noqa: E402
 
 # verl's key -> the library's key for the same number, where the names differ.
 VERL_TO_OPBC = {
-    "kl": "opbc/kl/k1",
-    "k3_kl": "opbc/kl/k3",
-    "log_ppl_diff": "opbc/ppl/log_ppl_diff",
-    "log_ppl_abs_diff": "opbc/ppl/log_ppl_abs_diff",
-    "ppl_ratio": "opbc/ppl/ratio",
-    "chi2_token": "opbc/kl/chi2_token",
-    "chi2_seq": "opbc/kl/chi2_seq",
-    "training/rollout_probs_diff_max": "opbc/prob/abs_diff_max",
+    "kl": "opbc/kl/k1", "k3_kl": "opbc/kl/k3", "log_ppl_diff": "opbc/ppl/log_ppl_diff",
+    "log_ppl_abs_diff": "opbc/ppl/log_ppl_abs_diff", "ppl_ratio": "opbc/ppl/ratio", "chi2_token": "opbc/kl/chi2_token",
+    "chi2_seq": "opbc/kl/chi2_seq", "training/rollout_probs_diff_max": "opbc/prob/abs_diff_max",
     "training/rollout_probs_diff_mean": "opbc/prob/abs_diff_mean",
     "training/rollout_actor_probs_pearson_corr": "opbc/prob/pearson",
     **{verl_key: key for key, verl_key in opbc_verl.VERL_KEY_ALIASES.items()},
 }
-
 
 
 def assert_equal_where_both_define(ours: dict, verls: dict, min_pairs: int, rel: float = 1e-5, abs_: float = 1e-6):
@@ -199,15 +194,9 @@ def test_legacy_fit_merges_the_step_into_verls_metrics(monkeypatch):
 
 
 def test_readme_snippet_registers_the_v1_trainer_and_builds_the_legacy_one():
-    import importlib.util
-    from pathlib import Path
-
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "readme_verl.py"
-    spec = importlib.util.spec_from_file_location("readme_verl", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module("readme_verl")
     v1 = get_trainer_cls("opbc_sync")
     assert issubclass(v1, opbc_verl.OPBCPPOTrainerMixin) and v1.opbc_options == {"training": True}
     assert issubclass(module.OPBCRayPPOTrainer, opbc_verl.OPBCRayPPOTrainerMixin)

@@ -4,11 +4,6 @@ wandb >= 0.19 writes offline runs with its Go core and ships no Python reader fo
 so :func:`read_offline_run` parses it here: a LevelDB-log-style file (a 7-byte header ``":W&B"``,
 magic ``0xBEE1``, version 0, then 32 KiB blocks of records with a 7-byte header: CRC32C, length,
 type FULL/FIRST/MIDDLE/LAST) whose payloads are ``wandb.proto.wandb_internal_pb2.Record`` messages.
-
-Run as a script to count the scalar charts and the duplicate keys of a run::
-
-    WANDB_MODE=offline .venv/bin/python examples/demo.py --out runs/demo
-    .venv/bin/python -m tests.wandb_run runs/demo
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ import itertools
 import json
 import math
 import struct
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -79,7 +73,7 @@ def run_file(root: str | Path) -> str:
 
 
 def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
-    """History rows, final summary, merged config, ``define_metric`` records and files of the one offline run.
+    """History rows, final summary, merged config and ``define_metric`` records of the one offline run.
 
     wandb-core may still be flushing the log when ``run.finish()`` returns (seen on a loaded machine),
     so the file is re-read until its ``exit`` record is there.
@@ -90,7 +84,7 @@ def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
     while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
         time.sleep(0.2)
         records = _records(path)
-    run: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "metrics": {}, "files": [], "path": path}
+    run: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "metrics": {}, "path": path}
     run["kinds"] = sorted(r.WhichOneof("record_type") for r in records)
     for record in records:
         kind = record.WhichOneof("record_type")
@@ -100,8 +94,6 @@ def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
             run["summary"].update(_items(record.summary.update))
         elif kind == "config":
             run["config"].update(_items(record.config.update))
-        elif kind == "files":
-            run["files"] += [f.path for f in record.files.files]
         elif kind == "metric":
             m = record.metric
             run["metrics"][m.name] = {
@@ -112,9 +104,7 @@ def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
     return run
 
 
-# ------------------------------------------------------------------------------------------------
-# What the dashboard shows
-# ------------------------------------------------------------------------------------------------
+# -- What the dashboard shows --------------------------------------------------------------------
 def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
     """``(value, relative tolerance)`` of a computed key in a logged row: the logged value, or the value the
     rule that left the key out gives (an alias from its sources, a quiet event count that stayed zero, a
@@ -136,6 +126,17 @@ def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
                    "round_0_token_count": row[head + "opbc/input/num_tokens"]}
         return derived.get(name, 0.0), 1e-9
     raise KeyError(f"{key} was not logged")
+
+
+def assert_logged(row: dict[str, Any], want: dict[str, float], suffix: str = "", rel: float = 1e-9,
+                  abs_: float = 1e-12) -> None:
+    """Every value of ``want`` is in the logged ``row`` (under ``key + suffix``), or given by the rule that left
+    it out (:func:`read_back`), within ``rel`` (at least the rule's own tolerance) and ``abs_``."""
+    assert want, "nothing to compare"
+    row = {k[: len(k) - len(suffix)]: v for k, v in row.items() if k.endswith(suffix)} if suffix else row
+    for key, value in want.items():
+        got, tol = read_back(row, key)
+        assert math.isclose(got, value, rel_tol=max(tol, rel), abs_tol=abs_), (key, got, value)
 
 
 def scalar_series(run: dict[str, Any]) -> dict[str, dict[int, float]]:
@@ -186,48 +187,8 @@ def _close(x: float, y: float, rel_tol: float) -> bool:
 
 
 def chart_report(run: dict[str, Any]) -> dict[str, Any]:
-    """Counts of a run's dashboard: scalar charts, one-point charts, histograms, duplicate pairs, config size."""
+    """Counts of a run's dashboard: rows, scalar charts, tables and the pairs of keys equal on every row."""
     series = scalar_series(run)
     media = {(k, v.get("_type")) for row in run["history"] for k, v in row.items() if isinstance(v, dict)}
-    pairs = equal_pairs(series)
-    config_entries = sum(1 for _ in _leaves(run["config"]))
-    return {
-        "rows": len(run["history"]),
-        "scalar_charts": len(series),
-        "one_point_charts": sum(1 for s in series.values() if len(s) == 1),
-        "constant_zero_charts": sum(1 for s in series.values() if len(s) > 1 and set(s.values()) == {0.0}),
-        "histogram_charts": sum(1 for _, kind in media if kind == "histogram"),
-        "tables": sum(1 for _, kind in media if kind == "table-file"),
-        "equal_pairs": len(pairs),
-        "pairs": pairs,
-        "config_entries": config_entries,
-    }
-
-
-def _leaves(value: Any) -> Any:
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _leaves(v)
-    else:
-        yield value
-
-
-def main(argv: list[str]) -> None:
-    root = argv[0] if argv else "runs/demo"
-    report = chart_report(read_offline_run(root))
-    for key, value in report.items():
-        if key != "pairs":
-            print(f"{key:<22} {value}")
-    for a, b, how in report["pairs"]:
-        print(f"  {how:<8} {a}  {b}")
-    if "-v" in argv:
-        series = scalar_series(read_offline_run(root))
-        for key in sorted(series):
-            print(f"  {len(series[key]):4d} {key}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return {"rows": len(run["history"]), "scalar_charts": len(series), "pairs": equal_pairs(series),
+            "tables": sum(1 for _, kind in media if kind == "table-file")}
