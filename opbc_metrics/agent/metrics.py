@@ -16,7 +16,19 @@ from typing import Any
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional import agent as F
+from opbc_metrics.functional.agent import (
+    ANSWER_KEY,
+    DIVERGENCE_KEYS,
+    DIVERGENCE_KINDS,
+    JACCARD_KEY,
+    SOFT_ANSWER_KEY,
+    STEP_COUNT_KEYS,
+    TOOL_CHOICE_KEY,
+    TRAJECTORY_PAIRS,
+    _agent_update,
+    _divergence_compute,
+    _ratio_compute,
+)
 from opbc_metrics.metric import MIN, GlossaryEntry, OPBCMetric, table
 
 __all__ = ["AGENT_METRICS", "AnswerMatchRate", "FirstDivergenceStep", "SoftAnswerMatch", "ToolCallJaccard",
@@ -37,7 +49,7 @@ class _AgentMetric(OPBCMetric):
     ``compute()`` gives the ratios of sums of :data:`~opbc_metrics.functional.agent.RATIOS` for ``keys``.
     """
 
-    required_fields = (F.TRAJECTORY_PAIRS,)
+    required_fields = (TRAJECTORY_PAIRS,)
     optional_inputs = True
     data_counts = ("pairs",)
 
@@ -46,11 +58,11 @@ class _AgentMetric(OPBCMetric):
         super().update(batch, **fields)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        stats = F._agent_update(view)  # the statistics of every agent metric, computed once per view
+        stats = _agent_update(view)  # the statistics of every agent metric, computed once per view
         return {name: stats[name] for name in self.states}
 
     def compute(self) -> Tensor | dict[str, Tensor]:
-        out = F._ratio_compute(self.keys, self.state_values())
+        out = _ratio_compute(self.keys, self.state_values())
         return out if len(out) > 1 else out[self.keys[0]]
 
 
@@ -71,7 +83,7 @@ class ToolCallJaccard(_AgentMetric):
         tensor(0.7500, dtype=torch.float64)
     """
 
-    keys, higher_is_better, states = (F.JACCARD_KEY,), True, table("jaccard_sum", "pairs")
+    keys, higher_is_better, states = (JACCARD_KEY,), True, table("jaccard_sum", "pairs")
     plot_lower_bound, plot_upper_bound = 0.0, 1.0
     glossary = _entry(
         "tool_call_jaccard",
@@ -107,8 +119,8 @@ class FirstDivergenceStep(_AgentMetric):
         True
     """
 
-    keys, higher_is_better = F.DIVERGENCE_KEYS, None
-    states = table("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in F.DIVERGENCE_KINDS), step_min=MIN)
+    keys, higher_is_better = DIVERGENCE_KEYS, None
+    states = table("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in DIVERGENCE_KINDS), step_min=MIN)
     glossary = _entry(
         "first_divergence_step",
         "First assistant step (0-based) where the rollout and reference trajectories took a different "
@@ -120,7 +132,7 @@ class FirstDivergenceStep(_AgentMetric):
     )
 
     def compute(self) -> dict[str, Tensor]:
-        return F._divergence_compute(**self.state_values())
+        return _divergence_compute(**self.state_values())
 
 
 class AnswerMatchRate(_AgentMetric):
@@ -139,7 +151,7 @@ class AnswerMatchRate(_AgentMetric):
         tensor(0.5000, dtype=torch.float64)
     """
 
-    keys, higher_is_better, states = (F.ANSWER_KEY,), True, table("matches", "pairs")
+    keys, higher_is_better, states = (ANSWER_KEY,), True, table("matches", "pairs")
     plot_lower_bound, plot_upper_bound = 0.0, 1.0
     glossary = _entry(
         "answer_match",
@@ -170,7 +182,7 @@ class SoftAnswerMatch(_AgentMetric):
         tensor(0.7000, dtype=torch.float64)
     """
 
-    keys, higher_is_better, states = (F.SOFT_ANSWER_KEY,), True, table("soft_sum", "pairs")
+    keys, higher_is_better, states = (SOFT_ANSWER_KEY,), True, table("soft_sum", "pairs")
     plot_lower_bound, plot_upper_bound = 0.0, 1.0
     glossary = _entry(
         "answer_soft_match",
@@ -196,7 +208,7 @@ class TrajectoryStepCounts(_AgentMetric):
         [2.0, 1.5]
     """
 
-    keys, higher_is_better = F.STEP_COUNT_KEYS, None
+    keys, higher_is_better = STEP_COUNT_KEYS, None
     states = table("rollout_steps", "reference_steps", "pairs")
     glossary = _entry("trajectory_step_count", "Mean number of assistant steps of the rollout trajectories and of "
                       "the reference trajectories (the trajectory lab's step counts), over pairs.",
@@ -220,7 +232,7 @@ class ToolChoiceDisagreementRate(_AgentMetric):
         tensor(0.5000, dtype=torch.float64)
     """
 
-    keys, higher_is_better = (F.TOOL_CHOICE_KEY,), False
+    keys, higher_is_better = (TOOL_CHOICE_KEY,), False
     plot_lower_bound, plot_upper_bound = 0.0, 1.0
     glossary = _entry(
         "tool_choice_disagreement_rate",

@@ -16,7 +16,13 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional import endpoint as F
+from opbc_metrics.functional.endpoint import (
+    ENDPOINT_RESPONSES,
+    NUM_RESPONSES_KEY,
+    _coverage_compute,
+    _endpoint_update,
+    capability_key,
+)
 from opbc_metrics.metric import GlossaryEntry, OPBCMetric, table
 
 __all__ = ["ENDPOINT_METRICS", "EndpointResponseCount", "SampledLogprobsCoverage", "SeedSupportCoverage",
@@ -34,7 +40,7 @@ class _CoverageMetric(OPBCMetric):
     """Base: the fraction of probed responses with each of the capability ``flags`` (its keys, and its states
     after ``responses``)."""
 
-    required_fields = (F.ENDPOINT_RESPONSES,)
+    required_fields = (ENDPOINT_RESPONSES,)
     optional_inputs = True
     data_counts = ("responses",)
     states = table("responses")
@@ -44,7 +50,7 @@ class _CoverageMetric(OPBCMetric):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         if cls.flags:
-            cls.keys = tuple(map(F.capability_key, cls.flags))
+            cls.keys = tuple(map(capability_key, cls.flags))
             cls.states = table("responses", *cls.flags)
         super().__init_subclass__(**kwargs)
 
@@ -54,12 +60,12 @@ class _CoverageMetric(OPBCMetric):
         super().update(batch, **fields)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        stats = F._endpoint_update(view)  # the statistics of every endpoint metric, computed once per view
+        stats = _endpoint_update(view)  # the statistics of every endpoint metric, computed once per view
         return {name: stats[name] for name in self.states}
 
     def compute(self) -> Tensor | dict[str, Tensor]:
         flags = self.state_values(exclude=("responses",))
-        out = {F.capability_key(f): F._coverage_compute(v, self.responses) for f, v in flags.items()}
+        out = {capability_key(f): _coverage_compute(v, self.responses) for f, v in flags.items()}
         return out if len(out) > 1 else next(iter(out.values()))
 
 
@@ -186,7 +192,7 @@ class EndpointResponseCount(_CoverageMetric):
         tensor(3., dtype=torch.float64)
     """
 
-    keys = (F.NUM_RESPONSES_KEY,)
+    keys = (NUM_RESPONSES_KEY,)
     higher_is_better = plot_lower_bound = plot_upper_bound = None
     glossary = _entry("endpoint_num_responses", "Number of OpenAI-compatible responses the endpoint-capability "
                       "fractions were computed over.", action="no OPBC action; 0 means no response was probed and "

@@ -8,7 +8,23 @@ from typing import Any
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional import moe as F
+from opbc_metrics.functional.moe import (
+    DEFAULT_MOE_LAYERS,
+    EXPERT_FIELDS,
+    LOGIT_FIELDS,
+    ROLLOUT_EXPERTS,
+    ROLLOUT_ROUTER_LOGITS,
+    TOPK_DISAGREEMENT_KEY,
+    TRAINER_EXPERTS,
+    TRAINER_ROUTER_LOGITS,
+    _flip_rate_compute,
+    _flip_rate_update,
+    _set_disagreement_compute,
+    _set_disagreement_update,
+    check_count,
+    check_top_k,
+    flip_rate_keys,
+)
 from opbc_metrics.metric import SUM, BySettings, GlossaryEntry, OPBCMetric, table
 
 _PAIRS = (
@@ -33,15 +49,15 @@ class _RouterMetric(OPBCMetric):
     plot_upper_bound = 1.0
     optional_inputs = True
     data_counts = ("layer_pairs", "tokens")
-    required_fields = BySettings(F.EXPERT_FIELDS, lambda m: F.EXPERT_FIELDS if m.top_k is None else F.LOGIT_FIELDS)
+    required_fields = BySettings(EXPERT_FIELDS, lambda m: EXPERT_FIELDS if m.top_k is None else LOGIT_FIELDS)
 
     def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.top_k = F.check_top_k(top_k)
+        self.top_k = check_top_k(top_k)
 
     def accepts(self, view: BatchView) -> bool:
         """Whether each side of the batch carries expert ids, or router logits with ``top_k`` set."""
-        sides = ((F.ROLLOUT_EXPERTS, F.ROLLOUT_ROUTER_LOGITS), (F.TRAINER_EXPERTS, F.TRAINER_ROUTER_LOGITS))
+        sides = ((ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS), (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS))
         return all(view.has(ids) or (self.top_k is not None and view.has(logits)) for ids, logits in sides)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
@@ -94,7 +110,7 @@ class RouterFlipRate(_RouterMetric):
         moe/router/layer_1/flip_rate 0.6667
     """
 
-    keys = BySettings(F.flip_rate_keys(F.DEFAULT_MOE_LAYERS), lambda m: F.flip_rate_keys(m.num_layers))
+    keys = BySettings(flip_rate_keys(DEFAULT_MOE_LAYERS), lambda m: flip_rate_keys(m.num_layers))
     glossary = GlossaryEntry(
         name="router_flip_rate",
         what="Fraction of (token, layer) pairs where the MoE top-1 routed expert differs between rollout and "
@@ -111,14 +127,14 @@ class RouterFlipRate(_RouterMetric):
 
     def __init__(self, num_layers: int | None = None, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
-        self.configured_layers = 0 if num_layers is None else F.check_count("num_layers", num_layers, optional=False)
-        self.num_layers = self.configured_layers or F.DEFAULT_MOE_LAYERS
+        self.configured_layers = 0 if num_layers is None else check_count("num_layers", num_layers, optional=False)
+        self.num_layers = self.configured_layers or DEFAULT_MOE_LAYERS
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._flip_rate_update(view, self.num_layers, self.top_k)
+        return _flip_rate_update(view, self.num_layers, self.top_k)
 
     def compute(self) -> dict[str, Tensor]:
-        return F._flip_rate_compute(**self.state_values(), configured_layers=self.configured_layers)
+        return _flip_rate_compute(**self.state_values(), configured_layers=self.configured_layers)
 
 
 class RouterSetDisagreement(_RouterMetric):
@@ -147,7 +163,7 @@ class RouterSetDisagreement(_RouterMetric):
         tensor(0.5000, dtype=torch.float64)
     """
 
-    keys = (F.TOPK_DISAGREEMENT_KEY,)
+    keys = (TOPK_DISAGREEMENT_KEY,)
     glossary = GlossaryEntry(
         name="token_expert_disagreement_rate",
         what="Fraction of tokens with at least one MoE layer where the top-k *set* of routed experts differs "
@@ -162,13 +178,13 @@ class RouterSetDisagreement(_RouterMetric):
 
     def __init__(self, top_k: int | None = None, num_experts: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
-        self.num_experts = F.check_count("num_experts", num_experts)
+        self.num_experts = check_count("num_experts", num_experts)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._set_disagreement_update(view, self.top_k, self.num_experts)
+        return _set_disagreement_update(view, self.top_k, self.num_experts)
 
     def compute(self) -> Tensor:
-        return F._set_disagreement_compute(**self.state_values(), num_experts=self.num_experts)
+        return _set_disagreement_compute(**self.state_values(), num_experts=self.num_experts)
 
 
 MOE_METRICS: tuple[type[_RouterMetric], ...] = (RouterFlipRate, RouterSetDisagreement)

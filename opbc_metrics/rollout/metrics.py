@@ -12,7 +12,61 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import GROUP_IDS, BatchView
-from opbc_metrics.functional import rollout as F
+from opbc_metrics.functional.rollout import (
+    ADVANTAGE_KEYS,
+    ADVANTAGES,
+    BAD_COUNTS,
+    COMPLETION_TOKEN_KEYS,
+    DISCARD_KEYS,
+    DISCARD_REASONS,
+    DISCARD_SHARE_KEYS,
+    DISCARDED_GROUP_KEYS,
+    DISCARDED_STOP_KEY,
+    DISCARDED_TOKEN_KEYS,
+    LENGTH_CODE,
+    LENGTH_CV_KEY,
+    LENGTH_GINI_KEY,
+    LENGTH_RATIO_KEY,
+    NONFINITE,
+    OFF_POLICY_KEYS,
+    POLICY_LAG,
+    PROMPT_LENGTHS,
+    PROMPT_TOKEN_KEYS,
+    RESPONSE_LENGTHS,
+    REWARD_GINI_KEY,
+    REWARD_KEYS,
+    REWARDS,
+    SAMPLE_METRICS,
+    SAMPLE_METRICS_SECTION,
+    SAMPLE_STATS,
+    STATS,
+    STOP_LENGTH_PCT_KEY,
+    STOP_REASONS,
+    TOTAL_TOKEN_KEYS,
+    ZERO_ADVANTAGE_SPLIT_KEYS,
+    _advantage_stats_update,
+    _completion_token_stats_update,
+    _discard_compute,
+    _discard_update,
+    _discarded_stats_compute,
+    _discarded_stats_update,
+    _length_cv_update,
+    _length_gini_update,
+    _length_ratio_update,
+    _mean_over_groups,
+    _moments_dict,
+    _off_policy_update,
+    _prompt_token_stats_update,
+    _reward_gini_update,
+    _reward_stats_update,
+    _sample_compute,
+    _sample_update,
+    _stop_compute,
+    _stop_update,
+    _total_token_stats_update,
+    check_sample_metric_names,
+    sample_metric_keys,
+)
 from opbc_metrics.functional.statistics import Stats, raise_if_invalid
 from opbc_metrics.metric import MAX, MIN, BySettings, GlossaryEntry, OPBCMetric, State, table
 
@@ -88,7 +142,7 @@ class _RolloutMetric(OPBCMetric):
     data_counts = ("count", "groups", "seen", "invalid")  # invalid: compute() raises on them
     kernel: ClassVar[Callable[[BatchView], Stats]]
     invalid_field: ClassVar[str | tuple[str, ...]] = ""
-    invalid_what: ClassVar[str] = F.NONFINITE
+    invalid_what: ClassVar[str] = NONFINITE
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return self.kernel(view)
@@ -132,7 +186,7 @@ class _MomentStats(_RolloutMetric, _ObservedRange):
     def compute(self) -> dict[str, Tensor]:
         self._raise_if_invalid()
         self._observe(self.min, self.max)
-        return F._moments_dict(self.keys, **self.state_values(exclude=("invalid",)))
+        return _moments_dict(self.keys, **self.state_values(exclude=("invalid",)))
 
     def chart_ranges(self) -> dict[str, tuple[float, float]]:
         """``{key: (lo, hi)}`` for the charts: the declared range, else the run's observed min/max.
@@ -171,8 +225,8 @@ class RolloutRewardStats(_MomentStats):
         ((0.0, 1.0), (0.0, 0.7071067811865475))
     """
 
-    keys, required_fields, higher_is_better = F.REWARD_KEYS, (F.REWARDS,), True
-    kernel = staticmethod(F._reward_stats_update)
+    keys, required_fields, higher_is_better = REWARD_KEYS, (REWARDS,), True
+    kernel = staticmethod(_reward_stats_update)
     glossary = _entry(
         "Reward (rollout)",
         "Per-step statistics (mean, sample std (n - 1), min, max) of the total reward each sample received "
@@ -202,8 +256,8 @@ class RolloutAdvantageStats(_MomentStats):
         [0.0, 0.7071, -0.5, 0.5]
     """
 
-    keys, required_fields = F.ADVANTAGE_KEYS, (F.ADVANTAGES,)
-    kernel = staticmethod(F._advantage_stats_update)
+    keys, required_fields = ADVANTAGE_KEYS, (ADVANTAGES,)
+    kernel = staticmethod(_advantage_stats_update)
     glossary = _entry("Advantage (rollout)", "Per-step statistics (mean, sample std (n - 1), min, max) of the "
                       "per-sample advantage. A std near 0 means most groups carry no learning signal.",
                       unit=_SAMPLES + " (a [B, T] field is averaged over each sample's response tokens)",
@@ -226,8 +280,8 @@ class PromptTokenStats(_MomentStats):
         [192.0, 193.7473, 55.0, 329.0]
     """
 
-    keys, required_fields, invalid_what = F.PROMPT_TOKEN_KEYS, (F.PROMPT_LENGTHS,), F.BAD_COUNTS
-    kernel = staticmethod(F._prompt_token_stats_update)
+    keys, required_fields, invalid_what = PROMPT_TOKEN_KEYS, (PROMPT_LENGTHS,), BAD_COUNTS
+    kernel = staticmethod(_prompt_token_stats_update)
     glossary = _entry("Tokens (Prompt)", "Distribution of prompt token counts in the step: mean, sample std (n - 1), "
                       "min, max; each prompt group's prompt counted once when group_ids are given (Telescope).")
 
@@ -246,8 +300,8 @@ class CompletionTokenStats(_MomentStats):
         [25.0, 12.9099, 10.0, 40.0]
     """
 
-    keys, required_fields, invalid_what = F.COMPLETION_TOKEN_KEYS, (F.RESPONSE_LENGTHS,), F.BAD_COUNTS
-    kernel = staticmethod(F._completion_token_stats_update)
+    keys, required_fields, invalid_what = COMPLETION_TOKEN_KEYS, (RESPONSE_LENGTHS,), BAD_COUNTS
+    kernel = staticmethod(_completion_token_stats_update)
     glossary = _entry("Tokens (Completion)", "Distribution of completion token counts in the step (summed across "
                       "turns for multi-turn): mean, sample std (n - 1), min, max.")
 
@@ -263,9 +317,9 @@ class TotalTokenStats(_MomentStats):
         [220.0, 155.5635, 110.0, 330.0]
     """
 
-    keys, invalid_what = F.TOTAL_TOKEN_KEYS, F.BAD_COUNTS
-    required_fields = invalid_field = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
-    kernel = staticmethod(F._total_token_stats_update)
+    keys, invalid_what = TOTAL_TOKEN_KEYS, BAD_COUNTS
+    required_fields = invalid_field = (PROMPT_LENGTHS, RESPONSE_LENGTHS)
+    kernel = staticmethod(_total_token_stats_update)
     glossary = _entry("Tokens (Total)", "Distribution of total tokens per sample (prompt + completion) in the "
                       "step: mean, sample std (n - 1), min, max.")
 
@@ -278,7 +332,7 @@ class _GroupMean(_RolloutMetric):
 
     def compute(self) -> Tensor:
         self._raise_if_invalid()
-        return F._mean_over_groups(self.value_sum, self.groups, self.empty_value)
+        return _mean_over_groups(self.value_sum, self.groups, self.empty_value)
 
 
 class RolloutRewardGini(_GroupMean):
@@ -299,8 +353,8 @@ class RolloutRewardGini(_GroupMean):
         tensor(0.3750, dtype=torch.float64)
     """
 
-    keys, required_fields = (F.REWARD_GINI_KEY,), (F.REWARDS, GROUP_IDS)
-    kernel = staticmethod(F._reward_gini_update)
+    keys, required_fields = (REWARD_GINI_KEY,), (REWARDS, GROUP_IDS)
+    kernel = staticmethod(_reward_gini_update)
     glossary = _entry(
         "Reward Gini (group mean)",
         "Population Gini coefficient of the rewards within each prompt group, averaged across groups: "
@@ -325,8 +379,8 @@ class CompletionLengthGini(_GroupMean):
         tensor(0.1250, dtype=torch.float64)
     """
 
-    keys, required_fields, invalid_what = (F.LENGTH_GINI_KEY,), (F.RESPONSE_LENGTHS, GROUP_IDS), F.BAD_COUNTS
-    kernel = staticmethod(F._length_gini_update)
+    keys, required_fields, invalid_what = (LENGTH_GINI_KEY,), (RESPONSE_LENGTHS, GROUP_IDS), BAD_COUNTS
+    kernel = staticmethod(_length_gini_update)
     glossary = _entry("group_length_gini_mean", "Gini coefficient of completion lengths within prompt groups, "
                       "averaged across groups: within-group length inequality.", unit=_GROUPS)
 
@@ -347,9 +401,9 @@ class CompletionLengthMaxMedianRatio(_GroupMean):
         tensor(1.2500, dtype=torch.float64)
     """
 
-    keys, required_fields, invalid_what = (F.LENGTH_RATIO_KEY,), (F.RESPONSE_LENGTHS, GROUP_IDS), F.BAD_COUNTS
+    keys, required_fields, invalid_what = (LENGTH_RATIO_KEY,), (RESPONSE_LENGTHS, GROUP_IDS), BAD_COUNTS
     empty_value, higher_is_better = 1.0, False
-    kernel = staticmethod(F._length_ratio_update)
+    kernel = staticmethod(_length_ratio_update)
     glossary = _entry(
         "group_length_max_median_ratio_mean",
         "Max/median ratio of completion lengths within prompt groups, averaged across groups (Telescope: "
@@ -376,9 +430,9 @@ class CompletionLengthCV(_GroupMean):
         tensor(0.3536, dtype=torch.float64)
     """
 
-    keys, required_fields, invalid_what = (F.LENGTH_CV_KEY,), (F.RESPONSE_LENGTHS, GROUP_IDS), F.BAD_COUNTS
+    keys, required_fields, invalid_what = (LENGTH_CV_KEY,), (RESPONSE_LENGTHS, GROUP_IDS), BAD_COUNTS
     higher_is_better = False
-    kernel = staticmethod(F._length_cv_update)
+    kernel = staticmethod(_length_cv_update)
     glossary = _entry("group_length_cv_mean", "Coefficient of variation (sample std / mean) of completion lengths "
                       "within prompt groups, averaged across groups (Telescope); groups of one sample or with mean "
                       "length 0 are left out. Within-group length spread, independent of the typical length.",
@@ -401,9 +455,9 @@ class OffPolicySteps(_MomentStats):
         [1.0, 0.8165, 0.0, 2.0]
     """
 
-    keys, required_fields, invalid_what = F.OFF_POLICY_KEYS, (F.POLICY_LAG,), F.BAD_COUNTS
+    keys, required_fields, invalid_what = OFF_POLICY_KEYS, (POLICY_LAG,), BAD_COUNTS
     higher_is_better = False
-    kernel = staticmethod(F._off_policy_update)
+    kernel = staticmethod(_off_policy_update)
     glossary = _entry(
         "off_policy_steps",
         "Off-policy steps per rollout: trainer steps between the weights that generated the rollout and "
@@ -433,23 +487,23 @@ class StopReasonLengthPct(_RolloutMetric):
         tensor(37.5000, dtype=torch.float64)
     """
 
-    keys, required_fields, higher_is_better = (F.STOP_LENGTH_PCT_KEY,), (F.STOP_REASONS,), False
+    keys, required_fields, higher_is_better = (STOP_LENGTH_PCT_KEY,), (STOP_REASONS,), False
     states = table("length", "count")
     plot_lower_bound, plot_upper_bound = 0.0, 100.0
     glossary = _entry("stop_reason_length_pct", "Percentage of samples that hit the token length limit (finish "
                       "reason 'length').", action="no OPBC action; a high value may indicate that max_token_len "
                       "is too low", aliases=("truncation_pct",))
 
-    def __init__(self, length_code: int = F.LENGTH_CODE, **kwargs: Any) -> None:
+    def __init__(self, length_code: int = LENGTH_CODE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.length_code = _check_length_code(length_code)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        stats = F._stop_update(view, self.length_code, self.device)
+        stats = _stop_update(view, self.length_code, self.device)
         return {"length": stats["length"], "count": stats["count"]}  # not the per-sample hits
 
     def compute(self) -> Tensor:
-        return F._stop_compute(self.length, self.count)
+        return _stop_compute(self.length, self.count)
 
 
 class DiscardedRollouts(_RolloutMetric):
@@ -481,8 +535,8 @@ class DiscardedRollouts(_RolloutMetric):
          'zero_advantage_reward_mean': 1.0}
     """
 
-    keys = (*F.DISCARD_KEYS, *F.DISCARD_SHARE_KEYS, *F.ZERO_ADVANTAGE_SPLIT_KEYS)
-    required_fields = (F.DISCARD_REASONS,)
+    keys = (*DISCARD_KEYS, *DISCARD_SHARE_KEYS, *ZERO_ADVANTAGE_SPLIT_KEYS)
+    required_fields = (DISCARD_REASONS,)
     invalid_what, higher_is_better = "codes outside {0, 1, 2}", False
     glossary = _entry(
         "Discarded rollouts",
@@ -502,11 +556,11 @@ class DiscardedRollouts(_RolloutMetric):
                    "za_all_positive", "za_reward_sum")
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._discard_update(view, self.device)
+        return _discard_update(view, self.device)
 
     def compute(self) -> dict[str, Tensor]:
         self._raise_if_invalid()
-        return F._discard_compute(**self.state_values(exclude=("invalid",)))
+        return _discard_compute(**self.state_values(exclude=("invalid",)))
 
 
 class DiscardedRolloutStats(_RolloutMetric):
@@ -535,9 +589,9 @@ class DiscardedRolloutStats(_RolloutMetric):
         [20.0, 1.25, 33.3333]
     """
 
-    keys = (*F.DISCARDED_TOKEN_KEYS, *F.DISCARDED_GROUP_KEYS, F.DISCARDED_STOP_KEY)
-    required_fields, invalid_field = (F.DISCARD_REASONS, F.RESPONSE_LENGTHS), F.RESPONSE_LENGTHS
-    invalid_what, higher_is_better = F.BAD_COUNTS + " or discard codes outside {0, 1, 2}", None
+    keys = (*DISCARDED_TOKEN_KEYS, *DISCARDED_GROUP_KEYS, DISCARDED_STOP_KEY)
+    required_fields, invalid_field = (DISCARD_REASONS, RESPONSE_LENGTHS), RESPONSE_LENGTHS
+    invalid_what, higher_is_better = BAD_COUNTS + " or discard codes outside {0, 1, 2}", None
     glossary = _entry(
         "Discarded rollout statistics",
         "Token (completion length mean, sample std, min, max), per-group length Gini and max/median "
@@ -548,19 +602,19 @@ class DiscardedRolloutStats(_RolloutMetric):
     states = table("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid", "gini_sum", "gini_groups",
                    "ratio_sum", "ratio_groups", "stop_length", "stop_count", min=MIN, max=MAX)
 
-    def __init__(self, length_code: int = F.LENGTH_CODE, **kwargs: Any) -> None:
+    def __init__(self, length_code: int = LENGTH_CODE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.length_code = _check_length_code(length_code)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._discarded_stats_update(view, self.length_code, self.device)
+        return _discarded_stats_update(view, self.length_code, self.device)
 
     def compute(self) -> dict[str, Tensor]:
         self._raise_if_invalid()
-        return F._discarded_stats_compute(**self.state_values(exclude=("invalid",)))
+        return _discarded_stats_compute(**self.state_values(exclude=("invalid",)))
 
 
-_SAMPLE_FIELDS = (F.SAMPLE_METRICS, GROUP_IDS)
+_SAMPLE_FIELDS = (SAMPLE_METRICS, GROUP_IDS)
 
 
 class SampleMetricStats(_RolloutMetric, _ObservedRange):
@@ -601,8 +655,8 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         ((0.0, 1.0), (0.0, 2.0))
     """
 
-    keys = BySettings(F.sample_metric_keys("<name>"), lambda m: tuple(
-        f"{F.SAMPLE_METRICS_SECTION}/{n}/{s}" for n in m.names for s in (F.SAMPLE_STATS if m.group_gini else F.STATS)))
+    keys = BySettings(sample_metric_keys("<name>"), lambda m: tuple(
+        f"{SAMPLE_METRICS_SECTION}/{n}/{s}" for n in m.names for s in (SAMPLE_STATS if m.group_gini else STATS)))
     required_fields = BySettings(_SAMPLE_FIELDS, lambda m: _SAMPLE_FIELDS[: 1 + m.group_gini])  # ids for the Gini
     glossary = GlossaryEntry(
         name="Sample metrics",
@@ -618,7 +672,7 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
     def __init__(self, names: Sequence[str], metrics_ranges: Mapping[str, Range] | None = None, group_gini: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.names = F.check_sample_metric_names(names)
+        self.names = check_sample_metric_names(names)
         self.group_gini = bool(group_gini)
         ranges = dict(metrics_ranges or {})
         unknown = sorted(set(ranges) - set(self.names))
@@ -632,15 +686,15 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         return {name: state.of("names") for name, state in {**_MOMENTS, **gini}.items()}
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return F._sample_update(view, self.names, self.group_gini, self.device)
+        return _sample_update(view, self.names, self.group_gini, self.device)
 
     def compute(self) -> dict[str, Tensor]:
         invalid = self.invalid
         if bool((invalid > 0).any()):
             bad = [n for n, c in zip(self.names, invalid.tolist(), strict=True) if c > 0]
-            raise ValueError(f"batch field `{F.SAMPLE_METRICS}` held infinite values for {bad}")
+            raise ValueError(f"batch field `{SAMPLE_METRICS}` held infinite values for {bad}")
         self._observe(self.min, self.max)
-        out = F._sample_compute(self.names, **self.state_values(exclude=("invalid",)))
+        out = _sample_compute(self.names, **self.state_values(exclude=("invalid",)))
         # A name no sample reported in the window has no value (no made-up mean 0): its keys are left out.
         unseen = [n for n, c in zip(self.names, self.count.tolist(), strict=True) if c == 0]
         return {k: v for k, v in out.items() if k.split("/")[1] not in unseen}
@@ -656,7 +710,7 @@ class SampleMetricStats(_RolloutMetric, _ObservedRange):
         for k, n in enumerate(self.names):
             rng = _resolve(self.metrics_ranges.get(n, (None, None)), seen_lo[k], seen_hi[k])
             if rng is not None:
-                out.update(_stat_ranges(f"{F.SAMPLE_METRICS_SECTION}/{n}", rng, gini=self.group_gini))
+                out.update(_stat_ranges(f"{SAMPLE_METRICS_SECTION}/{n}", rng, gini=self.group_gini))
         return out
 
 
@@ -669,7 +723,7 @@ ROLLOUT_METRICS: tuple[type[OPBCMetric], ...] = (
 
 def rollout_metrics(sample_metric_names: Sequence[str] = (), *, reward_min: float | None = None,
                     reward_max: float | None = None, metrics_ranges: Mapping[str, Range] | None = None,
-                    length_code: int = F.LENGTH_CODE, **kwargs: Any) -> list[OPBCMetric]:
+                    length_code: int = LENGTH_CODE, **kwargs: Any) -> list[OPBCMetric]:
     """Every rollout metric, ready for an :class:`~opbc_metrics.collection.OPBCCollection`.
 
     :class:`SampleMetricStats` is included when ``sample_metric_names`` is given (its state size depends

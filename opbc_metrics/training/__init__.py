@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opbc_metrics.functional import perf as P
-from opbc_metrics.functional import training as F
+from opbc_metrics.functional.training import DEFAULT_CLIP_RATIO, DEFAULT_CLIP_RATIO_C, DEFAULT_DPO_BETA
 from opbc_metrics.metric import OPBCMetric
 from opbc_metrics.training.actor import (
     PPOKL,
@@ -84,9 +84,9 @@ TRAINING_METRICS: tuple[type[OPBCMetric], ...] = (*_SIMPLE, PolicyEntropy, Polic
 def training_metrics(*, max_response_length: int | None = None, max_prompt_length: int | None = None,
                      data_sources: Sequence[str] | None = None, n_samples: int = 1, ks: Sequence[int] | None = None,
                      allow_other: bool = False, entropy_from_logits: bool = False,
-                     clip_ratio: float = F.DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
-                     clip_ratio_high: float | None = None, clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
-                     dpo_beta: float = F.DEFAULT_DPO_BETA, timing_stages: Sequence[str] = P.DEFAULT_STAGES,
+                     clip_ratio: float = DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
+                     clip_ratio_high: float | None = None, clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+                     dpo_beta: float = DEFAULT_DPO_BETA, timing_stages: Sequence[str] = P.DEFAULT_STAGES,
                      strict_stages: bool = True, flops: P.TransformerFlops | None = None,
                      mfu_stages: Mapping[str, tuple[str, str | float]] | None = None, accelerator: str | None = None,
                      peak_flops: float | None = None, num_gpus: int | None = None, world_size: int | None = None,

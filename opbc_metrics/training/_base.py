@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional import training as F
 from opbc_metrics.functional.statistics import raise_if_invalid
+from opbc_metrics.functional.training import LOSS_TOKENS, _scalar_compute, _scalar_update
 from opbc_metrics.metric import MAX, MIN, SUM, GlossaryEntry, OPBCMetric, table
 
 DIAGNOSTIC = "none (diagnostic)"
@@ -43,8 +43,8 @@ class _TrainingMetric(OPBCMetric):
     deferred value checks, and the update and compute from a functional kernel pair.
 
     ``_deferred``: ``(state, field or fields, what)`` triples that every ``compute`` raises first when the
-    count is not zero (a count shared by several fields names them all). ``kernel = (F._x_update,
-    F._x_compute)``: ``statistics`` is ``_x_update(view, *settings named by update_args)``, ``compute`` is
+    count is not zero (a count shared by several fields names them all). ``kernel = (_x_update,
+    _x_compute)``: ``statistics`` is ``_x_update(view, *settings named by update_args)``, ``compute`` is
     ``_x_compute(*settings named by compute_args, **states but the deferred counts)``. Host-built statistics
     move to the states' device in :meth:`~opbc_metrics.metric.OPBCMetric.accumulate`."""
 
@@ -103,7 +103,7 @@ class _TrainerScalar(_TrainingMetric):
 
     weight_field: ClassVar[str | None] = None
     states = table("sum_wx", "sum_w", "count", "nonfinite")
-    kernel = (F._scalar_update, F._scalar_compute)
+    kernel = (_scalar_update, _scalar_compute)
     update_args = ("field", "weight_field", "device")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -143,7 +143,7 @@ def trainer_scalars(module: str, *rows: Scalar) -> tuple[type[_TrainerScalar], .
                f"    Example:\n        >>> metric = {row.name}(){example}\n        >>> metric.compute()\n"
                f"        {row.result}\n    ")
         attrs = {"__module__": module, "__qualname__": row.name, "__doc__": doc, "keys": (row.key,),
-                 "required_fields": (row.field,), "weight_field": F.LOSS_TOKENS if row.weighted else None,
+                 "required_fields": (row.field,), "weight_field": LOSS_TOKENS if row.weighted else None,
                  "higher_is_better": row.higher_is_better,
                  "glossary": diagnostic(row.key, what=row.what, unit=row.unit, aliases=row.aliases)}
         classes.append(type(row.name, (_TrainerScalar,), attrs))

@@ -8,7 +8,26 @@ from typing import Any
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView, check_positive
-from opbc_metrics.functional import training as F
+from opbc_metrics.functional.training import (
+    ADVANTAGES,
+    CLIPFRAC_KEYS,
+    DEFAULT_CLIP_RATIO,
+    DEFAULT_CLIP_RATIO_C,
+    DEFAULT_RATIO_CLAMP,
+    ENTROPIES,
+    KL_ESTIMATORS,
+    LOGITS,
+    OLD_LOGPROBS,
+    POLICY_LOGPROBS,
+    _clipfrac_compute,
+    _clipfrac_update,
+    _entropy_update,
+    _policy_kl_update,
+    _scalar_compute,
+    _scalar_update,
+    _token_mean_compute,
+    check_clip_range,
+)
 from opbc_metrics.metric import SUM, BySettings, State, table
 from opbc_metrics.training._base import Scalar, _TrainerScalar, _TrainingMetric, diagnostic, trainer_scalars
 
@@ -73,9 +92,9 @@ class PolicyEntropy(_TrainingMetric):
     """
 
     keys = ("actor/entropy",)
-    required_fields = BySettings((F.ENTROPIES,), lambda m: (F.LOGITS,) if m.from_logits else (F.ENTROPIES,))
+    required_fields = BySettings((ENTROPIES,), lambda m: (LOGITS,) if m.from_logits else (ENTROPIES,))
     states = table("sum", "count", "nonfinite")
-    kernel = (F._entropy_update, F._token_mean_compute)
+    kernel = (_entropy_update, _token_mean_compute)
     update_args = ("from_logits", "temperature")
     glossary = diagnostic("actor/entropy", unit=_TOKENS, aliases=("entropy", "policy entropy"),
         what="Mean entropy of the policy over response tokens. High early (exploration), lower later (commitment); an "
@@ -93,19 +112,19 @@ class PolicyEntropy(_TrainingMetric):
 
 
 class _PolicyKL(_TrainingMetric):
-    required_fields = (F.POLICY_LOGPROBS, F.OLD_LOGPROBS)
+    required_fields = (POLICY_LOGPROBS, OLD_LOGPROBS)
     higher_is_better = False
     default_estimator = "k1"
     states = table("sum", "count", "nonfinite")
-    kernel = (F._policy_kl_update, F._token_mean_compute)
+    kernel = (_policy_kl_update, _token_mean_compute)
     update_args = ("estimator", "clamp")
-    _deferred = (("nonfinite", (F.POLICY_LOGPROBS, F.OLD_LOGPROBS), "non-finite logprobs on response tokens"),)
+    _deferred = (("nonfinite", (POLICY_LOGPROBS, OLD_LOGPROBS), "non-finite logprobs on response tokens"),)
 
-    def __init__(self, estimator: str | None = None, clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
+    def __init__(self, estimator: str | None = None, clamp: float = DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         estimator = self.default_estimator if estimator is None else estimator
-        if estimator not in F.KL_ESTIMATORS:
-            raise ValueError(f"`estimator` must be one of {F.KL_ESTIMATORS}, got {estimator!r}")
+        if estimator not in KL_ESTIMATORS:
+            raise ValueError(f"`estimator` must be one of {KL_ESTIMATORS}, got {estimator!r}")
         self.estimator = estimator
         self.clamp = check_positive("clamp", clamp)
 
@@ -181,13 +200,13 @@ class PolicyClipFraction(_TrainingMetric):
         {'actor/pg_clipfrac': 0.5, 'actor/pg_clipfrac_lower': 0.25}
     """
 
-    keys = F.CLIPFRAC_KEYS
-    required_fields = (F.POLICY_LOGPROBS, F.OLD_LOGPROBS, F.ADVANTAGES)
+    keys = CLIPFRAC_KEYS
+    required_fields = (POLICY_LOGPROBS, OLD_LOGPROBS, ADVANTAGES)
     higher_is_better = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
     states = table("clipped", "clipped_lower", "count", "nonfinite")
-    kernel = (F._clipfrac_update, F._clipfrac_compute)
+    kernel = (_clipfrac_update, _clipfrac_compute)
     update_args = ("low", "high", "c", "clamp")
     _deferred = (("nonfinite", required_fields, "non-finite logprobs or advantages on response tokens"),)
     glossary = diagnostic("actor/pg_clipfrac", unit=_TOKENS,
@@ -196,11 +215,11 @@ class PolicyClipFraction(_TrainingMetric):
         "high or batches too small/noisy.",
         aliases=("pg_clipfrac", "clip fraction", "actor/pg_clipfrac_lower"))
 
-    def __init__(self, clip_ratio: float = F.DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
-                 clip_ratio_high: float | None = None, clip_ratio_c: float = F.DEFAULT_CLIP_RATIO_C,
-                 clamp: float = F.DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
+    def __init__(self, clip_ratio: float = DEFAULT_CLIP_RATIO, clip_ratio_low: float | None = None,
+                 clip_ratio_high: float | None = None, clip_ratio_c: float = DEFAULT_CLIP_RATIO_C,
+                 clamp: float = DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.low, self.high, self.c = F.check_clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+        self.low, self.high, self.c = check_clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
         self.clamp = check_positive("clamp", clamp)
 
 
@@ -263,12 +282,12 @@ class LRSchedulerState(_TrainingMetric):
         for i, name in enumerate(self.names):
             if inner.has(name):
                 try:
-                    stats = F._scalar_update(inner, name, None, self.device)
+                    stats = _scalar_update(inner, name, None, self.device)
                 except ValueError as err:
                     raise ValueError(f"batch field `{LR_SCHEDULER}`: {err}") from err
                 out.update({f"{k}_{i}": v for k, v in stats.items()})
         return out
 
     def compute(self) -> dict[str, Tensor]:
-        return {key: F._scalar_compute(getattr(self, f"sum_wx_{i}"), getattr(self, f"sum_w_{i}"),
+        return {key: _scalar_compute(getattr(self, f"sum_wx_{i}"), getattr(self, f"sum_w_{i}"),
                                        getattr(self, f"count_{i}")) for i, key in enumerate(self.keys)}

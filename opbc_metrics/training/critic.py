@@ -5,7 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from opbc_metrics.functional import training as F
+from opbc_metrics.functional.training import (
+    ADVANTAGES,
+    CRITIC_STAT_KEYS,
+    RETURNS,
+    REWARDS,
+    SCORES,
+    VALUES,
+    _critic_stats_compute,
+    _explained_var_compute,
+    _explained_var_update,
+    _sequence_sum_update,
+    _token_stats_update,
+)
 from opbc_metrics.metric import MAX, MIN, SUM, table
 from opbc_metrics.training._base import Scalar, _TrainingMetric, diagnostic, trainer_scalars
 
@@ -33,20 +45,20 @@ class _FieldStats(_TrainingMetric):
     """mean/max/min (and std) of one batch field over response tokens, or of its per-sequence sums.
 
     A subclass names the field, what a bad value of it is, and whether it is per sequence, as class
-    keywords: ``class ValueStats(_FieldStats, field=F.VALUES, bad="values on response tokens")``.
+    keywords: ``class ValueStats(_FieldStats, field=VALUES, bad="values on response tokens")``.
     """
 
     states = table("sum", "sum_sq", "sum_hi", "sum_sq_hi", max=MAX, min=MIN, count=SUM, nonfinite=SUM)
     update_args = compute_args = ("field",)
 
     def __init_subclass__(cls, field: str, bad: str, per_sequence: bool = False, **kwargs: Any) -> None:
-        cls.keys, cls.required_fields = F.CRITIC_STAT_KEYS[field], (field,)
+        cls.keys, cls.required_fields = CRITIC_STAT_KEYS[field], (field,)
         cls._deferred = (("nonfinite", field, f"non-finite {bad}"),)
-        cls.kernel = (F._sequence_sum_update if per_sequence else F._token_stats_update, F._critic_stats_compute)
+        cls.kernel = (_sequence_sum_update if per_sequence else _token_stats_update, _critic_stats_compute)
         super().__init_subclass__(**kwargs)
 
 
-class ValueStats(_FieldStats, field=F.VALUES, bad="values on response tokens"):
+class ValueStats(_FieldStats, field=VALUES, bad="values on response tokens"):
     """Critic value predictions ``critic/value/{mean,max,min}`` over response tokens (batch field ``values``).
 
     verl logs the same statistics as ``critic/values/*``; the glossary's name is ``critic/value/mean``.
@@ -64,7 +76,7 @@ class ValueStats(_FieldStats, field=F.VALUES, bad="values on response tokens"):
         aliases=("critic/values/mean", "critic/values/max", "critic/values/min"))
 
 
-class ReturnStats(_FieldStats, field=F.RETURNS, bad="returns on response tokens"):
+class ReturnStats(_FieldStats, field=RETURNS, bad="returns on response tokens"):
     """Returns ``critic/returns/{mean,max,min}`` over response tokens (batch field ``returns``).
 
     Example:
@@ -79,7 +91,7 @@ class ReturnStats(_FieldStats, field=F.RETURNS, bad="returns on response tokens"
         what="Returns (the critic's regression targets): mean and extremes.")
 
 
-class AdvantageStats(_FieldStats, field=F.ADVANTAGES, bad="advantages on response tokens"):
+class AdvantageStats(_FieldStats, field=ADVANTAGES, bad="advantages on response tokens"):
     """Advantages ``critic/advantages/{mean,std,max,min}`` over response tokens (batch field ``advantages``).
 
     ``std`` is the population standard deviation (ddof = 0) from mergeable raw moments.
@@ -97,7 +109,7 @@ class AdvantageStats(_FieldStats, field=F.ADVANTAGES, bad="advantages on respons
         "means instability.")
 
 
-class RewardStats(_FieldStats, field=F.REWARDS, bad="rewards", per_sequence=True):
+class RewardStats(_FieldStats, field=REWARDS, bad="rewards", per_sequence=True):
     """Sequence rewards ``critic/rewards/{mean,max,min}`` (batch field ``rewards``: [B], or [B, T] token-level
     rewards summed per sequence, as verl sums ``token_level_rewards``; after any KL-in-reward penalty).
 
@@ -115,7 +127,7 @@ class RewardStats(_FieldStats, field=F.REWARDS, bad="rewards", per_sequence=True
         "watch next to validation accuracy.")
 
 
-class ScoreStats(_FieldStats, field=F.SCORES, bad="scores", per_sequence=True):
+class ScoreStats(_FieldStats, field=SCORES, bad="scores", per_sequence=True):
     """Sequence scores ``critic/score/{mean,max,min}`` (batch field ``scores``: the reward function's raw score,
     verl's ``token_level_scores``, before any KL penalty; [B] or [B, T] summed per sequence).
 
@@ -148,14 +160,14 @@ class ExplainedVariance(_TrainingMetric):
     """
 
     keys = ("critic/vf_explained_var",)
-    required_fields = (F.VALUES, F.RETURNS)
+    required_fields = (VALUES, RETURNS)
     higher_is_better = True
     plot_upper_bound = 1.0
-    _deferred = (("nonfinite", (F.VALUES, F.RETURNS), "non-finite values or returns on response tokens"),)
+    _deferred = (("nonfinite", (VALUES, RETURNS), "non-finite values or returns on response tokens"),)
     glossary = diagnostic("critic/vf_explained_var", unit=_TOKENS, aliases=("vf_explained_var",),
         what="Explained variance of the returns by the value function: 1 = perfect critic, 0 = no better than a "
         "constant, negative = worse. A critic that stays low gives the actor noisy advantages.")
 
     states = table("sum_r", "sum_r2", "sum_d", "sum_d2", "sum_r_hi", "sum_r2_hi", "sum_d_hi", "sum_d2_hi", "count",
                    "nonfinite")
-    kernel = (F._explained_var_update, F._explained_var_compute)
+    kernel = (_explained_var_update, _explained_var_compute)

@@ -5,7 +5,19 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from opbc_metrics.functional import training as F
+from opbc_metrics.functional.training import (
+    NUM_TURNS,
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    TURN_KEYS,
+    _aborted_compute,
+    _aborted_update,
+    _length_compute,
+    _length_update,
+    _turns_compute,
+    _turns_update,
+    length_keys,
+)
 from opbc_metrics.metric import MAX, MIN, SUM, BySettings, table
 from opbc_metrics.training._base import _TrainingMetric, _TurnCounts, diagnostic, positive_int
 
@@ -19,20 +31,20 @@ class _LengthStats(_TrainingMetric):
     prefix: ClassVar[str]
     max_length: int | None
     states = table(sum=SUM, max=MAX, min=MIN, count=SUM, clipped=SUM, zero=SUM, invalid=SUM)
-    kernel = (F._length_update, F._length_compute)
+    kernel = (_length_update, _length_compute)
     update_args = ("field", "max_length")
     compute_args = ("prefix", "max_length")
 
     def __init_subclass__(cls, field: str, prefix: str, **kwargs: Any) -> None:
         # clip_ratio only with a maximum length; a BySettings made here is named by hand (no class body)
-        keys = BySettings(F.length_keys(prefix, 1), lambda m: F.length_keys(prefix, m.max_length))
+        keys = BySettings(length_keys(prefix, 1), lambda m: length_keys(prefix, m.max_length))
         keys.__set_name__(cls, "keys")
         cls.keys, cls.prefix, cls.required_fields = keys, prefix, (field,)
         cls._deferred = (("invalid", field, "negative or non-finite lengths"),)
         super().__init_subclass__(**kwargs)
 
 
-class ResponseLength(_LengthStats, field=F.RESPONSE_LENGTHS, prefix="response_length"):
+class ResponseLength(_LengthStats, field=RESPONSE_LENGTHS, prefix="response_length"):
     """``response_length/{mean,max,min,clip_ratio}`` from ``response_lengths`` [B] (tokens per response).
 
     ``clip_ratio`` = share of responses with ``length >= max_response_length`` (truncated by the limit);
@@ -60,7 +72,7 @@ class ResponseLength(_LengthStats, field=F.RESPONSE_LENGTHS, prefix="response_le
         self.max_length = positive_int("max_response_length", max_response_length)
 
 
-class PromptLength(_LengthStats, field=F.PROMPT_LENGTHS, prefix="prompt_length"):
+class PromptLength(_LengthStats, field=PROMPT_LENGTHS, prefix="prompt_length"):
     """``prompt_length/{mean,max,min,clip_ratio}`` from ``prompt_lengths`` [B] (tokens per prompt).
 
     ``clip_ratio`` (share with ``length >= max_prompt_length``) only when ``max_prompt_length`` is given.
@@ -93,20 +105,20 @@ class AbortedRatio(_TrainingMetric):
     """
 
     keys = ("response/aborted_ratio",)
-    required_fields = (F.RESPONSE_LENGTHS,)
+    required_fields = (RESPONSE_LENGTHS,)
     higher_is_better = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
-    _deferred = (("invalid", F.RESPONSE_LENGTHS, "negative or non-finite lengths"),)
+    _deferred = (("invalid", RESPONSE_LENGTHS, "negative or non-finite lengths"),)
     glossary = diagnostic("response/aborted_ratio", unit=_SEQUENCES,
         what="Fraction of generations that failed or were aborted (empty responses). High values point to sampling or "
         "runtime issues.")
 
     states = table("aborted", "count", "invalid")
-    kernel = (F._aborted_update, F._aborted_compute)
+    kernel = (_aborted_update, _aborted_compute)
 
 
-class NumTurns(_TurnCounts, field=F.NUM_TURNS):
+class NumTurns(_TurnCounts, field=NUM_TURNS):
     """``num_turns/{min,max,mean}`` over samples, from ``num_turns`` [B] (multi-turn and agent rollouts).
 
     Example:
@@ -117,8 +129,8 @@ class NumTurns(_TurnCounts, field=F.NUM_TURNS):
         {'num_turns/min': 1.0, 'num_turns/max': 6.0, 'num_turns/mean': 3.0}
     """
 
-    keys = F.TURN_KEYS
-    kernel = (F._turns_update, F._turns_compute)
+    keys = TURN_KEYS
+    kernel = (_turns_update, _turns_compute)
     glossary = diagnostic("num_turns", unit=_SEQUENCES,
         what="Turns per trajectory: min, max, mean. A sudden jump of the max points to loops or tool failures causing "
         "repeated retries.")

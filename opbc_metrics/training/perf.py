@@ -29,8 +29,18 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView, check_positive
 from opbc_metrics.functional import perf as P
-from opbc_metrics.functional import training as F
 from opbc_metrics.functional.statistics import safe_div
+from opbc_metrics.functional.training import (
+    PROMPT_LENGTHS,
+    RESPONSE_LENGTHS,
+    _count_stats,
+    _turns_compute,
+    check_same_device,
+    check_same_shape,
+    field_tensor,
+    nonnegative_field,
+    tensor_device,
+)
 from opbc_metrics.metric import MAX, MIN, SUM, BySettings, table
 from opbc_metrics.training._base import _PerRank, _TrainingMetric, diagnostic, positive_int
 
@@ -52,9 +62,9 @@ def _check_stage_names(name: str, stages: Sequence[str]) -> tuple[str, ...]:
 
 def _workload(view: BatchView) -> tuple[Tensor, Tensor]:
     """Per-sequence workload ``prompt_lengths + response_lengths`` (float64) and the invalid-entry count."""
-    p, bad_p = F.nonnegative_field(view, F.PROMPT_LENGTHS, device=F.tensor_device(view, F.RESPONSE_LENGTHS))
-    r, bad_r = F.nonnegative_field(view, F.RESPONSE_LENGTHS, device=p.device)
-    F.check_same_shape(F.PROMPT_LENGTHS, p, F.RESPONSE_LENGTHS, r)
+    p, bad_p = nonnegative_field(view, PROMPT_LENGTHS, device=tensor_device(view, RESPONSE_LENGTHS))
+    r, bad_r = nonnegative_field(view, RESPONSE_LENGTHS, device=p.device)
+    check_same_shape(PROMPT_LENGTHS, p, RESPONSE_LENGTHS, r)
     return p + r, bad_p + bad_r
 
 
@@ -97,7 +107,7 @@ class GlobalSeqlen(_PerRank):
     """
 
     keys = P.SEQLEN_KEYS
-    required_fields = (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
+    required_fields = (PROMPT_LENGTHS, RESPONSE_LENGTHS)
     higher_is_better = None
     states = table(workload=SUM.of("slots"), active=SUM.of("slots"), hist=SUM.of(lambda m: m.max_seqlen + 1),
                    overflow_count=SUM, overflow_sum=SUM, invalid=SUM, bad_rank=SUM)
@@ -126,8 +136,8 @@ class GlobalSeqlen(_PerRank):
         lengths, invalid = _workload(view)
         device = lengths.device
         if view.has(RANK_IDS):
-            ids, _ = F.field_tensor(view, RANK_IDS, ndims=(1,), dims=("B",), device=device)
-            F.check_same_shape(RANK_IDS, ids, F.PROMPT_LENGTHS, lengths)
+            ids, _ = field_tensor(view, RANK_IDS, ndims=(1,), dims=("B",), device=device)
+            check_same_shape(RANK_IDS, ids, PROMPT_LENGTHS, lengths)
             if ids.is_floating_point() or ids.dtype == torch.bool:
                 raise ValueError(f"batch field `{RANK_IDS}` must be an integer tensor, got {ids.dtype}")
             limit = self.world_size or self.slots
@@ -272,13 +282,13 @@ class _StageClock(_PerRank):
 
     strict_stages = False
     required_fields = ()  # timing_s and the lengths are each optional; see statistics
-    _deferred = (("invalid", (F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),)
+    _deferred = (("invalid", (PROMPT_LENGTHS, RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),)
     states = table(time=SUM.of("slots", "clock_stages"), steps=SUM.of("slots"), tokens_response=SUM,
                    tokens_all=SUM, sum_sq=SUM, invalid=SUM)
 
     def accepts(self, view: BatchView) -> bool:
         """A collection updates this metric with batches carrying ``timing_s`` or both length fields."""
-        return view.has(TIMING_S) or view.has(F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS)
+        return view.has(TIMING_S) or view.has(PROMPT_LENGTHS, RESPONSE_LENGTHS)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         stats: dict[str, Tensor] = {}
@@ -287,9 +297,9 @@ class _StageClock(_PerRank):
             row = torch.tensor(_timings(view, self.clock_stages, self.strict_stages), dtype=F64)
             stats["time"] = self.one_hot_row(rank, row)
             stats["steps"] = self.one_hot_row(rank, torch.ones((), dtype=F64))
-        if view.has(F.PROMPT_LENGTHS, F.RESPONSE_LENGTHS):
+        if view.has(PROMPT_LENGTHS, RESPONSE_LENGTHS):
             lengths, invalid = _workload(view)
-            r, _ = F.nonnegative_field(view, F.RESPONSE_LENGTHS)
+            r, _ = nonnegative_field(view, RESPONSE_LENGTHS)
             stats.update(tokens_response=r.sum(), tokens_all=lengths.sum(), sum_sq=(lengths * lengths).sum(),
                          invalid=invalid)
         return stats
@@ -523,9 +533,9 @@ class AgentLoopTiming(_TrainingMetric):
         for part, name in (("gen", AGENT_GENERATE_S), ("tool", AGENT_TOOL_CALLS_S)):
             if view.has(name):
                 ref = stats.get("gen_sum")  # host values of the tool times go where the generation times are
-                x, s = F._count_stats(view, name, None if ref is None else ref.device)
+                x, s = _count_stats(view, name, None if ref is None else ref.device)
                 if ref is not None:
-                    F.check_same_device(name, x, AGENT_GENERATE_S, ref)
+                    check_same_device(name, x, AGENT_GENERATE_S, ref)
                 invalid = s.pop("invalid")
                 stats["invalid"] = invalid if ref is None else stats["invalid"] + invalid
                 stats.update({f"{part}_{stat}": value for stat, value in s.items()})
@@ -533,7 +543,7 @@ class AgentLoopTiming(_TrainingMetric):
 
     def compute(self) -> dict[str, Tensor]:  # min, max, mean of each part, as the turn counts
         parts = (("gen", self.keys[:3]), ("tool", self.keys[3:]))
-        return {key: value for part, keys in parts for key, value in F._turns_compute(
+        return {key: value for part, keys in parts for key, value in _turns_compute(
             *(getattr(self, f"{part}_{stat}") for stat in ("sum", "max", "min", "count")), keys=keys).items()}
 
 
@@ -576,12 +586,12 @@ class AgentLoopSlowest(_PerRank):
         "or looping tool.")
 
     def _update_view(self, view: BatchView) -> None:
-        gen, invalid = F.nonnegative_field(view, AGENT_GENERATE_S)
+        gen, invalid = nonnegative_field(view, AGENT_GENERATE_S)
         cols = [gen]
         for name in self._FIELDS[1:]:
             if view.has(name):
-                x, bad = F.nonnegative_field(view, name, device=gen.device)
-                F.check_same_shape(name, x, AGENT_GENERATE_S, gen)
+                x, bad = nonnegative_field(view, name, device=gen.device)
+                check_same_shape(name, x, AGENT_GENERATE_S, gen)
                 invalid = invalid + bad
             else:
                 x = torch.zeros_like(gen)

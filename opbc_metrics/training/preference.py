@@ -6,7 +6,17 @@ import math
 from typing import Any
 
 from opbc_metrics.batch import check_positive
-from opbc_metrics.functional import training as F
+from opbc_metrics.functional.training import (
+    DEFAULT_DPO_BETA,
+    DPO_FIELDS,
+    DPO_KEYS,
+    RM_FIELDS,
+    RM_KEYS,
+    _dpo_compute,
+    _dpo_update,
+    _rm_compute,
+    _rm_update,
+)
 from opbc_metrics.metric import table
 from opbc_metrics.training._base import Scalar, _TrainingMetric, diagnostic, trainer_scalars
 
@@ -38,11 +48,11 @@ class DPOMetrics(_TrainingMetric):
         [0.5877, 0.25, -0.25, 0.5, 0.5]
     """
 
-    keys = F.DPO_KEYS
-    required_fields = F.DPO_FIELDS
-    _deferred = (("nonfinite", F.DPO_FIELDS, "pairs with non-finite logps"),)
+    keys = DPO_KEYS
+    required_fields = DPO_FIELDS
+    _deferred = (("nonfinite", DPO_FIELDS, "pairs with non-finite logps"),)
     states = table("sum_loss", "sum_chosen", "sum_rejected", "correct", "count", "nonfinite")
-    kernel = (F._dpo_update, F._dpo_compute)
+    kernel = (_dpo_update, _dpo_compute)
     update_args = ("beta", "label_smoothing")
     glossary = diagnostic("dpo", unit=_PAIRS, aliases=("loss/dpo", "rewards/margins", "rewards/accuracy"),
         what="DPO loss and implicit rewards: rewards/chosen and rewards/rejected are beta times the "
@@ -50,7 +60,7 @@ class DPOMetrics(_TrainingMetric):
         "accuracy = share of pairs where the chosen response gets the larger reward. Margins up without validation "
         "gains, or accuracy at 99%+, suggest overfitting the training pairs.")
 
-    def __init__(self, beta: float = F.DEFAULT_DPO_BETA, label_smoothing: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, beta: float = DEFAULT_DPO_BETA, label_smoothing: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.beta = check_positive("beta", beta)
         label_smoothing = float(label_smoothing)
@@ -74,16 +84,16 @@ class RewardModelMetrics(_TrainingMetric):
         {'rm/loss': 0.6437, 'rm/accuracy': 0.5, 'rm/reward_margin': 0.25}
     """
 
-    keys = F.RM_KEYS
-    required_fields = F.RM_FIELDS
-    _deferred = (("nonfinite", F.RM_FIELDS, "pairs with non-finite scores"),)
+    keys = RM_KEYS
+    required_fields = RM_FIELDS
+    _deferred = (("nonfinite", RM_FIELDS, "pairs with non-finite scores"),)
     glossary = diagnostic("rm", unit=_PAIRS, aliases=("rm/loss", "rm/accuracy", "rm/reward_margin"),
         what="Reward-model training: preference loss (cross-entropy of the Bradley-Terry model), accuracy (how often "
         "the RM ranks the better response first) and reward margin (how decisive it is). A margin near zero means a "
         "non-discriminative RM; high accuracy without downstream PPO gains points to an overfit or misaligned RM.")
 
     states = table("sum_loss", "correct", "sum_margin", "count", "nonfinite")
-    kernel = (F._rm_update, F._rm_compute)
+    kernel = (_rm_update, _rm_compute)
 
 
 (RMGradNorm,) = trainer_scalars(__name__, Scalar(
