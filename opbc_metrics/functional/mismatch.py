@@ -450,11 +450,6 @@ def _fused_token_statistics(
         x = d.clamp(-clamp, clamp)
         return torch.where(ok, torch.where(x.abs() < _SERIES_RANGE, _expm1_tail(x), torch.exp(x) - 1.0 - x), 0.0)
 
-    def near() -> Tensor:  # where the series for expm1(rc) - rc holds, and a - b equals rc (every ordinary token)
-        x = d.clamp(-clamp, clamp)
-        g = trainer.clamp(PROB_LOG_FLOOR, 0.0) - rollout.clamp(PROB_LOG_FLOOR, 0.0)
-        return (x.abs() < _SERIES_RANGE) & (g == x)
-
     def probability(logp: Tensor) -> Tensor:
         return torch.where(ok, torch.where(logp > 0, 1.0, torch.exp(logp.clamp(min=PROB_LOG_FLOOR))), 0.0)
 
@@ -465,9 +460,8 @@ def _fused_token_statistics(
         return probability(rollout)
 
     def dp() -> Tensor:  # p - q: near on-policy q * expm1(a - b), a and b the clamped logprobs
-        # There a - b is rc: the series is k3's (one polynomial per token, not two).
-        x = d.clamp(-clamp, clamp)
-        return torch.where(near(), q() * (x + _expm1_tail(x)), p() - q())
+        g = trainer.clamp(PROB_LOG_FLOOR, 0.0) - rollout.clamp(PROB_LOG_FLOOR, 0.0)
+        return torch.where(g.abs() < _SERIES_RANGE, q() * (g + _expm1_tail(g)), p() - q())
 
     def apq() -> Tensor:
         return dp().abs()
@@ -720,10 +714,7 @@ def compiled_token_statistics() -> Any:
         # Inductor's CPU backend fuses at most 16 reductions into one loop by default; the kernel has 21.
         # Its histogram indices are in range by construction (clamped bins, int32 lane offsets < 2^27 for
         # bins <= MAX_TOP_MASS_BINS), so the per-vector bounds assertion goes (measured: 7-10% of the kernel).
-        # p - q (read by five reductions) is over the CPU default of 50 ops for inlining a reused expression:
-        # stored, it was a second loop over the tokens.
-        options = {"cpp.max_horizontal_fusion_size": 32, "assert_indirect_indexing": False,
-                   "realize_cpu_opcount_threshold": 100}
+        options = {"cpp.max_horizontal_fusion_size": 32, "assert_indirect_indexing": False}
         compiled = torch.compile(token_statistics, fullgraph=True, dynamic=None, options=options)
 
         def run(*args: Any) -> Stats:
