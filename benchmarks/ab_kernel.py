@@ -6,10 +6,11 @@ unpacks each revision's package into a temporary directory; each tree runs in it
 intra-op thread, ``TORCHINDUCTOR_COMPILE_THREADS=1``) that imports only that tree. The parent asks the two
 workers in turn, alternating which goes first, to time a batch of calls of the mismatch-only kernel call
 (``token_statistics(trainer, rollout, mask, clamp, veto, bins, prob=True, hist=True)``, no per-round sums;
-compiled: ``compiled_token_statistics()``, dynamo reset per shape so every shape has its own static graph).
+compiled: ``compiled_token_statistics()``); fresh workers per shape and mode, so every shape has its own static
+graph.
 Times are each worker's process CPU time per call, so the neighbours' load on a shared machine moves both
 sides alike. Printed per shape and mode: the medians, their ratio new/old, and the median and quartiles of
-the paired ratios (the spread).
+the paired ratios (the spread), and the ratio of the fastest samples.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ def worker(tree: str) -> None:
             x = make_inputs(b, t)
             args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"], CLAMP, VETO, BINS, True, True)
             if mode == "compiled":
-                torch._dynamo.reset()
                 fn = mismatch.compiled_token_statistics()
             else:
                 fn = mismatch.token_statistics
@@ -122,12 +122,16 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"# A/B of token_statistics (mismatch only): new={args.new} / old={args.old}; process CPU time per call,"
           f" 1 thread, {args.reps} interleaved paired samples of ~{SAMPLE_SECONDS * 1e3:.0f} ms each")
-    print(f"{'mode':>8} {'shape':>10} {'old ms':>8} {'new ms':>8} {'new/old':>8} {'paired median [q1, q3]':>24}")
+    print(f"{'mode':>8} {'shape':>10} {'old ms':>8} {'new ms':>8} {'new/old':>8} {'paired median [q1, q3]':>24}"
+          f" {'min/min':>8}")
     with tempfile.TemporaryDirectory() as tmp:
-        old, new = Worker(tree_of(args.old, tmp)), Worker(tree_of(args.new, tmp))
-        try:
-            for mode in args.modes.split(","):
-                for b, t in shapes:
+        trees = tree_of(args.old, tmp), tree_of(args.new, tmp)
+        for mode in args.modes.split(","):
+            for b, t in shapes:
+                # Fresh workers per shape and mode: in one long-lived worker, a shape's time depended on what ran
+                # before it (measured: up to 1.5x at 256 x 8192 compiled against a fresh process).
+                old, new = Worker(trees[0]), Worker(trees[1])
+                try:
                     per_call = max(old.ask(f"setup {b} {t} {mode}"), new.ask(f"setup {b} {t} {mode}"))
                     n = max(1, round(SAMPLE_SECONDS / max(per_call, 1e-6)))
                     times: dict[str, list[float]] = {"old": [], "new": []}
@@ -135,14 +139,14 @@ def main() -> None:
                         order = (("old", old), ("new", new)) if rep % 2 == 0 else (("new", new), ("old", old))
                         for name, w in order:
                             times[name].append(w.ask(f"time {n}") / n)
-                    ratios = [a / b for a, b in zip(times["new"], times["old"])]
-                    mo, mn = statistics.median(times["old"]), statistics.median(times["new"])
-                    q1, med, q3 = quartiles(ratios)
-                    print(f"{mode:>8} {b:>4}x{t:<5} {mo * 1e3:>8.2f} {mn * 1e3:>8.2f} {mn / mo:>8.3f} "
-                          f"{med:>10.3f} [{q1:.3f}, {q3:.3f}]", flush=True)
-        finally:
-            old.close()
-            new.close()
+                finally:
+                    old.close()
+                    new.close()
+                ratios = [a / b for a, b in zip(times["new"], times["old"])]
+                mo, mn = statistics.median(times["old"]), statistics.median(times["new"])
+                q1, med, q3 = quartiles(ratios)
+                print(f"{mode:>8} {b:>4}x{t:<5} {mo * 1e3:>8.2f} {mn * 1e3:>8.2f} {mn / mo:>8.3f} "
+                      f"{med:>10.3f} [{q1:.3f}, {q3:.3f}] {min(times['new']) / min(times['old']):>8.3f}", flush=True)
 
 
 if __name__ == "__main__":
