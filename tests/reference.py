@@ -390,8 +390,6 @@ def endpoint_reference(exchanges):
 
 
 # --- rollout groups --------------------------------------------------------------------------------
-STATS = ("mean", "std", "min", "max")
-
 
 def gini_pairwise(values) -> float:
     x = np.asarray(values, dtype=np.float64)

@@ -132,14 +132,6 @@ def test_equal_logprobs_are_on_policy(batch):
 
 
 # --- contracts ------------------------------------------------------------------------------------
-def test_empty_window_reports_only_input_accounting():
-    b = make_batch(seed=0)
-    b["response_mask"] = torch.zeros_like(b["response_mask"])
-    out = OPBCCollection()(b)
-    assert set(out) == {"opbc/input/nonfinite_count", "opbc/input/num_tokens", "opbc/input/num_sequences"}
-    assert out["opbc/input/num_tokens"] == 0
-
-
 def test_nonfinite_tokens_are_counted_and_excluded():
     b = make_batch(seed=2, dtype=torch.float64)
     b["response_mask"][:, 0] = 1

@@ -90,7 +90,7 @@ def test_gini_of_subnormal_and_huge_values(values):
     """Scale invariance down to subnormals and up to the float64 limit: [0, a] has Gini 1/2 for any a > 0."""
     got = R.gini(torch.tensor(values, dtype=torch.float64)).item()
     assert got == pytest.approx(_gini_exact(values), rel=1e-12)
-    groups = RolloutRewardGini()
+    groups = M.RolloutRewardGini()
     n = len(values)
     groups.update(rewards=torch.tensor(values * 2, dtype=torch.float64), group_ids=torch.tensor([0] * n + [1] * n))
     assert groups.compute().item() == pytest.approx(_gini_exact(values), rel=1e-12)
