@@ -18,7 +18,7 @@ from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional import moe as FM
 from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import concat_batches, make_batch, make_router_batch, router_batches
+from tests.data import concat_batches, make_batch, make_router_batch, metric_values, router_batches
 from tests.reference import FLIP, SET, WORST, router_reference
 
 
@@ -31,12 +31,7 @@ def _router_metrics(num_layers, top_k=None):
 
 
 def _values(metrics, *batches):
-    out = {}
-    for m in metrics:
-        for b in batches:
-            m.update(b)
-        out.update(m.compute_dict())
-    return {k: v.item() for k, v in out.items()}
+    return {k: v for m in metrics for k, v in metric_values(m, *batches).items()}
 
 
 def _assert_close(got, want, tol=1e-12):
