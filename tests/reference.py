@@ -35,7 +35,7 @@ def mismatch_reference(trainer, rollout, mask=None, clamp=20.0, veto=30.0) -> di
         out["opbc/is/second_moment"] = (w**2).mean()
         out["opbc/is/weight_mean"] = w.mean()
         out["opbc/is/weight_std"] = w.std()  # population (divisor N)
-        k = max(1, math.floor(0.01 * n))
+        k = max(1, n // 100)  # floor(0.01 N), in integers
         out["opbc/is/top_1pct_gradient_mass"] = np.sort(w)[::-1][:k].sum() / w.sum()
         out["opbc/is/clipped_fraction"] = float(np.mean(np.abs(r) > clamp))
         out["opbc/is/veto_fraction"] = float(np.mean(np.abs(r) > veto))
@@ -390,8 +390,6 @@ def endpoint_reference(exchanges):
 
 
 # --- rollout groups --------------------------------------------------------------------------------
-STATS = ("mean", "std", "min", "max")
-
 
 def gini_pairwise(values) -> float:
     x = np.asarray(values, dtype=np.float64)

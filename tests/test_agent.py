@@ -34,8 +34,9 @@ def assert_window(out, expected, rel=1e-12, keys=AGENT_KEYS):
 # --- against the reference -------------------------------------------------------------------------
 @given(pair_lists())
 @example([])  # no pair: the functional API's documented values
-def test_functional_matches_reference(pairs):
-    assert_window(FA.agent_metrics(pairs), agent_reference(pairs))
+def test_functional_matches_reference_and_bounds(pairs):
+    window = FA.agent_metrics(pairs)
+    assert_window(window, agent_reference(pairs))
     for a, b in pairs:
         jac, div, match, disagree, either, soft, _, _ = ref_pair(a, b)
         assert FA.tool_call_jaccard(a, b) == pytest.approx(jac, rel=1e-15)
@@ -43,6 +44,15 @@ def test_functional_matches_reference(pairs):
         assert FA.answer_match(a, b) is match
         assert FA.tool_choice_disagreement(a, b) == (disagree, either)
         assert FA.answer_soft_match(a, b) == pytest.approx(soft, rel=1e-15)
+    out = {k: v.item() for k, v in window.items()}
+    for key in ("agent/trajectory/tool_call_jaccard", "agent/trajectory/diverged_fraction", "agent/answer/match_rate",
+                "agent/answer/soft_match_mean", "agent/steps/tool_choice_disagreement_rate"):
+        assert 0.0 <= out[key] <= 1.0, key
+    kinds = sum(out[f"agent/trajectory/divergence_kind/{k}"] for k in KINDS)
+    assert kinds == pytest.approx(out["agent/trajectory/diverged_fraction"], abs=1e-12)
+    if out["agent/trajectory/diverged_fraction"] > 0:
+        lo, mean = out["agent/trajectory/first_divergence_step_min"], out["agent/trajectory/first_divergence_step_mean"]
+        assert 0 <= lo <= mean
 
 
 def test_hand_computed_window():
@@ -209,19 +219,6 @@ def test_identical_trajectories_agree_completely(trajs):
     assert out["agent/steps/rollout_mean"] == out["agent/steps/reference_mean"]
     for t in trajs:
         assert FA.first_divergence(t, t) is None
-
-
-@given(pair_lists())
-def test_bounds_and_consistency(pairs):
-    out = {k: v.item() for k, v in FA.agent_metrics(pairs).items()}
-    for key in ("agent/trajectory/tool_call_jaccard", "agent/trajectory/diverged_fraction", "agent/answer/match_rate",
-                "agent/answer/soft_match_mean", "agent/steps/tool_choice_disagreement_rate"):
-        assert 0.0 <= out[key] <= 1.0, key
-    kinds = sum(out[f"agent/trajectory/divergence_kind/{k}"] for k in KINDS)
-    assert kinds == pytest.approx(out["agent/trajectory/diverged_fraction"], abs=1e-12)
-    if out["agent/trajectory/diverged_fraction"] > 0:
-        lo, mean = out["agent/trajectory/first_divergence_step_min"], out["agent/trajectory/first_divergence_step_mean"]
-        assert 0 <= lo <= mean
 
 
 # --- contracts -------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from opbc_metrics.integrations.wandb_logger import (  # noqa: E402
 from opbc_metrics.testing import assert_no_host_sync  # noqa: E402
 from tests.data import concat_batches, make_batch  # noqa: E402
 from tests.ddp import run_distributed  # noqa: E402
+from tests.reference import router_reference  # noqa: E402
 from tests.support import collection_values  # noqa: E402
 from tests.wandb_run import assert_logged, read_back, read_offline_run  # noqa: E402
 
@@ -50,18 +51,10 @@ def expert_batch(seed: int, batch: int = 6, seq: int = 10, flip_p: float = 0.2) 
 
 
 def np_layer_flip_rate(batches: list[dict[str, torch.Tensor]]) -> np.ndarray:
-    """Independent reference: loops over tokens and layers."""
-    flips, tokens = np.zeros(LAYERS), 0
-    for b in batches:
-        mask = b["response_mask"].numpy()
-        r, t = b["rollout_experts"].numpy(), b["trainer_experts"].numpy()
-        for i in range(mask.shape[0]):
-            for j in range(mask.shape[1]):
-                if mask[i, j]:
-                    tokens += 1
-                    for layer in range(LAYERS):
-                        flips[layer] += int(r[i, j, layer, 0] != t[i, j, layer, 0])
-    return flips / tokens
+    cat = concat_batches(batches)
+    ref = router_reference(*(cat[k].numpy() for k in ("rollout_experts", "trainer_experts", "response_mask")),
+                           num_layers=LAYERS)
+    return np.array([ref[f"moe/router/layer_{k}/flip_rate"] for k in range(LAYERS)])
 
 
 def np_valid_log_ratios(batches: list[dict[str, torch.Tensor]]) -> tuple[np.ndarray, np.ndarray]:

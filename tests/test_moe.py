@@ -18,7 +18,7 @@ from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional import moe as FM
 from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import concat_batches, make_batch, make_router_batch, router_batches
+from tests.data import concat_batches, make_batch, make_router_batch, metric_values, router_batches
 from tests.reference import FLIP, SET, WORST, router_reference
 
 
@@ -31,12 +31,7 @@ def _router_metrics(num_layers, top_k=None):
 
 
 def _values(metrics, *batches):
-    out = {}
-    for m in metrics:
-        for b in batches:
-            m.update(b)
-        out.update(m.compute_dict())
-    return {k: v.item() for k, v in out.items()}
+    return {k: v for m in metrics for k, v in metric_values(m, *batches).items()}
 
 
 def _assert_close(got, want, tol=1e-12):
@@ -207,8 +202,13 @@ def test_custom_collection_with_logits_member():
 
 
 @given(router_batches())
-def test_property_matches_reference_and_rates_are_bounded(batch):
+def test_property_matches_reference_bounded_and_side_symmetric(batch):
     got = _values(_router_metrics(2), batch)
+    swapped = dict(batch, rollout_experts=batch["trainer_experts"], trainer_experts=batch["rollout_experts"])
+    assert _values(_router_metrics(2), swapped) == got
+    same = _values(_router_metrics(3), dict(batch, trainer_experts=batch["rollout_experts"].clone()))
+    assert all(v == 0.0 for k, v in same.items() if k != WORST)  # identical routing: zero flips
+    assert same.get(WORST) == (0.0 if batch["response_mask"].any() else None)
     if not batch["response_mask"].any():  # no valid token: no keys
         assert got == {}
         return
@@ -217,14 +217,6 @@ def test_property_matches_reference_and_rates_are_bounded(batch):
         if key != WORST:
             assert 0.0 <= value <= 1.0, key
     assert -1.0 <= got[WORST] <= 2.0
-
-
-@given(router_batches())
-def test_identical_routing_gives_zero_flips(batch):
-    batch = dict(batch, trainer_experts=batch["rollout_experts"].clone())
-    got = _values(_router_metrics(3), batch)
-    assert all(v == 0.0 for k, v in got.items() if k != WORST)
-    assert got.get(WORST) == (0.0 if batch["response_mask"].any() else None)
 
 
 @given(router_batches(), st.randoms(use_true_random=False))
@@ -249,13 +241,6 @@ def test_permuting_within_top_k_flips_top1_but_keeps_the_set(batch, rnd):
 def test_with_k1_set_disagreement_is_any_layer_flip(batch):
     got = _values(_router_metrics(3), batch)
     assert got.get(SET, 0.0) >= got.get(FLIP, 0.0) - 1e-15
-
-
-@given(router_batches())
-def test_side_swap_changes_nothing(batch):
-    whole = _values(_router_metrics(2), batch)
-    swapped = dict(batch, rollout_experts=batch["trainer_experts"], trainer_experts=batch["rollout_experts"])
-    assert _values(_router_metrics(2), swapped) == whole
 
 
 # --- contracts --------------------------------------------------------------------------------------
@@ -328,14 +313,7 @@ def test_bad_helper_and_constructor_arguments():
 
 # --- the bitmask path (num_experts known) ------------------------------------------------------------
 def _python_set_rate(rollout, trainer, mask):
-    """Plain Python: share of valid tokens with a layer whose two id lists differ as sets."""
-    tokens = differing = 0
-    for r_tok, t_tok, valid in zip(rollout.flatten(0, 1).tolist(), trainer.flatten(0, 1).tolist(),
-                                   mask.flatten().tolist()):
-        if valid:
-            tokens += 1
-            differing += any(set(r) != set(t) for r, t in zip(r_tok, t_tok))
-    return differing / tokens if tokens else 0.0
+    return router_reference(rollout.numpy(), trainer.numpy(), mask.numpy())[SET]
 
 
 def _wide_batch(num_experts, k, seed, b=3, t=40, layers=2):

@@ -122,7 +122,12 @@ def _counts(out):
 
 
 @given(round_batches(), st.integers(1, 4))
-def test_property_matches_reference_and_counts_sum_to_the_mask(batch, capacity):
+def test_property_matches_reference_counts_sum_to_the_mask_and_equal_logprobs(batch, capacity):
+    same = metric_values(PerRoundMismatch(capacity=3), dict(batch, rollout_logprobs=batch["trainer_logprobs"].clone()))
+    if same:  # equal logprobs: zero mismatch in every round
+        assert all(v == 0.0 for k, v in same.items() if k.endswith("_abs_diff_mean"))
+        assert same[P + "max_diff_value"] == 0.0
+        assert same[P + "max_round_diff"] == (0.0 if (batch["response_mask"] != 0).any() else -1.0)
     got = metric_values(PerRoundMismatch(capacity=capacity), batch)
     valid = (batch["response_mask"] != 0) & torch.isfinite(batch["trainer_logprobs"] - batch["rollout_logprobs"])
     if not valid.any():  # no valid token: no keys
@@ -137,17 +142,6 @@ def test_property_matches_reference_and_counts_sum_to_the_mask(batch, capacity):
     assert -1 <= got[P + "max_round_diff"] <= capacity
     for i in range(capacity):  # rounds beyond the longest sequence's have no keys
         assert (P + f"round_{i}_token_count" in got) == (i < got[P + "total_rounds"])
-
-
-@given(round_batches())
-def test_equal_logprobs_give_zero_mismatch(batch):
-    batch = dict(batch, rollout_logprobs=batch["trainer_logprobs"].clone())
-    got = metric_values(PerRoundMismatch(capacity=3), batch)
-    if not got:  # no valid token
-        return
-    assert all(v == 0.0 for k, v in got.items() if k.endswith("_abs_diff_mean"))
-    assert got[P + "max_diff_value"] == 0.0
-    assert got[P + "max_round_diff"] == (0.0 if (batch["response_mask"] != 0).any() else -1.0)
 
 
 # --- contracts --------------------------------------------------------------------------------------
