@@ -250,22 +250,6 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
         """``{name: state}`` for ``names`` (default: every state but ``exclude``), to pass to a ``_x_compute``."""
         return {name: getattr(self, name) for name in names or self._defaults if name not in exclude}
 
-    def _add(self, name: str, reduce: str, shape: tuple[int, ...] = ()) -> None:
-        default = torch.full(shape, _FILLS[reduce], dtype=torch.float64)
-        self.add_state(name, default=default, dist_reduce_fx=reduce, persistent=True)
-
-    def add_sum(self, name: str, shape: tuple[int, ...] = ()) -> None:
-        """A float64 state reduced by sum across updates and ranks."""
-        self._add(name, "sum", shape)
-
-    def add_max(self, name: str, shape: tuple[int, ...] = ()) -> None:
-        """A float64 state reduced by max, starting at -inf."""
-        self._add(name, "max", shape)
-
-    def add_min(self, name: str, shape: tuple[int, ...] = ()) -> None:
-        """A float64 state reduced by min, starting at +inf."""
-        self._add(name, "min", shape)
-
     def accumulate(self, **stats: Tensor) -> None:
         """Fold one batch's statistics into the states, by each state's reduction.
 
