@@ -30,6 +30,7 @@ class _DecisionMetric(OPBCMetric):
     required_fields = (DECISIONS_FIELD,)
     optional_inputs = True
     data_counts = ("groups", "tokens", "trained_tokens")  # decided groups / their tokens
+    plot_lower_bound = 0.0  # counts and shares
 
     def __init__(self, optional: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -57,8 +58,6 @@ class _DecisionMetric(OPBCMetric):
 
 class _ActionShare(_DecisionMetric):
     """A count per action over its total (the first and second states), then the total (the last key)."""
-
-    plot_lower_bound = 0.0
 
     def compute(self) -> dict[str, Tensor]:
         count, total = self.state_values().values()
@@ -152,7 +151,6 @@ class DecisionReasonCount(_DecisionMetric):
 
     keys = tuple(f"opbc/decision/reason_count/{r}" for r in REASON_NAMES)
     states = table(reason_count=SUM.of(len(REASON_NAMES)), groups=SUM)  # a window with groups reports zero counts
-    plot_lower_bound = 0.0
     glossary = GlossaryEntry(
         name="decision_reason_count",
         what="For every OPBC rule condition (contract failures, veto, lag, ESS, router flips, clipped "
@@ -195,7 +193,6 @@ class CorrectionTokenShare(_DecisionMetric):
     keys = ("opbc/decision/truncated_token_share", "opbc/decision/masked_token_share")
     states = table("truncated_tokens", "masked_tokens", "trained_tokens")
     higher_is_better = False
-    plot_lower_bound = 0.0
     plot_upper_bound = 1.0
     glossary = GlossaryEntry(
         name="correction_token_share",

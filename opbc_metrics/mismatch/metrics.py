@@ -47,14 +47,8 @@ class _MismatchMetric(OPBCMetric):
     from_kernel: ClassVar[Callable[[F.Stats], F.Stats]]
     formula: ClassVar[Callable[..., Any]]
 
-    def __init__(
-        self,
-        clamp: float = DEFAULT_CLAMP,
-        veto: float = DEFAULT_VETO,
-        top_mass_bins: int = F.DEFAULT_TOP_MASS_BINS,
-        compiled: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, clamp: float = DEFAULT_CLAMP, veto: float = DEFAULT_VETO,
+                 top_mass_bins: int = F.DEFAULT_TOP_MASS_BINS, compiled: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.clamp = check_positive("clamp", clamp)
         self.veto = check_positive("veto", veto)
@@ -65,15 +59,12 @@ class _MismatchMetric(OPBCMetric):
 
     def request_shared(self, view: BatchView) -> None:
         """Ask for the statistic groups this metric reads and the settings it reads them with."""
-        view.request(
-            F.TOKEN_STATISTICS, F.settings_need(self.clamp, self.veto, self.top_mass_bins), *self.statistic_groups
-        )
+        need = F.settings_need(self.clamp, self.veto, self.top_mass_bins)
+        view.request(F.TOKEN_STATISTICS, need, *self.statistic_groups)
 
     def _stats(self, view: BatchView) -> F.Stats:
         """The section's fused statistics of this batch, shared through the view's cache."""
-        return F.batch_statistics(
-            view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups
-        )
+        return F.batch_statistics(view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
@@ -87,18 +78,15 @@ class _MismatchMetric(OPBCMetric):
         return self.formula(**self.state_values())
 
 
-class _ESS(_MismatchMetric):
+class _Fraction(_MismatchMetric):  # a value in [0, 1]
+    higher_is_better = False
+    plot_lower_bound, plot_upper_bound = 0.0, 1.0
+
+
+class _ESS(_Fraction):
+    higher_is_better = True
     states = _WEIGHT_MOMENTS
     formula = staticmethod(F._centred_ess_compute)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
-
-
-class _Share(_MismatchMetric):
-    higher_is_better = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
 
 
 class ImportanceSamplingESS(_ESS):
@@ -134,7 +122,6 @@ class ImportanceSamplingESS(_ESS):
     )
 
 
-
 class SequenceESS(_ESS):
     r"""Sequence-level ESS, ``opbc/is/seq_ess``, with ``w_i = exp(clamp(sum_t r_t, -C, C))``.
 
@@ -161,7 +148,6 @@ class SequenceESS(_ESS):
     )
 
 
-
 class _WeightMoment(_MismatchMetric):
     states = _WEIGHT_MOMENTS
     from_kernel = staticmethod(F._weight_moments_update)
@@ -181,6 +167,7 @@ class ImportanceWeightSecondMoment(_WeightMoment):
     keys = ("opbc/is/second_moment",)
     higher_is_better = False
     plot_lower_bound = 0.0
+    formula = staticmethod(F._centred_second_moment_compute)
     glossary = GlossaryEntry(
         name="second_moment",
         what="E[w^2] of the importance weights w = exp(log_ratio); bounds the variance of the "
@@ -189,7 +176,6 @@ class ImportanceWeightSecondMoment(_WeightMoment):
         cap=_DIAGNOSTIC,
         action="no direct OPBC action; it is 1 / ESS times E[w]^2, and ESS carries the cap",
     )
-    formula = staticmethod(F._centred_second_moment_compute)
 
 
 class ImportanceWeightMean(_WeightMoment):
@@ -206,6 +192,7 @@ class ImportanceWeightMean(_WeightMoment):
     """
 
     keys = ("opbc/is/weight_mean",)
+    formula = staticmethod(F._centred_weight_mean_compute)
     glossary = GlossaryEntry(
         name="weight_mean",
         what="Mean importance weight E[w]. Its expectation under the rollout policy is 1 when both "
@@ -214,7 +201,6 @@ class ImportanceWeightMean(_WeightMoment):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-    formula = staticmethod(F._centred_weight_mean_compute)
 
 
 class ImportanceWeightStd(_WeightMoment):
@@ -236,6 +222,7 @@ class ImportanceWeightStd(_WeightMoment):
     keys = ("opbc/is/weight_std",)
     higher_is_better = False
     plot_lower_bound = 0.0
+    formula = staticmethod(F._weight_std_compute)
     glossary = GlossaryEntry(
         name="weight_std",
         what="Population standard deviation (divisor N) of the token importance weights w = exp(clamp(log_ratio)), "
@@ -245,10 +232,9 @@ class ImportanceWeightStd(_WeightMoment):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-    formula = staticmethod(F._weight_std_compute)
 
 
-class TopGradientMass(_Share):
+class TopGradientMass(_Fraction):
     r"""Share of the total importance weight carried by the top 1% of tokens, ``opbc/is/top_1pct_gradient_mass``.
 
     .. math:: \frac{\sum_{j \le k} w_{(j)}}{\sum_t w_t}, \quad k = \max(1, \lfloor 0.01 N \rfloor)
@@ -286,13 +272,8 @@ class TopGradientMass(_Share):
         action="concentrated drift calls for token-level truncation (train_with_correction) of the outliers",
     )
 
-    def __init__(
-        self,
-        bins: int | None = None,
-        fraction: float = F.DEFAULT_TOP_FRACTION,
-        exact: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, bins: int | None = None, fraction: float = F.DEFAULT_TOP_FRACTION, exact: bool = False,
+                 **kwargs: Any) -> None:
         if bins is not None:
             kwargs["top_mass_bins"] = bins
         super().__init__(**kwargs)
@@ -322,7 +303,7 @@ class TopGradientMass(_Share):
         return F._top_mass_sketch_compute(self.bin_count, self.sum_w, self.clamp, self.fraction)
 
 
-class _ThresholdFraction(_Share):
+class _ThresholdFraction(_Fraction):
     states = table("hits", "count")
     formula = staticmethod(F._fraction_compute)
 
@@ -392,6 +373,8 @@ class LogprobDiff(_MismatchMetric):
 
     keys = F.LOGPROB_KEYS
     higher_is_better = False
+    states = table("sum_abs", "sum_diff", max_abs=MAX, count=SUM)
+    from_kernel, formula = staticmethod(F._logprob_diff_update), staticmethod(F._logprob_diff_compute)
     glossary = GlossaryEntry(
         name="|Δlogp|",
         what="Per-token disagreement size between rollout and trainer logprobs in nats: mean over the "
@@ -402,9 +385,6 @@ class LogprobDiff(_MismatchMetric):
         action=_NO_ACTION,
         aliases=("abs_logprob_diff", "logprob_diff"),
     )
-
-    states = table("sum_abs", "sum_diff", max_abs=MAX, count=SUM)
-    from_kernel, formula = staticmethod(F._logprob_diff_update), staticmethod(F._logprob_diff_compute)
 
 
 class LogRatioRange(_MismatchMetric):
@@ -422,6 +402,8 @@ class LogRatioRange(_MismatchMetric):
 
     keys = F.LOG_RATIO_KEYS
     higher_is_better = False
+    states = table(min=MIN, max=MAX, count=SUM)
+    from_kernel, formula = staticmethod(F._log_ratio_range_update), staticmethod(F._log_ratio_range_compute)
     glossary = GlossaryEntry(
         name="log_ratio",
         what="log(trainer_prob / rollout_prob) per token in nats, the exponent of the importance weight; "
@@ -431,9 +413,6 @@ class LogRatioRange(_MismatchMetric):
         cap="|log_ratio| > clamp C (20) counts as clipped; > veto (30) as vetoed",
         action="see clipped_fraction and veto_fraction",
     )
-
-    states = table(min=MIN, max=MAX, count=SUM)
-    from_kernel, formula = staticmethod(F._log_ratio_range_update), staticmethod(F._log_ratio_range_compute)
 
 
 class SequenceLogRatio(_MismatchMetric):
@@ -452,6 +431,8 @@ class SequenceLogRatio(_MismatchMetric):
 
     keys = F.SEQUENCE_KEYS
     higher_is_better = False
+    states = table("sum_s", "sum_abs_s", max_abs_s=MAX, sum_geo=SUM, count=SUM)
+    from_kernel, formula = staticmethod(F._sequence_update), staticmethod(F._sequence_compute)
     glossary = GlossaryEntry(
         name="sequence_log_ratio",
         what="Sum of per-token log ratios across the response in nats, the log of the full-sequence "
@@ -461,9 +442,6 @@ class SequenceLogRatio(_MismatchMetric):
         cap=_DIAGNOSTIC,
         action="large values call for sequence-level or geometric (length-normalised) correction",
     )
-
-    states = table("sum_s", "sum_abs_s", max_abs_s=MAX, sum_geo=SUM, count=SUM)
-    from_kernel, formula = staticmethod(F._sequence_update), staticmethod(F._sequence_compute)
 
 
 class KLEstimators(_MismatchMetric):
@@ -482,6 +460,8 @@ class KLEstimators(_MismatchMetric):
 
     keys = F.KL_KEYS
     higher_is_better = False
+    states = table("sum_k1", "sum_k2", "sum_k3", "count")
+    from_kernel, formula = staticmethod(F._kl_update), staticmethod(F._kl_compute)
     glossary = GlossaryEntry(
         name="kl",
         what="Monte-Carlo estimates of KL(rollout || trainer) from the sampled tokens: k1 (unbiased, "
@@ -491,9 +471,6 @@ class KLEstimators(_MismatchMetric):
         action=_NO_ACTION,
         aliases=("k1", "k2", "k3", "kl_divergence_inference"),
     )
-
-    states = table("sum_k1", "sum_k2", "sum_k3", "count")
-    from_kernel, formula = staticmethod(F._kl_update), staticmethod(F._kl_compute)
 
 
 class ChiSquare(_MismatchMetric):
@@ -512,6 +489,8 @@ class ChiSquare(_MismatchMetric):
     keys = F.CHI2_KEYS
     higher_is_better = False
     key_counts = ((F.CHI2_KEYS[1], "seq_count"),)  # chi2_seq needs a valid sequence, chi2_token a valid token
+    states = table(*_WEIGHT_MOMENTS, "sum_seq_u", "sum_seq_u2", "seq_count")  # E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1]
+    from_kernel, formula = staticmethod(F._chi2_update), staticmethod(F._chi2_compute)
     glossary = GlossaryEntry(
         name="chi2",
         what="Chi-square divergence of trainer from rollout, E[w^2] - 1, per token and per sequence: the "
@@ -520,9 +499,6 @@ class ChiSquare(_MismatchMetric):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-
-    states = table(*_WEIGHT_MOMENTS, "sum_seq_u", "sum_seq_u2", "seq_count")  # E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1]
-    from_kernel, formula = staticmethod(F._chi2_update), staticmethod(F._chi2_compute)
 
 
 class PerplexityGap(_MismatchMetric):
@@ -543,6 +519,8 @@ class PerplexityGap(_MismatchMetric):
 
     keys = F.PPL_KEYS
     higher_is_better = False
+    states = table("sum_d", "sum_abs_d", "sum_exp_d", "count")
+    from_kernel, formula = staticmethod(F._ppl_update), staticmethod(F._ppl_compute)
     glossary = GlossaryEntry(
         name="ppl",
         what="Gap between the per-sequence perplexities the two engines assign to the same response: "
@@ -551,9 +529,6 @@ class PerplexityGap(_MismatchMetric):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-
-    states = table("sum_d", "sum_abs_d", "sum_exp_d", "count")
-    from_kernel, formula = staticmethod(F._ppl_update), staticmethod(F._ppl_compute)
 
 
 class ProbabilityDiff(_MismatchMetric):
@@ -575,6 +550,9 @@ class ProbabilityDiff(_MismatchMetric):
 
     keys = F.PROB_KEYS
     higher_is_better = False
+    # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
+    states = table("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n", max_abs_pq=MAX)
+    from_kernel, formula = staticmethod(F._prob_update), staticmethod(F._prob_compute)
     glossary = GlossaryEntry(
         name="prob",
         what="Disagreement in probability space rather than log space: mean, max and standard deviation of "
@@ -587,10 +565,6 @@ class ProbabilityDiff(_MismatchMetric):
         action=_NO_ACTION,
         aliases=("training_rollout_probs_diff", "training_rollout_probs_pearson_corr", "probs_diff_std"),
     )
-
-    # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
-    states = table("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n", max_abs_pq=MAX)
-    from_kernel, formula = staticmethod(F._prob_update), staticmethod(F._prob_compute)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -616,6 +590,8 @@ class InputHealth(_MismatchMetric):
     keys = F.INPUT_KEYS
     higher_is_better = False
     data_counts = ()  # input accounting reports its zero counts too
+    # logprob_min/max: trainer, rollout; a side within [0, 1] holds probabilities.
+    states = table("nonfinite", "tokens", "sequences", logprob_min=MIN.of(2), logprob_max=MAX.of(2))
     glossary = GlossaryEntry(
         name="input",
         what="Input accounting: response tokens with non-finite logprobs (excluded from every other "
@@ -625,9 +601,6 @@ class InputHealth(_MismatchMetric):
         action="the OPBC rejects the group",
         aliases=("nonfinite_count",),
     )
-
-    # logprob_min/max: trainer, rollout; a side within [0, 1] holds probabilities.
-    states = table("nonfinite", "tokens", "sequences", logprob_min=MIN.of(2), logprob_max=MAX.of(2))
 
     def statistics(self, view: BatchView) -> F.Stats:
         low, high = view.logprob_range
