@@ -75,11 +75,11 @@ class State:
     """One entry of a metric's state table: how the state reduces and its shape.
 
     ``reduce`` is ``"sum"`` (starts at 0), ``"max"`` (starts at -inf) or ``"min"`` (starts at +inf), across
-    updates and ranks alike, or ``"cat"``: a list of every batch's values (it grows with the data and is not
-    packed into the one-collective sync; for exact modes on small data). ``shape`` entries are sizes, names
-    of settings the constructor sets (``"slots"``; a sequence setting such as ``"names"`` gives its length),
-    or functions of the metric (``lambda m: m.num_layers + 1``), resolved when the metric is built; the size
-    is fixed from then on.
+    updates and ranks alike, or ``"cat"``: a list of every batch's values, which the metric's own update appends
+    to (it grows with the data and is not packed into the one-collective sync; for exact modes on small data).
+    ``shape`` entries are sizes, names of settings the constructor sets (``"slots"``; a sequence setting such
+    as ``"names"`` gives its length), or functions of the metric (``lambda m: m.num_layers + 1``), resolved
+    when the metric is built; the size is fixed from then on.
     """
 
     reduce: str
@@ -268,16 +268,13 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
             )
         pairs = [(getattr(self, name), value, reductions[name]) for name, value in stats.items()]
         for state, value, _ in pairs:
-            if isinstance(state, Tensor) and value.device != state.device and value.device.type != "cpu":
+            if value.device != state.device and value.device.type != "cpu":
                 fields = ", ".join(f"`{f}`" for f in self.required_fields) or "the batch"
                 raise ValueError(
                     f"batch field(s) {fields} are on {value.device} but the states of {type(self).__name__} "
                     f"are on {state.device}; move the metric to the batch's device (metric.to(device))"
                 )
         for state, value, fx in pairs:
-            if not isinstance(state, Tensor):  # CAT: the batch's values join the list as they are
-                state.append(value)
-                continue
             if value.dtype != state.dtype or value.device != state.device:
                 value = value.to(device=state.device, dtype=state.dtype)
             if fx is dim_zero_sum:

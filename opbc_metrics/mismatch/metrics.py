@@ -291,10 +291,12 @@ class TopGradientMass(_Fraction):
         """Relative error bound of the sketch (0 in exact mode)."""
         return 0.0 if self.exact else F.sketch_relative_error_bound(self.clamp, self.bins)
 
-    def statistics(self, view: BatchView) -> F.Stats:
+    def _update_view(self, view: BatchView) -> None:
         if self.exact:
-            return {"weights": view.weights(self.clamp).reshape(-1).to(torch.float64), "count": view.num_valid}
-        return F._top_mass_sketch_update(self._stats(view))
+            self.accumulate(count=view.num_valid)  # first: it refuses a batch on another device
+            self.weights.append(view.weights(self.clamp).reshape(-1).to(torch.float64))
+        else:
+            self.accumulate(**F._top_mass_sketch_update(self._stats(view)))
 
     def compute(self) -> Tensor:
         if self.exact:
