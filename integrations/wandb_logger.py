@@ -66,7 +66,7 @@ from torch import Tensor
 from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view
 from opbc_metrics.functional.statistics import bin_counts
 from opbc_metrics.integrations.dashboard import ALIASES, KeyFilter
-from opbc_metrics.metric import OPBCMetric, registered_metrics
+from opbc_metrics.metric import SUM, OPBCMetric, State, registered_metrics, table
 from opbc_metrics.rollout import chart_ranges as member_chart_ranges
 
 __all__ = [
@@ -437,11 +437,11 @@ class DistributionHistograms(OPBCMetric):
         if num_layers is not None and (not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_HISTOGRAM_BINS):
             raise ValueError(f"`num_layers` must be an integer in [1, {MAX_HISTOGRAM_BINS}], got {num_layers!r}")
         self.num_layers = num_layers
-        self.add_sum("token_counts", (self.bins,))
-        self.add_sum("seq_counts", (self.bins,))
-        if num_layers is not None:
-            self.add_sum("layer_flips", (num_layers,))
-            self.add_sum("router_tokens")
+
+    def state_table(self) -> dict[str, State]:
+        counts = table(token_counts=SUM.of("bins"), seq_counts=SUM.of("bins"))
+        flips = table(layer_flips=SUM.of("num_layers"), router_tokens=SUM) if self.num_layers is not None else {}
+        return {**counts, **flips}
 
     @property
     def histogram_keys(self) -> tuple[str, ...]:
@@ -453,14 +453,14 @@ class DistributionHistograms(OPBCMetric):
         inner = torch.linspace(-half_width, half_width, self.bins + 1, dtype=torch.float64, device=values.device)
         return bin_counts(values.to(torch.float64), weights, inner[1:-1], right=True)  # [lo, hi) bins
 
-    def _update_view(self, view: BatchView) -> None:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         stats = {
             "token_counts": self._bin_counts(view.log_ratio, view.valid_f, self.log_ratio_range),
             "seq_counts": self._bin_counts(view.seq_log_ratio, view.seq_valid_f, self.seq_log_ratio_range),
         }
         if self.num_layers is not None and view.has("rollout_experts", "trainer_experts"):
             stats["layer_flips"], stats["router_tokens"] = _layer_flips(view, self.num_layers)
-        self.accumulate(**stats)
+        return stats
 
     def compute(self) -> dict[str, Tensor]:
         out = {LOG_RATIO_HIST: self.token_counts.clone(), SEQ_LOG_RATIO_HIST: self.seq_counts.clone()}

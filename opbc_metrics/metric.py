@@ -62,8 +62,8 @@ class NoDataError(ValueError):
     """``compute()`` of a metric that saw no data (no valid token, sequence, pair or sample) in its window."""
 
 
-# A state's reduction (across updates and ranks) and the value it starts from.
-_FILLS = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+# A state's reduction (across updates and ranks) and the value it starts from (cat: an empty list).
+_FILLS = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "cat": None}
 
 # One entry of a state's shape: a size, the name of a setting (a size, or a sequence: its length), or a function
 # of the metric.
@@ -75,9 +75,11 @@ class State:
     """One entry of a metric's state table: how the state reduces and its shape.
 
     ``reduce`` is ``"sum"`` (starts at 0), ``"max"`` (starts at -inf) or ``"min"`` (starts at +inf), across
-    updates and ranks alike. ``shape`` entries are sizes, names of settings the constructor sets
-    (``"slots"``; a sequence setting such as ``"names"`` gives its length), or functions of the metric
-    (``lambda m: m.num_layers + 1``), resolved when the metric is built; the size is fixed from then on.
+    updates and ranks alike, or ``"cat"``: a list of every batch's values, which the metric's own update appends
+    to (it grows with the data and is not packed into the one-collective sync; for exact modes on small data).
+    ``shape`` entries are sizes, names of settings the constructor sets (``"slots"``; a sequence setting such
+    as ``"names"`` gives its length), or functions of the metric (``lambda m: m.num_layers + 1``), resolved
+    when the metric is built; the size is fixed from then on.
     """
 
     reduce: str
@@ -101,7 +103,7 @@ class State:
         return tuple(size(s) for s in self.shape)
 
 
-SUM, MAX, MIN = State("sum"), State("max"), State("min")
+SUM, MAX, MIN, CAT = State("sum"), State("max"), State("min"), State("cat")
 
 
 def table(*sums: str, **states: State) -> Mapping[str, State]:
@@ -161,9 +163,9 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     by name. ``_x_update`` (in ``functional/``) has one meaning everywhere: one batch (a ``BatchView``
     and the metric's settings) to a dict of that batch's statistics named like the states.
 
-    All states are float64 tensors reduced by sum, max or min, so that DDP sync is exact (global sums
-    and extremes, never a mean of per-rank means) and packs into at most one collective per
-    reduction kind (see :mod:`opbc_metrics.sync`).
+    States are float64 tensors reduced by sum, max or min (a ``CAT`` list only in exact modes), so that DDP
+    sync is exact (global sums and extremes, never a mean of per-rank means) and packs into at most one
+    collective per reduction kind (see :mod:`opbc_metrics.sync`).
 
     **No made-up values.** A metric that saw no data in its window (decided on the synced states, so
     the same on every rank) has no value: :meth:`compute_dict` returns ``{}`` (a collection leaves its
@@ -239,28 +241,14 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     def _register_states(self) -> None:
         for name, state in self.state_table().items():
             if not isinstance(state, State):
-                raise TypeError(f"{type(self).__name__}.states[{name!r}] must be a State (SUM, MAX, MIN): {state!r}")
-            self._add(name, state.reduce, state.resolve(self))
+                raise TypeError(f"{type(self).__name__}.states[{name!r}] must be a State (SUM, MAX, ...): {state!r}")
+            fill = _FILLS[state.reduce]
+            default = [] if fill is None else torch.full(state.resolve(self), fill, dtype=torch.float64)
+            self.add_state(name, default=default, dist_reduce_fx=state.reduce, persistent=True)
 
     def state_values(self, *names: str, exclude: tuple[str, ...] = ()) -> dict[str, Tensor]:
         """``{name: state}`` for ``names`` (default: every state but ``exclude``), to pass to a ``_x_compute``."""
         return {name: getattr(self, name) for name in names or self._defaults if name not in exclude}
-
-    def _add(self, name: str, reduce: str, shape: tuple[int, ...] = ()) -> None:
-        default = torch.full(shape, _FILLS[reduce], dtype=torch.float64)
-        self.add_state(name, default=default, dist_reduce_fx=reduce, persistent=True)
-
-    def add_sum(self, name: str, shape: tuple[int, ...] = ()) -> None:
-        """A float64 state reduced by sum across updates and ranks."""
-        self._add(name, "sum", shape)
-
-    def add_max(self, name: str, shape: tuple[int, ...] = ()) -> None:
-        """A float64 state reduced by max, starting at -inf."""
-        self._add(name, "max", shape)
-
-    def add_min(self, name: str, shape: tuple[int, ...] = ()) -> None:
-        """A float64 state reduced by min, starting at +inf."""
-        self._add(name, "min", shape)
 
     def accumulate(self, **stats: Tensor) -> None:
         """Fold one batch's statistics into the states, by each state's reduction.

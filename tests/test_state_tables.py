@@ -8,9 +8,15 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_min, dim_zero_sum
 
 from opbc_metrics.batch import BatchView
+from opbc_metrics.functional.perf import TransformerFlops
+from opbc_metrics.glossary import public_metrics
+from opbc_metrics.integrations.wandb_logger import DistributionHistograms
 from opbc_metrics.metric import MAX, MIN, SUM, BySettings, OPBCMetric, State, table
+from opbc_metrics.mismatch import TopGradientMass
+from opbc_metrics.per_round import PerRoundMismatch
 from opbc_metrics.rollout import SampleMetricStats
 from opbc_metrics.sync import packable, reduce_kind
 from opbc_metrics.training import GlobalSeqlen, StageTiming
@@ -101,3 +107,48 @@ def test_keys_and_fields_that_depend_on_settings_show_the_pattern_on_the_class()
     assert SampleMetricStats(["f"], group_gini=False).required_fields == ("sample_metrics",)
     assert SampleMetricStats(["f"]).required_fields == ("sample_metrics", "group_ids")
     assert "keys" not in SampleMetricStats(["f"]).config()["settings"]
+
+
+# Settings for the registered classes that need some; the others are built with their defaults.
+_SETTINGS: dict[str, dict[str, Any]] = {
+    "SampleMetricStats": {"names": ["a", "b"]},
+    "ValidationAccuracy": {"data_sources": ["a", "b"]},
+    "ValidationReward": {"data_sources": ["a", "b"]},
+    "ModelFlopsUtilization": {"flops": TransformerFlops(1e9, 1, 1), "peak_flops": 1e15},
+}
+# Settings that change a table (its names or its shapes).
+_VARIANTS: list[Any] = [
+    lambda: TopGradientMass(exact=True),
+    lambda: PerRoundMismatch(capacity=3),
+    lambda: DistributionHistograms(bins=4),
+    lambda: DistributionHistograms(bins=4, num_layers=3),
+]
+_FX = {"sum": dim_zero_sum, "max": dim_zero_max, "min": dim_zero_min, "cat": dim_zero_cat}
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda cls=cls: cls(**_SETTINGS.get(cls.__name__, {})) for cls in public_metrics()] + _VARIANTS,
+    ids=[cls.__name__ for cls in public_metrics()] + [f"variant{i}" for i in range(len(_VARIANTS))],
+)
+def test_every_metric_registers_exactly_the_states_of_its_table(build):
+    metric = build()
+    states = metric.state_table()
+    assert states, f"{type(metric).__name__} declares no states"
+    assert list(metric._defaults) == list(states)  # none registered outside the table, in the table's order
+    for name, state in states.items():
+        assert metric._reductions[name] is _FX[state.reduce], name
+        default = metric._defaults[name]
+        if state.reduce == "cat":
+            assert default == []
+        else:
+            assert default.dtype == torch.float64 and tuple(default.shape) == state.resolve(metric), name
+
+
+def test_a_cat_state_keeps_each_batchs_values_and_leaves_the_packed_sync():
+    m = TopGradientMass(exact=True)
+    m.update(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.tensor([[0.0, -1.0]]))
+    m.update(trainer_logprobs=torch.zeros(1, 1), rollout_logprobs=torch.zeros(1, 1))
+    assert [w.tolist() for w in m.weights] == [[1.0, pytest.approx(math.e, rel=1e-6)], [1.0]]
+    assert float(m.count) == 3.0
+    assert not packable(m)

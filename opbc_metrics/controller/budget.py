@@ -17,7 +17,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional.statistics import safe_div as _safe_div
-from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.metric import SUM, GlossaryEntry, OPBCMetric, table
 from opbc_metrics.policy import ACTIONS, REASON_NAMES
 
 DECISIONS_FIELD = "opbc_decisions"
@@ -30,6 +30,7 @@ class _DecisionMetric(OPBCMetric):
     required_fields = (DECISIONS_FIELD,)
     optional_inputs = True
     data_counts = ("groups", "tokens", "trained_tokens")  # decided groups / their tokens
+    plot_lower_bound = 0.0  # counts and shares
 
     def __init__(self, optional: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -44,17 +45,27 @@ class _DecisionMetric(OPBCMetric):
             decisions = None
         super().update(decisions, **fields)
 
-    def _budget(self, view: BatchView) -> dict[str, Tensor]:
+    def statistics(self, view: BatchView) -> dict[str, Tensor]:
         out = view.field(DECISIONS_FIELD)
         if not hasattr(out, "budget_stats"):
             raise ValueError(
                 f"batch field `{DECISIONS_FIELD}` must be the BatchDecisions returned by OPBCController.step, "
                 f"got {type(out).__name__}"
             )
-        return out.budget_stats()
+        stats = out.budget_stats()
+        return {name: stats[name] for name in self.states}
 
 
-class DecisionGroupShare(_DecisionMetric):
+class _ActionShare(_DecisionMetric):
+    """A count per action over its total (the first and second states), then the total (the last key)."""
+
+    def compute(self) -> dict[str, Tensor]:
+        count, total = self.state_values().values()
+        shares = _safe_div(count, total.expand_as(count), 0.0)
+        return {**dict(zip(self.keys[:-1], shares, strict=True)), self.keys[-1]: total.clone()}
+
+
+class DecisionGroupShare(_ActionShare):
     r"""Share of groups per action, ``opbc/decision/group_share/<action>``, and ``opbc/decision/num_groups``.
 
     .. math:: \mathrm{share}_a = \frac{\#\{g : \mathrm{action}(g) = a\}}{\#\{g\}}
@@ -74,7 +85,7 @@ class DecisionGroupShare(_DecisionMetric):
     """
 
     keys = (*(f"opbc/decision/group_share/{a}" for a in ACTIONS), "opbc/decision/num_groups")
-    plot_lower_bound = 0.0
+    states = table(group_count=SUM.of(len(ACTIONS)), groups=SUM)
     glossary = GlossaryEntry(
         name="decision_group_share",
         what="Share of prompt groups the Off-Policy Budget Controller assigned to each action (train, "
@@ -86,23 +97,8 @@ class DecisionGroupShare(_DecisionMetric):
         aliases=("OPBC",),
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("group_count", (len(ACTIONS),))
-        self.add_sum("groups")
 
-    def _update_view(self, view: BatchView) -> None:
-        stats = self._budget(view)
-        self.accumulate(group_count=stats["group_count"], groups=stats["groups"])
-
-    def compute(self) -> dict[str, Tensor]:
-        shares = _safe_div(self.group_count, self.groups.expand_as(self.group_count), 0.0)
-        out = {key: shares[i] for i, key in enumerate(self.keys[:-1])}
-        out[self.keys[-1]] = self.groups.clone()
-        return out
-
-
-class DecisionTokenShare(_DecisionMetric):
+class DecisionTokenShare(_ActionShare):
     r"""Share of response tokens per action, ``opbc/decision/token_share/<action>``, and ``opbc/decision/num_tokens``.
 
     .. math:: \mathrm{share}_a = \frac{\sum_{g : \mathrm{action}(g) = a} n_g}{\sum_g n_g}
@@ -123,7 +119,7 @@ class DecisionTokenShare(_DecisionMetric):
     """
 
     keys = (*(f"opbc/decision/token_share/{a}" for a in ACTIONS), "opbc/decision/num_tokens")
-    plot_lower_bound = 0.0
+    states = table(token_count=SUM.of(len(ACTIONS)), tokens=SUM)
     glossary = GlossaryEntry(
         name="decision_token_share",
         what="Share of response tokens whose group the OPBC assigned to each action: the part of the "
@@ -134,21 +130,6 @@ class DecisionTokenShare(_DecisionMetric):
         action="the share of tokens outside train / train_with_correction is generation spent without gradient "
         "this step",
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("token_count", (len(ACTIONS),))
-        self.add_sum("tokens")
-
-    def _update_view(self, view: BatchView) -> None:
-        stats = self._budget(view)
-        self.accumulate(token_count=stats["token_count"], tokens=stats["tokens"])
-
-    def compute(self) -> dict[str, Tensor]:
-        shares = _safe_div(self.token_count, self.tokens.expand_as(self.token_count), 0.0)
-        out = {key: shares[i] for i, key in enumerate(self.keys[:-1])}
-        out[self.keys[-1]] = self.tokens.clone()
-        return out
 
 
 class DecisionReasonCount(_DecisionMetric):
@@ -169,7 +150,7 @@ class DecisionReasonCount(_DecisionMetric):
     """
 
     keys = tuple(f"opbc/decision/reason_count/{r}" for r in REASON_NAMES)
-    plot_lower_bound = 0.0
+    states = table(reason_count=SUM.of(len(REASON_NAMES)), groups=SUM)  # a window with groups reports zero counts
     glossary = GlossaryEntry(
         name="decision_reason_count",
         what="For every OPBC rule condition (contract failures, veto, lag, ESS, router flips, clipped "
@@ -181,16 +162,8 @@ class DecisionReasonCount(_DecisionMetric):
         "at the rollout engine's numerics, lag at asynchrony, router flips at MoE routing",
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("reason_count", (len(REASON_NAMES),))
-        self.add_sum("groups")  # a window with decided groups reports its zero counts
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(reason_count=self._budget(view)["reason_count"], groups=self._budget(view)["groups"])
-
     def compute(self) -> dict[str, Tensor]:
-        return {key: self.reason_count[i].clone() for i, key in enumerate(self.keys)}
+        return {key: count.clone() for key, count in zip(self.keys, self.reason_count, strict=True)}
 
 
 class CorrectionTokenShare(_DecisionMetric):
@@ -218,8 +191,8 @@ class CorrectionTokenShare(_DecisionMetric):
     """
 
     keys = ("opbc/decision/truncated_token_share", "opbc/decision/masked_token_share")
+    states = table("truncated_tokens", "masked_tokens", "trained_tokens")
     higher_is_better = False
-    plot_lower_bound = 0.0
     plot_upper_bound = 1.0
     glossary = GlossaryEntry(
         name="correction_token_share",
@@ -233,25 +206,9 @@ class CorrectionTokenShare(_DecisionMetric):
         aliases=("truncated_token_share", "masked_token_share"),
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("truncated_tokens")
-        self.add_sum("masked_tokens")
-        self.add_sum("trained_tokens")
-
-    def _update_view(self, view: BatchView) -> None:
-        stats = self._budget(view)
-        self.accumulate(
-            truncated_tokens=stats["truncated_tokens"],
-            masked_tokens=stats["masked_tokens"],
-            trained_tokens=stats["trained_tokens"],
-        )
-
     def compute(self) -> dict[str, Tensor]:
-        return {
-            self.keys[0]: _safe_div(self.truncated_tokens, self.trained_tokens, 0.0),
-            self.keys[1]: _safe_div(self.masked_tokens, self.trained_tokens, 0.0),
-        }
+        changed = (self.truncated_tokens, self.masked_tokens)
+        return {key: _safe_div(n, self.trained_tokens, 0.0) for key, n in zip(self.keys, changed, strict=True)}
 
 
 BUDGET_METRICS: tuple[type[_DecisionMetric], ...] = (

@@ -21,21 +21,8 @@ from opbc_metrics.mismatch.metrics import (
 )
 
 __all__ = [
-    "MISMATCH_METRICS",
-    "ChiSquare",
-    "ClippedFraction",
-    "ImportanceSamplingESS",
-    "ImportanceWeightMean",
-    "ImportanceWeightSecondMoment",
-    "ImportanceWeightStd",
-    "InputHealth",
-    "KLEstimators",
-    "LogRatioRange",
-    "LogprobDiff",
-    "PerplexityGap",
-    "ProbabilityDiff",
-    "SequenceESS",
-    "SequenceLogRatio",
-    "TopGradientMass",
+    "MISMATCH_METRICS", "ChiSquare", "ClippedFraction", "ImportanceSamplingESS", "ImportanceWeightMean",
+    "ImportanceWeightSecondMoment", "ImportanceWeightStd", "InputHealth", "KLEstimators", "LogRatioRange",
+    "LogprobDiff", "PerplexityGap", "ProbabilityDiff", "SequenceESS", "SequenceLogRatio", "TopGradientMass",
     "VetoFraction",
 ]

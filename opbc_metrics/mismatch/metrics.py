@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -19,13 +20,14 @@ from opbc_metrics.batch import (
     raise_if_probabilities,
 )
 from opbc_metrics.functional import mismatch as F
-from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.metric import CAT, MAX, MIN, SUM, GlossaryEntry, OPBCMetric, State, table
 
 _TOKEN_FIELDS = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
 _TOKENS = "valid response tokens (response_mask = 1, finite logprobs), summed over the window and all ranks"
 _SEQUENCES = "sequences with at least one valid token, over the window and all ranks"
 _DIAGNOSTIC = "none (diagnostic)"
 _NO_ACTION = "no OPBC action; read alongside ESS and the clipped/veto fractions"
+_WEIGHT_MOMENTS = table("sum_u", "sum_u2", "count")  # sums of w - 1 and (w - 1)^2
 
 
 class _MismatchMetric(OPBCMetric):
@@ -35,19 +37,18 @@ class _MismatchMetric(OPBCMetric):
     and ``compiled``, which runs the fused kernel under ``torch.compile``), so that members of a
     collection share one fused computation per batch. ``statistic_groups`` names the optional parts of
     that computation a metric reads (probabilities, the histogram): a metric used alone skips the rest.
+
+    A metric names its two functional steps: ``from_kernel`` (the shared statistics of a batch -> its own,
+    named like its ``states``) and ``formula`` (its states, passed by name -> its value).
     """
 
     required_fields = _TOKEN_FIELDS
     data_counts = ("count", "n", "bin_count")  # valid tokens (sequences for sequence metrics)
+    from_kernel: ClassVar[Callable[[F.Stats], F.Stats]]
+    formula: ClassVar[Callable[..., Any]]
 
-    def __init__(
-        self,
-        clamp: float = DEFAULT_CLAMP,
-        veto: float = DEFAULT_VETO,
-        top_mass_bins: int = F.DEFAULT_TOP_MASS_BINS,
-        compiled: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, clamp: float = DEFAULT_CLAMP, veto: float = DEFAULT_VETO,
+                 top_mass_bins: int = F.DEFAULT_TOP_MASS_BINS, compiled: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.clamp = check_positive("clamp", clamp)
         self.veto = check_positive("veto", veto)
@@ -58,23 +59,37 @@ class _MismatchMetric(OPBCMetric):
 
     def request_shared(self, view: BatchView) -> None:
         """Ask for the statistic groups this metric reads and the settings it reads them with."""
-        view.request(
-            F.TOKEN_STATISTICS, F.settings_need(self.clamp, self.veto, self.top_mass_bins), *self.statistic_groups
-        )
+        need = F.settings_need(self.clamp, self.veto, self.top_mass_bins)
+        view.request(F.TOKEN_STATISTICS, need, *self.statistic_groups)
 
     def _stats(self, view: BatchView) -> F.Stats:
         """The section's fused statistics of this batch, shared through the view's cache."""
-        return F.batch_statistics(
-            view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups
-        )
+        return F.batch_statistics(view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
         optional ``response_mask`` [B, T] (all ones when absent)."""
         super().update(batch, **fields)
 
+    def statistics(self, view: BatchView) -> F.Stats:
+        return self.from_kernel(self._stats(view))
 
-class ImportanceSamplingESS(_MismatchMetric):
+    def compute(self) -> Any:
+        return self.formula(**self.state_values())
+
+
+class _Fraction(_MismatchMetric):  # a value in [0, 1]
+    higher_is_better = False
+    plot_lower_bound, plot_upper_bound = 0.0, 1.0
+
+
+class _ESS(_Fraction):
+    higher_is_better = True
+    states = _WEIGHT_MOMENTS
+    formula = staticmethod(F._centred_ess_compute)
+
+
+class ImportanceSamplingESS(_ESS):
     r"""Effective sample size of the token importance weights, ``opbc/is/ess``.
 
     .. math:: \mathrm{ESS} = \frac{(\sum_t w_t)^2}{N \sum_t w_t^2}, \quad w_t = e^{\mathrm{clamp}(r_t, -C, C)}
@@ -94,9 +109,7 @@ class ImportanceSamplingESS(_MismatchMetric):
     """
 
     keys = ("opbc/is/ess",)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
+    from_kernel = staticmethod(F._ess_update)
     glossary = GlossaryEntry(
         name="ESS",
         what="Effective sample size of the importance weights w = exp(clamp(trainer_logp - rollout_logp)): "
@@ -108,19 +121,8 @@ class ImportanceSamplingESS(_MismatchMetric):
         "current trainer before use",
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_u", "sum_u2", "count"):  # sums of w - 1 and (w - 1)^2
-            self.add_sum(name)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._ess_update(self._stats(view)))
-
-    def compute(self) -> Tensor:
-        return F._centred_ess_compute(self.sum_u, self.sum_u2, self.count)
-
-
-class SequenceESS(_MismatchMetric):
+class SequenceESS(_ESS):
     r"""Sequence-level ESS, ``opbc/is/seq_ess``, with ``w_i = exp(clamp(sum_t r_t, -C, C))``.
 
     .. math:: \mathrm{ESS}_{seq} = \frac{(\sum_i w_i)^2}{M \sum_i w_i^2}
@@ -135,9 +137,7 @@ class SequenceESS(_MismatchMetric):
     """
 
     keys = ("opbc/is/seq_ess",)
-    higher_is_better = True
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
+    from_kernel = staticmethod(F._seq_ess_update)
     glossary = GlossaryEntry(
         name="seq_ess",
         what="ESS over whole-sequence importance weights w_i = exp(clamp(sum_t log_ratio_t)): how usable "
@@ -147,26 +147,10 @@ class SequenceESS(_MismatchMetric):
         action="low values call for sequence-level truncation or masking of the outlier sequences",
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_u", "sum_u2", "count"):  # sums of w_i - 1 and (w_i - 1)^2
-            self.add_sum(name)
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._seq_ess_update(self._stats(view)))
-
-    def compute(self) -> Tensor:
-        return F._centred_ess_compute(self.sum_u, self.sum_u2, self.count)
-
 
 class _WeightMoment(_MismatchMetric):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_u", "sum_u2", "count"):  # sums of w - 1 and (w - 1)^2
-            self.add_sum(name)
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._weight_moments_update(self._stats(view)))
+    states = _WEIGHT_MOMENTS
+    from_kernel = staticmethod(F._weight_moments_update)
 
 
 class ImportanceWeightSecondMoment(_WeightMoment):
@@ -183,6 +167,7 @@ class ImportanceWeightSecondMoment(_WeightMoment):
     keys = ("opbc/is/second_moment",)
     higher_is_better = False
     plot_lower_bound = 0.0
+    formula = staticmethod(F._centred_second_moment_compute)
     glossary = GlossaryEntry(
         name="second_moment",
         what="E[w^2] of the importance weights w = exp(log_ratio); bounds the variance of the "
@@ -191,9 +176,6 @@ class ImportanceWeightSecondMoment(_WeightMoment):
         cap=_DIAGNOSTIC,
         action="no direct OPBC action; it is 1 / ESS times E[w]^2, and ESS carries the cap",
     )
-
-    def compute(self) -> Tensor:
-        return F._centred_second_moment_compute(self.sum_u, self.sum_u2, self.count)
 
 
 class ImportanceWeightMean(_WeightMoment):
@@ -210,6 +192,7 @@ class ImportanceWeightMean(_WeightMoment):
     """
 
     keys = ("opbc/is/weight_mean",)
+    formula = staticmethod(F._centred_weight_mean_compute)
     glossary = GlossaryEntry(
         name="weight_mean",
         what="Mean importance weight E[w]. Its expectation under the rollout policy is 1 when both "
@@ -218,9 +201,6 @@ class ImportanceWeightMean(_WeightMoment):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-
-    def compute(self) -> Tensor:
-        return F._centred_weight_mean_compute(self.sum_u, self.count)
 
 
 class ImportanceWeightStd(_WeightMoment):
@@ -242,6 +222,7 @@ class ImportanceWeightStd(_WeightMoment):
     keys = ("opbc/is/weight_std",)
     higher_is_better = False
     plot_lower_bound = 0.0
+    formula = staticmethod(F._weight_std_compute)
     glossary = GlossaryEntry(
         name="weight_std",
         what="Population standard deviation (divisor N) of the token importance weights w = exp(clamp(log_ratio)), "
@@ -252,11 +233,8 @@ class ImportanceWeightStd(_WeightMoment):
         action=_NO_ACTION,
     )
 
-    def compute(self) -> Tensor:
-        return F._weight_std_compute(self.sum_u, self.sum_u2, self.count)
 
-
-class TopGradientMass(_MismatchMetric):
+class TopGradientMass(_Fraction):
     r"""Share of the total importance weight carried by the top 1% of tokens, ``opbc/is/top_1pct_gradient_mass``.
 
     .. math:: \frac{\sum_{j \le k} w_{(j)}}{\sum_t w_t}, \quad k = \max(1, \lfloor 0.01 N \rfloor)
@@ -284,9 +262,6 @@ class TopGradientMass(_MismatchMetric):
     """
 
     keys = ("opbc/is/top_1pct_gradient_mass",)
-    higher_is_better = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
     glossary = GlossaryEntry(
         name="top_1pct_gradient_mass",
         what="Fraction of total importance weight carried by the largest 1% of token weights. ~0.01 means "
@@ -297,13 +272,8 @@ class TopGradientMass(_MismatchMetric):
         action="concentrated drift calls for token-level truncation (train_with_correction) of the outliers",
     )
 
-    def __init__(
-        self,
-        bins: int | None = None,
-        fraction: float = F.DEFAULT_TOP_FRACTION,
-        exact: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, bins: int | None = None, fraction: float = F.DEFAULT_TOP_FRACTION, exact: bool = False,
+                 **kwargs: Any) -> None:
         if bins is not None:
             kwargs["top_mass_bins"] = bins
         super().__init__(**kwargs)
@@ -311,12 +281,10 @@ class TopGradientMass(_MismatchMetric):
             raise ValueError(f"`fraction` must be in (0, 1], got {fraction}")
         self.bins, self.fraction, self.exact = self.top_mass_bins, float(fraction), bool(exact)
         self.statistic_groups = frozenset() if self.exact else frozenset({"hist"})
-        if self.exact:
-            self.add_state("weights", default=[], dist_reduce_fx="cat", persistent=True)
-            self.add_sum("count")
-        else:
-            self.add_sum("bin_count", (self.bins,))
-            self.add_sum("sum_w")
+
+    def state_table(self) -> dict[str, State]:
+        # exact: every weight (grows with the tokens); sketch: token counts per log-weight bin and the weight sum.
+        return table(weights=CAT, count=SUM) if self.exact else table(bin_count=SUM.of("bins"), sum_w=SUM)
 
     @property
     def error_bound(self) -> float:
@@ -337,14 +305,9 @@ class TopGradientMass(_MismatchMetric):
         return F._top_mass_sketch_compute(self.bin_count, self.sum_w, self.clamp, self.fraction)
 
 
-class _ThresholdFraction(_MismatchMetric):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("hits")
-        self.add_sum("count")
-
-    def compute(self) -> Tensor:
-        return F._fraction_compute(self.hits, self.count)
+class _ThresholdFraction(_Fraction):
+    states = table("hits", "count")
+    formula = staticmethod(F._fraction_compute)
 
 
 class ClippedFraction(_ThresholdFraction):
@@ -359,9 +322,7 @@ class ClippedFraction(_ThresholdFraction):
     """
 
     keys = ("opbc/is/clipped_fraction",)
-    higher_is_better = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
+    from_kernel = staticmethod(F._clipped_update)
     glossary = GlossaryEntry(
         name="clipped_fraction",
         what="Fraction of tokens whose |log_ratio| exceeded the clamp threshold C (20 nats). Clamping stops "
@@ -370,9 +331,6 @@ class ClippedFraction(_ThresholdFraction):
         cap="clipped_fraction > max_clipped (0.10)",
         action="the group is marked train_with_correction: trained with truncated/masked importance weights",
     )
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._clipped_update(self._stats(view)))
 
 
 class VetoFraction(_ThresholdFraction):
@@ -391,9 +349,7 @@ class VetoFraction(_ThresholdFraction):
     """
 
     keys = ("opbc/is/veto_fraction",)
-    higher_is_better = False
-    plot_lower_bound = 0.0
-    plot_upper_bound = 1.0
+    from_kernel = staticmethod(F._vetoed_update)
     glossary = GlossaryEntry(
         name="veto_fraction",
         what="Fraction of tokens whose |log_ratio| exceeded the hard-veto threshold (30 nats): tokens so "
@@ -402,12 +358,6 @@ class VetoFraction(_ThresholdFraction):
         cap="veto_fraction > 0",
         action="the OPBC quarantines the whole group",
     )
-
-    def __init__(self, veto: float = DEFAULT_VETO, **kwargs: Any) -> None:
-        super().__init__(veto=veto, **kwargs)
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._vetoed_update(self._stats(view)))
 
 
 class LogprobDiff(_MismatchMetric):
@@ -425,6 +375,8 @@ class LogprobDiff(_MismatchMetric):
 
     keys = F.LOGPROB_KEYS
     higher_is_better = False
+    states = table("sum_abs", "sum_diff", max_abs=MAX, count=SUM)
+    from_kernel, formula = staticmethod(F._logprob_diff_update), staticmethod(F._logprob_diff_compute)
     glossary = GlossaryEntry(
         name="|Δlogp|",
         what="Per-token disagreement size between rollout and trainer logprobs in nats: mean over the "
@@ -435,19 +387,6 @@ class LogprobDiff(_MismatchMetric):
         action=_NO_ACTION,
         aliases=("abs_logprob_diff", "logprob_diff"),
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("sum_abs")
-        self.add_sum("sum_diff")
-        self.add_max("max_abs")
-        self.add_sum("count")
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._logprob_diff_update(self._stats(view)))
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._logprob_diff_compute(self.sum_abs, self.sum_diff, self.max_abs, self.count)
 
 
 class LogRatioRange(_MismatchMetric):
@@ -465,6 +404,8 @@ class LogRatioRange(_MismatchMetric):
 
     keys = F.LOG_RATIO_KEYS
     higher_is_better = False
+    states = table(min=MIN, max=MAX, count=SUM)
+    from_kernel, formula = staticmethod(F._log_ratio_range_update), staticmethod(F._log_ratio_range_compute)
     glossary = GlossaryEntry(
         name="log_ratio",
         what="log(trainer_prob / rollout_prob) per token in nats, the exponent of the importance weight; "
@@ -474,18 +415,6 @@ class LogRatioRange(_MismatchMetric):
         cap="|log_ratio| > clamp C (20) counts as clipped; > veto (30) as vetoed",
         action="see clipped_fraction and veto_fraction",
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_min("min")
-        self.add_max("max")
-        self.add_sum("count")
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._log_ratio_range_update(self._stats(view)))
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._log_ratio_range_compute(self.min, self.max, self.count)
 
 
 class SequenceLogRatio(_MismatchMetric):
@@ -504,6 +433,8 @@ class SequenceLogRatio(_MismatchMetric):
 
     keys = F.SEQUENCE_KEYS
     higher_is_better = False
+    states = table("sum_s", "sum_abs_s", max_abs_s=MAX, sum_geo=SUM, count=SUM)
+    from_kernel, formula = staticmethod(F._sequence_update), staticmethod(F._sequence_compute)
     glossary = GlossaryEntry(
         name="sequence_log_ratio",
         what="Sum of per-token log ratios across the response in nats, the log of the full-sequence "
@@ -513,20 +444,6 @@ class SequenceLogRatio(_MismatchMetric):
         cap=_DIAGNOSTIC,
         action="large values call for sequence-level or geometric (length-normalised) correction",
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.add_sum("sum_s")
-        self.add_sum("sum_abs_s")
-        self.add_max("max_abs_s")
-        self.add_sum("sum_geo")
-        self.add_sum("count")
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._sequence_update(self._stats(view)))
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._sequence_compute(self.sum_s, self.sum_abs_s, self.max_abs_s, self.sum_geo, self.count)
 
 
 class KLEstimators(_MismatchMetric):
@@ -545,6 +462,8 @@ class KLEstimators(_MismatchMetric):
 
     keys = F.KL_KEYS
     higher_is_better = False
+    states = table("sum_k1", "sum_k2", "sum_k3", "count")
+    from_kernel, formula = staticmethod(F._kl_update), staticmethod(F._kl_compute)
     glossary = GlossaryEntry(
         name="kl",
         what="Monte-Carlo estimates of KL(rollout || trainer) from the sampled tokens: k1 (unbiased, "
@@ -554,17 +473,6 @@ class KLEstimators(_MismatchMetric):
         action=_NO_ACTION,
         aliases=("k1", "k2", "k3", "kl_divergence_inference"),
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_k1", "sum_k2", "sum_k3", "count"):
-            self.add_sum(name)
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._kl_update(self._stats(view)))
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._kl_compute(self.sum_k1, self.sum_k2, self.sum_k3, self.count)
 
 
 class ChiSquare(_MismatchMetric):
@@ -583,6 +491,8 @@ class ChiSquare(_MismatchMetric):
     keys = F.CHI2_KEYS
     higher_is_better = False
     key_counts = ((F.CHI2_KEYS[1], "seq_count"),)  # chi2_seq needs a valid sequence, chi2_token a valid token
+    states = table(*_WEIGHT_MOMENTS, "sum_seq_u", "sum_seq_u2", "seq_count")  # E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1]
+    from_kernel, formula = staticmethod(F._chi2_update), staticmethod(F._chi2_compute)
     glossary = GlossaryEntry(
         name="chi2",
         what="Chi-square divergence of trainer from rollout, E[w^2] - 1, per token and per sequence: the "
@@ -591,18 +501,6 @@ class ChiSquare(_MismatchMetric):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        # Sums of w - 1 and (w - 1)^2 over tokens and over sequences: E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1].
-        for name in ("sum_u", "sum_u2", "count", "sum_seq_u", "sum_seq_u2", "seq_count"):
-            self.add_sum(name)
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._chi2_update(self._stats(view)))
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._chi2_compute(self.sum_u, self.sum_u2, self.count, self.sum_seq_u, self.sum_seq_u2, self.seq_count)
 
 
 class PerplexityGap(_MismatchMetric):
@@ -623,6 +521,8 @@ class PerplexityGap(_MismatchMetric):
 
     keys = F.PPL_KEYS
     higher_is_better = False
+    states = table("sum_d", "sum_abs_d", "sum_exp_d", "count")
+    from_kernel, formula = staticmethod(F._ppl_update), staticmethod(F._ppl_compute)
     glossary = GlossaryEntry(
         name="ppl",
         what="Gap between the per-sequence perplexities the two engines assign to the same response: "
@@ -631,17 +531,6 @@ class PerplexityGap(_MismatchMetric):
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
     )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("sum_d", "sum_abs_d", "sum_exp_d", "count"):
-            self.add_sum(name)
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._ppl_update(self._stats(view)))
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._ppl_compute(self.sum_d, self.sum_abs_d, self.sum_exp_d, self.count)
 
 
 class ProbabilityDiff(_MismatchMetric):
@@ -663,6 +552,9 @@ class ProbabilityDiff(_MismatchMetric):
 
     keys = F.PROB_KEYS
     higher_is_better = False
+    # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
+    states = table("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n", max_abs_pq=MAX)
+    from_kernel, formula = staticmethod(F._prob_update), staticmethod(F._prob_compute)
     glossary = GlossaryEntry(
         name="prob",
         what="Disagreement in probability space rather than log space: mean, max and standard deviation of "
@@ -678,19 +570,7 @@ class ProbabilityDiff(_MismatchMetric):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
-        for name in ("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n"):
-            self.add_sum(name)
-        self.add_max("max_abs_pq")
         self.statistic_groups = frozenset({"prob"})
-
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._prob_update(self._stats(view)))
-
-    def compute(self) -> dict[str, Tensor]:
-        return F._prob_compute(
-            self.sum_q, self.sum_dp, self.sum_qq, self.sum_qdp, self.sum_dp2, self.sum_abs_pq, self.max_abs_pq, self.n
-        )
 
 
 class InputHealth(_MismatchMetric):
@@ -712,6 +592,8 @@ class InputHealth(_MismatchMetric):
     keys = F.INPUT_KEYS
     higher_is_better = False
     data_counts = ()  # input accounting reports its zero counts too
+    # logprob_min/max: trainer, rollout; a side within [0, 1] holds probabilities.
+    states = table("nonfinite", "tokens", "sequences", logprob_min=MIN.of(2), logprob_max=MAX.of(2))
     glossary = GlossaryEntry(
         name="input",
         what="Input accounting: response tokens with non-finite logprobs (excluded from every other "
@@ -722,16 +604,9 @@ class InputHealth(_MismatchMetric):
         aliases=("nonfinite_count",),
     )
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        for name in ("nonfinite", "tokens", "sequences"):
-            self.add_sum(name)
-        self.add_min("logprob_min", (2,))  # trainer, rollout: a side within [0, 1] holds probabilities
-        self.add_max("logprob_max", (2,))
-
-    def _update_view(self, view: BatchView) -> None:
+    def statistics(self, view: BatchView) -> F.Stats:
         low, high = view.logprob_range
-        self.accumulate(**F._input_update(self._stats(view)), logprob_min=low, logprob_max=high)
+        return {**F._input_update(self._stats(view)), "logprob_min": low, "logprob_max": high}
 
     def compute(self) -> dict[str, Tensor]:
         raise_if_probabilities(self.logprob_min, self.logprob_max)

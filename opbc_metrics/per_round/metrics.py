@@ -9,7 +9,9 @@ from torch import Tensor
 
 from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView
 from opbc_metrics.functional import per_round as F
-from opbc_metrics.metric import GlossaryEntry, OPBCMetric
+from opbc_metrics.metric import MAX, SUM, GlossaryEntry, OPBCMetric, table
+
+_BUCKETS = SUM.of(lambda m: m.capacity + 1)  # rounds 0 .. capacity - 1, then the overflow bucket
 
 
 class PerRoundMismatch(OPBCMetric):
@@ -57,6 +59,7 @@ class PerRoundMismatch(OPBCMetric):
 
     keys = F.per_round_keys(F.DEFAULT_ROUND_CAPACITY)
     data_counts = ("valid_count",)
+    states = table(sum_abs=_BUCKETS, valid_count=_BUCKETS, token_count=_BUCKETS, max_rounds=MAX)
     required_fields = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
     higher_is_better = False
     glossary = GlossaryEntry(
@@ -79,9 +82,6 @@ class PerRoundMismatch(OPBCMetric):
         self.capacity = F.check_capacity(capacity)
         self.compiled = bool(compiled)
         self.keys = F.per_round_keys(self.capacity)
-        for name in ("sum_abs", "valid_count", "token_count"):
-            self.add_sum(name, (self.capacity + 1,))
-        self.add_max("max_rounds")
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
@@ -92,11 +92,11 @@ class PerRoundMismatch(OPBCMetric):
         """Ask the shared mismatch kernel for the per-round sums."""
         F.request_rounds(view, self.capacity)
 
-    def _update_view(self, view: BatchView) -> None:
-        self.accumulate(**F._per_round_update(view, self.capacity, self.compiled))
+    def statistics(self, view: BatchView) -> F.Stats:
+        return F._per_round_update(view, self.capacity, self.compiled)
 
     def compute(self) -> dict[str, Tensor]:
-        out = F._per_round_compute(self.sum_abs, self.valid_count, self.token_count, self.max_rounds)
+        out = F._per_round_compute(**self.state_values())
         return F._occurred(out, self.capacity)
 
 
