@@ -19,7 +19,53 @@ from opbc_metrics.batch import (
     check_positive,
     raise_if_probabilities,
 )
-from opbc_metrics.functional import mismatch as F
+from opbc_metrics.functional.mismatch import (
+    CHI2_KEYS,
+    DEFAULT_TOP_FRACTION,
+    DEFAULT_TOP_MASS_BINS,
+    INPUT_KEYS,
+    KL_KEYS,
+    LOG_RATIO_KEYS,
+    LOGPROB_KEYS,
+    PPL_KEYS,
+    PROB_KEYS,
+    SEQUENCE_KEYS,
+    TOKEN_STATISTICS,
+    Stats,
+    _centred_ess_compute,
+    _centred_second_moment_compute,
+    _centred_weight_mean_compute,
+    _chi2_compute,
+    _chi2_update,
+    _clipped_update,
+    _ess_update,
+    _fraction_compute,
+    _input_compute,
+    _input_update,
+    _kl_compute,
+    _kl_update,
+    _log_ratio_range_compute,
+    _log_ratio_range_update,
+    _logprob_diff_compute,
+    _logprob_diff_update,
+    _ppl_compute,
+    _ppl_update,
+    _prob_compute,
+    _prob_update,
+    _seq_ess_update,
+    _sequence_compute,
+    _sequence_update,
+    _top_mass_exact_compute,
+    _top_mass_sketch_compute,
+    _top_mass_sketch_update,
+    _vetoed_update,
+    _weight_moments_update,
+    _weight_std_compute,
+    batch_statistics,
+    check_bins,
+    settings_need,
+    sketch_relative_error_bound,
+)
 from opbc_metrics.metric import CAT, MAX, MIN, SUM, GlossaryEntry, OPBCMetric, State, table
 
 _TOKEN_FIELDS = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
@@ -44,34 +90,34 @@ class _MismatchMetric(OPBCMetric):
 
     required_fields = _TOKEN_FIELDS
     data_counts = ("count", "n", "bin_count")  # valid tokens (sequences for sequence metrics)
-    from_kernel: ClassVar[Callable[[F.Stats], F.Stats]]
+    from_kernel: ClassVar[Callable[[Stats], Stats]]
     formula: ClassVar[Callable[..., Any]]
 
     def __init__(self, clamp: float = DEFAULT_CLAMP, veto: float = DEFAULT_VETO,
-                 top_mass_bins: int = F.DEFAULT_TOP_MASS_BINS, compiled: bool = False, **kwargs: Any) -> None:
+                 top_mass_bins: int = DEFAULT_TOP_MASS_BINS, compiled: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.clamp = check_positive("clamp", clamp)
         self.veto = check_positive("veto", veto)
-        self.top_mass_bins = F.check_bins(top_mass_bins)
+        self.top_mass_bins = check_bins(top_mass_bins)
         self.compiled = bool(compiled)
-        # The optional statistic groups this metric reads (F.STATISTIC_GROUPS): only the core by default.
+        # The optional statistic groups this metric reads (STATISTIC_GROUPS): only the core by default.
         self.statistic_groups: frozenset[str] = frozenset()
 
     def request_shared(self, view: BatchView) -> None:
         """Ask for the statistic groups this metric reads and the settings it reads them with."""
-        need = F.settings_need(self.clamp, self.veto, self.top_mass_bins)
-        view.request(F.TOKEN_STATISTICS, need, *self.statistic_groups)
+        need = settings_need(self.clamp, self.veto, self.top_mass_bins)
+        view.request(TOKEN_STATISTICS, need, *self.statistic_groups)
 
-    def _stats(self, view: BatchView) -> F.Stats:
+    def _stats(self, view: BatchView) -> Stats:
         """The section's fused statistics of this batch, shared through the view's cache."""
-        return F.batch_statistics(view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups)
+        return batch_statistics(view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
         optional ``response_mask`` [B, T] (all ones when absent)."""
         super().update(batch, **fields)
 
-    def statistics(self, view: BatchView) -> F.Stats:
+    def statistics(self, view: BatchView) -> Stats:
         return self.from_kernel(self._stats(view))
 
     def compute(self) -> Any:
@@ -86,7 +132,7 @@ class _Fraction(_MismatchMetric):  # a value in [0, 1]
 class _ESS(_Fraction):
     higher_is_better = True
     states = _WEIGHT_MOMENTS
-    formula = staticmethod(F._centred_ess_compute)
+    formula = staticmethod(_centred_ess_compute)
 
 
 class ImportanceSamplingESS(_ESS):
@@ -109,7 +155,7 @@ class ImportanceSamplingESS(_ESS):
     """
 
     keys = ("opbc/is/ess",)
-    from_kernel = staticmethod(F._ess_update)
+    from_kernel = staticmethod(_ess_update)
     glossary = GlossaryEntry(
         name="ESS",
         what="Effective sample size of the importance weights w = exp(clamp(trainer_logp - rollout_logp)): "
@@ -137,7 +183,7 @@ class SequenceESS(_ESS):
     """
 
     keys = ("opbc/is/seq_ess",)
-    from_kernel = staticmethod(F._seq_ess_update)
+    from_kernel = staticmethod(_seq_ess_update)
     glossary = GlossaryEntry(
         name="seq_ess",
         what="ESS over whole-sequence importance weights w_i = exp(clamp(sum_t log_ratio_t)): how usable "
@@ -150,7 +196,7 @@ class SequenceESS(_ESS):
 
 class _WeightMoment(_MismatchMetric):
     states = _WEIGHT_MOMENTS
-    from_kernel = staticmethod(F._weight_moments_update)
+    from_kernel = staticmethod(_weight_moments_update)
 
 
 class ImportanceWeightSecondMoment(_WeightMoment):
@@ -167,7 +213,7 @@ class ImportanceWeightSecondMoment(_WeightMoment):
     keys = ("opbc/is/second_moment",)
     higher_is_better = False
     plot_lower_bound = 0.0
-    formula = staticmethod(F._centred_second_moment_compute)
+    formula = staticmethod(_centred_second_moment_compute)
     glossary = GlossaryEntry(
         name="second_moment",
         what="E[w^2] of the importance weights w = exp(log_ratio); bounds the variance of the "
@@ -192,7 +238,7 @@ class ImportanceWeightMean(_WeightMoment):
     """
 
     keys = ("opbc/is/weight_mean",)
-    formula = staticmethod(F._centred_weight_mean_compute)
+    formula = staticmethod(_centred_weight_mean_compute)
     glossary = GlossaryEntry(
         name="weight_mean",
         what="Mean importance weight E[w]. Its expectation under the rollout policy is 1 when both "
@@ -222,7 +268,7 @@ class ImportanceWeightStd(_WeightMoment):
     keys = ("opbc/is/weight_std",)
     higher_is_better = False
     plot_lower_bound = 0.0
-    formula = staticmethod(F._weight_std_compute)
+    formula = staticmethod(_weight_std_compute)
     glossary = GlossaryEntry(
         name="weight_std",
         what="Population standard deviation (divisor N) of the token importance weights w = exp(clamp(log_ratio)), "
@@ -272,7 +318,7 @@ class TopGradientMass(_Fraction):
         action="concentrated drift calls for token-level truncation (train_with_correction) of the outliers",
     )
 
-    def __init__(self, bins: int | None = None, fraction: float = F.DEFAULT_TOP_FRACTION, exact: bool = False,
+    def __init__(self, bins: int | None = None, fraction: float = DEFAULT_TOP_FRACTION, exact: bool = False,
                  **kwargs: Any) -> None:
         if bins is not None:
             kwargs["top_mass_bins"] = bins
@@ -289,25 +335,25 @@ class TopGradientMass(_Fraction):
     @property
     def error_bound(self) -> float:
         """Relative error bound of the sketch (0 in exact mode)."""
-        return 0.0 if self.exact else F.sketch_relative_error_bound(self.clamp, self.bins)
+        return 0.0 if self.exact else sketch_relative_error_bound(self.clamp, self.bins)
 
     def _update_view(self, view: BatchView) -> None:
         if self.exact:
             self.accumulate(count=view.num_valid)  # first: it refuses a batch on another device
             self.weights.append(view.weights(self.clamp).reshape(-1).to(torch.float64))
         else:
-            self.accumulate(**F._top_mass_sketch_update(self._stats(view)))
+            self.accumulate(**_top_mass_sketch_update(self._stats(view)))
 
     def compute(self) -> Tensor:
         if self.exact:
             weights = dim_zero_cat(self.weights) if len(self.weights) else torch.zeros(0, dtype=torch.float64)
-            return F._top_mass_exact_compute(weights, self.count, self.fraction)
-        return F._top_mass_sketch_compute(self.bin_count, self.sum_w, self.clamp, self.fraction)
+            return _top_mass_exact_compute(weights, self.count, self.fraction)
+        return _top_mass_sketch_compute(self.bin_count, self.sum_w, self.clamp, self.fraction)
 
 
 class _ThresholdFraction(_Fraction):
     states = table("hits", "count")
-    formula = staticmethod(F._fraction_compute)
+    formula = staticmethod(_fraction_compute)
 
 
 class ClippedFraction(_ThresholdFraction):
@@ -322,7 +368,7 @@ class ClippedFraction(_ThresholdFraction):
     """
 
     keys = ("opbc/is/clipped_fraction",)
-    from_kernel = staticmethod(F._clipped_update)
+    from_kernel = staticmethod(_clipped_update)
     glossary = GlossaryEntry(
         name="clipped_fraction",
         what="Fraction of tokens whose |log_ratio| exceeded the clamp threshold C (20 nats). Clamping stops "
@@ -349,7 +395,7 @@ class VetoFraction(_ThresholdFraction):
     """
 
     keys = ("opbc/is/veto_fraction",)
-    from_kernel = staticmethod(F._vetoed_update)
+    from_kernel = staticmethod(_vetoed_update)
     glossary = GlossaryEntry(
         name="veto_fraction",
         what="Fraction of tokens whose |log_ratio| exceeded the hard-veto threshold (30 nats): tokens so "
@@ -373,10 +419,10 @@ class LogprobDiff(_MismatchMetric):
         {'opbc/logprob/abs_diff_mean': 0.75, 'opbc/logprob/abs_diff_max': 1.0, 'opbc/logprob/diff_mean': -0.25}
     """
 
-    keys = F.LOGPROB_KEYS
+    keys = LOGPROB_KEYS
     higher_is_better = False
     states = table("sum_abs", "sum_diff", max_abs=MAX, count=SUM)
-    from_kernel, formula = staticmethod(F._logprob_diff_update), staticmethod(F._logprob_diff_compute)
+    from_kernel, formula = staticmethod(_logprob_diff_update), staticmethod(_logprob_diff_compute)
     glossary = GlossaryEntry(
         name="|Δlogp|",
         what="Per-token disagreement size between rollout and trainer logprobs in nats: mean over the "
@@ -402,10 +448,10 @@ class LogRatioRange(_MismatchMetric):
         [-1.0, 0.5, 1.0]
     """
 
-    keys = F.LOG_RATIO_KEYS
+    keys = LOG_RATIO_KEYS
     higher_is_better = False
     states = table(min=MIN, max=MAX, count=SUM)
-    from_kernel, formula = staticmethod(F._log_ratio_range_update), staticmethod(F._log_ratio_range_compute)
+    from_kernel, formula = staticmethod(_log_ratio_range_update), staticmethod(_log_ratio_range_compute)
     glossary = GlossaryEntry(
         name="log_ratio",
         what="log(trainer_prob / rollout_prob) per token in nats, the exponent of the importance weight; "
@@ -431,10 +477,10 @@ class SequenceLogRatio(_MismatchMetric):
         [0.75, 1.25, 2.0, 0.375]
     """
 
-    keys = F.SEQUENCE_KEYS
+    keys = SEQUENCE_KEYS
     higher_is_better = False
     states = table("sum_s", "sum_abs_s", max_abs_s=MAX, sum_geo=SUM, count=SUM)
-    from_kernel, formula = staticmethod(F._sequence_update), staticmethod(F._sequence_compute)
+    from_kernel, formula = staticmethod(_sequence_update), staticmethod(_sequence_compute)
     glossary = GlossaryEntry(
         name="sequence_log_ratio",
         what="Sum of per-token log ratios across the response in nats, the log of the full-sequence "
@@ -460,10 +506,10 @@ class KLEstimators(_MismatchMetric):
         [0.0, 0.5, 0.5431]
     """
 
-    keys = F.KL_KEYS
+    keys = KL_KEYS
     higher_is_better = False
     states = table("sum_k1", "sum_k2", "sum_k3", "count")
-    from_kernel, formula = staticmethod(F._kl_update), staticmethod(F._kl_compute)
+    from_kernel, formula = staticmethod(_kl_update), staticmethod(_kl_compute)
     glossary = GlossaryEntry(
         name="kl",
         what="Monte-Carlo estimates of KL(rollout || trainer) from the sampled tokens: k1 (unbiased, "
@@ -488,11 +534,11 @@ class ChiSquare(_MismatchMetric):
         [3.1945, 6.3891]
     """
 
-    keys = F.CHI2_KEYS
+    keys = CHI2_KEYS
     higher_is_better = False
-    key_counts = ((F.CHI2_KEYS[1], "seq_count"),)  # chi2_seq needs a valid sequence, chi2_token a valid token
+    key_counts = ((CHI2_KEYS[1], "seq_count"),)  # chi2_seq needs a valid sequence, chi2_token a valid token
     states = table(*_WEIGHT_MOMENTS, "sum_seq_u", "sum_seq_u2", "seq_count")  # E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1]
-    from_kernel, formula = staticmethod(F._chi2_update), staticmethod(F._chi2_compute)
+    from_kernel, formula = staticmethod(_chi2_update), staticmethod(_chi2_compute)
     glossary = GlossaryEntry(
         name="chi2",
         what="Chi-square divergence of trainer from rollout, E[w^2] - 1, per token and per sequence: the "
@@ -519,10 +565,10 @@ class PerplexityGap(_MismatchMetric):
         [0.5, 0.5, 1.6487]
     """
 
-    keys = F.PPL_KEYS
+    keys = PPL_KEYS
     higher_is_better = False
     states = table("sum_d", "sum_abs_d", "sum_exp_d", "count")
-    from_kernel, formula = staticmethod(F._ppl_update), staticmethod(F._ppl_compute)
+    from_kernel, formula = staticmethod(_ppl_update), staticmethod(_ppl_compute)
     glossary = GlossaryEntry(
         name="ppl",
         what="Gap between the per-sequence perplexities the two engines assign to the same response: "
@@ -550,11 +596,11 @@ class ProbabilityDiff(_MismatchMetric):
         [0.0117, 0.035, 0.9991, 0.0202]
     """
 
-    keys = F.PROB_KEYS
+    keys = PROB_KEYS
     higher_is_better = False
     # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
     states = table("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n", max_abs_pq=MAX)
-    from_kernel, formula = staticmethod(F._prob_update), staticmethod(F._prob_compute)
+    from_kernel, formula = staticmethod(_prob_update), staticmethod(_prob_compute)
     glossary = GlossaryEntry(
         name="prob",
         what="Disagreement in probability space rather than log space: mean, max and standard deviation of "
@@ -589,7 +635,7 @@ class InputHealth(_MismatchMetric):
         {'opbc/input/nonfinite_count': 1.0, 'opbc/input/num_tokens': 1.0, 'opbc/input/num_sequences': 0.0}
     """
 
-    keys = F.INPUT_KEYS
+    keys = INPUT_KEYS
     higher_is_better = False
     data_counts = ()  # input accounting reports its zero counts too
     # logprob_min/max: trainer, rollout; a side within [0, 1] holds probabilities.
@@ -604,13 +650,13 @@ class InputHealth(_MismatchMetric):
         aliases=("nonfinite_count",),
     )
 
-    def statistics(self, view: BatchView) -> F.Stats:
+    def statistics(self, view: BatchView) -> Stats:
         low, high = view.logprob_range
-        return {**F._input_update(self._stats(view)), "logprob_min": low, "logprob_max": high}
+        return {**_input_update(self._stats(view)), "logprob_min": low, "logprob_max": high}
 
     def compute(self) -> dict[str, Tensor]:
         raise_if_probabilities(self.logprob_min, self.logprob_max)
-        return F._input_compute(self.nonfinite, self.tokens, self.sequences)
+        return _input_compute(self.nonfinite, self.tokens, self.sequences)
 
 
 MISMATCH_METRICS: tuple[type[_MismatchMetric], ...] = (

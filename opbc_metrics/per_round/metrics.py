@@ -8,7 +8,16 @@ from typing import Any
 from torch import Tensor
 
 from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView
-from opbc_metrics.functional import per_round as F
+from opbc_metrics.functional.per_round import (
+    DEFAULT_ROUND_CAPACITY,
+    Stats,
+    _occurred,
+    _per_round_compute,
+    _per_round_update,
+    check_capacity,
+    per_round_keys,
+    request_rounds,
+)
 from opbc_metrics.metric import MAX, SUM, GlossaryEntry, OPBCMetric, table
 
 _BUCKETS = SUM.of(lambda m: m.capacity + 1)  # rounds 0 .. capacity - 1, then the overflow bucket
@@ -57,7 +66,7 @@ class PerRoundMismatch(OPBCMetric):
         [2.0, 0.2, 1.0, 1.0]
     """
 
-    keys = F.per_round_keys(F.DEFAULT_ROUND_CAPACITY)
+    keys = per_round_keys(DEFAULT_ROUND_CAPACITY)
     data_counts = ("valid_count",)
     states = table(sum_abs=_BUCKETS, valid_count=_BUCKETS, token_count=_BUCKETS, max_rounds=MAX)
     required_fields = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
@@ -77,11 +86,11 @@ class PerRoundMismatch(OPBCMetric):
         aliases=("per-round mismatch", "per_round", "round_abs_diff_mean"),
     )
 
-    def __init__(self, capacity: int = F.DEFAULT_ROUND_CAPACITY, compiled: bool = False, **kwargs: Any) -> None:
+    def __init__(self, capacity: int = DEFAULT_ROUND_CAPACITY, compiled: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.capacity = F.check_capacity(capacity)
+        self.capacity = check_capacity(capacity)
         self.compiled = bool(compiled)
-        self.keys = F.per_round_keys(self.capacity)
+        self.keys = per_round_keys(self.capacity)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
@@ -90,14 +99,14 @@ class PerRoundMismatch(OPBCMetric):
 
     def request_shared(self, view: BatchView) -> None:
         """Ask the shared mismatch kernel for the per-round sums."""
-        F.request_rounds(view, self.capacity)
+        request_rounds(view, self.capacity)
 
-    def statistics(self, view: BatchView) -> F.Stats:
-        return F._per_round_update(view, self.capacity, self.compiled)
+    def statistics(self, view: BatchView) -> Stats:
+        return _per_round_update(view, self.capacity, self.compiled)
 
     def compute(self) -> dict[str, Tensor]:
-        out = F._per_round_compute(**self.state_values())
-        return F._occurred(out, self.capacity)
+        out = _per_round_compute(**self.state_values())
+        return _occurred(out, self.capacity)
 
 
 PER_ROUND_METRICS: tuple[type[PerRoundMismatch], ...] = (PerRoundMismatch,)
