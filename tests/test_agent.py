@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from opbc_metrics import OPBCCollection
 from opbc_metrics import agent as A
 from opbc_metrics.functional import agent as FA
-from tests.data import make_batch, message_lists, pair_lists, random_pairs
+from tests.data import message_lists, pair_lists, random_pairs
 from tests.reference import AGENT_KEYS, KINDS, agent_reference, ref_norm, ref_pair, ref_parse
 
 
@@ -227,13 +227,6 @@ def test_states_are_float64():
     m.update(trajectory_pairs=random_pairs(0, 3))
     state = m.state_dict()
     assert all(v.dtype == torch.float64 for k, v in state.items() if not k.endswith("._extra_state"))
-
-
-def test_a_default_section_reports_only_once_pairs_arrive():
-    default = OPBCCollection()  # skipping batches without pairs in any collection: tests/test_contracts.py
-    assert any(k.startswith("agent/") for k in default.keys_produced)
-    default.update(make_batch(seed=0, dtype=torch.float64))
-    assert not any(k.startswith("agent/") for k in default.compute())
 
 
 @pytest.mark.parametrize(

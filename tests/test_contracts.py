@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from opbc_metrics import OPBCCollection
 from opbc_metrics import functional as F
 from opbc_metrics.batch import PER_SEQUENCE_FIELDS
+from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import concat_batches, make_batch
 from tests.ddp import run_distributed
@@ -192,6 +193,11 @@ def test_collection_with_mismatch_skips_batches_without_the_sections_fields(name
     assert_close({k: got.pop(k) for k in mismatch_keys}, _values(SECTIONS["mismatch"].feed(mismatch_alone, inputs)),
                  SECTIONS["mismatch"])  # the section's fields change no mismatch value
     assert_close(got, _values(section.feed(section.collection(), [a, b])), section)
+    if name in DEFAULT_SECTIONS:  # the default collection lists the section's keys, reports them only with data
+        default, prefix = OPBCCollection(), f"{name}/"
+        default.update(without)
+        assert any(k.startswith(prefix) for k in default.keys_produced)
+        assert not any(k.startswith(prefix) for k in default.compute())
 
 
 @pytest.mark.parametrize("name", SECTION_IDS)

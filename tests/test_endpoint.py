@@ -16,7 +16,7 @@ from hypothesis import example, given
 from opbc_metrics import OPBCCollection
 from opbc_metrics import endpoint as E
 from opbc_metrics.functional import endpoint as FE
-from tests.data import exchange_lists, make_batch, split_exchanges
+from tests.data import exchange_lists, split_exchanges
 from tests.reference import ENDPOINT_KEYS, FLAGS, endpoint_reference, ref_flags
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "endpoint").glob("*.json"))
@@ -139,13 +139,6 @@ def test_requests_one_body_for_all_or_none():
     assert one["endpoint/capabilities/seed_supported"].item() == pytest.approx(fingerprinted)
     none = FE.endpoint_capabilities(responses)
     assert none["endpoint/capabilities/seed_requested"].item() == 0.0
-
-
-def test_a_default_section_reports_only_once_responses_arrive():
-    default = OPBCCollection()  # skipping batches without responses in any collection: tests/test_contracts.py
-    default.update(make_batch(seed=0, dtype=torch.float64))
-    assert any(k.startswith("endpoint/") for k in default.keys_produced)
-    assert not any(k.startswith("endpoint/") for k in default.compute())
 
 
 def _chat(**choice):
