@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from opbc_metrics import OPBCCollection
 from opbc_metrics import agent as A
 from opbc_metrics.functional import agent as FA
-from tests.data import make_batch, message_lists, pair_lists, random_pairs
+from tests.data import message_lists, pair_lists, random_pairs
 from tests.reference import AGENT_KEYS, KINDS, agent_reference, ref_norm, ref_pair, ref_parse
 
 
@@ -227,28 +227,6 @@ def test_states_are_float64():
     m.update(trajectory_pairs=random_pairs(0, 3))
     state = m.state_dict()
     assert all(v.dtype == torch.float64 for k, v in state.items() if not k.endswith("._extra_state"))
-
-
-def test_joins_collection_by_choice_and_skips_batches_without_pairs():
-    batch = make_batch(seed=0, dtype=torch.float64)
-    pairs = random_pairs(2, 5)
-    both = OPBCCollection(sections=["mismatch", "agent"])
-    both.update(batch)  # no trajectory_pairs: agent members skip it
-    both.update(dict(batch, trajectory_pairs=pairs))
-    out = both.compute()
-    assert "opbc/is/ess" in out
-    assert_window({k: v for k, v in out.items() if k.startswith("agent/")}, agent_reference(pairs))
-    # As explicit members.
-    members = OPBCCollection([A.ToolCallJaccard(), A.AnswerMatchRate()])
-    members.update(trajectory_pairs=pairs)
-    assert set(members.compute()) == {"agent/trajectory/tool_call_jaccard", "agent/answer/match_rate"}
-    # A default section: its keys appear only once trajectory pairs arrive.
-    default = OPBCCollection()
-    assert any(k.startswith("agent/") for k in default.keys_produced)
-    default.update(batch)
-    assert not any(k.startswith("agent/") for k in default.compute())
-    default.update(dict(batch, trajectory_pairs=pairs))
-    assert_window({k: v for k, v in default.compute().items() if k.startswith("agent/")}, agent_reference(pairs))
 
 
 @pytest.mark.parametrize(

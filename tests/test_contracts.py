@@ -14,9 +14,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from opbc_metrics import OPBCCollection
 from opbc_metrics import functional as F
+from opbc_metrics.batch import PER_SEQUENCE_FIELDS
+from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import concat_batches
+from tests.data import concat_batches, make_batch
 from tests.ddp import run_distributed
 from tests.harness import (
     MEMBERS,
@@ -155,6 +158,46 @@ def test_collection_without_data_reports_no_keys(name):
     for run in section.runs():
         assert not any(_values(run).values())
         assert not any(_values(section.feed(run, [section.blank(section.batches()[0])])).values())
+
+
+def _with_logprobs(x: dict) -> dict:
+    """``x`` with mismatch fields added, one sequence per row of ``x`` (its response mask's shape where it has one)."""
+    rows = next((len(x[f]) for f in PER_SEQUENCE_FIELDS if f in x and x[f] is not None), 4)
+    rows, seq = x["response_mask"].shape if "response_mask" in x else (rows, 8)
+    return {**make_batch(batch=rows, seq=seq, seed=rows, dtype=torch.float64), **x}
+
+
+# sections none of whose members reads only mismatch fields: with mismatch they skip the batches without their fields
+OPTIONAL = [n for n in SECTION_IDS
+            if not any(f and set(f) <= set(make_batch())
+                       for f in (m().required_fields for m in SECTIONS[n].members.values()))]
+
+
+@pytest.mark.parametrize("name", OPTIONAL)
+def test_collection_with_mismatch_skips_batches_without_the_sections_fields(name):
+    section = SECTIONS[name]
+    a, b, *_ = section.batches()
+    mismatch = [make() for make in SECTIONS["mismatch"].members.values()]
+    members = [make() for n, make in section.members.items() if n not in section.alone]
+    both, mismatch_alone = OPBCCollection(metrics=[*mismatch, *members]), SECTIONS["mismatch"].collection()
+    without = make_batch(seed=3, dtype=torch.float64)
+    inputs = [without, *(y for x in (*section.updates(a), *section.updates(b)) for y in (_with_logprobs(x), without))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "compute before update" warning from a member that skipped every batch
+        both.update(without)
+        mismatch_keys = set(_values(both))
+        assert mismatch_keys and not mismatch_keys & {k for m in members for k in m.keys}
+        for x in inputs[1:]:
+            both.update(x)
+        got = _values(both)
+    assert_close({k: got.pop(k) for k in mismatch_keys}, _values(SECTIONS["mismatch"].feed(mismatch_alone, inputs)),
+                 SECTIONS["mismatch"])  # the section's fields change no mismatch value
+    assert_close(got, _values(section.feed(section.collection(), [a, b])), section)
+    if name in DEFAULT_SECTIONS:  # the default collection lists the section's keys, reports them only with data
+        default, prefix = OPBCCollection(), f"{name}/"
+        default.update(without)
+        assert any(k.startswith(prefix) for k in default.keys_produced)
+        assert not any(k.startswith(prefix) for k in default.compute())
 
 
 @pytest.mark.parametrize("name", SECTION_IDS)

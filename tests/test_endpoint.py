@@ -16,7 +16,7 @@ from hypothesis import example, given
 from opbc_metrics import OPBCCollection
 from opbc_metrics import endpoint as E
 from opbc_metrics.functional import endpoint as FE
-from tests.data import exchange_lists, make_batch, random_exchanges, split_exchanges
+from tests.data import exchange_lists, split_exchanges
 from tests.reference import ENDPOINT_KEYS, FLAGS, endpoint_reference, ref_flags
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "endpoint").glob("*.json"))
@@ -139,26 +139,6 @@ def test_requests_one_body_for_all_or_none():
     assert one["endpoint/capabilities/seed_supported"].item() == pytest.approx(fingerprinted)
     none = FE.endpoint_capabilities(responses)
     assert none["endpoint/capabilities/seed_requested"].item() == 0.0
-
-
-def test_joins_collection_by_choice_or_as_members():
-    batch = make_batch(seed=0, dtype=torch.float64)
-    exchanges = random_exchanges(3, 8)
-    responses, requests = split_exchanges(exchanges)
-    both = OPBCCollection(sections=["mismatch", "agent", "endpoint"])
-    both.update(batch)  # no endpoint_responses / trajectory_pairs: those members skip it
-    both.update(dict(batch, endpoint_responses=responses, endpoint_requests=requests))
-    out = both.compute()
-    assert "opbc/is/ess" in out
-    assert not any(k.startswith("agent/") for k in out)  # no trajectory_pairs arrived: agent keys left out
-    assert_window({k: v for k, v in out.items() if k.startswith("endpoint/")}, endpoint_reference(exchanges))
-    members = OPBCCollection([E.TokenIdsCoverage(), E.SeedSupportCoverage(), E.EndpointResponseCount()])
-    members.update(endpoint_responses=responses, endpoint_requests=requests)
-    assert len(members.compute()) == 5
-    default = OPBCCollection()  # a default section: keys only once responses arrive
-    default.update(batch)
-    assert any(k.startswith("endpoint/") for k in default.keys_produced)
-    assert not any(k.startswith("endpoint/") for k in default.compute())
 
 
 def _chat(**choice):

@@ -4,7 +4,6 @@ independently (plain Python loops over the fixture's construction parameters).""
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +16,7 @@ from opbc_metrics.integrations._common import ids_to_group_ids
 from opbc_metrics.integrations.trl import trl_to_batch
 from opbc_metrics.integrations.verl import verl_to_batch
 from opbc_metrics.testing import assert_no_host_sync
+from tests.verl_data import VerlStep, verl_step
 
 
 # -- verl fixture --------------------------------------------------------------------------------
@@ -38,58 +38,13 @@ class FakeDataProto:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class VerlCase:
-    data: FakeDataProto
-    prompt_lengths: list[int]
-    response_lengths: list[int]
-    tool_spans: list[tuple[int, int]]  # per row, [start, end) of an environment span inside the response
-    uids: list[str]
-    rewards: list[float]
-
-
-def make_verl_case(n_prompts: int = 3, n: int = 2, prompt_width: int = 5, response_width: int = 7, seed: int = 0):
-    """Left-padded prompts, right-padded responses, n rollouts per prompt interleaved as verl's
-    ``batch.repeat(repeat_times=n, interleave=True)`` leaves them, and a tool-output span masked out of
-    ``response_mask`` in some rows (agent loop)."""
-    rng = np.random.default_rng(seed)
-    b = n_prompts * n
-    prompt_lengths = [int(rng.integers(1, prompt_width + 1)) for _ in range(b)]
-    response_lengths = [int(rng.integers(0, response_width + 1)) for _ in range(b)]
-    response_lengths[1] = 0  # an empty response
-    attention = torch.zeros(b, prompt_width + response_width, dtype=torch.int64)
-    response_mask = torch.zeros(b, response_width, dtype=torch.int64)
-    tool_spans = []
-    for i in range(b):
-        for j in range(prompt_width - prompt_lengths[i], prompt_width):
-            attention[i, j] = 1
-        for j in range(response_lengths[i]):
-            attention[i, prompt_width + j] = 1
-            response_mask[i, j] = 1
-        span = (2, 4) if (i % 3 == 0 and response_lengths[i] >= 4) else (0, 0)
-        for j in range(*span):
-            response_mask[i, j] = 0
-        tool_spans.append(span)
-    prompt_uids = [str(uuid.UUID(int=int(rng.integers(1 << 62)))) for _ in range(n_prompts)]
-    uids = [u for u in prompt_uids for _ in range(n)]
-    old = -torch.rand(b, response_width, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 3
-    noise = torch.randn(b, response_width, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    rollout = old + 0.2 * noise
-    rewards = [float(rng.integers(0, 2)) if response_lengths[i] else 0.0 for i in range(b)]  # on the last token
-    token_rewards = torch.zeros(b, response_width, dtype=torch.float32)
-    for i in range(b):
-        if response_lengths[i]:
-            token_rewards[i, response_lengths[i] - 1] = rewards[i]
-    batch = FakeTensorDict(
-        {"prompts": torch.randint(3, 100, (b, prompt_width)), "responses": torch.randint(3, 100, (b, response_width)),
-         "input_ids": torch.randint(3, 100, (b, prompt_width + response_width)), "attention_mask": attention,
-         "position_ids": torch.clamp(torch.cumsum(attention, dim=-1) - 1, min=0), "response_mask": response_mask,
-         "old_log_probs": old, "rollout_log_probs": rollout, "token_level_scores": token_rewards.clone(),
-         "token_level_rewards": token_rewards, "advantages": torch.randn(b, response_width)},
-        batch_size=[b])
-    non_tensor = {"uid": np.array(uids, dtype=object), "data_source": np.array(["toy"] * b, dtype=object)}
-    data = FakeDataProto(batch=batch, non_tensor_batch=non_tensor, meta_info={"global_steps": 1})
-    return VerlCase(data, prompt_lengths, response_lengths, tool_spans, uids, rewards)
+def make_verl_case(seed: int = 0) -> VerlStep:
+    """6 rows (3 prompts, 2 rollouts each) of 7 response tokens, row 1 empty, rewards without a KL penalty, in
+    a fake DataProto."""
+    step = verl_step(3, 2, prompt_width=5, response_width=7, seed=seed, empty=True, kl_penalty=0.0,
+                     dtype=torch.float64)
+    step.data = FakeDataProto(FakeTensorDict(step.tensors, [6]), step.non_tensors, {"global_steps": 1})
+    return step
 
 
 def expected_group_ids(uids: list[str]) -> list[int]:
