@@ -187,13 +187,19 @@ def raise_if_probabilities(low: Tensor, high: Tensor) -> None:
             )
 
 
-def check_like(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
+    """A ``ValueError`` naming both batch fields when they are on different devices (moving one would be a
+    hidden copy)."""
+    if t.device != ref.device:
+        raise ValueError(f"batch field `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
+
+
+def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
     """A ``ValueError`` naming both batch fields unless ``t`` has the shape and device of ``ref``."""
     if t.shape != ref.shape:
         shapes = f"has shape {tuple(t.shape)} but `{ref_name}` has shape {tuple(ref.shape)}"
         raise ValueError(f"batch field `{name}` {shapes}")
-    if t.device != ref.device:
-        raise ValueError(f"batch field `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
+    check_same_device(name, t, ref_name, ref)
 
 
 def check_positive(name: str, value: float) -> float:
@@ -292,13 +298,13 @@ class BatchView:
                 raise ValueError(f"batch field `{name}` must be a floating-point tensor, got {t.dtype}")
             if t.ndim != 2:
                 raise ValueError(f"batch field `{name}` must have shape [B, T], got {tuple(t.shape)}")
-        check_like(ROLLOUT_LOGPROBS, rollout, TRAINER_LOGPROBS, trainer)
+        check_same_shape(ROLLOUT_LOGPROBS, rollout, TRAINER_LOGPROBS, trainer)
         mask = self.data.get(RESPONSE_MASK)
         if mask is None:
             mask = torch.ones(trainer.shape, dtype=torch.bool, device=trainer.device)
         else:
             mask = self.tensor(RESPONSE_MASK)
-            check_like(RESPONSE_MASK, mask, TRAINER_LOGPROBS, trainer)
+            check_same_shape(RESPONSE_MASK, mask, TRAINER_LOGPROBS, trainer)
             if mask.is_complex():
                 raise ValueError(f"batch field `{RESPONSE_MASK}` must be bool, integer or float, got {mask.dtype}")
             mask = as_bool_mask(mask)

@@ -72,7 +72,7 @@ from opbc_metrics.batch import (
     TRAINER_LOGPROBS,
     BatchView,
     as_bool_mask,
-    check_like,
+    check_same_shape,
 )
 from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid
 
@@ -182,7 +182,7 @@ def _token_mask(view: BatchView, name: str, t: Tensor) -> Tensor:
     if not view.has(RESPONSE_MASK):
         return torch.ones(t.shape, dtype=torch.bool, device=t.device)
     mask = view.tensor(RESPONSE_MASK)
-    check_like(RESPONSE_MASK, mask, name, t)
+    check_same_shape(RESPONSE_MASK, mask, name, t)
     return as_bool_mask(mask)
 
 

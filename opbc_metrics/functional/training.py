@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
+from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask, check_same_device, check_same_shape
 from opbc_metrics.functional.statistics import SCALE, Stats, mean_std, moments, raise_if_invalid, safe_div, variance
 
 F64 = torch.float64
@@ -129,20 +129,6 @@ def response_mask_for(view: BatchView, shape: torch.Size, device: torch.device, 
     if mask.device != device:
         raise ValueError(f"batch field `{RESPONSE_MASK}` is on {mask.device} but `{like}` is on {device}")
     return as_bool_mask(mask)
-
-
-def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
-    """A clear error for two batch fields on different devices (moving one would be a hidden copy)."""
-    if t.device != ref.device:
-        raise ValueError(f"batch field `{name}` is on {t.device} but `{ref_name}` is on {ref.device}")
-
-
-def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
-    """A clear error for two batch fields of different shapes or devices."""
-    if t.shape != ref.shape:
-        raise ValueError(f"batch field `{name}` has shape {tuple(t.shape)} but `{ref_name}` has shape "
-                         f"{tuple(ref.shape)}")
-    check_same_device(name, t, ref_name, ref)
 
 
 def _zero(device: torch.device) -> Tensor:

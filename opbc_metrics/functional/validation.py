@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, as_bool_mask
+from opbc_metrics.batch import BatchView, as_bool_mask, check_same_device
 from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
 from opbc_metrics.functional.training import (
     F64,
@@ -42,7 +42,6 @@ from opbc_metrics.functional.training import (
     _amin,
     _f64,
     _turns_compute,
-    check_same_device,
     field_tensor,
     tensor_device,
 )

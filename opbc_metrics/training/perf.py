@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, check_positive
+from opbc_metrics.batch import BatchView, check_positive, check_same_device, check_same_shape
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional.statistics import safe_div
 from opbc_metrics.functional.training import (
@@ -35,8 +35,6 @@ from opbc_metrics.functional.training import (
     RESPONSE_LENGTHS,
     _count_stats,
     _turns_compute,
-    check_same_device,
-    check_same_shape,
     field_tensor,
     nonnegative_field,
     tensor_device,
