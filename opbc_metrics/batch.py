@@ -210,6 +210,26 @@ def check_positive(name: str, value: float) -> float:
     return value
 
 
+def check_count(name: str, value: int | None, optional: bool = True) -> int | None:
+    """Validate a count argument (``top_k``, ``num_experts``, ``num_layers``): an integer >= 1, or ``None``
+    where ``optional``.
+
+    Example:
+        >>> check_count("top_k", None), check_count("num_layers", 48, optional=False)
+        (None, 48)
+        >>> check_count("top_k", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `top_k` must be None or an integer >= 1, got 0
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "None or an integer" if optional else "an integer"
+        raise ValueError(f"`{name}` must be {what} >= 1, got {value!r}")
+    return value
+
+
 class BatchView:
     """One batch, validated on access, with per-token quantities computed once and shared.
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask
+from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask, check_count
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
@@ -91,26 +91,6 @@ def flip_rate_keys(num_layers: int) -> tuple[str, ...]:
         *(layer_key(i) for i in range(num_layers)),
         LAYER_OVERFLOW_KEY,
     )
-
-
-def check_count(name: str, value: int | None, optional: bool = True) -> int | None:
-    """Validate a count argument (``top_k``, ``num_experts``, ``num_layers``): an integer >= 1, or ``None``
-    where ``optional``.
-
-    Example:
-        >>> check_count("top_k", None), check_count("num_layers", 48, optional=False)
-        (None, 48)
-        >>> check_count("top_k", 0)
-        Traceback (most recent call last):
-        ...
-        ValueError: `top_k` must be None or an integer >= 1, got 0
-    """
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        what = "None or an integer" if optional else "an integer"
-        raise ValueError(f"`{name}` must be {what} >= 1, got {value!r}")
-    return value
 
 
 def check_top_k(top_k: int | None) -> int | None:

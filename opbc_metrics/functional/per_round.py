@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, as_bool_mask
+from opbc_metrics.batch import BatchView, as_bool_mask, check_count
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
@@ -78,13 +78,6 @@ def per_round_keys(capacity: int) -> tuple[str, ...]:
     """
     rounds = [k for i in range(capacity) for k in (round_mean_key(i), round_count_key(i))]
     return (TOTAL_ROUNDS_KEY, *rounds, OVERFLOW_MEAN_KEY, OVERFLOW_COUNT_KEY, MAX_ROUND_KEY, MAX_VALUE_KEY)
-
-
-def check_capacity(capacity: int) -> int:
-    """Validate a ``capacity`` (an integer >= 1)."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"`capacity` must be an integer >= 1, got {capacity!r}")
-    return capacity
 
 
 def round_index(response_mask: Tensor) -> Tensor:
@@ -193,5 +186,5 @@ def per_round_mismatch(
          'round_1_abs_diff_mean': 1.0, 'round_1_token_count': 1.0, 'max_round_diff': 1.0, 'max_diff_value': 1.0}
     """
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
-    capacity = check_capacity(capacity)
+    capacity = check_count("capacity", capacity, optional=False)
     return _occurred(_per_round_compute(**_per_round_update(view, capacity)), capacity)

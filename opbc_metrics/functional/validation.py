@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, as_bool_mask, check_same_device
+from opbc_metrics.batch import BatchView, as_bool_mask, check_count, check_same_device
 from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
 from opbc_metrics.functional.training import (
     F64,
@@ -91,8 +91,7 @@ def default_ks(n_samples: int) -> tuple[int, ...]:
 
 
 def check_ks(ks: Sequence[int] | None, n_samples: int) -> tuple[int, ...]:
-    if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
-        raise ValueError(f"`n_samples` must be a positive integer, got {n_samples!r}")
+    check_count("n_samples", n_samples, optional=False)
     ks = default_ks(n_samples) if ks is None else tuple(ks)
     for k in ks:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= n_samples:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import BatchView, check_count
 from opbc_metrics.functional.moe import (
     DEFAULT_MOE_LAYERS,
     EXPERT_FIELDS,
@@ -21,7 +21,6 @@ from opbc_metrics.functional.moe import (
     _flip_rate_update,
     _set_disagreement_compute,
     _set_disagreement_update,
-    check_count,
     check_top_k,
     flip_rate_keys,
 )

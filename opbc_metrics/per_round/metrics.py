@@ -7,14 +7,13 @@ from typing import Any
 
 from torch import Tensor
 
-from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView
+from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, check_count
 from opbc_metrics.functional.per_round import (
     DEFAULT_ROUND_CAPACITY,
     Stats,
     _occurred,
     _per_round_compute,
     _per_round_update,
-    check_capacity,
     per_round_keys,
     request_rounds,
 )
@@ -88,7 +87,7 @@ class PerRoundMismatch(OPBCMetric):
 
     def __init__(self, capacity: int = DEFAULT_ROUND_CAPACITY, compiled: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.capacity = check_capacity(capacity)
+        self.capacity = check_count("capacity", capacity, optional=False)
         self.compiled = bool(compiled)
         self.keys = per_round_keys(self.capacity)
 

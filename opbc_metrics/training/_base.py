@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import BatchView, check_count
 from opbc_metrics.functional.statistics import raise_if_invalid
 from opbc_metrics.functional.training import LOSS_TOKENS, _scalar_compute, _scalar_update
 from opbc_metrics.metric import MAX, MIN, SUM, GlossaryEntry, OPBCMetric, table
@@ -27,15 +27,6 @@ DEFAULT_MAX_RANKS = 1024
 def diagnostic(name: str, *, what: str, unit: str, aliases: tuple[str, ...] = ()) -> GlossaryEntry:
     """The glossary entry of a training metric: a diagnostic, no OPBC cap or action."""
     return GlossaryEntry(name=name, what=what, unit=unit, cap=DIAGNOSTIC, action=NO_ACTION, aliases=aliases)
-
-
-def positive_int(name: str, value: Any, optional: bool = True) -> Any:
-    """``value`` if it is a positive integer (or None, when ``optional``), else a ``ValueError`` naming ``name``."""
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer{' or None' if optional else ''}, got {value!r}")
-    return value
 
 
 class _TrainingMetric(OPBCMetric):
@@ -167,7 +158,7 @@ class _PerRank(_TrainingMetric):
 
     def __init__(self, world_size: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        world_size = positive_int("world_size", world_size)
+        world_size = check_count("world_size", world_size)
         if world_size is None and dist.is_available() and dist.is_initialized():
             world_size = dist_rank_world(self.process_group)[1]
         self.world_size = world_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from opbc_metrics.batch import check_count
 from opbc_metrics.functional.training import (
     NUM_TURNS,
     PROMPT_LENGTHS,
@@ -19,7 +20,7 @@ from opbc_metrics.functional.training import (
     length_keys,
 )
 from opbc_metrics.metric import MAX, MIN, SUM, BySettings, table
-from opbc_metrics.training._base import _TrainingMetric, _TurnCounts, diagnostic, positive_int
+from opbc_metrics.training._base import _TrainingMetric, _TurnCounts, diagnostic
 
 _SEQUENCES = "sequences (samples) over the window and all ranks"
 
@@ -69,7 +70,7 @@ class ResponseLength(_LengthStats, field=RESPONSE_LENGTHS, prefix="response_leng
 
     def __init__(self, max_response_length: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.max_length = positive_int("max_response_length", max_response_length)
+        self.max_length = check_count("max_response_length", max_response_length)
 
 
 class PromptLength(_LengthStats, field=PROMPT_LENGTHS, prefix="prompt_length"):
@@ -89,7 +90,7 @@ class PromptLength(_LengthStats, field=PROMPT_LENGTHS, prefix="prompt_length"):
 
     def __init__(self, max_prompt_length: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.max_length = positive_int("max_prompt_length", max_prompt_length)
+        self.max_length = check_count("max_prompt_length", max_prompt_length)
 
 
 class AbortedRatio(_TrainingMetric):

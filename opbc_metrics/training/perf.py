@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, check_positive, check_same_device, check_same_shape
+from opbc_metrics.batch import BatchView, check_count, check_positive, check_same_device, check_same_shape
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional.statistics import safe_div
 from opbc_metrics.functional.training import (
@@ -40,7 +40,7 @@ from opbc_metrics.functional.training import (
     tensor_device,
 )
 from opbc_metrics.metric import MAX, MIN, SUM, BySettings, table
-from opbc_metrics.training._base import _PerRank, _TrainingMetric, diagnostic, positive_int
+from opbc_metrics.training._base import _PerRank, _TrainingMetric, diagnostic
 
 F64 = torch.float64
 RANK_IDS = "rank_ids"
@@ -125,7 +125,7 @@ class GlobalSeqlen(_PerRank):
         if workload is not None and not callable(workload):
             raise ValueError(f"`workload` must be a function of the lengths tensor, got {type(workload).__name__}")
         self.workload_fn = workload
-        positive_int("max_seqlen", max_seqlen, optional=False)
+        check_count("max_seqlen", max_seqlen, optional=False)
         if algorithm not in P.PARTITION_ALGORITHMS:
             raise ValueError(f"`algorithm` must be one of {P.PARTITION_ALGORITHMS}, got {algorithm!r}")
         self.max_seqlen, self.algorithm, self.equal_size = max_seqlen, algorithm, bool(equal_size)
@@ -408,7 +408,7 @@ class Throughput(_StageClock):
                  **kwargs: Any) -> None:
         super().__init__(world_size, **kwargs)
         (self.step_stage,) = _check_stage_names("step_stage", step_stage)
-        self.num_gpus = positive_int("num_gpus", num_gpus)
+        self.num_gpus = check_count("num_gpus", num_gpus)
         self.clock_stages = (self.step_stage,)
 
     def compute(self) -> dict[str, Tensor]:
@@ -478,7 +478,7 @@ class ModelFlopsUtilization(_StageClock):
         _check_stage_names("timing stages", timing)
         self.peak = (check_positive("peak_flops", peak_flops) if peak_flops is not None
                      else P.peak_flops(accelerator if accelerator is not None else P.detect_accelerator()))
-        self.num_gpus = positive_int("num_gpus", num_gpus)
+        self.num_gpus = check_count("num_gpus", num_gpus)
         self.clock_stages = timing
 
     def compute(self) -> dict[str, Tensor]:
