@@ -566,11 +566,11 @@ def _count_stats(view: BatchView, name: str, device: torch.device | None = None)
 def _length_update(view: BatchView, name: str, max_length: int | None) -> Stats:
     x, stats = _count_stats(view, name)
     limit = math.inf if max_length is None else float(max_length)
-    return {**stats, "clipped": (x >= limit).to(F64).sum(), "zero": (x == 0).to(F64).sum()}
+    return {**stats, "clipped": (x >= limit).to(F64).sum()}
 
 
 def _length_compute(prefix: str, max_length: int | None, sum: Tensor, max: Tensor, min: Tensor, count: Tensor,
-                    clipped: Tensor, zero: Tensor | None = None, invalid: Tensor | None = None) -> dict[str, Tensor]:
+                    clipped: Tensor, invalid: Tensor | None = None) -> dict[str, Tensor]:
     keys = length_keys(prefix, max_length)
     out = {keys[0]: _mean(sum, count), keys[1]: _extreme(max, count), keys[2]: _extreme(min, count)}
     if max_length is not None:

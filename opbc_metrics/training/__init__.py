@@ -78,7 +78,8 @@ _SIMPLE = (ActorLoss, PolicyGradientLoss, EntropyLoss, KLLoss, KLCoef, ActorGrad
 
 TRAINING_METRICS: tuple[type[OPBCMetric], ...] = (*_SIMPLE, PolicyEntropy, PolicyClipFraction, ResponseLength,
                                                   PromptLength, DPOMetrics, ValidationAccuracy, ValidationReward,
-                                                  GlobalSeqlen, StageTiming, Throughput, ModelFlopsUtilization)
+                                                  GlobalSeqlen, StageTiming, Throughput, AgentLoopSlowest,
+                                                  LRSchedulerState, ModelFlopsUtilization)
 
 
 def training_metrics(*, max_response_length: int | None = None, max_prompt_length: int | None = None,

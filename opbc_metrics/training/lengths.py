@@ -31,7 +31,7 @@ class _LengthStats(_TrainingMetric):
 
     prefix: ClassVar[str]
     max_length: int | None
-    states = table(sum=SUM, max=MAX, min=MIN, count=SUM, clipped=SUM, zero=SUM, invalid=SUM)
+    states = table(sum=SUM, max=MAX, min=MIN, count=SUM, clipped=SUM, invalid=SUM)
     kernel = (_length_update, _length_compute)
     update_args = ("field", "max_length")
     compute_args = ("prefix", "max_length")
