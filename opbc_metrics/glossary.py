@@ -12,6 +12,7 @@ data are data.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import opbc_metrics  # noqa: F401  (imports every section, which registers its classes)
@@ -57,17 +58,37 @@ def glossary_dict() -> dict[str, dict[str, Any]]:
 
 
 def lookup(name: str) -> GlossaryEntry:
-    """The entry for a name, an alias or a key.
+    """The entry for a name, an alias or a key, including keys that depend on a metric's settings: a key
+    matching a class's pattern (``timing_s/<stage>``) or differing from one of its keys only in a numbered
+    part (``per_round/round_30_abs_diff_mean``, ``moe/router/layer_60/flip_rate``).
 
     Example:
-        >>> lookup("opbc/is/ess").name
-        'ESS'
+        >>> lookup("opbc/is/ess").name, lookup("timing_s/update_actor").name
+        ('ESS', 'timing_s')
+        >>> [lookup(k).name for k in ("per_round/round_30_token_count", "moe/router/layer_60/flip_rate",
+        ...                           "val-core/gsm8k/acc/mean@4")]
+        ['per_round_abs_diff', 'router_flip_rate', 'val-core/acc']
     """
-    for cls in public_metrics():
+    metrics = [cls for cls in public_metrics() if cls.glossary is not None]
+    for cls in metrics:
         entry = cls.glossary
-        if entry is not None and (name == entry.name or name in entry.aliases or name in cls.keys):
+        if name == entry.name or name in entry.aliases or name in cls.keys:
             return entry
+    numbered = _numbered(name)
+    for cls in metrics:
+        if any(_key_pattern(k).fullmatch(name) or _numbered(k) == numbered for k in cls.keys):
+            return cls.glossary
     raise KeyError(f"no glossary entry named {name!r}")
+
+
+def _key_pattern(key: str) -> re.Pattern[str]:
+    """``sample_metrics/<name>/mean`` -> a regex where each ``<...>`` placeholder is one path segment's text."""
+    return re.compile("[^/]+".join(map(re.escape, re.split(r"<[^<>/]+>", key))))
+
+
+def _numbered(key: str) -> str:
+    """The key with each ``_<digits>`` part (round and layer numbers) made generic."""
+    return re.sub(r"_\d+(?=/|_|$)", "_#", key)
 
 
 def glossary_markdown() -> str:
