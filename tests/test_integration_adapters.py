@@ -4,7 +4,6 @@ independently (plain Python loops over the fixture's construction parameters).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,28 +15,10 @@ from opbc_metrics.integrations._common import ids_to_group_ids
 from opbc_metrics.integrations.trl import trl_to_batch
 from opbc_metrics.integrations.verl import verl_to_batch
 from opbc_metrics.testing import assert_no_host_sync
-from tests.verl_data import VerlStep, verl_step
+from tests.verl_data import FakeDataProto, FakeTensorDict, VerlStep, verl_step
 
 
 # -- verl fixture --------------------------------------------------------------------------------
-class FakeTensorDict(dict):
-    """The parts of tensordict.TensorDict the adapter may touch: mapping access and ``batch_size``."""
-
-    def __init__(self, data: dict[str, torch.Tensor], batch_size: list[int]) -> None:
-        super().__init__(data)
-        self.batch_size = torch.Size(batch_size)
-
-
-@dataclass
-class FakeDataProto:
-    """verl.protocol.DataProto's layout: ``batch`` (TensorDict), ``non_tensor_batch`` (dict of numpy
-    arrays), ``meta_info`` (dict)."""
-
-    batch: FakeTensorDict
-    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
-    meta_info: dict[str, Any] = field(default_factory=dict)
-
-
 def make_verl_case(seed: int = 0) -> VerlStep:
     """6 rows (3 prompts, 2 rollouts each) of 7 response tokens, row 1 empty, rewards without a KL penalty, in
     a fake DataProto."""
