@@ -217,30 +217,26 @@ def mutate(value: Any, kind: str) -> Any:
     raise AssertionError(kind)
 
 
-def nonfinite_in(value: Any) -> bool:
-    """Whether a field holds a NaN/inf (tensors, numbers, nested lists, dict values)."""
+def _holds(value: Any, tensor: Callable[[torch.Tensor], bool], number: Callable[[float], bool]) -> bool:
+    """Whether a field (a tensor, a number, nested lists or dict values of them) holds an entry that passes."""
     if isinstance(value, torch.Tensor):
-        return value.device.type != "meta" and value.is_floating_point() and not bool(torch.isfinite(value).all())
-    if isinstance(value, float):
-        return not math.isfinite(value)
+        return value.device.type != "meta" and tensor(value)
+    if isinstance(value, (int, float)):
+        return number(value)
     if isinstance(value, dict):
-        return any(nonfinite_in(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(nonfinite_in(v) for v in value)
-    return False
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(_holds(v, tensor, number) for v in value)
+
+
+def nonfinite_in(value: Any) -> bool:
+    """Whether a field holds a NaN/inf."""
+    return _holds(value, lambda t: t.is_floating_point() and not bool(torch.isfinite(t).all()),
+                  lambda x: isinstance(x, float) and not math.isfinite(x))
 
 
 def negative_in(value: Any) -> bool:
     """Whether a field holds a negative number (for count fields)."""
-    if isinstance(value, torch.Tensor):
-        return value.device.type != "meta" and value.dtype != torch.bool and bool((value < 0).any())
-    if isinstance(value, (int, float)):
-        return value < 0
-    if isinstance(value, dict):
-        return any(negative_in(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(negative_in(v) for v in value)
-    return False
+    return _holds(value, lambda t: t.dtype != torch.bool and bool((t < 0).any()), lambda x: x < 0)
 
 
 def out_of_range(name: str, value: Any) -> bool:
@@ -249,31 +245,27 @@ def out_of_range(name: str, value: Any) -> bool:
     return limit is not None and isinstance(value, torch.Tensor) and bool((value >= limit).any())
 
 
-# -- field builders: name -> (plan, b, t) -> value --------------------------------------------------------
-Builder = Callable[[Plan, int, int], Any]
+# -- field builders: name -> (plan, name, b, t) -> value --------------------------------------------------
+Builder = Callable[[Plan, str, int, int], Any]
+Values = Callable[[Plan, str, tuple[int, ...]], np.ndarray]
 
 
-def _float_field(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str, dims: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        shape = {"bt": (b, t), "b": (b,), "b1": (b, 1), "b2": (b, 2), "bt3": (b, t, 3)}[dims]
+def floats(make: Values, dims: str) -> Builder:
+    """A float field of ``make``'s values shaped ``dims``; ``b|bt`` is [B] or [B, T], one choice per batch
+    (the [B] and [B, T] fields of one batch must agree: values with returns, ...)."""
+
+    def build(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+        if dims == "b|bt":
+            shape = (b, t) if plan.rng("ndim").random() < 0.5 else (b,)
+        else:
+            shape = {"bt": (b, t), "b": (b,), "b1": (b, 1), "b2": (b, 2), "bt3": (b, t, 3)}[dims]
         return to_tensor(make(plan, name, shape), plan.dtype)
 
     return build
 
 
-def _b_or_bt(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str) -> Builder:
-    """A [B] or [B, T] float field (rewards, advantages, values, ...), chosen by the seed."""
-
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        # One choice per batch: [B] and [B, T] fields of one batch must agree (values with returns, ...).
-        shape = (b, t) if plan.rng("ndim").random() < 0.5 else (b,)
-        return to_tensor(make(plan, name, shape), plan.dtype)
-
-    return build
-
-
-def _counts(name: str, dtype: torch.dtype = torch.int64) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+def _counts(dtype: torch.dtype = torch.int64) -> Builder:
+    def build(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
         x = counts(plan, name, (b,))
         return to_tensor(x, torch.float64 if nonfinite_or_fraction(x) else dtype)
 
@@ -284,7 +276,7 @@ def nonfinite_or_fraction(x: np.ndarray) -> bool:
     return bool(x.size) and not bool(np.all(np.isfinite(x)) and np.all(x == np.round(x)))
 
 
-def _group_ids(plan: Plan, b: int, t: int) -> Any:
+def _group_ids(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("group_ids")
     ids = rng.integers(0, max(1, b // 2 + 1), b)
     if rng.random() < 0.3:  # verl's uid strings
@@ -294,47 +286,31 @@ def _group_ids(plan: Plan, b: int, t: int) -> Any:
     return torch.from_numpy(ids)
 
 
-def _experts(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        rng = plan.rng("experts")  # both sides share a base so that some ids agree
-        base = rng.integers(0, 8, (b, t, 3, 2))
-        flip = plan.rng(name).random((b, t, 3, 2)) < 0.3
-        return torch.from_numpy(np.where(flip, plan.rng(name + "/ids").integers(0, 8, (b, t, 3, 2)), base))
-
-    return build
+def _experts(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    base = plan.rng("experts").integers(0, 8, (b, t, 3, 2))  # both sides share a base so that some ids agree
+    flip = plan.rng(name).random((b, t, 3, 2)) < 0.3
+    return torch.from_numpy(np.where(flip, plan.rng(name + "/ids").integers(0, 8, (b, t, 3, 2)), base))
 
 
-def _router_logits(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        return to_tensor(reals(plan, name, (b, t, 3, 4)), plan.dtype)
-
-    return build
+def _router_logits(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    return to_tensor(reals(plan, name, (b, t, 3, 4)), plan.dtype)
 
 
-def _token_ids(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        base = plan.rng("token_ids").integers(0, 50, (b, t))
-        other = plan.rng(name).integers(0, 50, (b, t))
-        return torch.from_numpy(np.where(plan.rng(name + "/x").random((b, t)) < 0.1, other, base))
-
-    return build
+def _token_ids(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    base = plan.rng("token_ids").integers(0, 50, (b, t))
+    other = plan.rng(name).integers(0, 50, (b, t))
+    return torch.from_numpy(np.where(plan.rng(name + "/x").random((b, t)) < 0.1, other, base))
 
 
-def _scalar(name: str) -> Builder:
+def _scalar(plan: Plan, name: str, b: int, t: int) -> Any:
     """A trainer scalar: a float, a 0-d tensor, a list, or a 1-D tensor (one per micro-batch)."""
-
-    def build(plan: Plan, b: int, t: int) -> Any:
-        x = with_specials(plan, name, plan.rng(name).normal(0.5, 1.0, (max(b, 1),)))
-        form = _scalar_form(plan)
-        if form == 0:
-            return float(x[0])
-        if form == 1:
-            return torch.tensor(float(x[0]), dtype=plan.dtype)
-        if form == 2:
-            return [float(v) for v in x]
-        return to_tensor(x, plan.dtype)
-
-    return build
+    x = with_specials(plan, name, plan.rng(name).normal(0.5, 1.0, (max(b, 1),)))
+    form = _scalar_form(plan)
+    if form == 0:
+        return float(x[0])
+    if form == 1:
+        return torch.tensor(float(x[0]), dtype=plan.dtype)
+    return [float(v) for v in x] if form == 2 else to_tensor(x, plan.dtype)
 
 
 def _scalar_form(plan: Plan) -> int:
@@ -342,13 +318,13 @@ def _scalar_form(plan: Plan) -> int:
     return int(plan.rng("scalar_form").integers(0, 4))
 
 
-def _loss_tokens(plan: Plan, b: int, t: int) -> Any:
+def _loss_tokens(plan: Plan, name: str, b: int, t: int) -> Any:
     """One weight per observation of the batch's trainer scalar."""
     w = [float(v) for v in counts(plan, "loss_tokens", (max(b, 1),))]
     return w if _scalar_form(plan) >= 2 else w[0]
 
 
-def _timing(plan: Plan, b: int, t: int) -> dict[str, Any]:
+def _timing(plan: Plan, name: str, b: int, t: int) -> dict[str, Any]:
     rng = plan.rng("timing")
     stages = ("gen", "step", "update_actor", "old_log_prob", "reward")
     out: dict[str, Any] = {s: float(rng.exponential(2.0)) for s in stages if rng.random() < 0.8}
@@ -357,7 +333,7 @@ def _timing(plan: Plan, b: int, t: int) -> dict[str, Any]:
     return out
 
 
-def _stop_reasons(plan: Plan, b: int, t: int) -> Any:
+def _stop_reasons(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("stop_reasons")
     form = rng.integers(0, 3)
     if form == 0:
@@ -367,14 +343,14 @@ def _stop_reasons(plan: Plan, b: int, t: int) -> Any:
     return torch.from_numpy(rng.random(b) < 0.5)
 
 
-def _discard_reasons(plan: Plan, b: int, t: int) -> Any:
+def _discard_reasons(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("discard_reasons")
     if rng.random() < 0.5:
         return [("max_async", "zero_advantage", None, "")[i] for i in rng.integers(0, 4, b)]
     return torch.from_numpy(rng.integers(0, 4 if plan.specials else 3, b))
 
 
-def _sample_metrics(plan: Plan, b: int, t: int) -> Any:
+def _sample_metrics(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("sample_metrics")
     cols = {n: to_tensor(reals(plan, "sample_metrics/" + n, (b,)), plan.dtype) for n in ("format", "tool_calls")}
     if rng.random() < 0.3:  # list of per-sample mappings (RewardResult.sample_metrics), some names missing
@@ -382,76 +358,90 @@ def _sample_metrics(plan: Plan, b: int, t: int) -> Any:
     return cols
 
 
-def _data_sources(plan: Plan, b: int, t: int) -> Any:
+def _data_sources(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("data_sources")
     if rng.random() < 0.3:
         return "gsm8k"
     return [("gsm8k", "math")[i] for i in rng.integers(0, 2, b)]
 
 
-def _val(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        x = plan.rng(name).integers(0, 2, (b, 2)).astype(np.float64)
-        if name == "val_rewards":
-            x = plan.rng(name).normal(0.0, 1.0, (b, 2))
-        return to_tensor(with_specials(plan, name, x), plan.dtype)
-
-    return build
+def _val(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    x = plan.rng(name).integers(0, 2, (b, 2)).astype(np.float64)
+    if name == "val_rewards":
+        x = plan.rng(name).normal(0.0, 1.0, (b, 2))
+    return to_tensor(with_specials(plan, name, x), plan.dtype)
 
 
-def _val_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
-    return torch.from_numpy(plan.rng("val_mask").random((b, 2)) < 0.8)
+def _times(plan: Plan, name: str, b: int, t: int) -> Any:
+    x = with_specials(plan, name, plan.rng(name).exponential(1.0, (b,)))
+    return [float(v) for v in x] if plan.rng("form/" + name).random() < 0.5 else to_tensor(x, plan.dtype)
 
 
-def _rank_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
-    return torch.from_numpy(plan.rng("rank_ids").integers(0, 3 if plan.specials else 2, b))
+def _completion_mask(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    lengths = plan.rng(name).integers(0, t + 1, (b, 1))
+    return torch.from_numpy((np.arange(t)[None, :] < lengths).astype(np.int64))
 
 
-def _times(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> Any:
-        x = with_specials(plan, name, plan.rng(name).exponential(1.0, (b,)))
-        return [float(v) for v in x] if plan.rng("form/" + name).random() < 0.5 else to_tensor(x, plan.dtype)
+def _prompt_mask(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    return torch.from_numpy((np.arange(3)[None, :] >= plan.rng(name).integers(0, 4, (b, 1))).astype(np.int64))
 
-    return build
+
+def _attention_mask(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    """verl's [B, P + T] attention mask: left-padded prompt (P = 3), right-padded response."""
+    rng = plan.rng("attention_mask")
+    prompt = np.arange(3)[None, :] >= rng.integers(0, 4, (b, 1))
+    response = np.arange(t)[None, :] < rng.integers(0, t + 1, (b, 1))
+    return torch.from_numpy(np.concatenate([prompt, response], axis=1).astype(np.int64))
+
+
+def _uid(plan: Plan, name: str, b: int, t: int) -> Any:
+    rng = plan.rng("uid")
+    ids = [f"p-{i}" for i in rng.integers(0, max(1, b // 2 + 1), b)]
+    form = rng.integers(0, 3)
+    if form == 0:
+        return np.array(ids, dtype=object)
+    return ids if form == 1 else torch.from_numpy(rng.integers(0, 3, b))
+
+
+def _fields(names: str, build: Builder) -> dict[str, Builder]:
+    return dict.fromkeys(names.split(), build)
 
 
 BUILDERS: dict[str, Builder] = {
-    "response_mask": lambda plan, b, t: mask_values(plan, b, t),
+    "response_mask": lambda plan, name, b, t: mask_values(plan, b, t),
     "group_ids": _group_ids,
-    "policy_lag": lambda plan, b, t: to_tensor(counts(plan, "policy_lag", (b,), high=10), torch.float64),
-    "entropies": _float_field(lambda p, n, s: np.abs(reals(p, n, s)), "entropies", "bt"),
-    "logits": _float_field(reals, "logits", "bt3"),
-    "num_turns": _counts("num_turns", torch.int32),
-    "rank_ids": _rank_ids,
+    "policy_lag": lambda plan, name, b, t: to_tensor(counts(plan, name, (b,), high=10), torch.float64),
+    "entropies": floats(lambda p, n, s: np.abs(reals(p, n, s)), "bt"),
+    "logits": floats(reals, "bt3"),
+    "num_turns": _counts(torch.int32),
+    "rank_ids": lambda plan, name, b, t: torch.from_numpy(plan.rng(name).integers(0, 3 if plan.specials else 2, b)),
     "stop_reasons": _stop_reasons,
     "discard_reasons": _discard_reasons,
     "sample_metrics": _sample_metrics,
     "loss_tokens": _loss_tokens,
     "timing_s": _timing,
-    "policy_rejected_logps": _float_field(logprobs, "policy_rejected_logps", "b1"),
-    "val_num_turns": _float_field(lambda p, n, s: counts(p, n, s, high=6), "val_num_turns", "b2"),
-    "val_mask": _val_mask,
+    "policy_rejected_logps": floats(logprobs, "b1"),
+    "val_num_turns": floats(lambda p, n, s: counts(p, n, s, high=6), "b2"),
+    "val_mask": lambda plan, name, b, t: torch.from_numpy(plan.rng(name).random((b, 2)) < 0.8),
     "data_sources": _data_sources,
+    **_fields("trainer_logprobs rollout_logprobs policy_logprobs old_logprobs", floats(logprobs, "bt")),
+    **_fields("policy_chosen_logps reference_chosen_logps reference_rejected_logps", floats(logprobs, "b")),
+    **_fields("chosen_scores rejected_scores", floats(reals, "b")),
+    **_fields("rewards advantages values returns scores", floats(reals, "b|bt")),
+    **_fields("rollout_experts trainer_experts", _experts),
+    **_fields("rollout_router_logits trainer_router_logits", _router_logits),
+    **_fields("rollout_token_ids trainer_token_ids", _token_ids),
+    **_fields("prompt_lengths response_lengths", _counts()),
+    **_fields("agent_generate_s agent_tool_calls_s", _times),
+    **_fields("val_acc val_rewards", _val),
+    **_fields("actor_loss pg_loss entropy_loss kl_loss kl_coef actor_grad_norm actor_lr critic_loss critic_lr "
+              "rm_grad_norm", _scalar),
+    # framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs)
+    "responses": _token_ids, "attention_mask": _attention_mask, "uid": _uid,
+    "token_level_rewards": floats(reals, "bt"), "prompt_mask": _prompt_mask,
+    **_fields("old_log_probs rollout_log_probs old_per_token_logps sampling_per_token_logps", floats(logprobs, "bt")),
+    **_fields("completion_mask tool_mask", _completion_mask),
 }
-for _name in ("trainer_logprobs", "rollout_logprobs", "policy_logprobs", "old_logprobs"):
-    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
-for _name in ("policy_chosen_logps", "reference_chosen_logps", "reference_rejected_logps"):
-    BUILDERS[_name] = _float_field(logprobs, _name, "b")
-for _name in ("chosen_scores", "rejected_scores"):
-    BUILDERS[_name] = _float_field(reals, _name, "b")
-for _name in ("rewards", "advantages", "values", "returns", "scores"):
-    BUILDERS[_name] = _b_or_bt(reals, _name)
-for _name, _make in (("experts", _experts), ("router_logits", _router_logits), ("token_ids", _token_ids)):
-    BUILDERS["rollout_" + _name], BUILDERS["trainer_" + _name] = _make("rollout_" + _name), _make("trainer_" + _name)
-for _name in ("prompt_lengths", "response_lengths"):
-    BUILDERS[_name] = _counts(_name)
-for _name in ("agent_generate_s", "agent_tool_calls_s"):
-    BUILDERS[_name] = _times(_name)
-for _name in ("val_acc", "val_rewards"):
-    BUILDERS[_name] = _val(_name)
-for _name in ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",
-              "critic_loss", "critic_lr", "rm_grad_norm"):
-    BUILDERS[_name] = _scalar(_name)
 
 
 # Optional fields that come in pairs (both sides or neither).
@@ -481,7 +471,7 @@ def build_case(
     for name in (*fields, *optional):
         if name in optional and plan.rng("present/" + PAIRED.get(name, name)).random() < 0.5:
             continue
-        value = make[name](plan, b, t)
+        value = make[name](plan, name, b, t)
         if value is None:
             continue
         if isinstance(value, torch.Tensor) and plan.layouts.get(name) == "expanded":
@@ -511,55 +501,15 @@ COUNT_FIELDS = frozenset(
 )
 
 
-# -- framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs) -------------------------
-def _attention_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
-    """verl's [B, P + T] attention mask: left-padded prompt (P = 3), right-padded response."""
-    rng = plan.rng("attention_mask")
-    prompt = np.arange(3)[None, :] >= rng.integers(0, 4, (b, 1))
-    response = np.arange(t)[None, :] < rng.integers(0, t + 1, (b, 1))
-    return torch.from_numpy(np.concatenate([prompt, response], axis=1).astype(np.int64))
-
-
-def _uid(plan: Plan, b: int, t: int) -> Any:
-    rng = plan.rng("uid")
-    ids = [f"p-{i}" for i in rng.integers(0, max(1, b // 2 + 1), b)]
-    form = rng.integers(0, 3)
-    if form == 0:
-        return np.array(ids, dtype=object)
-    if form == 1:
-        return ids
-    return torch.from_numpy(rng.integers(0, 3, b))
-
-
-def _completion_mask(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        lengths = plan.rng(name).integers(0, t + 1, (b, 1))
-        return torch.from_numpy((np.arange(t)[None, :] < lengths).astype(np.int64))
-
-    return build
-
-
-def _prompt_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
-    return torch.from_numpy((np.arange(3)[None, :] >= plan.rng("prompt_mask").integers(0, 4, (b, 1))).astype(np.int64))
-
-
-BUILDERS.update({"responses": _token_ids("responses"), "attention_mask": _attention_mask, "uid": _uid,
-                 "token_level_rewards": _float_field(reals, "token_level_rewards", "bt"), "prompt_mask": _prompt_mask})
-for _name in ("old_log_probs", "rollout_log_probs", "old_per_token_logps", "sampling_per_token_logps"):
-    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
-for _name in ("completion_mask", "tool_mask"):
-    BUILDERS[_name] = _completion_mask(_name)
-
-
-def int_group_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
+def int_group_ids(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
     """Integer group ids (the controller's contract: a [B] integer tensor), some huge or negative."""
-    ids = _group_ids(plan, b, t)
+    ids = _group_ids(plan, name, b, t)
     if isinstance(ids, list):
         return torch.tensor([int(x.split("-")[1]) for x in ids], dtype=torch.int64)
     return ids
 
 
-def lag_or_number(plan: Plan, b: int, t: int) -> Any:
+def lag_or_number(plan: Plan, name: str, b: int, t: int) -> Any:
     """``policy_lag``: a [B] tensor (with specials) or one number for the batch."""
     x = counts(plan, "policy_lag", (b,), high=10)
     if plan.rng("lag_form").random() < 0.3:
