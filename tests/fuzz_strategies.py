@@ -29,20 +29,21 @@ SPECIALS = (NAN, INF, -INF, -9999.0, 1e4, -1e4, F32_MIN, 0.0)
 LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
 MASK_KINDS = ("absent", "ones", "zeros", "random", "empty_rows", "first_row_only", "float", "int8")
 # Structural mutations of one field; the run must then raise a ValueError/TypeError naming that field or
-# accept the input and return finite values.
-MUTATIONS = (
-    "extra_dim",
-    "drop_dim",
-    "other_size",
-    "int_dtype",
-    "bool_dtype",
-    "float_dtype",
-    "complex_dtype",
-    "meta_device",
-    "as_list",
-    "as_string",
-    "none",
-)
+# accept the input and return finite values. A field that is not a tensor gets the type mutations (mutate).
+TENSOR_MUTATIONS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "extra_dim": lambda t: t[..., None],
+    "drop_dim": lambda t: t.sum(-1) if t.ndim else t.reshape(1),
+    "other_size": lambda t: torch.zeros([t.shape[0] + 1, *t.shape[1:]] if t.ndim else [2], dtype=t.dtype),
+    "int_dtype": lambda t: torch.nan_to_num(t.double(), nan=0.0, posinf=0.0, neginf=0.0).to(torch.int64),
+    "bool_dtype": lambda t: torch.nan_to_num(t.double(), nan=1.0) != 0,
+    "float_dtype": lambda t: t.to(torch.float32),
+    "complex_dtype": lambda t: t.to(torch.complex64),
+    "meta_device": lambda t: t.to("meta"),
+    "as_list": lambda t: t.tolist(),
+    "as_string": lambda t: "not a tensor",
+    "none": lambda t: None,
+}
+MUTATIONS = tuple(TENSOR_MUTATIONS)
 
 
 @dataclass
@@ -182,39 +183,10 @@ def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 # -- structural mutations ---------------------------------------------------------------------------------
 def mutate(value: Any, kind: str) -> Any:
-    """One structural mutation of a field's value (tensors; other values get the type mutations only)."""
-    if kind == "none":
-        return None
-    if kind == "as_string":
-        return "not a tensor"
-    if not isinstance(value, torch.Tensor):
-        if kind == "as_list":
-            return [value]
-        if kind in ("int_dtype", "bool_dtype"):
-            return object()
-        return value
-    t = value
-    if kind == "extra_dim":
-        return t[..., None]
-    if kind == "drop_dim":
-        return t.sum(-1) if t.ndim else t.reshape(1)
-    if kind == "other_size":
-        shape = list(t.shape) or [1]
-        shape[0] += 1
-        return torch.zeros(shape, dtype=t.dtype)
-    if kind == "int_dtype":
-        return torch.nan_to_num(t.double(), nan=0.0, posinf=0.0, neginf=0.0).to(torch.int64)
-    if kind == "bool_dtype":
-        return torch.nan_to_num(t.double(), nan=1.0) != 0
-    if kind == "float_dtype":
-        return t.to(torch.float32)
-    if kind == "complex_dtype":
-        return t.to(torch.complex64)
-    if kind == "meta_device":
-        return t.to("meta")
-    if kind == "as_list":
-        return t.tolist()
-    raise AssertionError(kind)
+    """One structural mutation of a field's value (:data:`TENSOR_MUTATIONS`; other values: the type ones)."""
+    if isinstance(value, torch.Tensor) or kind in ("as_string", "none"):
+        return TENSOR_MUTATIONS[kind](value)
+    return {"as_list": [value], "int_dtype": object(), "bool_dtype": object()}.get(kind, value)
 
 
 def _holds(value: Any, tensor: Callable[[torch.Tensor], bool], number: Callable[[float], bool]) -> bool:

@@ -385,14 +385,6 @@ def test_fuzz_collection_every_section(data: st.DataObject):
     run_outcome("OPBCCollection(all sections)", _collection_run(tuple(SECTIONS)), case)
 
 
-def test_collection_whole_batch_on_another_device_is_a_clear_error():
-    plan = S.Plan(seed=3, b=3, t=4, dtype=torch.float32, specials=(), rate=0.0, mask_kind="random")
-    case = whole_batch_on_meta(S.build_case(plan, LOGPROBS, ("response_mask", *MOE_FIELDS, "rewards")))
-    CASES["OPBCCollection(all sections)/meta"]["cases"] += 1
-    with pytest.raises(ValueError, match=r"`trainer_logprobs`.* are on meta but the states of .* are on cpu"):
-        _collection_run(tuple(SECTIONS))(case.batch)
-
-
 # -- the controller: step / evaluate, its trainer outputs, decisions and budget metrics -------------------
 CONTROLLER_OPTIONAL = ("response_mask", "policy_lag", *MOE_FIELDS, "rollout_token_ids", "trainer_token_ids")
 CONTROLLER_BUILDERS = {"group_ids": S.int_group_ids, "policy_lag": S.lag_or_number}
@@ -447,13 +439,18 @@ def test_fuzz_controller_step(data: st.DataObject):
     run_outcome("OPBCController.step", _controller_run(case), case)
 
 
-def test_controller_whole_batch_on_another_device_is_a_clear_error():
-    plan = S.Plan(seed=5, b=4, t=3, dtype=torch.float32, specials=(), rate=0.0, mask_kind="random")
-    case = whole_batch_on_meta(S.build_case(plan, (*LOGPROBS, "group_ids"), ("response_mask",),
-                                            builders=CONTROLLER_BUILDERS))
-    CASES["OPBCController.step/meta"]["cases"] += 1
-    with pytest.raises(ValueError, match=r"are on meta but the states of .* are on cpu"):
-        OPBCController().step(case.batch)
+@pytest.mark.parametrize("target,seed,fields,optional,run,match", [
+    ("OPBCCollection(all sections)", 3, LOGPROBS, ("response_mask", *MOE_FIELDS, "rewards"),
+     _collection_run(tuple(SECTIONS)), r"`trainer_logprobs`.* are on meta"),
+    ("OPBCController.step", 5, (*LOGPROBS, "group_ids"), ("response_mask",), lambda batch: OPBCController().step(batch),
+     "are on meta"),
+], ids=["collection", "controller"])
+def test_whole_batch_on_another_device_is_a_clear_error(target, seed, fields, optional, run, match):
+    plan = S.Plan(seed=seed, b=3, t=4, dtype=torch.float32, specials=(), rate=0.0, mask_kind="random")
+    case = whole_batch_on_meta(S.build_case(plan, fields, optional, builders=CONTROLLER_BUILDERS))
+    CASES[target + "/meta"]["cases"] += 1
+    with pytest.raises(ValueError, match=match + " but the states of .* are on cpu"):
+        run(case.batch)
 
 
 def _decisions(plan: S.Plan) -> Any:
@@ -534,11 +531,11 @@ def test_fuzz_trl_adapter_into_collection(data: st.DataObject, num_generations: 
     optional = ("tool_mask", "prompt_mask", "advantages")
     plan = data.draw(S.plans(fields + optional), label="plan")
     case = S.build_case(plan, fields, optional)
-    bad_argument = (num_generations is not None and not (isinstance(num_generations, int) and num_generations >= 1)) \
-        or (num_generations is not None and process_index < 0)
-    if bad_argument:  # an invalid argument is as hostile as an invalid field
-        case.hostile.add("num_generations" if not (isinstance(num_generations, int) and num_generations >= 1)
-                         else "process_index")
+    if num_generations is not None:  # an invalid argument is as hostile as an invalid field
+        if not (isinstance(num_generations, int) and num_generations >= 1):
+            case.hostile.add("num_generations")
+        elif process_index < 0:
+            case.hostile.add("process_index")
     CASES["trl_to_batch -> OPBCCollection"]["cases"] += 1
 
     def run(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
