@@ -81,10 +81,11 @@ def test_hand_computed_window():
     assert out["agent/trajectory/num_pairs"] == 3.0
 
 
-def test_divergence_kinds_in_order_of_precedence():
-    def traj(*steps):
-        return A.Trajectory([A.Step(c, calls) for c, calls in steps])
+def traj(*steps):
+    return A.Trajectory([A.Step(c, calls) for c, calls in steps])
 
+
+def test_divergence_kinds_in_order_of_precedence():
     base = traj(("a", [("f", '{"x": 1}')]), ("done", []))
     assert FA.first_divergence(base, traj(("a", [("g", '{"x": 1}')]), ("done", []))) == (0, "tool_choice")
     # Different tool AND different content: tool choice wins.
@@ -100,9 +101,6 @@ def test_divergence_kinds_in_order_of_precedence():
 
 
 def test_text_beside_the_same_tool_calls_is_not_a_divergence():
-    def traj(*steps):
-        return A.Trajectory([A.Step(c, calls) for c, calls in steps])
-
     a = traj(("Let me search for it.", [("search", '{"q": "x"}')]), ("It is 4", []))
     b = traj(("I will look this up", [("search", '{ "q":"x" }')]), ("it is  4", []))
     assert FA.first_divergence(a, b) is None

@@ -325,11 +325,11 @@ def bad_tokens(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, mask & ~torch.isfinite(t.to(dt) - r.to(dt))
 
 
-def _collection_run(sections: tuple[str, ...], members: Callable[[], list[OPBCMetric]] | None = None):
+def _collection_run(sections: tuple[str, ...], adapter: Callable[[Any], Any] = lambda batch: batch):
     def run(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        metrics = OPBCCollection(members()) if members else OPBCCollection(sections=sections)
-        with assert_no_host_sync():
-            metrics.update(batch)
+        metrics = OPBCCollection(sections=sections)
+        with assert_no_host_sync():  # neither the adapter nor the update
+            metrics.update(adapter(batch))
         return metrics.compute()
 
     return run
@@ -511,15 +511,13 @@ def test_fuzz_verl_adapter_into_collection(data: st.DataObject, wrap: bool):
     case = S.build_case(plan, fields, optional)
     CASES["verl_to_batch -> OPBCCollection"]["cases"] += 1
 
-    def run(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def adapter(batch: dict[str, Any]) -> dict[str, Any]:
         if wrap:
             uid = batch.get("uid")
             batch = FakeDataProto({k: v for k, v in batch.items() if k != "uid"}, {} if uid is None else {"uid": uid})
-        metrics = OPBCCollection(sections=ADAPTER_SECTIONS)
-        with assert_no_host_sync():
-            metrics.update(verl_to_batch(batch))
-        return metrics.compute()
+        return verl_to_batch(batch)
 
+    run = _collection_run(ADAPTER_SECTIONS, adapter)
     run_outcome("verl_to_batch -> OPBCCollection", run, case, aliases=VERL_ALIASES)
 
 
@@ -537,13 +535,8 @@ def test_fuzz_trl_adapter_into_collection(data: st.DataObject, num_generations: 
         elif process_index < 0:
             case.hostile.add("process_index")
     CASES["trl_to_batch -> OPBCCollection"]["cases"] += 1
-
-    def run(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        metrics = OPBCCollection(sections=ADAPTER_SECTIONS)
-        with assert_no_host_sync():
-            metrics.update(trl_to_batch(batch, num_generations=num_generations, process_index=process_index))
-        return metrics.compute()
-
+    run = _collection_run(ADAPTER_SECTIONS, lambda batch: trl_to_batch(
+        batch, num_generations=num_generations, process_index=process_index))
     run_outcome("trl_to_batch -> OPBCCollection", run, case, aliases=TRL_ALIASES)
 
 
