@@ -514,10 +514,6 @@ class Nested(list):
         p.text(repr(self))
 
 
-def nested(depth: int) -> Any:
-    return Nested(depth)
-
-
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
     st.binary(max_size=3), st.builds(Opaque), st.lists(st.integers(0, 3), max_size=2),
@@ -547,7 +543,7 @@ ARGUMENTS = weighted(
     (1, st.text(max_size=8)),  # often malformed JSON
     (1, st.sampled_from((None, "  ", b"{}", b"\xff"))),
     (1, st.builds(Opaque)),
-    (1, st.sampled_from((50, 5000)).map(nested)),  # deeply nested parsed arguments
+    (1, st.sampled_from((50, 5000)).map(Nested)),  # deeply nested parsed arguments
     (1, st.sampled_from((50, 5000)).map(lambda d: "[" * d + "]" * d)),  # deeply nested JSON text
 )
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=4)})

@@ -310,16 +310,11 @@ SEQUENCE_KEYS = (
 )
 
 
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """The documented compute dtype: float64 if either logprob tensor is, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def bad_tokens(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(response mask, non-finite response tokens)``: a token whose log ratio is not finite in the compute
-    dtype (NaN or infinite logprob on either side), independently of the library."""
+    """``(response mask, non-finite response tokens)``: a token whose log ratio is not finite in the documented
+    compute dtype (float64 if either side is, else float32), independently of the library."""
     t, r = batch["trainer_logprobs"], batch["rollout_logprobs"]
-    dt = compute_dtype(t, r)
+    dt = torch.float64 if torch.float64 in (t.dtype, r.dtype) else torch.float32
     mask = batch.get("response_mask")
     mask = torch.ones(t.shape, dtype=torch.bool) if mask is None else mask != 0
     return mask, mask & ~torch.isfinite(t.to(dt) - r.to(dt))
@@ -576,7 +571,7 @@ def _call(arguments: Any) -> list[dict[str, Any]]:
 
 @settings(max_examples=examples(120), suppress_health_check=[HealthCheck.too_slow])
 @given(pairs=S.TRAJECTORY_PAIRS)
-@example(pairs=[(_call(S.nested(5000)), _call("{}"))])  # parsed arguments nested past the recursion limit
+@example(pairs=[(_call(S.Nested(5000)), _call("{}"))])  # parsed arguments nested past the recursion limit
 @example(pairs=[(_call("[" * 5000 + "]" * 5000), _call(S.Opaque()))])  # nested JSON text; unserialisable value
 @example(pairs=[(_call({1: "a", "b": 2}), _call(float("nan")))])  # keys that do not sort; NaN
 def test_fuzz_agent_trajectory_pairs(pairs: Any):
