@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,18 +177,9 @@ def test_from_messages_reads_content_parts_function_call_and_skips_environment()
     assert A.Trajectory.from_messages([{"role": "assistant", "content": "x"}], final_answer="y").final_answer == "y"
 
 
-class _ClientMessage:
-    """Stands in for an OpenAI client object (pydantic): exposes model_dump()."""
-
-    def __init__(self, data):
-        self._data = data
-
-    def model_dump(self):
-        return dict(self._data)
-
-
 def test_client_objects_with_model_dump_are_accepted():
-    msgs = [_ClientMessage({"role": "assistant", "content": "hi", "tool_calls": None})]
+    # an OpenAI client object (pydantic) exposes model_dump()
+    msgs = [SimpleNamespace(model_dump=lambda: {"role": "assistant", "content": "hi", "tool_calls": None})]
     assert A.Trajectory.from_messages(msgs).final_answer == "hi"
 
 

@@ -8,6 +8,7 @@ import copy
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,15 +84,10 @@ def test_hand_computed_coverage():
 
 
 def test_client_objects_with_model_dump():
-    class Obj:
-        def __init__(self, data):
-            self._data = data
-
-        def model_dump(self):
-            return copy.deepcopy(self._data)
-
     data = load(FIXTURE_DIR / "vllm_chat_token_ids")
-    caps = E.probe_response(Obj(data["response"]), Obj(data["request"]))
+    response, request = (SimpleNamespace(model_dump=lambda d=data[k]: copy.deepcopy(d))
+                         for k in ("response", "request"))
+    caps = E.probe_response(response, request)  # OpenAI client objects (pydantic) expose model_dump()
     assert caps.flags() == {f: data["expected"][f] for f in FLAGS}
 
 
