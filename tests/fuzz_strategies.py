@@ -78,17 +78,9 @@ def plans(fields: tuple[str, ...], mutate: bool = True, max_b: int = 5, max_t: i
         mutation = None
         if mutate and draw(st.booleans()):
             mutation = (draw(st.sampled_from(fields)), draw(st.sampled_from(MUTATIONS)))
-        return Plan(
-            seed=draw(st.integers(0, 2**16)),
-            b=b,
-            t=t,
-            dtype=draw(st.sampled_from(FLOAT_DTYPES)),
-            specials=specials,
-            rate=rate,
-            mask_kind=draw(st.sampled_from(MASK_KINDS)),
-            layouts=layouts,
-            mutation=mutation,
-        )
+        return Plan(seed=draw(st.integers(0, 2**16)), b=b, t=t, dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+                    specials=specials, rate=rate, mask_kind=draw(st.sampled_from(MASK_KINDS)), layouts=layouts,
+                    mutation=mutation)
 
     return make()
 
@@ -460,17 +452,14 @@ def build_case(
         else:
             batch[name] = new
         mutated = name
-    hostile = {
-        k for k, v in plain.items()
-        if nonfinite_in(v) or (k in COUNT_FIELDS and negative_in(v)) or out_of_range(k, v)
-    }
+    hostile = {k for k, v in plain.items()
+               if nonfinite_in(v) or (k in COUNT_FIELDS and negative_in(v)) or out_of_range(k, v)}
     return Case(plan, batch, plain, mutated, hostile)
 
 
-COUNT_FIELDS = frozenset(
-    {"prompt_lengths", "response_lengths", "num_turns", "val_num_turns", "loss_tokens", "agent_generate_s",
-     "agent_tool_calls_s", "timing_s", "policy_lag", "rank_ids", "discard_reasons"}
-)
+COUNT_FIELDS = frozenset({"prompt_lengths", "response_lengths", "num_turns", "val_num_turns", "loss_tokens",
+                          "agent_generate_s", "agent_tool_calls_s", "timing_s", "policy_lag", "rank_ids",
+                          "discard_reasons"})
 
 
 def int_group_ids(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:

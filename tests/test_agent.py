@@ -246,21 +246,17 @@ def test_bad_input_names_the_field(pairs, field):
             metric.update(trajectory_pairs=pairs)
 
 
-def test_trajectory_without_steps_and_wrong_types_raise():
-    with pytest.raises(ValueError, match="steps"):
-        A.Trajectory(())
-    with pytest.raises(ValueError, match="no assistant message"):
-        A.Trajectory.from_messages([{"role": "user", "content": "hi"}])
-    with pytest.raises(ValueError, match=r"steps\[0\]"):
-        A.Trajectory(["not a step"])
-    with pytest.raises(ValueError, match="final_answer"):
-        A.Trajectory([A.Step("a")], final_answer=3)
-    with pytest.raises(ValueError, match="content"):
-        A.Step(content=3)
-    with pytest.raises(ValueError, match="name"):
-        A.ToolCall(3, "{}")
-    with pytest.raises(ValueError, match="arguments"):
-        A.ToolCall("f", {"not": object()})
-    with pytest.raises(ValueError, match="rollout"):
-        FA.tool_call_jaccard("text", [{"role": "assistant"}])
+@pytest.mark.parametrize("make, match", [
+    (lambda: A.Trajectory(()), "steps"),
+    (lambda: A.Trajectory.from_messages([{"role": "user", "content": "hi"}]), "no assistant message"),
+    (lambda: A.Trajectory(["not a step"]), r"steps\[0\]"),
+    (lambda: A.Trajectory([A.Step("a")], final_answer=3), "final_answer"),
+    (lambda: A.Step(content=3), "content"),
+    (lambda: A.ToolCall(3, "{}"), "name"),
+    (lambda: A.ToolCall("f", {"not": object()}), "arguments"),
+    (lambda: FA.tool_call_jaccard("text", [{"role": "assistant"}]), "rollout"),
+])
+def test_trajectory_without_steps_and_wrong_types_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
 
