@@ -255,7 +255,7 @@ def test_bad_input_names_the_field(pairs, field):
     (lambda: A.ToolCall(3, "{}"), "name"),
     (lambda: A.ToolCall("f", {"not": object()}), "arguments"),
     (lambda: FA.tool_call_jaccard("text", [{"role": "assistant"}]), "rollout"),
-])
+], ids=["no steps", "no assistant message", "not a step", "final_answer", "content", "name", "arguments", "pair"])
 def test_trajectory_without_steps_and_wrong_types_raise(make, match):
     with pytest.raises(ValueError, match=match):
         make()
