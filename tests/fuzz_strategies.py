@@ -29,20 +29,21 @@ SPECIALS = (NAN, INF, -INF, -9999.0, 1e4, -1e4, F32_MIN, 0.0)
 LAYOUTS = ("contiguous", "transposed", "strided", "expanded")
 MASK_KINDS = ("absent", "ones", "zeros", "random", "empty_rows", "first_row_only", "float", "int8")
 # Structural mutations of one field; the run must then raise a ValueError/TypeError naming that field or
-# accept the input and return finite values.
-MUTATIONS = (
-    "extra_dim",
-    "drop_dim",
-    "other_size",
-    "int_dtype",
-    "bool_dtype",
-    "float_dtype",
-    "complex_dtype",
-    "meta_device",
-    "as_list",
-    "as_string",
-    "none",
-)
+# accept the input and return finite values. A field that is not a tensor gets the type mutations (mutate).
+TENSOR_MUTATIONS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "extra_dim": lambda t: t[..., None],
+    "drop_dim": lambda t: t.sum(-1) if t.ndim else t.reshape(1),
+    "other_size": lambda t: torch.zeros([t.shape[0] + 1, *t.shape[1:]] if t.ndim else [2], dtype=t.dtype),
+    "int_dtype": lambda t: torch.nan_to_num(t.double(), nan=0.0, posinf=0.0, neginf=0.0).to(torch.int64),
+    "bool_dtype": lambda t: torch.nan_to_num(t.double(), nan=1.0) != 0,
+    "float_dtype": lambda t: t.to(torch.float32),
+    "complex_dtype": lambda t: t.to(torch.complex64),
+    "meta_device": lambda t: t.to("meta"),
+    "as_list": lambda t: t.tolist(),
+    "as_string": lambda t: "not a tensor",
+    "none": lambda t: None,
+}
+MUTATIONS = tuple(TENSOR_MUTATIONS)
 
 
 @dataclass
@@ -77,17 +78,9 @@ def plans(fields: tuple[str, ...], mutate: bool = True, max_b: int = 5, max_t: i
         mutation = None
         if mutate and draw(st.booleans()):
             mutation = (draw(st.sampled_from(fields)), draw(st.sampled_from(MUTATIONS)))
-        return Plan(
-            seed=draw(st.integers(0, 2**16)),
-            b=b,
-            t=t,
-            dtype=draw(st.sampled_from(FLOAT_DTYPES)),
-            specials=specials,
-            rate=rate,
-            mask_kind=draw(st.sampled_from(MASK_KINDS)),
-            layouts=layouts,
-            mutation=mutation,
-        )
+        return Plan(seed=draw(st.integers(0, 2**16)), b=b, t=t, dtype=draw(st.sampled_from(FLOAT_DTYPES)),
+                    specials=specials, rate=rate, mask_kind=draw(st.sampled_from(MASK_KINDS)), layouts=layouts,
+                    mutation=mutation)
 
     return make()
 
@@ -182,65 +175,32 @@ def apply_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 # -- structural mutations ---------------------------------------------------------------------------------
 def mutate(value: Any, kind: str) -> Any:
-    """One structural mutation of a field's value (tensors; other values get the type mutations only)."""
-    if kind == "none":
-        return None
-    if kind == "as_string":
-        return "not a tensor"
-    if not isinstance(value, torch.Tensor):
-        if kind == "as_list":
-            return [value]
-        if kind in ("int_dtype", "bool_dtype"):
-            return object()
-        return value
-    t = value
-    if kind == "extra_dim":
-        return t[..., None]
-    if kind == "drop_dim":
-        return t.sum(-1) if t.ndim else t.reshape(1)
-    if kind == "other_size":
-        shape = list(t.shape) or [1]
-        shape[0] += 1
-        return torch.zeros(shape, dtype=t.dtype)
-    if kind == "int_dtype":
-        return torch.nan_to_num(t.double(), nan=0.0, posinf=0.0, neginf=0.0).to(torch.int64)
-    if kind == "bool_dtype":
-        return torch.nan_to_num(t.double(), nan=1.0) != 0
-    if kind == "float_dtype":
-        return t.to(torch.float32)
-    if kind == "complex_dtype":
-        return t.to(torch.complex64)
-    if kind == "meta_device":
-        return t.to("meta")
-    if kind == "as_list":
-        return t.tolist()
-    raise AssertionError(kind)
+    """One structural mutation of a field's value (:data:`TENSOR_MUTATIONS`; other values: the type ones)."""
+    if isinstance(value, torch.Tensor) or kind in ("as_string", "none"):
+        return TENSOR_MUTATIONS[kind](value)
+    return {"as_list": [value], "int_dtype": object(), "bool_dtype": object()}.get(kind, value)
+
+
+def _holds(value: Any, tensor: Callable[[torch.Tensor], bool], number: Callable[[float], bool]) -> bool:
+    """Whether a field (a tensor, a number, nested lists or dict values of them) holds an entry that passes."""
+    if isinstance(value, torch.Tensor):
+        return value.device.type != "meta" and tensor(value)
+    if isinstance(value, (int, float)):
+        return number(value)
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(_holds(v, tensor, number) for v in value)
 
 
 def nonfinite_in(value: Any) -> bool:
-    """Whether a field holds a NaN/inf (tensors, numbers, nested lists, dict values)."""
-    if isinstance(value, torch.Tensor):
-        return value.device.type != "meta" and value.is_floating_point() and not bool(torch.isfinite(value).all())
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(nonfinite_in(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(nonfinite_in(v) for v in value)
-    return False
+    """Whether a field holds a NaN/inf."""
+    return _holds(value, lambda t: t.is_floating_point() and not bool(torch.isfinite(t).all()),
+                  lambda x: isinstance(x, float) and not math.isfinite(x))
 
 
 def negative_in(value: Any) -> bool:
     """Whether a field holds a negative number (for count fields)."""
-    if isinstance(value, torch.Tensor):
-        return value.device.type != "meta" and value.dtype != torch.bool and bool((value < 0).any())
-    if isinstance(value, (int, float)):
-        return value < 0
-    if isinstance(value, dict):
-        return any(negative_in(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(negative_in(v) for v in value)
-    return False
+    return _holds(value, lambda t: t.dtype != torch.bool and bool((t < 0).any()), lambda x: x < 0)
 
 
 def out_of_range(name: str, value: Any) -> bool:
@@ -249,31 +209,27 @@ def out_of_range(name: str, value: Any) -> bool:
     return limit is not None and isinstance(value, torch.Tensor) and bool((value >= limit).any())
 
 
-# -- field builders: name -> (plan, b, t) -> value --------------------------------------------------------
-Builder = Callable[[Plan, int, int], Any]
+# -- field builders: name -> (plan, name, b, t) -> value --------------------------------------------------
+Builder = Callable[[Plan, str, int, int], Any]
+Values = Callable[[Plan, str, tuple[int, ...]], np.ndarray]
 
 
-def _float_field(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str, dims: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        shape = {"bt": (b, t), "b": (b,), "b1": (b, 1), "b2": (b, 2), "bt3": (b, t, 3)}[dims]
+def floats(make: Values, dims: str) -> Builder:
+    """A float field of ``make``'s values shaped ``dims``; ``b|bt`` is [B] or [B, T], one choice per batch
+    (the [B] and [B, T] fields of one batch must agree: values with returns, ...)."""
+
+    def build(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+        if dims == "b|bt":
+            shape = (b, t) if plan.rng("ndim").random() < 0.5 else (b,)
+        else:
+            shape = {"bt": (b, t), "b": (b,), "b1": (b, 1), "b2": (b, 2), "bt3": (b, t, 3)}[dims]
         return to_tensor(make(plan, name, shape), plan.dtype)
 
     return build
 
 
-def _b_or_bt(make: Callable[[Plan, str, tuple[int, ...]], np.ndarray], name: str) -> Builder:
-    """A [B] or [B, T] float field (rewards, advantages, values, ...), chosen by the seed."""
-
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        # One choice per batch: [B] and [B, T] fields of one batch must agree (values with returns, ...).
-        shape = (b, t) if plan.rng("ndim").random() < 0.5 else (b,)
-        return to_tensor(make(plan, name, shape), plan.dtype)
-
-    return build
-
-
-def _counts(name: str, dtype: torch.dtype = torch.int64) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
+def _counts(dtype: torch.dtype = torch.int64) -> Builder:
+    def build(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
         x = counts(plan, name, (b,))
         return to_tensor(x, torch.float64 if nonfinite_or_fraction(x) else dtype)
 
@@ -284,7 +240,7 @@ def nonfinite_or_fraction(x: np.ndarray) -> bool:
     return bool(x.size) and not bool(np.all(np.isfinite(x)) and np.all(x == np.round(x)))
 
 
-def _group_ids(plan: Plan, b: int, t: int) -> Any:
+def _group_ids(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("group_ids")
     ids = rng.integers(0, max(1, b // 2 + 1), b)
     if rng.random() < 0.3:  # verl's uid strings
@@ -294,47 +250,31 @@ def _group_ids(plan: Plan, b: int, t: int) -> Any:
     return torch.from_numpy(ids)
 
 
-def _experts(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        rng = plan.rng("experts")  # both sides share a base so that some ids agree
-        base = rng.integers(0, 8, (b, t, 3, 2))
-        flip = plan.rng(name).random((b, t, 3, 2)) < 0.3
-        return torch.from_numpy(np.where(flip, plan.rng(name + "/ids").integers(0, 8, (b, t, 3, 2)), base))
-
-    return build
+def _experts(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    base = plan.rng("experts").integers(0, 8, (b, t, 3, 2))  # both sides share a base so that some ids agree
+    flip = plan.rng(name).random((b, t, 3, 2)) < 0.3
+    return torch.from_numpy(np.where(flip, plan.rng(name + "/ids").integers(0, 8, (b, t, 3, 2)), base))
 
 
-def _router_logits(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        return to_tensor(reals(plan, name, (b, t, 3, 4)), plan.dtype)
-
-    return build
+def _router_logits(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    return to_tensor(reals(plan, name, (b, t, 3, 4)), plan.dtype)
 
 
-def _token_ids(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        base = plan.rng("token_ids").integers(0, 50, (b, t))
-        other = plan.rng(name).integers(0, 50, (b, t))
-        return torch.from_numpy(np.where(plan.rng(name + "/x").random((b, t)) < 0.1, other, base))
-
-    return build
+def _token_ids(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    base = plan.rng("token_ids").integers(0, 50, (b, t))
+    other = plan.rng(name).integers(0, 50, (b, t))
+    return torch.from_numpy(np.where(plan.rng(name + "/x").random((b, t)) < 0.1, other, base))
 
 
-def _scalar(name: str) -> Builder:
+def _scalar(plan: Plan, name: str, b: int, t: int) -> Any:
     """A trainer scalar: a float, a 0-d tensor, a list, or a 1-D tensor (one per micro-batch)."""
-
-    def build(plan: Plan, b: int, t: int) -> Any:
-        x = with_specials(plan, name, plan.rng(name).normal(0.5, 1.0, (max(b, 1),)))
-        form = _scalar_form(plan)
-        if form == 0:
-            return float(x[0])
-        if form == 1:
-            return torch.tensor(float(x[0]), dtype=plan.dtype)
-        if form == 2:
-            return [float(v) for v in x]
-        return to_tensor(x, plan.dtype)
-
-    return build
+    x = with_specials(plan, name, plan.rng(name).normal(0.5, 1.0, (max(b, 1),)))
+    form = _scalar_form(plan)
+    if form == 0:
+        return float(x[0])
+    if form == 1:
+        return torch.tensor(float(x[0]), dtype=plan.dtype)
+    return [float(v) for v in x] if form == 2 else to_tensor(x, plan.dtype)
 
 
 def _scalar_form(plan: Plan) -> int:
@@ -342,13 +282,13 @@ def _scalar_form(plan: Plan) -> int:
     return int(plan.rng("scalar_form").integers(0, 4))
 
 
-def _loss_tokens(plan: Plan, b: int, t: int) -> Any:
+def _loss_tokens(plan: Plan, name: str, b: int, t: int) -> Any:
     """One weight per observation of the batch's trainer scalar."""
     w = [float(v) for v in counts(plan, "loss_tokens", (max(b, 1),))]
     return w if _scalar_form(plan) >= 2 else w[0]
 
 
-def _timing(plan: Plan, b: int, t: int) -> dict[str, Any]:
+def _timing(plan: Plan, name: str, b: int, t: int) -> dict[str, Any]:
     rng = plan.rng("timing")
     stages = ("gen", "step", "update_actor", "old_log_prob", "reward")
     out: dict[str, Any] = {s: float(rng.exponential(2.0)) for s in stages if rng.random() < 0.8}
@@ -357,7 +297,7 @@ def _timing(plan: Plan, b: int, t: int) -> dict[str, Any]:
     return out
 
 
-def _stop_reasons(plan: Plan, b: int, t: int) -> Any:
+def _stop_reasons(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("stop_reasons")
     form = rng.integers(0, 3)
     if form == 0:
@@ -367,14 +307,14 @@ def _stop_reasons(plan: Plan, b: int, t: int) -> Any:
     return torch.from_numpy(rng.random(b) < 0.5)
 
 
-def _discard_reasons(plan: Plan, b: int, t: int) -> Any:
+def _discard_reasons(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("discard_reasons")
     if rng.random() < 0.5:
         return [("max_async", "zero_advantage", None, "")[i] for i in rng.integers(0, 4, b)]
     return torch.from_numpy(rng.integers(0, 4 if plan.specials else 3, b))
 
 
-def _sample_metrics(plan: Plan, b: int, t: int) -> Any:
+def _sample_metrics(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("sample_metrics")
     cols = {n: to_tensor(reals(plan, "sample_metrics/" + n, (b,)), plan.dtype) for n in ("format", "tool_calls")}
     if rng.random() < 0.3:  # list of per-sample mappings (RewardResult.sample_metrics), some names missing
@@ -382,76 +322,90 @@ def _sample_metrics(plan: Plan, b: int, t: int) -> Any:
     return cols
 
 
-def _data_sources(plan: Plan, b: int, t: int) -> Any:
+def _data_sources(plan: Plan, name: str, b: int, t: int) -> Any:
     rng = plan.rng("data_sources")
     if rng.random() < 0.3:
         return "gsm8k"
     return [("gsm8k", "math")[i] for i in rng.integers(0, 2, b)]
 
 
-def _val(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        x = plan.rng(name).integers(0, 2, (b, 2)).astype(np.float64)
-        if name == "val_rewards":
-            x = plan.rng(name).normal(0.0, 1.0, (b, 2))
-        return to_tensor(with_specials(plan, name, x), plan.dtype)
-
-    return build
+def _val(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    x = plan.rng(name).integers(0, 2, (b, 2)).astype(np.float64)
+    if name == "val_rewards":
+        x = plan.rng(name).normal(0.0, 1.0, (b, 2))
+    return to_tensor(with_specials(plan, name, x), plan.dtype)
 
 
-def _val_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
-    return torch.from_numpy(plan.rng("val_mask").random((b, 2)) < 0.8)
+def _times(plan: Plan, name: str, b: int, t: int) -> Any:
+    x = with_specials(plan, name, plan.rng(name).exponential(1.0, (b,)))
+    return [float(v) for v in x] if plan.rng("form/" + name).random() < 0.5 else to_tensor(x, plan.dtype)
 
 
-def _rank_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
-    return torch.from_numpy(plan.rng("rank_ids").integers(0, 3 if plan.specials else 2, b))
+def _completion_mask(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    lengths = plan.rng(name).integers(0, t + 1, (b, 1))
+    return torch.from_numpy((np.arange(t)[None, :] < lengths).astype(np.int64))
 
 
-def _times(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> Any:
-        x = with_specials(plan, name, plan.rng(name).exponential(1.0, (b,)))
-        return [float(v) for v in x] if plan.rng("form/" + name).random() < 0.5 else to_tensor(x, plan.dtype)
+def _prompt_mask(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    return torch.from_numpy((np.arange(3)[None, :] >= plan.rng(name).integers(0, 4, (b, 1))).astype(np.int64))
 
-    return build
+
+def _attention_mask(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
+    """verl's [B, P + T] attention mask: left-padded prompt (P = 3), right-padded response."""
+    rng = plan.rng("attention_mask")
+    prompt = np.arange(3)[None, :] >= rng.integers(0, 4, (b, 1))
+    response = np.arange(t)[None, :] < rng.integers(0, t + 1, (b, 1))
+    return torch.from_numpy(np.concatenate([prompt, response], axis=1).astype(np.int64))
+
+
+def _uid(plan: Plan, name: str, b: int, t: int) -> Any:
+    rng = plan.rng("uid")
+    ids = [f"p-{i}" for i in rng.integers(0, max(1, b // 2 + 1), b)]
+    form = rng.integers(0, 3)
+    if form == 0:
+        return np.array(ids, dtype=object)
+    return ids if form == 1 else torch.from_numpy(rng.integers(0, 3, b))
+
+
+def _fields(names: str, build: Builder) -> dict[str, Builder]:
+    return dict.fromkeys(names.split(), build)
 
 
 BUILDERS: dict[str, Builder] = {
-    "response_mask": lambda plan, b, t: mask_values(plan, b, t),
+    "response_mask": lambda plan, name, b, t: mask_values(plan, b, t),
     "group_ids": _group_ids,
-    "policy_lag": lambda plan, b, t: to_tensor(counts(plan, "policy_lag", (b,), high=10), torch.float64),
-    "entropies": _float_field(lambda p, n, s: np.abs(reals(p, n, s)), "entropies", "bt"),
-    "logits": _float_field(reals, "logits", "bt3"),
-    "num_turns": _counts("num_turns", torch.int32),
-    "rank_ids": _rank_ids,
+    "policy_lag": lambda plan, name, b, t: to_tensor(counts(plan, name, (b,), high=10), torch.float64),
+    "entropies": floats(lambda p, n, s: np.abs(reals(p, n, s)), "bt"),
+    "logits": floats(reals, "bt3"),
+    "num_turns": _counts(torch.int32),
+    "rank_ids": lambda plan, name, b, t: torch.from_numpy(plan.rng(name).integers(0, 3 if plan.specials else 2, b)),
     "stop_reasons": _stop_reasons,
     "discard_reasons": _discard_reasons,
     "sample_metrics": _sample_metrics,
     "loss_tokens": _loss_tokens,
     "timing_s": _timing,
-    "policy_rejected_logps": _float_field(logprobs, "policy_rejected_logps", "b1"),
-    "val_num_turns": _float_field(lambda p, n, s: counts(p, n, s, high=6), "val_num_turns", "b2"),
-    "val_mask": _val_mask,
+    "policy_rejected_logps": floats(logprobs, "b1"),
+    "val_num_turns": floats(lambda p, n, s: counts(p, n, s, high=6), "b2"),
+    "val_mask": lambda plan, name, b, t: torch.from_numpy(plan.rng(name).random((b, 2)) < 0.8),
     "data_sources": _data_sources,
+    **_fields("trainer_logprobs rollout_logprobs policy_logprobs old_logprobs", floats(logprobs, "bt")),
+    **_fields("policy_chosen_logps reference_chosen_logps reference_rejected_logps", floats(logprobs, "b")),
+    **_fields("chosen_scores rejected_scores", floats(reals, "b")),
+    **_fields("rewards advantages values returns scores", floats(reals, "b|bt")),
+    **_fields("rollout_experts trainer_experts", _experts),
+    **_fields("rollout_router_logits trainer_router_logits", _router_logits),
+    **_fields("rollout_token_ids trainer_token_ids", _token_ids),
+    **_fields("prompt_lengths response_lengths", _counts()),
+    **_fields("agent_generate_s agent_tool_calls_s", _times),
+    **_fields("val_acc val_rewards", _val),
+    **_fields("actor_loss pg_loss entropy_loss kl_loss kl_coef actor_grad_norm actor_lr critic_loss critic_lr "
+              "rm_grad_norm", _scalar),
+    # framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs)
+    "responses": _token_ids, "attention_mask": _attention_mask, "uid": _uid,
+    "token_level_rewards": floats(reals, "bt"), "prompt_mask": _prompt_mask,
+    **_fields("old_log_probs rollout_log_probs old_per_token_logps sampling_per_token_logps", floats(logprobs, "bt")),
+    **_fields("completion_mask tool_mask", _completion_mask),
 }
-for _name in ("trainer_logprobs", "rollout_logprobs", "policy_logprobs", "old_logprobs"):
-    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
-for _name in ("policy_chosen_logps", "reference_chosen_logps", "reference_rejected_logps"):
-    BUILDERS[_name] = _float_field(logprobs, _name, "b")
-for _name in ("chosen_scores", "rejected_scores"):
-    BUILDERS[_name] = _float_field(reals, _name, "b")
-for _name in ("rewards", "advantages", "values", "returns", "scores"):
-    BUILDERS[_name] = _b_or_bt(reals, _name)
-for _name, _make in (("experts", _experts), ("router_logits", _router_logits), ("token_ids", _token_ids)):
-    BUILDERS["rollout_" + _name], BUILDERS["trainer_" + _name] = _make("rollout_" + _name), _make("trainer_" + _name)
-for _name in ("prompt_lengths", "response_lengths"):
-    BUILDERS[_name] = _counts(_name)
-for _name in ("agent_generate_s", "agent_tool_calls_s"):
-    BUILDERS[_name] = _times(_name)
-for _name in ("val_acc", "val_rewards"):
-    BUILDERS[_name] = _val(_name)
-for _name in ("actor_loss", "pg_loss", "entropy_loss", "kl_loss", "kl_coef", "actor_grad_norm", "actor_lr",
-              "critic_loss", "critic_lr", "rm_grad_norm"):
-    BUILDERS[_name] = _scalar(_name)
 
 
 # Optional fields that come in pairs (both sides or neither).
@@ -481,7 +435,7 @@ def build_case(
     for name in (*fields, *optional):
         if name in optional and plan.rng("present/" + PAIRED.get(name, name)).random() < 0.5:
             continue
-        value = make[name](plan, b, t)
+        value = make[name](plan, name, b, t)
         if value is None:
             continue
         if isinstance(value, torch.Tensor) and plan.layouts.get(name) == "expanded":
@@ -498,68 +452,25 @@ def build_case(
         else:
             batch[name] = new
         mutated = name
-    hostile = {
-        k for k, v in plain.items()
-        if nonfinite_in(v) or (k in COUNT_FIELDS and negative_in(v)) or out_of_range(k, v)
-    }
+    hostile = {k for k, v in plain.items()
+               if nonfinite_in(v) or (k in COUNT_FIELDS and negative_in(v)) or out_of_range(k, v)}
     return Case(plan, batch, plain, mutated, hostile)
 
 
-COUNT_FIELDS = frozenset(
-    {"prompt_lengths", "response_lengths", "num_turns", "val_num_turns", "loss_tokens", "agent_generate_s",
-     "agent_tool_calls_s", "timing_s", "policy_lag", "rank_ids", "discard_reasons"}
-)
+COUNT_FIELDS = frozenset({"prompt_lengths", "response_lengths", "num_turns", "val_num_turns", "loss_tokens",
+                          "agent_generate_s", "agent_tool_calls_s", "timing_s", "policy_lag", "rank_ids",
+                          "discard_reasons"})
 
 
-# -- framework adapters' own field names (verl DataProto, TRL GRPOTrainer inputs) -------------------------
-def _attention_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
-    """verl's [B, P + T] attention mask: left-padded prompt (P = 3), right-padded response."""
-    rng = plan.rng("attention_mask")
-    prompt = np.arange(3)[None, :] >= rng.integers(0, 4, (b, 1))
-    response = np.arange(t)[None, :] < rng.integers(0, t + 1, (b, 1))
-    return torch.from_numpy(np.concatenate([prompt, response], axis=1).astype(np.int64))
-
-
-def _uid(plan: Plan, b: int, t: int) -> Any:
-    rng = plan.rng("uid")
-    ids = [f"p-{i}" for i in rng.integers(0, max(1, b // 2 + 1), b)]
-    form = rng.integers(0, 3)
-    if form == 0:
-        return np.array(ids, dtype=object)
-    if form == 1:
-        return ids
-    return torch.from_numpy(rng.integers(0, 3, b))
-
-
-def _completion_mask(name: str) -> Builder:
-    def build(plan: Plan, b: int, t: int) -> torch.Tensor:
-        lengths = plan.rng(name).integers(0, t + 1, (b, 1))
-        return torch.from_numpy((np.arange(t)[None, :] < lengths).astype(np.int64))
-
-    return build
-
-
-def _prompt_mask(plan: Plan, b: int, t: int) -> torch.Tensor:
-    return torch.from_numpy((np.arange(3)[None, :] >= plan.rng("prompt_mask").integers(0, 4, (b, 1))).astype(np.int64))
-
-
-BUILDERS.update({"responses": _token_ids("responses"), "attention_mask": _attention_mask, "uid": _uid,
-                 "token_level_rewards": _float_field(reals, "token_level_rewards", "bt"), "prompt_mask": _prompt_mask})
-for _name in ("old_log_probs", "rollout_log_probs", "old_per_token_logps", "sampling_per_token_logps"):
-    BUILDERS[_name] = _float_field(logprobs, _name, "bt")
-for _name in ("completion_mask", "tool_mask"):
-    BUILDERS[_name] = _completion_mask(_name)
-
-
-def int_group_ids(plan: Plan, b: int, t: int) -> torch.Tensor:
+def int_group_ids(plan: Plan, name: str, b: int, t: int) -> torch.Tensor:
     """Integer group ids (the controller's contract: a [B] integer tensor), some huge or negative."""
-    ids = _group_ids(plan, b, t)
+    ids = _group_ids(plan, name, b, t)
     if isinstance(ids, list):
         return torch.tensor([int(x.split("-")[1]) for x in ids], dtype=torch.int64)
     return ids
 
 
-def lag_or_number(plan: Plan, b: int, t: int) -> Any:
+def lag_or_number(plan: Plan, name: str, b: int, t: int) -> Any:
     """``policy_lag``: a [B] tensor (with specials) or one number for the batch."""
     x = counts(plan, "policy_lag", (b,), high=10)
     if plan.rng("lag_form").random() < 0.3:
@@ -592,10 +503,6 @@ class Nested(list):
         p.text(repr(self))
 
 
-def nested(depth: int) -> Any:
-    return Nested(depth)
-
-
 JUNK = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
     st.binary(max_size=3), st.builds(Opaque), st.lists(st.integers(0, 3), max_size=2),
@@ -625,7 +532,7 @@ ARGUMENTS = weighted(
     (1, st.text(max_size=8)),  # often malformed JSON
     (1, st.sampled_from((None, "  ", b"{}", b"\xff"))),
     (1, st.builds(Opaque)),
-    (1, st.sampled_from((50, 5000)).map(nested)),  # deeply nested parsed arguments
+    (1, st.sampled_from((50, 5000)).map(Nested)),  # deeply nested parsed arguments
     (1, st.sampled_from((50, 5000)).map(lambda d: "[" * d + "]" * d)),  # deeply nested JSON text
 )
 TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=4)})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -81,10 +82,11 @@ def test_hand_computed_window():
     assert out["agent/trajectory/num_pairs"] == 3.0
 
 
-def test_divergence_kinds_in_order_of_precedence():
-    def traj(*steps):
-        return A.Trajectory([A.Step(c, calls) for c, calls in steps])
+def traj(*steps):
+    return A.Trajectory([A.Step(c, calls) for c, calls in steps])
 
+
+def test_divergence_kinds_in_order_of_precedence():
     base = traj(("a", [("f", '{"x": 1}')]), ("done", []))
     assert FA.first_divergence(base, traj(("a", [("g", '{"x": 1}')]), ("done", []))) == (0, "tool_choice")
     # Different tool AND different content: tool choice wins.
@@ -100,9 +102,6 @@ def test_divergence_kinds_in_order_of_precedence():
 
 
 def test_text_beside_the_same_tool_calls_is_not_a_divergence():
-    def traj(*steps):
-        return A.Trajectory([A.Step(c, calls) for c, calls in steps])
-
     a = traj(("Let me search for it.", [("search", '{"q": "x"}')]), ("It is 4", []))
     b = traj(("I will look this up", [("search", '{ "q":"x" }')]), ("it is  4", []))
     assert FA.first_divergence(a, b) is None
@@ -178,18 +177,9 @@ def test_from_messages_reads_content_parts_function_call_and_skips_environment()
     assert A.Trajectory.from_messages([{"role": "assistant", "content": "x"}], final_answer="y").final_answer == "y"
 
 
-class _ClientMessage:
-    """Stands in for an OpenAI client object (pydantic): exposes model_dump()."""
-
-    def __init__(self, data):
-        self._data = data
-
-    def model_dump(self):
-        return dict(self._data)
-
-
 def test_client_objects_with_model_dump_are_accepted():
-    msgs = [_ClientMessage({"role": "assistant", "content": "hi", "tool_calls": None})]
+    # an OpenAI client object (pydantic) exposes model_dump()
+    msgs = [SimpleNamespace(model_dump=lambda: {"role": "assistant", "content": "hi", "tool_calls": None})]
     assert A.Trajectory.from_messages(msgs).final_answer == "hi"
 
 
@@ -256,21 +246,17 @@ def test_bad_input_names_the_field(pairs, field):
             metric.update(trajectory_pairs=pairs)
 
 
-def test_trajectory_without_steps_and_wrong_types_raise():
-    with pytest.raises(ValueError, match="steps"):
-        A.Trajectory(())
-    with pytest.raises(ValueError, match="no assistant message"):
-        A.Trajectory.from_messages([{"role": "user", "content": "hi"}])
-    with pytest.raises(ValueError, match=r"steps\[0\]"):
-        A.Trajectory(["not a step"])
-    with pytest.raises(ValueError, match="final_answer"):
-        A.Trajectory([A.Step("a")], final_answer=3)
-    with pytest.raises(ValueError, match="content"):
-        A.Step(content=3)
-    with pytest.raises(ValueError, match="name"):
-        A.ToolCall(3, "{}")
-    with pytest.raises(ValueError, match="arguments"):
-        A.ToolCall("f", {"not": object()})
-    with pytest.raises(ValueError, match="rollout"):
-        FA.tool_call_jaccard("text", [{"role": "assistant"}])
+@pytest.mark.parametrize("make, match", [
+    (lambda: A.Trajectory(()), "steps"),
+    (lambda: A.Trajectory.from_messages([{"role": "user", "content": "hi"}]), "no assistant message"),
+    (lambda: A.Trajectory(["not a step"]), r"steps\[0\]"),
+    (lambda: A.Trajectory([A.Step("a")], final_answer=3), "final_answer"),
+    (lambda: A.Step(content=3), "content"),
+    (lambda: A.ToolCall(3, "{}"), "name"),
+    (lambda: A.ToolCall("f", {"not": object()}), "arguments"),
+    (lambda: FA.tool_call_jaccard("text", [{"role": "assistant"}]), "rollout"),
+], ids=["no steps", "no assistant message", "not a step", "final_answer", "content", "name", "arguments", "pair"])
+def test_trajectory_without_steps_and_wrong_types_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
 

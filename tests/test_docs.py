@@ -31,17 +31,15 @@ def test_doctests(name):
     assert result.failed == 0, f"{result.failed} doctest(s) failed in {name}"
 
 
+def _subclasses(cls: type) -> set[type]:
+    return {c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))}
+
+
 def _all_metric_classes() -> list[type]:
     for name in _modules():
         importlib.import_module(name)
-    seen, todo = [], [OPBCMetric]
-    while todo:
-        cls = todo.pop()
-        for sub in cls.__subclasses__():
-            if sub not in seen:
-                seen.append(sub)
-                todo.append(sub)
-    return [c for c in seen if c.keys and c.__module__.startswith("opbc_metrics") and not c.__name__.startswith("_")]
+    return [c for c in _subclasses(OPBCMetric)
+            if c.keys and c.__module__.startswith("opbc_metrics") and not c.__name__.startswith("_")]
 
 
 def test_every_public_metric_has_a_four_field_glossary_entry():

@@ -8,6 +8,7 @@ import copy
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ from opbc_metrics.functional import endpoint as FE
 from tests.data import exchange_lists, split_exchanges
 from tests.reference import ENDPOINT_KEYS, FLAGS, endpoint_reference, ref_flags
 
-FIXTURES = sorted((Path(__file__).parent / "fixtures" / "endpoint").glob("*.json"))
+FIXTURE_DIR = Path(__file__).parent / "fixtures" / "endpoint"
+FIXTURES = sorted(FIXTURE_DIR.glob("*.json"))
 
 
 def load(path):
-    return json.loads(Path(path).read_text())
+    return json.loads(Path(path).with_suffix(".json").read_text())
 
 
 def assert_window(out, expected, keys=ENDPOINT_KEYS):
@@ -39,7 +41,7 @@ def test_fixtures_cover_each_format():
     names = {p.stem for p in FIXTURES}
     assert {"openai_chat_logprobs", "openai_completions_legacy_logprobs", "openai_chat_no_logprobs",
             "vllm_chat_token_ids", "vllm_completions_token_ids"} <= names
-    assert (Path(__file__).parent / "fixtures" / "endpoint" / "README.md").exists()
+    assert (FIXTURE_DIR / "README.md").exists()
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=lambda p: p.stem)
@@ -67,8 +69,8 @@ def test_coverage_over_fixtures():
 
 
 def test_hand_computed_coverage():
-    vllm_chat = load(FIXTURES[[p.stem for p in FIXTURES].index("vllm_chat_token_ids")])
-    openai_chat = load(FIXTURES[[p.stem for p in FIXTURES].index("openai_chat_logprobs")])
+    vllm_chat = load(FIXTURE_DIR / "vllm_chat_token_ids")
+    openai_chat = load(FIXTURE_DIR / "openai_chat_logprobs")
     m = OPBCCollection(sections=["endpoint"])
     # vLLM: ids yes, seed no (null fingerprint); OpenAI: ids no, seed yes. Two of each plus one OpenAI.
     m.update(endpoint_responses=[vllm_chat["response"]] * 2, endpoint_requests=vllm_chat["request"])
@@ -82,15 +84,10 @@ def test_hand_computed_coverage():
 
 
 def test_client_objects_with_model_dump():
-    class Obj:
-        def __init__(self, data):
-            self._data = data
-
-        def model_dump(self):
-            return copy.deepcopy(self._data)
-
-    data = load(FIXTURES[[p.stem for p in FIXTURES].index("vllm_chat_token_ids")])
-    caps = E.probe_response(Obj(data["response"]), Obj(data["request"]))
+    data = load(FIXTURE_DIR / "vllm_chat_token_ids")
+    response, request = (SimpleNamespace(model_dump=lambda d=data[k]: copy.deepcopy(d))
+                         for k in ("response", "request"))
+    caps = E.probe_response(response, request)  # OpenAI client objects (pydantic) expose model_dump()
     assert caps.flags() == {f: data["expected"][f] for f in FLAGS}
 
 
@@ -108,7 +105,7 @@ def test_top_logprobs_need_alternatives_at_every_position():
 
 
 def test_multiple_choices_need_the_capability_in_every_choice():
-    data = load(FIXTURES[[p.stem for p in FIXTURES].index("vllm_completions_token_ids")])
+    data = load(FIXTURE_DIR / "vllm_completions_token_ids")
     resp = copy.deepcopy(data["response"])
     second = copy.deepcopy(resp["choices"][0])
     second.update(index=1, token_ids=None, logprobs=None)

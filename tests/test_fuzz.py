@@ -43,7 +43,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-import opbc_metrics
+import opbc_metrics as M
 from opbc_metrics import OPBCCollection, OPBCController
 from opbc_metrics.collection import SECTIONS
 from opbc_metrics.controller import Action
@@ -52,9 +52,9 @@ from opbc_metrics.glossary import public_metrics
 from opbc_metrics.integrations.trl import trl_to_batch
 from opbc_metrics.integrations.verl import verl_to_batch
 from opbc_metrics.metric import OPBCMetric
-from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.testing import assert_no_host_sync
 from tests import fuzz_strategies as S
+from tests.verl_data import FakeDataProto
 
 # -- bookkeeping: generated cases per target --------------------------------------------------------------
 CASES: dict[str, Counter] = defaultdict(Counter)
@@ -153,11 +153,48 @@ def whole_batch_on_meta(case: S.Case) -> S.Case:
     return S.Case(case.plan, batch, case.plain, "*", case.hostile)
 
 
-# -- targets: every public metric class -------------------------------------------------------------------
+# -- targets: every public metric class, its fields read from the class ----------------------------------
 LOGPROBS = ("trainer_logprobs", "rollout_logprobs")
-MASK = ("response_mask",)
-PPO = ("policy_logprobs", "old_logprobs")
 DPO = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
+AGENT_CLASSES = (M.ToolCallJaccard, M.FirstDivergenceStep, M.AnswerMatchRate, M.ToolChoiceDisagreementRate,
+                 M.SoftAnswerMatch, M.TrajectoryStepCounts)
+ENDPOINT_CLASSES = (M.TokenIdsCoverage, M.SampledLogprobsCoverage, M.TopLogprobsCoverage, M.SeedSupportCoverage,
+                    M.EndpointResponseCount)
+MAPPING_CLASSES = {M.LRSchedulerState}  # a mapping field: fuzzed in test_fuzz_lr_scheduler_state
+BUDGET_CLASSES = {M.DecisionGroupShare, M.DecisionTokenShare, M.DecisionReasonCount, M.CorrectionTokenShare}
+NOT_TENSOR_TARGETS = {*AGENT_CLASSES, *ENDPOINT_CLASSES, *MAPPING_CLASSES, *BUDGET_CLASSES}  # own strategies below
+# Per-token fields: a metric reading one also reads an optional response_mask.
+TOKEN_FIELDS = {*LOGPROBS, "rollout_experts", "rollout_router_logits", "rewards", "advantages", "entropies", "logits",
+                "policy_logprobs", "values", "returns", "scores"}
+LENGTHS = ("prompt_lengths", "response_lengths")
+# Classes that need settings, and second configurations of some (name -> factory).
+SETTINGS: dict[str, Callable[[], OPBCMetric]] = {
+    "TopGradientMass(exact)": lambda: M.TopGradientMass(exact=True),
+    "PerRoundMismatch": lambda: M.PerRoundMismatch(capacity=2),
+    "RouterFlipRate": lambda: M.RouterFlipRate(num_layers=2),
+    "RouterFlipRate(logits)": lambda: M.RouterFlipRate(num_layers=2, top_k=2),
+    "RouterSetDisagreement(logits)": lambda: M.RouterSetDisagreement(top_k=2),
+    "SampleMetricStats": lambda: M.SampleMetricStats(["format", "tool_calls"]),
+    "PolicyEntropy(logits)": lambda: M.PolicyEntropy(from_logits=True),
+    "ResponseLength": lambda: M.ResponseLength(max_response_length=30),
+    "PromptLength": lambda: M.PromptLength(max_prompt_length=30),
+    "GlobalSeqlen": lambda: M.GlobalSeqlen(world_size=2, max_seqlen=64),
+    "StageTiming": lambda: M.StageTiming(world_size=1),
+    "Throughput": lambda: M.Throughput(world_size=1),
+    "ModelFlopsUtilization": lambda: M.ModelFlopsUtilization(
+        TransformerFlops(active_params=1e9, num_layers=2, attention_dim=64), peak_flops=1e12, world_size=1),
+    "AgentLoopSlowest": lambda: M.AgentLoopSlowest(world_size=1),
+    "ValidationAccuracy": lambda: M.ValidationAccuracy(["gsm8k", "math"], n_samples=2),
+    "ValidationReward": lambda: M.ValidationReward(["gsm8k", "math"], n_samples=2),
+}
+# Optional fields beyond response_mask (and a loss's weight field), by target name.
+OPTIONAL = {
+    "RouterFlipRate(logits)": ("rollout_experts",), "RouterSetDisagreement(logits)": ("trainer_experts",),
+    "DiscardedRolloutStats": ("group_ids", "stop_reasons"), "GlobalSeqlen": ("rank_ids",),
+    "StageTiming": LENGTHS, "Throughput": LENGTHS, "ModelFlopsUtilization": LENGTHS,
+    "AgentLoopTiming": ("agent_tool_calls_s",), "AgentLoopSlowest": ("agent_tool_calls_s", *LENGTHS),
+    "ValidationAccuracy": ("val_mask",), "ValidationReward": ("val_mask",), "ValidationTurns": ("val_mask",),
+}
 
 
 @dataclass
@@ -166,105 +203,32 @@ class Target:
     make: Callable[[], OPBCMetric]
     fields: tuple[str, ...]
     optional: tuple[str, ...] = ()
-    examples: int = 12
 
     def __repr__(self) -> str:
         return self.name
 
 
-def _flops_metric() -> OPBCMetric:
-    flops = TransformerFlops(active_params=1e9, num_layers=2, attention_dim=64)
-    return opbc_metrics.ModelFlopsUtilization(flops, peak_flops=1e12, world_size=1)
+def target(name: str, make: Callable[[], OPBCMetric]) -> Target:
+    """The fields a metric declares (``required_fields``; the timing metrics read ``timing_s``), and its
+    optional ones: ``response_mask`` next to a per-token field, a loss's weight field, :data:`OPTIONAL`."""
+    metric = make()
+    fields = tuple(metric.required_fields) or ("timing_s",)
+    optional = ("response_mask",) if TOKEN_FIELDS & set(fields) else ()
+    optional += tuple(filter(None, [getattr(metric, "weight_field", None)])) + OPTIONAL.get(name, ())
+    return Target(name, make, fields, optional)
 
 
-def tensor_targets() -> list[Target]:
-    m = opbc_metrics
-    out = [Target(c.__name__, c, LOGPROBS, MASK) for c in MISMATCH_METRICS]
-    out += [
-        Target("TopGradientMass(exact)", lambda: m.TopGradientMass(exact=True), LOGPROBS, MASK),
-        Target("PerRoundMismatch", lambda: m.PerRoundMismatch(capacity=2), LOGPROBS, MASK),
-        Target("RouterFlipRate", lambda: m.RouterFlipRate(num_layers=2), ("rollout_experts", "trainer_experts"), MASK),
-        Target("RouterSetDisagreement", m.RouterSetDisagreement, ("rollout_experts", "trainer_experts"), MASK),
-        Target("RouterFlipRate(logits)", lambda: m.RouterFlipRate(num_layers=2, top_k=2),
-               ("rollout_router_logits", "trainer_router_logits"), ("response_mask", "rollout_experts")),
-        Target("RouterSetDisagreement(logits)", lambda: m.RouterSetDisagreement(top_k=2),
-               ("rollout_router_logits", "trainer_router_logits"), ("response_mask", "trainer_experts")),
-        # rollout section
-        Target("RolloutRewardStats", m.RolloutRewardStats, ("rewards",), MASK),
-        Target("RolloutAdvantageStats", m.RolloutAdvantageStats, ("advantages",), MASK),
-        Target("PromptTokenStats", m.PromptTokenStats, ("prompt_lengths",)),
-        Target("CompletionTokenStats", m.CompletionTokenStats, ("response_lengths",)),
-        Target("TotalTokenStats", m.TotalTokenStats, ("prompt_lengths", "response_lengths")),
-        Target("RolloutRewardGini", m.RolloutRewardGini, ("rewards", "group_ids"), MASK),
-        Target("CompletionLengthGini", m.CompletionLengthGini, ("response_lengths", "group_ids")),
-        Target("CompletionLengthMaxMedianRatio", m.CompletionLengthMaxMedianRatio, ("response_lengths", "group_ids")),
-        Target("CompletionLengthCV", m.CompletionLengthCV, ("response_lengths", "group_ids")),
-        Target("OffPolicySteps", m.OffPolicySteps, ("policy_lag",)),
-        Target("DiscardedRolloutStats", m.DiscardedRolloutStats, ("discard_reasons", "response_lengths"),
-               ("group_ids", "stop_reasons")),
-        Target("StopReasonLengthPct", m.StopReasonLengthPct, ("stop_reasons",)),
-        Target("DiscardedRollouts", m.DiscardedRollouts, ("discard_reasons",)),
-        Target("SampleMetricStats", lambda: m.SampleMetricStats(["format", "tool_calls"]),
-               ("sample_metrics", "group_ids")),
-        # training section
-        Target("PolicyEntropy", m.PolicyEntropy, ("entropies",), MASK),
-        Target("PolicyEntropy(logits)", lambda: m.PolicyEntropy(from_logits=True), ("logits",), MASK),
-        Target("PPOKL", m.PPOKL, PPO, MASK),
-        Target("ApproxKL", m.ApproxKL, PPO, MASK),
-        Target("PolicyClipFraction", m.PolicyClipFraction, (*PPO, "advantages"), MASK),
-        Target("ValueStats", m.ValueStats, ("values",), MASK),
-        Target("ReturnStats", m.ReturnStats, ("returns",), MASK),
-        Target("AdvantageStats", m.AdvantageStats, ("advantages",), MASK),
-        Target("RewardStats", m.RewardStats, ("rewards",), MASK),
-        Target("ScoreStats", m.ScoreStats, ("scores",), MASK),
-        Target("ExplainedVariance", m.ExplainedVariance, ("values", "returns"), MASK),
-        Target("ResponseLength", lambda: m.ResponseLength(max_response_length=30), ("response_lengths",)),
-        Target("PromptLength", lambda: m.PromptLength(max_prompt_length=30), ("prompt_lengths",)),
-        Target("AbortedRatio", m.AbortedRatio, ("response_lengths",)),
-        Target("NumTurns", m.NumTurns, ("num_turns",)),
-        Target("GlobalSeqlen", lambda: m.GlobalSeqlen(world_size=2, max_seqlen=64),
-               ("prompt_lengths", "response_lengths"), ("rank_ids",)),
-        Target("StageTiming", lambda: m.StageTiming(world_size=1), ("timing_s",),
-               ("prompt_lengths", "response_lengths")),
-        Target("Throughput", lambda: m.Throughput(world_size=1), ("timing_s",), ("prompt_lengths", "response_lengths")),
-        Target("ModelFlopsUtilization", _flops_metric, ("timing_s",), ("prompt_lengths", "response_lengths")),
-        Target("AgentLoopTiming", m.AgentLoopTiming, ("agent_generate_s",), ("agent_tool_calls_s",)),
-        Target("AgentLoopSlowest", lambda: m.AgentLoopSlowest(world_size=1), ("agent_generate_s",),
-               ("agent_tool_calls_s", "prompt_lengths", "response_lengths")),
-        Target("DPOMetrics", m.DPOMetrics, DPO),
-        Target("RewardModelMetrics", m.RewardModelMetrics, ("chosen_scores", "rejected_scores")),
-        Target("ValidationAccuracy", lambda: m.ValidationAccuracy(["gsm8k", "math"], n_samples=2),
-               ("val_acc", "data_sources"), ("val_mask",)),
-        Target("ValidationReward", lambda: m.ValidationReward(["gsm8k", "math"], n_samples=2),
-               ("val_rewards", "data_sources"), ("val_mask",)),
-        Target("ValidationTurns", m.ValidationTurns, ("val_num_turns",), ("val_mask",)),
-    ]
-    for cls, name in ((m.ActorLoss, "actor_loss"), (m.PolicyGradientLoss, "pg_loss"),
-                      (m.EntropyLoss, "entropy_loss"), (m.KLLoss, "kl_loss"), (m.CriticLoss, "critic_loss")):
-        out.append(Target(cls.__name__, cls, (name,), ("loss_tokens",)))
-    for cls, name in ((m.KLCoef, "kl_coef"), (m.ActorGradNorm, "actor_grad_norm"), (m.ActorLR, "actor_lr"),
-                      (m.CriticLR, "critic_lr"), (m.RMGradNorm, "rm_grad_norm")):
-        out.append(Target(cls.__name__, cls, (name,)))
-    return out
-
-
-TENSOR_TARGETS = tensor_targets()
-HOST_DATA_CLASSES = {  # fuzzed with their own strategies below
-    opbc_metrics.ToolCallJaccard, opbc_metrics.FirstDivergenceStep, opbc_metrics.AnswerMatchRate,
-    opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.SoftAnswerMatch, opbc_metrics.TrajectoryStepCounts,
-    opbc_metrics.TokenIdsCoverage, opbc_metrics.SampledLogprobsCoverage,
-    opbc_metrics.TopLogprobsCoverage, opbc_metrics.SeedSupportCoverage, opbc_metrics.EndpointResponseCount,
-}
-MAPPING_CLASSES = {opbc_metrics.LRSchedulerState}  # a mapping field: fuzzed in test_fuzz_lr_scheduler_state
-BUDGET_CLASSES = {opbc_metrics.DecisionGroupShare, opbc_metrics.DecisionTokenShare, opbc_metrics.DecisionReasonCount,
-                  opbc_metrics.CorrectionTokenShare}
+TENSOR_TARGETS = [target(c.__name__, SETTINGS.get(c.__name__, c)) for c in public_metrics()
+                  if c not in NOT_TENSOR_TARGETS]
+TENSOR_TARGETS += [target(name, make) for name, make in SETTINGS.items() if "(" in name]
 
 
 def test_every_public_metric_class_is_a_fuzz_target():
-    covered = {type(t.make()) for t in TENSOR_TARGETS} | HOST_DATA_CLASSES | BUDGET_CLASSES | MAPPING_CLASSES
+    covered = {type(t.make()) for t in TENSOR_TARGETS} | NOT_TENSOR_TARGETS
     missing = sorted(c.__name__ for c in public_metrics() if c not in covered)
     assert not missing, f"public metric classes without a fuzz target: {missing}"
-
+    unbuilt = {t.name: f for t in TENSOR_TARGETS for f in t.fields + t.optional if f not in S.BUILDERS}
+    assert not unbuilt, f"fields without a builder in tests/fuzz_strategies.py: {unbuilt}"
 
 _JUNK = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10), st.text(max_size=3), st.none(),
@@ -277,7 +241,7 @@ _JUNK = st.one_of(
 @given(state=st.one_of(st.dictionaries(st.sampled_from(["last_lr", "step", "other"]), _JUNK, max_size=3), _JUNK))
 def test_fuzz_lr_scheduler_state(state):
     """A clear error naming `lr_scheduler`, or finite values."""
-    metric = opbc_metrics.LRSchedulerState(names=("last_lr", "step"))
+    metric = M.LRSchedulerState(names=("last_lr", "step"))
     CASES["LRSchedulerState"]["cases"] += 1
     try:
         with assert_no_host_sync():
@@ -346,26 +310,21 @@ SEQUENCE_KEYS = (
 )
 
 
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """The documented compute dtype: float64 if either logprob tensor is, else float32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 def bad_tokens(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(response mask, non-finite response tokens)``: a token whose log ratio is not finite in the compute
-    dtype (NaN or infinite logprob on either side), independently of the library."""
+    """``(response mask, non-finite response tokens)``: a token whose log ratio is not finite in the documented
+    compute dtype (float64 if either side is, else float32), independently of the library."""
     t, r = batch["trainer_logprobs"], batch["rollout_logprobs"]
-    dt = compute_dtype(t, r)
+    dt = torch.float64 if torch.float64 in (t.dtype, r.dtype) else torch.float32
     mask = batch.get("response_mask")
     mask = torch.ones(t.shape, dtype=torch.bool) if mask is None else mask != 0
     return mask, mask & ~torch.isfinite(t.to(dt) - r.to(dt))
 
 
-def _collection_run(sections: tuple[str, ...], members: Callable[[], list[OPBCMetric]] | None = None):
+def _collection_run(sections: tuple[str, ...], adapter: Callable[[Any], Any] = lambda batch: batch):
     def run(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        metrics = OPBCCollection(members()) if members else OPBCCollection(sections=sections)
-        with assert_no_host_sync():
-            metrics.update(batch)
+        metrics = OPBCCollection(sections=sections)
+        with assert_no_host_sync():  # neither the adapter nor the update
+            metrics.update(adapter(batch))
         return metrics.compute()
 
     return run
@@ -380,7 +339,7 @@ def test_fuzz_collection_default_sections_counts_nonfinite_without_poisoning(dat
     plan = data.draw(S.plans((*LOGPROBS, "response_mask", *MOE_FIELDS)), label="plan")
     case = S.build_case(plan, LOGPROBS, ("response_mask", *MOE_FIELDS))
     CASES["OPBCCollection(default)"]["cases"] += 1
-    run = _collection_run(opbc_metrics.collection.DEFAULT_SECTIONS)
+    run = _collection_run(M.collection.DEFAULT_SECTIONS)
     if run_outcome("OPBCCollection(default)", run, case) is None or case.mutated is not None:
         return
     out = run(case.plain)  # the reference twins below are contiguous too: results must be bit-identical
@@ -419,14 +378,6 @@ def test_fuzz_collection_every_section(data: st.DataObject):
     case = S.build_case(plan, LOGPROBS, ALL_OPTIONAL)
     CASES["OPBCCollection(all sections)"]["cases"] += 1
     run_outcome("OPBCCollection(all sections)", _collection_run(tuple(SECTIONS)), case)
-
-
-def test_collection_whole_batch_on_another_device_is_a_clear_error():
-    plan = S.Plan(seed=3, b=3, t=4, dtype=torch.float32, specials=(), rate=0.0, mask_kind="random")
-    case = whole_batch_on_meta(S.build_case(plan, LOGPROBS, ("response_mask", *MOE_FIELDS, "rewards")))
-    CASES["OPBCCollection(all sections)/meta"]["cases"] += 1
-    with pytest.raises(ValueError, match=r"`trainer_logprobs`.* are on meta but the states of .* are on cpu"):
-        _collection_run(tuple(SECTIONS))(case.batch)
 
 
 # -- the controller: step / evaluate, its trainer outputs, decisions and budget metrics -------------------
@@ -483,13 +434,18 @@ def test_fuzz_controller_step(data: st.DataObject):
     run_outcome("OPBCController.step", _controller_run(case), case)
 
 
-def test_controller_whole_batch_on_another_device_is_a_clear_error():
-    plan = S.Plan(seed=5, b=4, t=3, dtype=torch.float32, specials=(), rate=0.0, mask_kind="random")
-    case = whole_batch_on_meta(S.build_case(plan, (*LOGPROBS, "group_ids"), ("response_mask",),
-                                            builders=CONTROLLER_BUILDERS))
-    CASES["OPBCController.step/meta"]["cases"] += 1
-    with pytest.raises(ValueError, match=r"are on meta but the states of .* are on cpu"):
-        OPBCController().step(case.batch)
+@pytest.mark.parametrize("target,seed,fields,optional,run,match", [
+    ("OPBCCollection(all sections)", 3, LOGPROBS, ("response_mask", *MOE_FIELDS, "rewards"),
+     _collection_run(tuple(SECTIONS)), r"`trainer_logprobs`.* are on meta"),
+    ("OPBCController.step", 5, (*LOGPROBS, "group_ids"), ("response_mask",), lambda batch: OPBCController().step(batch),
+     "are on meta"),
+], ids=["collection", "controller"])
+def test_whole_batch_on_another_device_is_a_clear_error(target, seed, fields, optional, run, match):
+    plan = S.Plan(seed=seed, b=3, t=4, dtype=torch.float32, specials=(), rate=0.0, mask_kind="random")
+    case = whole_batch_on_meta(S.build_case(plan, fields, optional, builders=CONTROLLER_BUILDERS))
+    CASES[target + "/meta"]["cases"] += 1
+    with pytest.raises(ValueError, match=match + " but the states of .* are on cpu"):
+        run(case.batch)
 
 
 def _decisions(plan: S.Plan) -> Any:
@@ -541,13 +497,6 @@ TRL_ALIASES = {
 }
 
 
-class FakeDataProto:
-    """verl.protocol.DataProto's layout: ``batch`` (a TensorDict: a mapping) and ``non_tensor_batch``."""
-
-    def __init__(self, batch: dict[str, Any], non_tensor_batch: dict[str, Any]) -> None:
-        self.batch, self.non_tensor_batch, self.meta_info = batch, non_tensor_batch, {}
-
-
 @settings(max_examples=examples(60), suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), wrap=st.booleans())
 def test_fuzz_verl_adapter_into_collection(data: st.DataObject, wrap: bool):
@@ -557,15 +506,13 @@ def test_fuzz_verl_adapter_into_collection(data: st.DataObject, wrap: bool):
     case = S.build_case(plan, fields, optional)
     CASES["verl_to_batch -> OPBCCollection"]["cases"] += 1
 
-    def run(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def adapter(batch: dict[str, Any]) -> dict[str, Any]:
         if wrap:
             uid = batch.get("uid")
             batch = FakeDataProto({k: v for k, v in batch.items() if k != "uid"}, {} if uid is None else {"uid": uid})
-        metrics = OPBCCollection(sections=ADAPTER_SECTIONS)
-        with assert_no_host_sync():
-            metrics.update(verl_to_batch(batch))
-        return metrics.compute()
+        return verl_to_batch(batch)
 
+    run = _collection_run(ADAPTER_SECTIONS, adapter)
     run_outcome("verl_to_batch -> OPBCCollection", run, case, aliases=VERL_ALIASES)
 
 
@@ -577,30 +524,18 @@ def test_fuzz_trl_adapter_into_collection(data: st.DataObject, num_generations: 
     optional = ("tool_mask", "prompt_mask", "advantages")
     plan = data.draw(S.plans(fields + optional), label="plan")
     case = S.build_case(plan, fields, optional)
-    bad_argument = (num_generations is not None and not (isinstance(num_generations, int) and num_generations >= 1)) \
-        or (num_generations is not None and process_index < 0)
-    if bad_argument:  # an invalid argument is as hostile as an invalid field
-        case.hostile.add("num_generations" if not (isinstance(num_generations, int) and num_generations >= 1)
-                         else "process_index")
+    if num_generations is not None:  # an invalid argument is as hostile as an invalid field
+        if not (isinstance(num_generations, int) and num_generations >= 1):
+            case.hostile.add("num_generations")
+        elif process_index < 0:
+            case.hostile.add("process_index")
     CASES["trl_to_batch -> OPBCCollection"]["cases"] += 1
-
-    def run(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        metrics = OPBCCollection(sections=ADAPTER_SECTIONS)
-        with assert_no_host_sync():
-            metrics.update(trl_to_batch(batch, num_generations=num_generations, process_index=process_index))
-        return metrics.compute()
-
+    run = _collection_run(ADAPTER_SECTIONS, lambda batch: trl_to_batch(
+        batch, num_generations=num_generations, process_index=process_index))
     run_outcome("trl_to_batch -> OPBCCollection", run, case, aliases=TRL_ALIASES)
 
 
 # -- host-data metrics: agent trajectories and endpoint responses -----------------------------------------
-AGENT_CLASSES = (opbc_metrics.ToolCallJaccard, opbc_metrics.FirstDivergenceStep, opbc_metrics.AnswerMatchRate,
-                 opbc_metrics.ToolChoiceDisagreementRate, opbc_metrics.SoftAnswerMatch,
-                 opbc_metrics.TrajectoryStepCounts)
-ENDPOINT_CLASSES = (opbc_metrics.TokenIdsCoverage, opbc_metrics.SampledLogprobsCoverage,
-                    opbc_metrics.TopLogprobsCoverage, opbc_metrics.SeedSupportCoverage,
-                    opbc_metrics.EndpointResponseCount)
-
 
 def _host_outcome(target: str, classes: tuple[type[OPBCMetric], ...], batch: dict[str, Any], fields: list[str]):
     """Every class of a host-data section, and the section inside a collection, on one batch: all raise
@@ -636,7 +571,7 @@ def _call(arguments: Any) -> list[dict[str, Any]]:
 
 @settings(max_examples=examples(120), suppress_health_check=[HealthCheck.too_slow])
 @given(pairs=S.TRAJECTORY_PAIRS)
-@example(pairs=[(_call(S.nested(5000)), _call("{}"))])  # parsed arguments nested past the recursion limit
+@example(pairs=[(_call(S.Nested(5000)), _call("{}"))])  # parsed arguments nested past the recursion limit
 @example(pairs=[(_call("[" * 5000 + "]" * 5000), _call(S.Opaque()))])  # nested JSON text; unserialisable value
 @example(pairs=[(_call({1: "a", "b": 2}), _call(float("nan")))])  # keys that do not sort; NaN
 def test_fuzz_agent_trajectory_pairs(pairs: Any):
@@ -661,7 +596,7 @@ def test_fuzz_endpoint_responses(responses: Any, data: st.DataObject):
                          ids=["junk body", "string seed", "bool seed", "not a body", "too many"])
 def test_a_bad_request_body_is_named_as_such(requests: Any):
     with pytest.raises(ValueError, match=r"`endpoint_requests"):
-        opbc_metrics.SeedSupportCoverage().update(endpoint_responses=[_CHAT], endpoint_requests=requests)
+        M.SeedSupportCoverage().update(endpoint_responses=[_CHAT], endpoint_requests=requests)
     _endpoint_case([_CHAT], requests)
 
 
@@ -672,7 +607,7 @@ def _endpoint_case(responses: Any, requests: Any) -> None:
 
 
 # -- regression cases: one per bug the fuzzer found (each failed before its fix) --------------------------
-F32_MIN = torch.finfo(torch.float32).min
+NAN, INF, F32_MIN = S.NAN, S.INF, S.F32_MIN
 
 
 def test_float32_minimum_sentinel_keeps_mismatch_values_finite():
@@ -711,15 +646,15 @@ def test_perplexity_ratio_of_a_sentinel_is_finite_and_capped():
     stays finite, and equals mean exp(d_i) below the cap (e.g. d_i = 30, beyond the clamp C = 20)."""
     t = torch.tensor([[-9999.0, -1.0], [-1.0, -2.0], [-61.0, -1.0]], dtype=torch.float64)
     r = torch.tensor([[-1.0, -1.0], [-1.5, -2.0], [-1.0, -1.0]], dtype=torch.float64)
-    out = opbc_metrics.functional.perplexity_gap(t, r)
+    out = M.functional.perplexity_gap(t, r)
     d = [(-1.0 - 1.0) / 2 - (-9999.0 - 1.0) / 2, (-1.5 - 2.0) / 2 - (-1.0 - 2.0) / 2, 30.0]  # 4999, -0.25, 30
     expected = (math.exp(600.0) + math.exp(d[1]) + math.exp(d[2])) / 3
     assert out["opbc/ppl/ratio"].item() == pytest.approx(expected, rel=1e-12)
     assert out["opbc/ppl/log_ppl_diff"].item() == pytest.approx(sum(d) / 3, rel=1e-12)
 
 
-@pytest.mark.parametrize("cls,field", [(opbc_metrics.KLCoef, "kl_coef"), (opbc_metrics.ActorLoss, "actor_loss"),
-                                       (opbc_metrics.RMGradNorm, "rm_grad_norm")])
+@pytest.mark.parametrize("cls,field", [(M.KLCoef, "kl_coef"), (M.ActorLoss, "actor_loss"),
+                                       (M.RMGradNorm, "rm_grad_norm")])
 def test_non_finite_trainer_scalar_tensors_are_counted_not_averaged(cls, field):
     """A NaN 0-d or 1-D tensor scalar came out as a NaN mean; host values were already refused."""
     metric = cls()
@@ -736,23 +671,19 @@ def test_non_finite_trainer_scalar_tensors_are_counted_not_averaged(cls, field):
 @pytest.mark.parametrize(
     "make,batch,bad",
     [
-        (opbc_metrics.DPOMetrics, {f: torch.zeros(2) for f in DPO} | {"reference_rejected_logps":
-                                                                    torch.tensor([0.0, float("nan")])},
-         "reference_rejected_logps"),
-        (opbc_metrics.RewardModelMetrics, {"chosen_scores": torch.zeros(2),
-                                           "rejected_scores": torch.tensor([float("inf"), 0.0])}, "rejected_scores"),
-        (opbc_metrics.PPOKL, {"policy_logprobs": torch.zeros(1, 2),
-                              "old_logprobs": torch.tensor([[0.0, float("nan")]])}, "old_logprobs"),
-        (opbc_metrics.PolicyClipFraction, {"policy_logprobs": torch.zeros(1, 2), "old_logprobs": torch.zeros(1, 2),
-                                           "advantages": torch.tensor([float("nan")])}, "advantages"),
-        (opbc_metrics.ExplainedVariance, {"returns": torch.zeros(1, 2), "values": torch.tensor([[0.0, float("nan")]])},
-         "values"),
-        (opbc_metrics.AgentLoopTiming, {"agent_generate_s": [1.0], "agent_tool_calls_s": torch.tensor([-1.0])},
+        (M.DPOMetrics, {f: torch.zeros(2) for f in DPO} | {DPO[3]: torch.tensor([0.0, NAN])}, DPO[3]),
+        (M.RewardModelMetrics, {"chosen_scores": torch.zeros(2), "rejected_scores": torch.tensor([INF, 0.0])},
+         "rejected_scores"),
+        (M.PPOKL, {"policy_logprobs": torch.zeros(1, 2), "old_logprobs": torch.tensor([[0.0, NAN]])}, "old_logprobs"),
+        (M.PolicyClipFraction, {"policy_logprobs": torch.zeros(1, 2), "old_logprobs": torch.zeros(1, 2),
+                                "advantages": torch.tensor([NAN])}, "advantages"),
+        (M.ExplainedVariance, {"returns": torch.zeros(1, 2), "values": torch.tensor([[0.0, NAN]])}, "values"),
+        (M.AgentLoopTiming, {"agent_generate_s": [1.0], "agent_tool_calls_s": torch.tensor([-1.0])},
          "agent_tool_calls_s"),
-        (lambda: opbc_metrics.GlobalSeqlen(world_size=1), {"prompt_lengths": torch.tensor([-3]),
-                                                           "response_lengths": torch.tensor([2])}, "prompt_lengths"),
+        (lambda: M.GlobalSeqlen(world_size=1), {"prompt_lengths": torch.tensor([-3]),
+                                                "response_lengths": torch.tensor([2])}, "prompt_lengths"),
         # negative tensor loss weights are counted
-        (opbc_metrics.ActorLoss, {"actor_loss": torch.tensor([1.0, 2.0]), "loss_tokens": torch.tensor([3.0, -1.0])},
+        (M.ActorLoss, {"actor_loss": torch.tensor([1.0, 2.0]), "loss_tokens": torch.tensor([3.0, -1.0])},
          "actor_loss`, `loss_tokens"),
     ],
 )
@@ -765,56 +696,50 @@ def test_a_count_shared_by_several_fields_names_them_all(make, batch, bad):
 
 
 META = torch.device("meta")
+ONES2, ONES23, ZEROS12 = torch.ones(2), torch.ones(2, 3), torch.zeros(1, 2)
 
 
 @pytest.mark.parametrize(
     "make,batch,match",
-    [(make, batch, rf"`{field}` is on meta") for make, batch, field in [
-        (opbc_metrics.PolicyEntropy, {"entropies": torch.ones(2, 3), "response_mask": torch.ones(2, 3, device=META)},
-         "response_mask"),
-        (opbc_metrics.RewardStats, {"rewards": torch.ones(2, 3), "response_mask": torch.ones(2, 3, device=META)},
-         "response_mask"),
-        (opbc_metrics.PolicyClipFraction, {"policy_logprobs": torch.zeros(1, 2), "old_logprobs": torch.zeros(1, 2),
-                                           "advantages": torch.zeros(1, device=META)}, "advantages"),
-        (opbc_metrics.DPOMetrics, {f: torch.zeros(2) for f in DPO} | {DPO[2]: torch.zeros(2, device=META)}, DPO[2]),
-        (opbc_metrics.ActorLoss, {"actor_loss": torch.ones(2), "loss_tokens": torch.ones(2, device=META)},
-         "loss_tokens"),
-        (lambda: opbc_metrics.ValidationAccuracy(["a"]), {"val_acc": torch.ones(2), "data_sources": "a",
-                                                          "val_mask": torch.ones(2, device=META)}, "val_mask"),
-        (opbc_metrics.ValidationTurns, {"val_num_turns": torch.ones(2), "val_mask": torch.ones(2, device=META)},
-         "val_mask"),
-        (lambda: opbc_metrics.GlobalSeqlen(world_size=2),
-         {"prompt_lengths": torch.ones(2), "response_lengths": torch.ones(2),
-          "rank_ids": torch.zeros(2, dtype=torch.long, device=META)}, "rank_ids"),
-        (opbc_metrics.TotalTokenStats, {"prompt_lengths": torch.ones(2),
-                                        "response_lengths": torch.ones(2, device=META)}, "response_lengths"),
-        (opbc_metrics.AgentLoopTiming, {"agent_generate_s": torch.ones(2),
-                                        "agent_tool_calls_s": torch.ones(2, device=META)}, "agent_tool_calls_s"),
+    # each batch with its one field `name` moved to meta
+    [(make, {**batch, name: batch[name].to(META)}, rf"`{name}` is on meta") for make, batch, name in [
+        (M.PolicyEntropy, {"entropies": ONES23, "response_mask": ONES23}, "response_mask"),
+        (M.RewardStats, {"rewards": ONES23, "response_mask": ONES23}, "response_mask"),
+        (M.PolicyClipFraction, {"policy_logprobs": ZEROS12, "old_logprobs": ZEROS12, "advantages": torch.zeros(1)},
+         "advantages"),
+        (M.DPOMetrics, {f: torch.zeros(2) for f in DPO}, DPO[2]),
+        (M.ActorLoss, {"actor_loss": ONES2, "loss_tokens": ONES2}, "loss_tokens"),
+        (lambda: M.ValidationAccuracy(["a"]), {"val_acc": ONES2, "data_sources": "a", "val_mask": ONES2}, "val_mask"),
+        (M.ValidationTurns, {"val_num_turns": ONES2, "val_mask": ONES2}, "val_mask"),
+        (lambda: M.GlobalSeqlen(world_size=2), {"prompt_lengths": ONES2, "response_lengths": ONES2,
+                                                "rank_ids": torch.zeros(2, dtype=torch.long)}, "rank_ids"),
+        (M.TotalTokenStats, {"prompt_lengths": ONES2, "response_lengths": ONES2}, "response_lengths"),
+        (M.AgentLoopTiming, {"agent_generate_s": ONES2, "agent_tool_calls_s": ONES2}, "agent_tool_calls_s"),
     ]] + [
         # an IndexError (sum of an empty list) when only the optional tool-call times were given
-        (opbc_metrics.AgentLoopTiming, {"agent_tool_calls_s": [1.0]}, r"`agent_generate_s` is required"),
+        (M.AgentLoopTiming, {"agent_tool_calls_s": [1.0]}, r"`agent_generate_s` is required"),
         # a tensor inside a per-sample mapping raised torch's 'only one element tensors...' (and float() of a
         # device tensor is a host sync)
-        (lambda: opbc_metrics.SampleMetricStats(["format"], group_gini=False),
+        (lambda: M.SampleMetricStats(["format"], group_gini=False),
          {"sample_metrics": [{"format": torch.tensor([1.0, 2.0])}]},
          r"`sample_metrics`\[0\]\['format'\] must be a number"),
-        (lambda: opbc_metrics.ValidationAccuracy(["a"]), {"val_acc": torch.ones(2), "data_sources": ["a"]},
+        (lambda: M.ValidationAccuracy(["a"]), {"val_acc": ONES2, "data_sources": ["a"]},
          r"`data_sources` has 1 entries but `val_acc` has 2 prompts"),
     ] + [(make, batch, r"are on meta but the states of") for make, batch in [
         # host lists next to device tensors go to the tensors' device (no field-versus-field device error); the
         # only refusal left is the whole batch being elsewhere than the metric's states
-        (opbc_metrics.PolicyEntropy, {"entropies": [[0.5, 1.0]], "response_mask": torch.ones(1, 2, device=META)}),
-        (opbc_metrics.PPOKL, {"policy_logprobs": [[-1.0, -2.0]], "old_logprobs": torch.zeros(1, 2, device=META)}),
-        (opbc_metrics.ExplainedVariance, {"values": [[1.0, 2.0]], "returns": torch.ones(1, 2, device=META)}),
-        (opbc_metrics.DPOMetrics, {DPO[0]: torch.zeros(2, device=META), DPO[1]: [0.0, 1.0], DPO[2]: [0.0, 0.0],
-                                   DPO[3]: [1.0, 0.0]}),
-        (opbc_metrics.ActorLoss, {"actor_loss": torch.ones(2, device=META), "loss_tokens": [3, 4]}),
-        (lambda: opbc_metrics.ValidationAccuracy(["a"], n_samples=2),
+        (M.PolicyEntropy, {"entropies": [[0.5, 1.0]], "response_mask": torch.ones(1, 2, device=META)}),
+        (M.PPOKL, {"policy_logprobs": [[-1.0, -2.0]], "old_logprobs": torch.zeros(1, 2, device=META)}),
+        (M.ExplainedVariance, {"values": [[1.0, 2.0]], "returns": torch.ones(1, 2, device=META)}),
+        (M.DPOMetrics, {DPO[0]: torch.zeros(2, device=META), DPO[1]: [0.0, 1.0], DPO[2]: [0.0, 0.0],
+                        DPO[3]: [1.0, 0.0]}),
+        (M.ActorLoss, {"actor_loss": torch.ones(2, device=META), "loss_tokens": [3, 4]}),
+        (lambda: M.ValidationAccuracy(["a"], n_samples=2),
          {"val_acc": [[1.0, 0.0]], "data_sources": "a", "val_mask": torch.ones(1, 2, device=META)}),
-        (opbc_metrics.ValidationTurns, {"val_num_turns": torch.ones(1, 2, device=META), "val_mask": [[1, 0]]}),
-        (lambda: opbc_metrics.GlobalSeqlen(world_size=1),
+        (M.ValidationTurns, {"val_num_turns": torch.ones(1, 2, device=META), "val_mask": [[1, 0]]}),
+        (lambda: M.GlobalSeqlen(world_size=1),
          {"prompt_lengths": [3, 4], "response_lengths": torch.ones(2, device=META)}),
-        (opbc_metrics.AgentLoopTiming, {"agent_generate_s": torch.ones(2, device=META), "agent_tool_calls_s": [1, 2]}),
+        (M.AgentLoopTiming, {"agent_generate_s": torch.ones(2, device=META), "agent_tool_calls_s": [1, 2]}),
     ]],
 )
 def test_a_bad_field_is_a_clear_error_at_update(make, batch, match):
@@ -858,8 +783,7 @@ def test_verl_token_rewards_are_summed_without_float32_overflow():
     assert out["rewards"].item() == pytest.approx(3 * F32_MIN)
 
 
-@pytest.mark.parametrize("cls,field", [(opbc_metrics.ValidationAccuracy, "val_acc"),
-                                       (opbc_metrics.ValidationReward, "val_rewards")])
+@pytest.mark.parametrize("cls,field", [(M.ValidationAccuracy, "val_acc"), (M.ValidationReward, "val_rewards")])
 def test_non_finite_validation_values_are_counted(cls, field):
     """NaN validation scores were dropped silently (neither used nor counted)."""
     metric = cls(["a"], n_samples=2)

@@ -12,6 +12,7 @@ people to write, so the same graph with them included must be acyclic too.
 from __future__ import annotations
 
 import ast
+import graphlib
 import subprocess
 import sys
 from pathlib import Path
@@ -34,12 +35,6 @@ def module_files() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST, lazy: bool) -> list[ast.Import | ast.ImportFrom]:
     """Import statements that run at import time (``lazy``: also those inside functions)."""
     found: list[ast.Import | ast.ImportFrom] = []
@@ -50,7 +45,7 @@ def _imports(tree: ast.AST, lazy: bool) -> list[ast.Import | ast.ImportFrom]:
                 found.append(child)
             elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not lazy:
                 continue
-            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            elif isinstance(child, ast.If) and ast.unparse(child.test).split(".")[-1] == "TYPE_CHECKING":
                 for stmt in child.orelse:
                     visit(ast.Module(body=[stmt], type_ignores=[]))
             else:
@@ -90,29 +85,11 @@ def import_graph(lazy: bool = False) -> dict[str, set[str]]:
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle as a path ``[a, b, ..., a]``, or None."""
-    state: dict[str, int] = {}  # 1 on the stack, 2 done
-    stack: list[str] = []
-
-    def dfs(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt) :], nxt]
-            if nxt not in state:
-                found = dfs(nxt)
-                if found:
-                    return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = dfs(node)
-            if found:
-                return found
+    """One cycle as a path ``[a, b, ..., a]`` (``a`` imports ``b``), or None."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()  # a node's set holds its predecessors: the path comes reversed
+    except graphlib.CycleError as err:
+        return err.args[1][::-1]
     return None
 
 

@@ -4,7 +4,6 @@ independently (plain Python loops over the fixture's construction parameters).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,28 +15,10 @@ from opbc_metrics.integrations._common import ids_to_group_ids
 from opbc_metrics.integrations.trl import trl_to_batch
 from opbc_metrics.integrations.verl import verl_to_batch
 from opbc_metrics.testing import assert_no_host_sync
-from tests.verl_data import VerlStep, verl_step
+from tests.verl_data import FakeDataProto, FakeTensorDict, VerlStep, verl_step
 
 
 # -- verl fixture --------------------------------------------------------------------------------
-class FakeTensorDict(dict):
-    """The parts of tensordict.TensorDict the adapter may touch: mapping access and ``batch_size``."""
-
-    def __init__(self, data: dict[str, torch.Tensor], batch_size: list[int]) -> None:
-        super().__init__(data)
-        self.batch_size = torch.Size(batch_size)
-
-
-@dataclass
-class FakeDataProto:
-    """verl.protocol.DataProto's layout: ``batch`` (TensorDict), ``non_tensor_batch`` (dict of numpy
-    arrays), ``meta_info`` (dict)."""
-
-    batch: FakeTensorDict
-    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
-    meta_info: dict[str, Any] = field(default_factory=dict)
-
-
 def make_verl_case(seed: int = 0) -> VerlStep:
     """6 rows (3 prompts, 2 rollouts each) of 7 response tokens, row 1 empty, rewards without a KL penalty, in
     a fake DataProto."""
@@ -45,11 +26,6 @@ def make_verl_case(seed: int = 0) -> VerlStep:
                      dtype=torch.float64)
     step.data = FakeDataProto(FakeTensorDict(step.tensors, [6]), step.non_tensors, {"global_steps": 1})
     return step
-
-
-def expected_group_ids(uids: list[str]) -> list[int]:
-    first_seen: dict[str, int] = {}
-    return [first_seen.setdefault(u, len(first_seen)) for u in uids]
 
 
 def assert_same_values(got: dict, want: dict) -> None:
@@ -64,15 +40,13 @@ def test_verl_dataproto_maps_every_field():
     assert out["trainer_logprobs"] is case.data.batch["old_log_probs"]
     assert out["rollout_logprobs"] is case.data.batch["rollout_log_probs"]
     assert out["response_mask"] is case.data.batch["response_mask"]  # the agent-loop mask wins
-    assert out["group_ids"].tolist() == expected_group_ids(case.uids)
+    assert out["group_ids"].tolist() == [list(dict.fromkeys(case.uids)).index(u) for u in case.uids]  # first seen
     assert out["group_ids"].dtype == torch.int64
     assert out["prompt_lengths"].tolist() == case.prompt_lengths
     assert out["response_lengths"].tolist() == case.response_lengths
     assert out["rewards"].tolist() == case.rewards
     assert out["advantages"] is case.data.batch["advantages"]
-    for row, (start, end) in enumerate(case.tool_spans):
-        for j in range(start, end):
-            assert out["response_mask"][row, j] == 0
+    assert all(not out["response_mask"][row, start:end].any() for row, (start, end) in enumerate(case.tool_spans))
 
 
 def test_verl_derives_response_mask_from_attention_mask_like_compute_response_mask():
@@ -97,11 +71,8 @@ def test_verl_collection_values_equal_a_schema_batch_built_by_hand():
     by_adapter, by_hand = OPBCCollection(), OPBCCollection()
     with assert_no_host_sync():  # neither the adapter nor the update
         by_adapter.update(verl_to_batch(case.data))
-    mask = torch.zeros(6, 7, dtype=torch.int64)
-    for i, length in enumerate(case.response_lengths):
-        for j in range(length):
-            if not case.tool_spans[i][0] <= j < case.tool_spans[i][1]:
-                mask[i, j] = 1
+    mask = torch.tensor([[int(j < length and not start <= j < end) for j in range(7)]
+                         for length, (start, end) in zip(case.response_lengths, case.tool_spans)])
     by_hand.update(trainer_logprobs=case.data.batch["old_log_probs"].clone(),
                    rollout_logprobs=case.data.batch["rollout_log_probs"].clone(), response_mask=mask)
     assert_same_values(by_adapter.compute(), by_hand.compute())
@@ -164,12 +135,14 @@ def test_trl_inputs_map_every_field_with_global_group_ids():
     assert trl_to_batch(inputs, group_ids=["a", "a", "b", "b", "c", "c"])["group_ids"].tolist() == [0, 0, 1, 1, 2, 2]
 
 
+def trl_loss_mask(completion_lengths: list[int]) -> list[list[int]]:
+    """Completion tokens outside the tool span (tokens 1 and 2), as TRL's loss masks them."""
+    return [[int(j < c and not 1 <= j < 3) for j in range(6)] for c in completion_lengths]
+
+
 def test_trl_tool_mask_is_combined_like_trls_loss():
     inputs, _, completion_lengths = make_trl_inputs(tools=True, seed=1)
-    out = trl_to_batch(inputs, num_generations=2)
-    for i, c in enumerate(completion_lengths):
-        want = [1 if (j < c and not 1 <= j < 3) else 0 for j in range(6)]
-        assert out["response_mask"][i].int().tolist() == want
+    assert trl_to_batch(inputs, num_generations=2)["response_mask"].int().tolist() == trl_loss_mask(completion_lengths)
 
 
 def test_trl_collection_values_equal_a_schema_batch_built_by_hand():
@@ -177,7 +150,7 @@ def test_trl_collection_values_equal_a_schema_batch_built_by_hand():
     by_adapter, by_hand = OPBCCollection(), OPBCCollection()
     with assert_no_host_sync():
         by_adapter.update(trl_to_batch(inputs, num_generations=3))
-    mask = torch.tensor([[1 if (j < c and not 1 <= j < 3) else 0 for j in range(6)] for c in completion_lengths])
+    mask = torch.tensor(trl_loss_mask(completion_lengths))
     by_hand.update(trainer_logprobs=inputs["old_per_token_logps"].clone(),
                    rollout_logprobs=inputs["sampling_per_token_logps"].clone(), response_mask=mask)
     got = by_adapter.compute()

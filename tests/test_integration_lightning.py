@@ -93,6 +93,13 @@ class MemoryLogger(Logger):
         return [(step, m) for step, m in self.records if f"opbc/is/ess{suffix}" in m]
 
 
+def assert_windows(rows: list[tuple[int, dict[str, float]]], steps: list[int], samples: list, size: int = 4) -> None:
+    """``(step, values)`` rows logged at ``steps``; row i equals a fresh collection on samples [size i, size (i+1))."""
+    assert [step for step, _ in rows] == steps
+    for i, (_, logged) in enumerate(rows):
+        assert_close(logged, reference(samples[size * i : size * (i + 1)]))
+
+
 def make_trainer(callbacks: OPBCCallback | list, logger: Logger, epochs: int = 1, **kwargs: Any) -> Any:
     callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
     return L.Trainer(**{"accelerator": "cpu", "devices": 1, "max_epochs": epochs, "logger": logger,
@@ -112,13 +119,9 @@ def test_interval_and_epoch_values_equal_an_independent_collection_on_the_same_b
     trainer = make_trainer(callback, logger, epochs=2, log_every_n_steps=50)
     trainer.fit(TinyModule(), loader(samples))
 
-    windows = logger.opbc_records()
     # Logged every 2 batches, at the step Lightning uses for the batch (batches_that_stepped before
-    # the increment): steps 1, 3, 5 in epoch 0 and 7, 9, 11 in epoch 1.
-    assert [step for step, _ in windows] == [1, 3, 5, 7, 9, 11]
-    for i, (_, logged) in enumerate(windows):
-        w = i % 3
-        assert_close(logged, reference(samples[4 * w : 4 * w + 4]))
+    # the increment): steps 1, 3, 5 in epoch 0 and 7, 9, 11 in epoch 1 (the same samples again).
+    assert_windows(logger.opbc_records(), [1, 3, 5, 7, 9, 11], samples * 2)
 
     epochs = logger.opbc_records(suffix="_epoch")
     assert [step for step, _ in epochs] == [6, 12]
@@ -142,10 +145,7 @@ def test_module_held_collection_source_batch_and_trainer_interval():
     trainer.fit(module, loader(samples))
 
     assert callback.metrics is module.opbc
-    windows = logger.opbc_records()
-    assert [step for step, _ in windows] == [1, 3]
-    assert_close(windows[0][1], reference(samples[:4]))
-    assert_close(windows[1][1], reference(samples[4:]))
+    assert_windows(logger.opbc_records(), [1, 3], samples)
     # The window was reset after logging, as Lightning resets logged torchmetrics objects.
     assert all(m._update_count == 0 for m in module.opbc.members())
     # The collection is part of the module: its (persistent) states travel in the module's checkpoint.
@@ -266,9 +266,7 @@ def test_callback_with_wandb_sink_writes_windows_epoch_and_histograms(tmp_path):
 
     history = read_offline_run(tmp_path)["history"]
     windows = [r for r in history if "opbc/is/ess" in r]
-    assert [r["opbc/step"] for r in windows] == [1, 3]
-    assert_close(windows[0], reference(samples[:4]))
-    assert_close(windows[1], reference(samples[4:8]))
+    assert_windows([(r["opbc/step"], r) for r in windows], [1, 3], samples)
     epoch = [r for r in history if "opbc/is/ess_epoch" in r]
     assert [r["opbc/step"] for r in epoch] == [5]
     assert_close(epoch[0], reference(samples), suffix="_epoch")
@@ -304,12 +302,11 @@ def test_each_quantity_is_written_once_and_epoch_copies_are_opt_in():
     callback = OPBCCallback(key="opbc", log_every_n_steps=2)
     make_trainer(callback, logger, log_every_n_steps=50).fit(TinyModule(), loader(samples))
     windows = logger.opbc_records()
-    assert [step for step, _ in windows] == [1, 3]
+    assert_windows(windows, [1, 3], samples)
     for _, record in windows:
         assert not any(k.endswith("_epoch") for k in record)
         assert "opbc/log_ratio/max_abs" not in record and "opbc/ppl/log_ppl_diff" not in record
         assert "opbc/logprob/abs_diff_max" in record
-    assert_close(windows[0][1], reference(samples[:4]))
     assert_close({k: v.item() for k, v in callback.epoch_values.items()}, reference(samples))  # still computed
 
     everything = MemoryLogger()
@@ -370,9 +367,6 @@ def test_lightning_wandb_logger_owns_the_run_and_the_sink_keeps_every_row(tmp_pa
     wandb.finish()
 
     history = read_offline_run(tmp_path)["history"]
-    opbc_rows = [r for r in history if "opbc/is/ess" in r]
-    assert [r["opbc/step"] for r in opbc_rows] == list(range(6))
-    for b, row in enumerate(opbc_rows):
-        assert_close(row, reference(samples[2 * b : 2 * b + 2]))
+    assert_windows([(r["opbc/step"], r) for r in history if "opbc/is/ess" in r], list(range(6)), samples, size=2)
     assert [r["train/loss"] for r in history if "train/loss" in r] == [float(b) for b in range(6)]
     assert any("after" in r for r in history)

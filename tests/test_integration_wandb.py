@@ -119,15 +119,13 @@ def test_offline_run_history_summaries_config_and_histograms(tmp_path: Path):
 
     # define_metric: every key keeps its last value and, with a direction, its worst over the run;
     # signed keys nothing more; all charted against the logger's step metric.
-    metrics_defined = run["metrics"]
-    assert metrics_defined["opbc/is/ess"]["summary"] == {"min", "last"}
-    assert metrics_defined["opbc/is/veto_fraction"]["summary"] == {"max", "last"}
-    assert metrics_defined["opbc/logprob/abs_diff_mean"]["summary"] == {"max", "last"}
-    assert metrics_defined["opbc/is/weight_mean"]["summary"] == {"last"}
-    assert metrics_defined["opbc/logprob/diff_mean"]["summary"] == {"last"}
-    assert metrics_defined["moe/router/flip_rate"]["summary"] == {"max", "last"}
-    assert metrics_defined["moe/router/worst_layer"]["summary"] == {"last"}
-    assert {m["step_metric"] for k, m in metrics_defined.items() if k != "opbc/step"} == {"opbc/step"}
+    defined = run["metrics"]
+    summaries = {"opbc/is/ess": {"min", "last"}, "opbc/is/veto_fraction": {"max", "last"},
+                 "opbc/logprob/abs_diff_mean": {"max", "last"}, "opbc/is/weight_mean": {"last"},
+                 "opbc/logprob/diff_mean": {"last"}, "moe/router/flip_rate": {"max", "last"},
+                 "moe/router/worst_layer": {"last"}}
+    assert {k: defined[k]["summary"] for k in summaries} == summaries
+    assert {m["step_metric"] for k, m in defined.items() if k != "opbc/step"} == {"opbc/step"}
     # ... and W&B's own summary holds those aggregates of what was logged.
     summary = run["summary"]
     assert summary["opbc/is/ess"]["min"] == pytest.approx(min(v["opbc/is/ess"] for v in logged), rel=1e-12)

@@ -8,7 +8,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from opbc_metrics import OPBCCollection
 from tests.data import concat_batches, make_batch
 from tests.ddp import run_distributed
 from tests.reference import mismatch_reference
-from tests.support import assert_values_close, collection_values
+from tests.support import ROOT, assert_values_close, collection_values
 
 
 def _rank_batches(rank: int) -> list[dict[str, torch.Tensor]]:
@@ -84,33 +83,23 @@ def test_survivors_fail_clearly_when_a_rank_dies_before_sync():
     assert results[1][0] == "error"  # the dead rank
 
 
-_CHECKPOINT_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {root!r})
-    from opbc_metrics import OPBCCollection
-    from tests.data import make_batch
+def checkpoint_step(mode: str, state: str, result: str = "") -> None:
+    """One process of the checkpoint test (``python -m tests.test_reliability save|load STATE [RESULT]``)."""
     metrics = OPBCCollection()
-    if sys.argv[1] == "save":
-        for s in range(2):
-            metrics.update(make_batch(seed=s, dtype=torch.float64))
-        torch.save(metrics.state_dict(), sys.argv[2])
+    if mode == "load":
+        metrics.load_state_dict(torch.load(state, weights_only=True))
+    for s in range(2) if mode == "save" else range(2, 4):
+        metrics.update(make_batch(seed=s, dtype=torch.float64))
+    if mode == "save":
+        torch.save(metrics.state_dict(), state)
     else:
-        metrics.load_state_dict(torch.load(sys.argv[2], weights_only=True))
-        for s in range(2, 4):
-            metrics.update(make_batch(seed=s, dtype=torch.float64))
-        torch.save({{k: v.item() for k, v in metrics.compute().items()}}, sys.argv[3])
-    """
-)
+        torch.save({k: v.item() for k, v in metrics.compute().items()}, result)
 
 
 def test_checkpoint_restored_in_a_new_process(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = tmp_path / "ckpt.py"
-    script.write_text(_CHECKPOINT_SCRIPT.format(root=root))
     state, result = tmp_path / "state.pt", tmp_path / "result.pt"
     for args in (["save", str(state)], ["load", str(state), str(result)]):
-        subprocess.run([sys.executable, str(script), *args], check=True, timeout=120, cwd=root)
+        subprocess.run([sys.executable, "-m", "tests.test_reliability", *args], check=True, timeout=120, cwd=ROOT)
     straight = collection_values([make_batch(seed=s, dtype=torch.float64) for s in range(4)])
     assert_values_close(torch.load(result, weights_only=True), straight, rel=1e-12, abs_=1e-15)
 
@@ -160,3 +149,7 @@ def test_section_options_reach_their_section():
     assert "per_round/round_2_token_count" in keys and "per_round/round_3_token_count" not in keys
     with pytest.raises(ValueError, match="section_options"):
         OPBCCollection(sections=["mismatch"], section_options={"moe": {"num_layers": 4}})
+
+
+if __name__ == "__main__":
+    checkpoint_step(*sys.argv[1:])

@@ -5,7 +5,11 @@ logprobs minus a known offset, so the logged mismatch must read that offset."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -117,7 +121,8 @@ def run(tmp_path, monkeypatch, *, use_vllm=False, is_correction=False, steps_per
     return trainer, train_logs
 
 
-def assert_offset_read(log):
+def assert_offset_read(log, slices: int = 1):
+    """The mismatch keys of one logged step of ``slices`` slices of 4 completions read the known OFFSET."""
     for key in CORE_KEYS:
         assert key in log, key
     # r = +OFFSET on every token, up to float32 forward noise (batched vs one sequence)
@@ -126,7 +131,7 @@ def assert_offset_read(log):
     assert log["opbc/is/weight_mean"] == pytest.approx(float(torch.exp(torch.tensor(OFFSET, dtype=torch.float64))),
                                                        abs=1e-4)
     assert log["opbc/is/ess"] == pytest.approx(1.0, abs=1e-6)
-    assert log["opbc/input/num_tokens"] == 4 * COMPLETION_LEN  # one step = one slice of 4 completions
+    assert log["opbc/input/num_tokens"] == slices * 4 * COMPLETION_LEN
 
 
 def test_no_vllm_steps_per_generation_1_uses_the_loss_logprobs(tmp_path, monkeypatch):
@@ -141,7 +146,7 @@ def test_no_vllm_steps_per_generation_1_uses_the_loss_logprobs(tmp_path, monkeyp
 def test_aligned_steps_per_generation_2_captures_every_shuffled_slice(tmp_path, monkeypatch):
     _, logs = run(tmp_path, monkeypatch, steps_per_generation=2, grad_accum=2, max_steps=2)
     for log in logs:
-        assert_offset_read({**log, "opbc/input/num_tokens": log["opbc/input/num_tokens"] / 2})  # 2 slices per step
+        assert_offset_read(log, slices=2)
 
 
 def test_misaligned_generation_feeds_from_trls_old_logprobs_and_skips_windows_without_data(tmp_path, monkeypatch):
@@ -151,24 +156,18 @@ def test_misaligned_generation_feeds_from_trls_old_logprobs_and_skips_windows_wi
     with_keys = [i for i, log in enumerate(logs) if any(k.startswith("opbc/") for k in log)]
     assert with_keys == [0, 2]
     for i in with_keys:
-        assert_offset_read({**logs[i], "opbc/input/num_tokens": logs[i]["opbc/input/num_tokens"] / 2})
+        assert_offset_read(logs[i], slices=2)
 
 
-def test_vllm_with_is_correction(tmp_path, monkeypatch):
-    trainer, logs = run(tmp_path, monkeypatch, use_vllm=True, is_correction=True)
+@pytest.mark.parametrize("is_correction", [True, False], ids=["with_is_correction", "without_is_correction"])
+def test_vllm(tmp_path, monkeypatch, is_correction):
+    trainer, logs = run(tmp_path, monkeypatch, use_vllm=True, is_correction=is_correction)
     assert trainer.vllm_generation.synced >= 1
     for log in logs:
         assert_offset_read(log)
-        # TRL's own view of the same tokens agrees: |old - sampling| mean
-        assert log["sampling/sampling_logp_difference/mean"] == pytest.approx(log["opbc/logprob/abs_diff_mean"],
-                                                                                abs=1e-5)
-
-
-def test_vllm_without_is_correction(tmp_path, monkeypatch):
-    _, logs = run(tmp_path, monkeypatch, use_vllm=True, is_correction=False)
-    for log in logs:
-        assert_offset_read(log)
-        assert "sampling/sampling_logp_difference/mean" not in log
+        # with the correction, TRL's own view of the same tokens agrees: |old - sampling| mean
+        trls = log.get("sampling/sampling_logp_difference/mean")
+        assert trls == (pytest.approx(log["opbc/logprob/abs_diff_mean"], abs=1e-5) if is_correction else None)
 
 
 def test_batches_without_rollout_logprobs_are_reported_once_and_log_nothing(tmp_path, monkeypatch):
@@ -226,8 +225,6 @@ def test_readme_snippet_trains_and_logs(tmp_path):
 
 def _ddp_worker(rank: int, world: int, out: str, port: str) -> None:
     """One process of a 2-process (gloo) GRPO run; writes its training logs to ``out``."""
-    import json
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port)
     trainer = make_trainer(grpo_args(f"{out}/r{rank}", 2, ddp_backend="gloo"))
@@ -239,11 +236,6 @@ def _ddp_worker(rank: int, world: int, out: str, port: str) -> None:
 
 def test_two_processes_log_the_synced_values_on_every_process(tmp_path):
     """compute() is a collective: every process reaches it in TRL's log(), and all log the same synced values."""
-    import json
-    import socket
-    import subprocess
-    import sys
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -259,11 +251,8 @@ def test_two_processes_log_the_synced_values_on_every_process(tmp_path):
         assert ours and ours == sorted(k for k in b if k.startswith("opbc/"))
         for k in ours:
             assert a[k] == b[k], k
-        assert a["opbc/input/num_tokens"] == 2 * 4 * COMPLETION_LEN  # both processes' tokens
-        assert_offset_read({**a, "opbc/input/num_tokens": a["opbc/input/num_tokens"] / 2})
+        assert_offset_read(a, slices=2)  # both processes' tokens
 
 
 if __name__ == "__main__":
-    import sys
-
     _ddp_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

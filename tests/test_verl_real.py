@@ -48,19 +48,15 @@ def assert_equal_where_both_define(ours: dict, verls: dict, min_pairs: int, rel:
     return pairs
 
 
-def step_values(data, **options):
-    m = opbc_verl.VerlMetrics(training=True, max_response_length=data.batch["responses"].shape[-1],
-                              max_prompt_length=data.batch["prompts"].shape[-1], **options)
-    m.observe_logprobs(data)
-    m.observe_step(data, TIMING_RAW)
-    return m.compute()
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_values_equal_verls_own_metric_functions(seed):
     data = make_dataproto(seed=seed)
-    ours = step_values(data, n_gpus=8)
     b = data.batch
+    m = opbc_verl.VerlMetrics(training=True, max_response_length=b["responses"].shape[-1],
+                              max_prompt_length=b["prompts"].shape[-1], n_gpus=8)
+    m.observe_logprobs(data)
+    m.observe_step(data, TIMING_RAW)
+    ours = m.compute()
     verls = {}
     verls.update(metric_utils.compute_data_metrics(batch=data, use_critic=True))
     verls.update(metric_utils.compute_timing_metrics(batch=data, timing_raw=TIMING_RAW))

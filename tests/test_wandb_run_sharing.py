@@ -37,10 +37,7 @@ def run_scenario(root: Path, owner: str, user_step: bool, opbc_step: bool) -> tu
     elif owner == "user":
         wandb.init(project="user-script", mode="offline", dir=str(root))
     logger = OPBCWandbLogger(project="opbc-owner", mode="offline", dir=str(root), log_glossary=False)
-    if owner == "logger":
-        assert logger.run is wandb.run and logger.owns_run
-    else:
-        assert logger.run is wandb.run and not logger.owns_run
+    assert logger.run is wandb.run and logger.owns_run == (owner == "logger")
     first = 1 if owner == "verl" else 0  # verl's global_steps start at 1
     opbc: list[tuple] = []
 

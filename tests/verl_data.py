@@ -4,7 +4,7 @@ imports without them)."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -12,6 +12,24 @@ import torch
 
 TIMING_RAW = {"start_profile": 0.001, "gen": 2.5, "reward": 0.3, "old_log_prob": 0.7, "values": 0.4, "adv": 0.05,
               "update_critic": 0.9, "update_actor": 1.6, "stop_profile": 0.002, "step": 6.8}
+
+
+class FakeTensorDict(dict):
+    """The parts of tensordict.TensorDict the adapters may touch: mapping access and ``batch_size``."""
+
+    def __init__(self, data: dict[str, Any], batch_size: list[int]) -> None:
+        super().__init__(data)
+        self.batch_size = torch.Size(batch_size)
+
+
+@dataclass
+class FakeDataProto:
+    """verl.protocol.DataProto's layout without verl: ``batch`` (a TensorDict: a mapping),
+    ``non_tensor_batch`` (dict of numpy arrays), ``meta_info`` (dict)."""
+
+    batch: dict[str, Any]
+    non_tensor_batch: dict[str, Any] = field(default_factory=dict)
+    meta_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

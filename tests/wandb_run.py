@@ -35,23 +35,12 @@ def _records(path: str) -> list[Any]:
         if kind == 0 and length == 0:
             pos += left
             continue
-        chunk = data[pos + header : pos + header + length]
+        pending += data[pos + header : pos + header + length]  # FIRST and MIDDLE parts wait for the LAST
         pos += header + length
-        if kind == 1:
-            payloads.append(chunk)
-        elif kind == 2:
-            pending = chunk
-        elif kind == 3:
-            pending += chunk
-        elif kind == 4:
-            payloads.append(pending + chunk)
+        if kind in (1, 4):  # FULL or LAST: a record is complete
+            payloads.append(pending)
             pending = b""
-    out = []
-    for payload in payloads:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(payload)
-        out.append(record)
-    return out
+    return [wandb_internal_pb2.Record.FromString(payload) for payload in payloads]
 
 
 def _items(items: Any) -> dict[str, Any]:
