@@ -301,7 +301,7 @@ TOKEN_KEYS = (
     "opbc/is/clipped_fraction", "opbc/is/veto_fraction", "opbc/logprob/abs_diff_mean", "opbc/logprob/abs_diff_max",
     "opbc/logprob/diff_mean", "opbc/log_ratio/min", "opbc/log_ratio/max", "opbc/log_ratio/max_abs", "opbc/kl/k1",
     "opbc/kl/k2", "opbc/kl/k3", "opbc/kl/chi2_token", "opbc/prob/abs_diff_mean", "opbc/prob/abs_diff_max",
-    "opbc/prob/pearson", "opbc/input/num_tokens",
+    "opbc/prob/pearson", "opbc/is/weight_std", "opbc/prob/diff_std", "opbc/input/num_tokens",
 )
 SEQUENCE_KEYS = (
     "opbc/is/seq_ess", "opbc/sequence/log_ratio_mean", "opbc/sequence/log_ratio_abs_mean",
