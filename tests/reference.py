@@ -424,12 +424,9 @@ def describe(values) -> dict[str, float]:
 
 def groups_of(group_ids, values) -> list[np.ndarray]:
     """Values per group, groups in order of first appearance (the order does not matter for means)."""
-    ids = [g for g in group_ids]
-    seen: dict = {}
-    for g in ids:
-        seen.setdefault(g, None)
+    ids = list(group_ids)
     x = np.asarray(values, dtype=np.float64)
-    return [x[np.array([i == g for i in ids], dtype=bool)] for g in seen]
+    return [x[np.array([i == g for i in ids], dtype=bool)] for g in dict.fromkeys(ids)]
 
 
 def group_gini_mean(group_ids, values, form=gini_pairwise) -> float:
@@ -455,13 +452,10 @@ def group_cv_mean(group_ids, lengths) -> float | None:
 
 
 def first_of_each_group(group_ids) -> list[int]:
-    seen: set = set()
-    out = []
+    first: dict = {}
     for i, g in enumerate(group_ids):
-        if g not in seen:
-            seen.add(g)
-            out.append(i)
-    return out
+        first.setdefault(g, i)
+    return list(first.values())
 
 
 def per_sample(values, mask, how):
@@ -509,12 +503,11 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
     if p is not None and c is not None:
         out.update({f"rollout/tokens_total/{k}": v for k, v in describe(p + c).items()})
     if "stop_reasons" in batch:
-        reasons = list(batch["stop_reasons"])
-        hits = sum(1 for s in reasons if s == "length" or (not isinstance(s, str) and s is not None and int(s) == 1))
-        out["rollout/stop_reason/length_pct"] = 100.0 * hits / len(reasons) if reasons else 0.0
+        hit = [s == "length" or (not isinstance(s, str) and s is not None and int(s) == 1)
+               for s in batch["stop_reasons"]]
+        out["rollout/stop_reason/length_pct"] = 100.0 * sum(hit) / len(hit) if hit else 0.0
     if "discard_reasons" in batch:
-        codes = [{"max_async": 1, "zero_advantage": 2, None: 0}.get(s, s) for s in batch["discard_reasons"]]
-        codes = [int(c) for c in codes]
+        codes = [int({"max_async": 1, "zero_advantage": 2, None: 0}.get(s, s)) for s in batch["discard_reasons"]]
         n_async, n_zero = codes.count(1), codes.count(2)
         out["rollout/discarded/max_async"] = float(n_async)
         out["rollout/discarded/zero_advantage"] = float(n_zero)
@@ -546,8 +539,6 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
                 if ratios_exist:
                     out["rollout/discarded/tokens_completion/group_max_median_ratio_mean"] = ratio
             if "stop_reasons" in batch and any(gone):
-                hit = [s == "length" or (not isinstance(s, str) and s is not None and int(s) == 1)
-                       for s in batch["stop_reasons"]]
                 out["rollout/discarded/stop_reason/length_pct"] = (
                     100.0 * sum(h and g for h, g in zip(hit, gone)) / sum(gone))
     if "policy_lag" in batch:
@@ -561,8 +552,7 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
                 out.update({f"sample_metrics/{name}/{k}": None for k in ("mean", "min", "max", "group_gini_mean")})
                 continue
             out.update({f"sample_metrics/{name}/{k}": v for k, v in describe(col[present]).items()})
-            gs = [g for g in groups_of(gid, col)]
-            ginis = [gini_pairwise(g[~np.isnan(g)]) for g in gs if (~np.isnan(g)).any()]
+            ginis = [gini_pairwise(g[~np.isnan(g)]) for g in groups_of(gid, col) if (~np.isnan(g)).any()]
             out[f"sample_metrics/{name}/group_gini_mean"] = float(np.mean(ginis)) if ginis else 0.0
     return out
 
