@@ -277,14 +277,10 @@ def test_constant_values_have_zero_std():
 
 
 # --- contracts ------------------------------------------------------------------------------------
-def _all_metrics():
-    return [*[cls() for cls in M.ROLLOUT_METRICS], M.SampleMetricStats(NAMES), collection()]
-
-
 def test_token_fields_stop_codes_and_helpers_never_sync():
     b = make_rollouts(groups=6, seed=2, tokens=True)
     b["stop_reasons"] = torch.tensor([1, 0, 2] * (len(b["stop_reasons"]) // 3) + [0] * (len(b["stop_reasons"]) % 3))
-    for m in _all_metrics():
+    for m in [*[cls() for cls in M.ROLLOUT_METRICS], M.SampleMetricStats(NAMES), collection()]:
         with assert_no_host_sync():
             m.update(b)
     b = make_rollouts(groups=6, seed=3)
@@ -327,15 +323,12 @@ def test_chart_ranges_declared_and_observed():
         **{f"sample_metrics/format/{s}": (0.0, 1.0) for s in ("mean", "min", "max", "group_gini_mean")},
         "sample_metrics/format/std": (0.0, 1 / math.sqrt(2)),
     }
-    metrics.update(make_rollouts(groups=3, seed=4, missing=False))
-    metrics.compute()
-    metrics.reset()
-    b = make_rollouts(groups=3, seed=5, missing=False)
-    metrics.update(b)
-    metrics.compute()
-    metrics.reset()  # the observed range is the run's: it survives resets
+    a, b2 = (make_rollouts(groups=3, seed=s, missing=False) for s in (4, 5))
+    for x in (a, b2):
+        metrics.update(x)
+        metrics.compute()
+        metrics.reset()  # the observed range is the run's: it survives resets
     ranges = M.chart_ranges(metrics)
-    a, b2 = make_rollouts(groups=3, seed=4, missing=False), b
     seen = torch.cat([a["rewards"], b2["rewards"]])
     assert ranges["rollout/reward/mean"] == (-1.0, seen.max().item())  # declared lo, observed hi
     calls = torch.cat([a["sample_metrics"]["tool_calls"], b2["sample_metrics"]["tool_calls"]])
@@ -417,44 +410,32 @@ def _functional_for(field):
 
 
 def test_bad_constructor_arguments():
-    with pytest.raises(ValueError, match="value_range"):
-        M.RolloutRewardStats(reward_min=2.0, reward_max=1.0)
-    with pytest.raises(ValueError, match="value_range"):
-        M.RolloutRewardStats(reward_min=math.inf)
-    with pytest.raises(ValueError, match="metrics_ranges"):
-        M.SampleMetricStats(["a"], metrics_ranges={"b": (0, 1)})
-    with pytest.raises(ValueError, match="metrics_ranges"):
-        M.SampleMetricStats(["a"], metrics_ranges={"a": (0, 1, 2)})
-    for bad in (["a/b"], ["a", "a"], [""], "abc", [3]):
-        with pytest.raises(ValueError, match="names"):
-            M.SampleMetricStats(bad)
-    with pytest.raises(ValueError, match="length_code"):
-        M.StopReasonLengthPct(length_code="length")
-    with pytest.raises(ValueError, match="metrics_ranges"):
-        M.rollout_metrics(metrics_ranges={"a": (0, 1)})
+    for match, make in [("value_range", lambda: M.RolloutRewardStats(reward_min=2.0, reward_max=1.0)),
+                        ("value_range", lambda: M.RolloutRewardStats(reward_min=math.inf)),
+                        ("metrics_ranges", lambda: M.SampleMetricStats(["a"], metrics_ranges={"b": (0, 1)})),
+                        ("metrics_ranges", lambda: M.SampleMetricStats(["a"], metrics_ranges={"a": (0, 1, 2)})),
+                        *(("names", lambda bad=bad: M.SampleMetricStats(bad)) for bad in (["a/b"], ["a", "a"], [""],
+                                                                                            "abc", [3])),
+                        ("length_code", lambda: M.StopReasonLengthPct(length_code="length")),
+                        ("metrics_ranges", lambda: M.rollout_metrics(metrics_ranges={"a": (0, 1)}))]:
+        with pytest.raises(ValueError, match=match):
+            make()
 
 
 def test_each_class_alone():
     """Each class works outside a collection, with just its own fields (a missing one: test_contracts.py)."""
     b = make_rollouts(groups=4, seed=8)
     ref = rollout_reference(b, NAMES)
-    for m, fields in (
-        (M.RolloutRewardStats(), ("rewards",)),
-        (M.RolloutRewardGini(), ("rewards", "group_ids")),
-        (M.RolloutAdvantageStats(), ("advantages",)),
-        (M.PromptTokenStats(), ("prompt_lengths", "group_ids")),
-        (M.CompletionTokenStats(), ("response_lengths",)),
-        (M.TotalTokenStats(), ("prompt_lengths", "response_lengths")),
-        (M.CompletionLengthGini(), ("response_lengths", "group_ids")),
-        (M.CompletionLengthMaxMedianRatio(), ("response_lengths", "group_ids")),
-        (M.CompletionLengthCV(), ("response_lengths", "group_ids")),
-        (M.OffPolicySteps(), ("policy_lag",)),
-        (M.DiscardedRolloutStats(), ("discard_reasons", "response_lengths", "group_ids", "stop_reasons")),
-        (M.StopReasonLengthPct(), ("stop_reasons",)),
-        (M.DiscardedRollouts(), ("discard_reasons", "rewards")),
-        (M.SampleMetricStats(NAMES), ("sample_metrics", "group_ids")),
-    ):
-        m.update(**{f: b[f] for f in fields})
+    fields = {"RolloutRewardStats": "rewards", "RolloutRewardGini": "rewards group_ids",
+              "RolloutAdvantageStats": "advantages", "PromptTokenStats": "prompt_lengths group_ids",
+              "CompletionTokenStats": "response_lengths", "TotalTokenStats": "prompt_lengths response_lengths",
+              "CompletionLengthGini": "response_lengths group_ids", "OffPolicySteps": "policy_lag",
+              "CompletionLengthMaxMedianRatio": "response_lengths group_ids",
+              "CompletionLengthCV": "response_lengths group_ids", "StopReasonLengthPct": "stop_reasons",
+              "DiscardedRolloutStats": "discard_reasons response_lengths group_ids stop_reasons",
+              "DiscardedRollouts": "discard_reasons rewards", "SampleMetricStats": "sample_metrics group_ids"}
+    for m in [*(cls() for cls in M.ROLLOUT_METRICS), M.SampleMetricStats(NAMES)]:  # every class (KeyError: list it)
+        m.update(**{f: b[f] for f in fields[type(m).__name__].split()})
         out = m.compute_dict()
         assert set(out) == set(m.keys)
         assert_matches(out, {k: ref[k] for k in out})
