@@ -125,15 +125,15 @@ def test_policy_kl_clamps_huge_log_ratios():
 def test_clipfrac_boundaries_zero_advantage_and_unit_ratio():
     old = torch.zeros(1, 4, dtype=torch.float64)
     new = torch.tensor([[5.0, -5.0, 0.0, 0.0]], dtype=torch.float64)  # ratios e^5, e^-5, 1, 1
-    zero_adv = FT.pg_clipfrac(new, old, torch.zeros(1, 4))
-    assert zero_adv["actor/pg_clipfrac"] == 0.0 and zero_adv["actor/pg_clipfrac_lower"] == 0.0
-    at_one = FT.pg_clipfrac(old, old, torch.tensor([[1.0, -1.0, 2.0, -2.0]]))
-    assert at_one["actor/pg_clipfrac"] == 0.0 and at_one["actor/pg_clipfrac_lower"] == 0.0
+
+    def fractions(new, adv):
+        got = FT.pg_clipfrac(new, old, torch.tensor(adv))
+        return got["actor/pg_clipfrac"].item(), got["actor/pg_clipfrac_lower"].item()
+
+    assert fractions(new, [[0.0] * 4]) == fractions(old, [[1.0, -1.0, 2.0, -2.0]]) == (0.0, 0.0)  # A = 0, rho = 1
     want = TR.ref_clipfrac(new.numpy(), old.numpy(), [[1.0, -1.0, -1.0, 0.0]])
-    got = FT.pg_clipfrac(new, old, torch.tensor([[1.0, -1.0, -1.0, 0.0]]))
-    assert (got["actor/pg_clipfrac"].item(), got["actor/pg_clipfrac_lower"].item()) == want == (0.5, 0.0)
-    got = FT.pg_clipfrac(new, old, torch.tensor([[-1.0, 1.0, 0.0, 0.0]]))
-    assert (got["actor/pg_clipfrac"].item(), got["actor/pg_clipfrac_lower"].item()) == (0.0, 0.25)
+    assert fractions(new, [[1.0, -1.0, -1.0, 0.0]]) == want == (0.5, 0.0)
+    assert fractions(new, [[-1.0, 1.0, 0.0, 0.0]]) == (0.0, 0.25)
 
 
 # --- critic -----------------------------------------------------------------------------------------
@@ -269,12 +269,9 @@ def test_transformer_flops_from_config_matches_reference():
 
 
 def test_peak_flops_table_and_overrides():
-    assert P.peak_flops("NVIDIA H200") == 989e12
-    assert P.peak_flops("NVIDIA H20") == 148e12
-    assert P.peak_flops("NVIDIA B200") == 2.25e15
-    assert P.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert P.peak_flops("NVIDIA L40S") == 362.05e12
-    assert P.peak_flops("NVIDIA H100 PCIe") == 756e12
+    table = {"NVIDIA H200": 989e12, "NVIDIA H20": 148e12, "NVIDIA B200": 2.25e15, "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA L40S": 362.05e12, "NVIDIA H100 PCIe": 756e12}
+    assert {name: P.peak_flops(name) for name in table} == table
     assert P.peak_flops("my-chip", {"my-chip": 1.0}) == 1.0
     with pytest.raises(ValueError, match="peak_flops"):
         P.peak_flops("NVIDIA A10")
@@ -387,11 +384,9 @@ def test_critic_statistics_of_huge_finite_values_are_finite(scale):
     rewards = M.RewardStats()
     rewards.update(rewards=torch.tensor(base * scale))
     assert rewards.compute()["critic/rewards/mean"].item() == pytest.approx(base.mean() * scale, rel=1e-12)
-    returns = torch.tensor(base * scale)[None, :]
-    values = torch.tensor((base + np.array([0.1, -0.1, 0.0, 0.2, -0.2])) * scale)[None, :]
-    ev = FT.explained_variance(values, returns)
-    d = base - (base + np.array([0.1, -0.1, 0.0, 0.2, -0.2]))
-    assert ev.item() == pytest.approx(1 - d.var() / base.var(), rel=1e-9)
+    error = np.array([0.1, -0.1, 0.0, 0.2, -0.2])
+    ev = FT.explained_variance(torch.tensor((base + error) * scale)[None, :], torch.tensor(base * scale)[None, :])
+    assert ev.item() == pytest.approx(1 - error.var() / base.var(), rel=1e-9)
 
 
 # --- contracts ------------------------------------------------------------------------------------------
@@ -464,15 +459,15 @@ def test_negative_lengths_in_tensors_raise_at_compute_naming_the_field():
             metric.compute()
 
 
-def test_host_inputs_are_checked_at_once():
-    with pytest.raises(ValueError, match=r"`response_lengths`.*negative"):
-        M.ResponseLength().update(response_lengths=[3, -1])
-    with pytest.raises(ValueError, match=r"`actor_loss`.*NaN"):
-        M.ActorLoss().update(actor_loss=float("nan"))
-    with pytest.raises(ValueError, match="`loss_tokens`"):
-        M.ActorLoss().update(actor_loss=[1.0, 2.0], loss_tokens=[1])
-    with pytest.raises(ValueError, match="`actor_loss`"):
-        M.ActorLoss().update(actor_loss="high")
+@pytest.mark.parametrize("metric,fields,match", [
+    (M.ResponseLength, {"response_lengths": [3, -1]}, r"`response_lengths`.*negative"),
+    (M.ActorLoss, {"actor_loss": float("nan")}, r"`actor_loss`.*NaN"),
+    (M.ActorLoss, {"actor_loss": [1.0, 2.0], "loss_tokens": [1]}, "`loss_tokens`"),
+    (M.ActorLoss, {"actor_loss": "high"}, "`actor_loss`"),
+])
+def test_host_inputs_are_checked_at_once(metric, fields, match):
+    with pytest.raises(ValueError, match=match):
+        metric().update(**fields)
 
 
 def test_nonfinite_tensor_values_raise_at_compute():
