@@ -349,27 +349,13 @@ def make_rollouts(groups: int = 4, seed: int = 0, first_id: int = 0, tokens: boo
 def rollout_groups(draw, max_groups=5):
     """A list of whole groups: (id, [(reward, length, stop, discard, metric or None), ...])."""
     ids = draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=max_groups, unique=True))
-    groups = []
-    for gid in ids:
-        size = draw(st.integers(1, 5))
-        samples = [
-            (
-                draw(st.sampled_from([0.0, 0.25, 1.0, 3.0])),
-                draw(st.integers(0, 64)),
-                draw(st.sampled_from(STOP_STRINGS)),
-                draw(st.integers(0, 2)),
-                draw(st.one_of(st.none(), st.floats(0.0, 10.0))),
-            )
-            for _ in range(size)
-        ]
-        groups.append((gid, samples))
-    return groups
+    sample = st.tuples(st.sampled_from([0.0, 0.25, 1.0, 3.0]), st.integers(0, 64), st.sampled_from(STOP_STRINGS),
+                       st.integers(0, 2), st.one_of(st.none(), st.floats(0.0, 10.0)))
+    return [(gid, draw(st.lists(sample, min_size=1, max_size=5))) for gid in ids]
 
 
-def groups_batch(groups, order=None) -> dict:
+def groups_batch(groups) -> dict:
     rows = [(gid, s) for gid, samples in groups for s in samples]
-    if order is not None:
-        rows = [rows[i] for i in order]
     return {
         "group_ids": torch.tensor([g for g, _ in rows], dtype=torch.long),
         "rewards": torch.tensor([s[0] for _, s in rows], dtype=torch.float64),
