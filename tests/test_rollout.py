@@ -371,18 +371,25 @@ def test_bad_input_names_the_field(change, field):
         collection().update(b)
 
 
+def _token_stats(b):
+    return R.token_stats(b["prompt_lengths"], b["response_lengths"])
+
+
 @pytest.mark.parametrize(
-    "change,field",
+    "change,field,functional",  # the public function of the field: it raises at once
     [
-        (lambda b: b["response_lengths"].__setitem__(0, -1), "response_lengths"),
-        (lambda b: b["prompt_lengths"].__setitem__(1, -5), "prompt_lengths"),
-        (lambda b: b["rewards"].__setitem__(0, math.nan), "rewards"),
-        (lambda b: b["advantages"].__setitem__(0, math.inf), "advantages"),
-        (lambda b: b["sample_metrics"]["format"].__setitem__(0, -math.inf), "sample_metrics.*format"),
-        (lambda b: b["discard_reasons"].__setitem__(0, 5), "discard_reasons"),
+        (lambda b: b["response_lengths"].__setitem__(0, -1), "response_lengths", _token_stats),
+        (lambda b: b["prompt_lengths"].__setitem__(1, -5), "prompt_lengths", _token_stats),
+        (lambda b: b["rewards"].__setitem__(0, math.nan), "rewards", lambda b: R.reward_stats(b["rewards"])),
+        (lambda b: b["advantages"].__setitem__(0, math.inf), "advantages",
+         lambda b: R.advantage_stats(b["advantages"])),
+        (lambda b: b["sample_metrics"]["format"].__setitem__(0, -math.inf), "sample_metrics.*format",
+         lambda b: R.sample_metric_stats(b["sample_metrics"], b["group_ids"])),
+        (lambda b: b["discard_reasons"].__setitem__(0, 5), "discard_reasons",
+         lambda b: R.discarded_counts(b["discard_reasons"])),
     ],
 )
-def test_bad_values_raise_at_compute_naming_the_field(change, field):
+def test_bad_values_raise_at_compute_naming_the_field(change, field, functional):
     """Values cannot be read in update() without a host sync: they are counted and raise at compute()."""
     b = make_rollouts(groups=3, seed=0, missing=False)
     change(b)
@@ -395,18 +402,7 @@ def test_bad_values_raise_at_compute_naming_the_field(change, field):
     metrics.update(make_rollouts(groups=3, seed=0))
     metrics.compute()  # a reset clears the error
     with pytest.raises(ValueError, match=field):  # the public functions raise at once
-        _functional_for(field)(b)
-
-
-def _functional_for(field):
-    return {
-        "response_lengths": lambda b: R.token_stats(b["prompt_lengths"], b["response_lengths"]),
-        "prompt_lengths": lambda b: R.token_stats(b["prompt_lengths"], b["response_lengths"]),
-        "rewards": lambda b: R.reward_stats(b["rewards"]),
-        "advantages": lambda b: R.advantage_stats(b["advantages"]),
-        "sample_metrics.*format": lambda b: R.sample_metric_stats(b["sample_metrics"], b["group_ids"]),
-        "discard_reasons": lambda b: R.discarded_counts(b["discard_reasons"]),
-    }[field]
+        functional(b)
 
 
 def test_bad_constructor_arguments():

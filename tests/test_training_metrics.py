@@ -35,12 +35,6 @@ BATCHES = [make_training_batch(seed=s, batch=5 + s, seq=8 + 3 * s, empty_rows=s 
 ALL = concat_batches(BATCHES)
 
 
-def _fed(metric, batches=BATCHES, **extra):
-    for b in batches:
-        metric.update(dict(b, **extra))
-    return metric
-
-
 def _wide(sequence_advantages=False):
     """Wider ratios, so that both clips and the dual clip fire; optionally one advantage per sequence."""
     out = []
@@ -88,7 +82,10 @@ VARIANTS = [
 
 @pytest.mark.parametrize("make,reference,batches,rtol", VARIANTS)
 def test_configured_variants_match_reference(make, reference, batches, rtol):
-    out = _fed(make(), batches).compute_dict()
+    metric = make()
+    for b in batches:
+        metric.update(b)
+    out = metric.compute_dict()
     want = reference(concat_batches(batches))
     assert set(out) == set(want)
     for key, value in want.items():
@@ -215,10 +212,8 @@ def test_global_seqlen_driver_mode_matches_reference():
         assert out["global_seqlen/min"] == min(loads) and out["global_seqlen/max"] == max(loads)
         assert out["global_seqlen/minmax_diff"] == max(loads) - min(loads)
         assert close(out["global_seqlen/mean"], sum(total) / world)
-        if algo == "karmarkar_karp":
-            sums = TR.ref_karmarkar_karp_sums(total, world)
-        else:
-            sums = sorted(P.partition_loads(total, world, "lpt"))
+        sums = TR.ref_karmarkar_karp_sums(total, world) if algo == "karmarkar_karp" else sorted(
+            P.partition_loads(total, world, "lpt"))
         assert out["global_seqlen/balanced_min"] == sums[0] and out["global_seqlen/balanced_max"] == sums[-1]
         assert out["global_seqlen/balanced_max"] >= sum(total) / world - 1e-9
 
