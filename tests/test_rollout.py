@@ -208,7 +208,6 @@ def test_gini_bounds_and_scale_invariance(values, scale):
     assert g == pytest.approx(gini_sorted_rank(values), rel=1e-9, abs=1e-12)
 
 
-
 @given(rollout_groups())
 def test_matches_reference_and_bounds(groups):
     batch = groups_batch(groups)

@@ -27,8 +27,6 @@ def _same_states(a, b):  # the same keys, dtypes and values
 
 
 # -- no keys for windows without data ------------------------------------------------------------
-
-
 @pytest.mark.parametrize("sections", [("mismatch", "moe", "per_round", "agent", "endpoint"), ALL_SECTIONS])
 def test_empty_window_reports_only_input_accounting(sections):
     out = OPBCCollection(sections=sections).compute()
@@ -97,8 +95,6 @@ def test_invalid_only_window_still_raises():
 
 
 # -- merge_state / load_state_dict ---------------------------------------------------------------
-
-
 def test_merge_and_load_invalidate_the_cache():
     a, b = OPBCCollection(), OPBCCollection()
     a.update(make_batch(seed=1))
@@ -231,8 +227,6 @@ def test_checkpoint_round_trips_through_torch_save_weights_only():
 
 
 # -- inputs that require grad --------------------------------------------------------------------
-
-
 def test_forward_with_inputs_that_require_grad_keeps_no_graph():
     batch = make_batch(batch=3, seq=6, seed=4)
     trainer = batch["trainer_logprobs"].clone().requires_grad_(True)
@@ -248,8 +242,6 @@ def test_forward_with_inputs_that_require_grad_keeps_no_graph():
 
 
 # -- bad input -----------------------------------------------------------------------------------
-
-
 def test_probabilities_passed_as_logprobs_are_refused_at_compute():
     batch = make_batch(batch=3, seq=6, seed=5)
     probs = {**batch, "trainer_logprobs": batch["trainer_logprobs"].exp(),
@@ -313,8 +305,6 @@ def test_per_sequence_field_of_the_wrong_length_is_refused(field):
 
 
 # -- torchmetrics conventions --------------------------------------------------------------------
-
-
 def test_prefix_postfix_and_indexing_by_key():
     batch = make_batch(seed=9)
     plain = OPBCCollection()

@@ -14,11 +14,8 @@ from fractions import Fraction
 
 import numpy as np
 
-# ---------------------------------------------------------------------------------------------------
-# generic
-# ---------------------------------------------------------------------------------------------------
 
-
+# --- generic -------------------------------------------------------------------------------------------------
 def _valid(mask, shape):
     return np.ones(shape, dtype=bool) if mask is None else np.asarray(mask) != 0
 
@@ -142,11 +139,7 @@ def ref_rm(chosen, rejected):
             "reward_margin": sum(m) / n}
 
 
-# ---------------------------------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------------------------------
-
-
+# --- validation ----------------------------------------------------------------------------------------------
 def ref_pass_at_k(n, c, k):
     """Exact, with big integers: 1 - C(n-c, k) / C(n, k)."""
     return float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
@@ -193,11 +186,7 @@ def ref_validation(rows, sources, n_samples, ks, kind):
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# load balance, timing, FLOPs
-# ---------------------------------------------------------------------------------------------------
-
-
+# --- load balance, timing, FLOPs -----------------------------------------------------------------------------
 def ref_karmarkar_karp_sums(lengths, k, equal_size=True):
     """Largest differencing, list based: each round sorts the partial solutions by (-spread, age) and merges
     the first two, largest set of the first with the smallest of the second. Returns sorted set sums."""
@@ -251,9 +240,7 @@ def ref_transformer_active_params(hidden, layers, heads, vocab, inter, kv_heads=
     return layers * (q_proj + k_proj + v_proj + o_proj + mlp) + vocab * hidden + embed
 
 
-# ---------------------------------------------------------------------------------------------------
-# whole sections, on one (concatenated) batch: the case table's references (tests/harness.py)
-# ---------------------------------------------------------------------------------------------------
+# --- whole sections, on one (concatenated) batch: the case table's references (tests/harness.py) ------------
 SCALAR_KEYS = {"actor_loss": "actor/loss", "pg_loss": "actor/pg_loss", "entropy_loss": "actor/entropy_loss",
                "kl_loss": "actor/kl_loss", "kl_coef": "actor/kl_coef", "actor_grad_norm": "actor/grad_norm",
                "actor_lr": "actor/lr", "critic_loss": "critic/loss", "critic_lr": "critic/lr",
