@@ -99,10 +99,7 @@ def make_router_batch(batch=4, seq=10, layers=3, k=2, experts=8, seed=0, swap=0.
 
 @st.composite
 def router_batches(draw, max_b=4, max_t=6, max_l=3, max_k=3):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    layers = draw(st.integers(1, max_l))
-    k = draw(st.integers(1, max_k))
+    b, t, layers, k = (draw(st.integers(1, most)) for most in (max_b, max_t, max_l, max_k))
     experts = draw(st.integers(k, k + 3))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
@@ -155,8 +152,7 @@ finite_logprobs = st.floats(-30.0, 0.0, allow_nan=False, width=64)
 
 @st.composite
 def logprob_batches(draw, max_b=6, max_t=8, mask=None):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
+    b, t = draw(st.integers(1, max_b)), draw(st.integers(1, max_t))
     trainer = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
     rollout = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
     mask = draw(st.lists(st.booleans() if mask is None else mask, min_size=b * t, max_size=b * t))

@@ -252,8 +252,7 @@ def test_rules_match_the_plain_python_chain(policy, groups):
 
 @st.composite
 def batches(draw, max_b=8, max_t=6):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
+    b, t = draw(st.integers(1, max_b)), draw(st.integers(1, max_t))
     logprob = st.one_of(st.just(0.0), st.floats(-25.0, 0.0, allow_nan=False, width=64))
     trainer = draw(st.lists(logprob, min_size=b * t, max_size=b * t))
     drift = draw(st.lists(st.one_of(st.just(0.0), st.floats(-40.0, 40.0)), min_size=b * t, max_size=b * t))

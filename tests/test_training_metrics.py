@@ -516,29 +516,20 @@ def test_bad_input_names_the_field(metric, change, field):
         metric.update(b)
 
 
-def test_bad_constructor_arguments():
-    bad = [
-        lambda: M.PolicyClipFraction(clip_ratio=1.5),
-        lambda: M.PolicyClipFraction(clip_ratio_c=1.0),
-        lambda: M.PPOKL(estimator="k4"),
-        lambda: M.DPOMetrics(beta=0.0),
-        lambda: M.DPOMetrics(label_smoothing=0.5),
-        lambda: M.ResponseLength(max_response_length=0),
-        lambda: M.ValidationAccuracy([]),
-        lambda: M.ValidationAccuracy(["a", "a"]),
-        lambda: M.ValidationAccuracy(["a"], n_samples=4, ks=[5]),
-        lambda: M.ValidationAccuracy(["a//b"]),
-        lambda: M.GlobalSeqlen(world_size=0),
-        lambda: M.GlobalSeqlen(algorithm="greedy"),
-        lambda: M.StageTiming(stages=("gen", "gen")),
-        lambda: M.StageTiming(stages=("gen",), per_token_stages=("ref",)),
-        lambda: M.Throughput(num_gpus=0),
-        lambda: M.ModelFlopsUtilization(P.TransformerFlops(1, 1, 1), stages={"x": ("s", "backward")}, peak_flops=1.0),
-        lambda: P.TransformerFlops(0, 1, 1),
-    ]
-    for make in bad:
-        with pytest.raises(ValueError):
-            make()
+@pytest.mark.parametrize("make", [
+    lambda: M.PolicyClipFraction(clip_ratio=1.5), lambda: M.PolicyClipFraction(clip_ratio_c=1.0),
+    lambda: M.PPOKL(estimator="k4"), lambda: M.DPOMetrics(beta=0.0), lambda: M.DPOMetrics(label_smoothing=0.5),
+    lambda: M.ResponseLength(max_response_length=0), lambda: M.ValidationAccuracy([]),
+    lambda: M.ValidationAccuracy(["a", "a"]), lambda: M.ValidationAccuracy(["a"], n_samples=4, ks=[5]),
+    lambda: M.ValidationAccuracy(["a//b"]), lambda: M.GlobalSeqlen(world_size=0),
+    lambda: M.GlobalSeqlen(algorithm="greedy"), lambda: M.StageTiming(stages=("gen", "gen")),
+    lambda: M.StageTiming(stages=("gen",), per_token_stages=("ref",)), lambda: M.Throughput(num_gpus=0),
+    lambda: M.ModelFlopsUtilization(P.TransformerFlops(1, 1, 1), stages={"x": ("s", "backward")}, peak_flops=1.0),
+    lambda: P.TransformerFlops(0, 1, 1),
+])
+def test_bad_constructor_arguments(make):
+    with pytest.raises(ValueError):
+        make()
 
 
 def test_rank_beyond_capacity_is_a_clear_error(monkeypatch):
