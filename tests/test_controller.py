@@ -493,8 +493,7 @@ def test_decisions_round_trip_through_json():
 
 def test_step_and_budget_update_never_sync_host_and_device():
     b = _grouped_batch(seed=1)
-    b["rollout_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
-    b["trainer_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
+    b["rollout_token_ids"] = b["trainer_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
     for preset in ("default", "truncated_is", "masked_is"):
         controller = OPBCController(preset)
         with assert_no_host_sync():
