@@ -24,7 +24,7 @@ from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.controller import Action, OPBCController
 from opbc_metrics.glossary import glossary_dict
 from opbc_metrics.report import STEP_KEYS, fmt, render_html, render_report, symlog_edges
-from tests.data import concat_batches
+from tests.data import concat_batches, logprobs_numpy
 from tests.support import ROOT, load_module
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cli"
@@ -112,9 +112,8 @@ def reference_histograms(samples: list[dict]) -> tuple[list[int], list[int]]:
     edges = np.array(symlog_edges())
     tokens, seqs = [], []
     for s in samples:
-        t = np.array([np.nan if v is None else v for v in s["trainer_logprobs"]], dtype=np.float64)
-        r = np.array([np.nan if v is None else v for v in s["rollout_logprobs"]], dtype=np.float64)
-        m = np.array(s.get("response_mask", [1] * len(t)), dtype=bool)
+        t, r, m = (x[0] for x in logprobs_numpy(_sample_batch(s, 0)))
+        m = m != 0
         finite = np.isfinite(t) & np.isfinite(r)
         valid = m & finite
         tokens.extend((t - r)[valid].tolist())
