@@ -441,19 +441,6 @@ def test_training_section_in_the_collection():
 
 
 # --- bad input ----------------------------------------------------------------------------------------
-def test_negative_lengths_in_tensors_raise_at_compute_naming_the_field():
-    for metric, field in ((M.ResponseLength(), "response_lengths"), (M.PromptLength(), "prompt_lengths"),
-                          (M.AbortedRatio(), "response_lengths"), (M.NumTurns(), "num_turns"),
-                          (M.GlobalSeqlen(world_size=1), "response_lengths"), (M.ValidationTurns(), "val_num_turns"),
-                          (M.AgentLoopTiming(), "agent_generate_s")):
-        b = {"response_lengths": torch.tensor([3, -1]), "prompt_lengths": torch.tensor([-2, 5]),
-             "num_turns": torch.tensor([1, -4]), "val_num_turns": torch.tensor([[1, -4]]),
-             "agent_generate_s": torch.tensor([1.0, -2.0])}
-        metric.update(b)  # no host sync: counted, not checked
-        with pytest.raises(ValueError, match=f"`{field}`"):
-            metric.compute()
-
-
 @pytest.mark.parametrize("metric,fields,match", [
     (M.ResponseLength, {"response_lengths": [3, -1]}, r"`response_lengths`.*negative"),
     (M.ActorLoss, {"actor_loss": float("nan")}, r"`actor_loss`.*NaN"),
@@ -465,19 +452,30 @@ def test_host_inputs_are_checked_at_once(metric, fields, match):
         metric().update(**fields)
 
 
-def test_nonfinite_tensor_values_raise_at_compute():
+NEGATIVE = {"response_lengths": torch.tensor([3, -1]), "prompt_lengths": torch.tensor([-2, 5]),
+            "num_turns": torch.tensor([1, -4]), "val_num_turns": torch.tensor([[1, -4]]),
+            "agent_generate_s": torch.tensor([1.0, -2.0])}
+
+
+def _nonfinite(field, value):
     b = make_training_batch(seed=1)
-    b["entropies"][0, 0] = float("nan")
-    b["response_mask"][0, 0] = 1
-    m = M.PolicyEntropy()
-    m.update(b)
-    with pytest.raises(ValueError, match="`entropies`"):
-        m.compute()
-    b["values"][0, 0] = float("inf")
-    m = M.ExplainedVariance()
-    m.update(b)
-    with pytest.raises(ValueError, match="`returns`"):
-        m.compute()
+    b[field][0, 0], b["response_mask"][0, 0] = value, 1
+    return b
+
+
+@pytest.mark.parametrize("metric,batch,field", [
+    *((metric, NEGATIVE, field) for metric, field in (
+        (M.ResponseLength(), "response_lengths"), (M.PromptLength(), "prompt_lengths"),
+        (M.AbortedRatio(), "response_lengths"), (M.NumTurns(), "num_turns"),
+        (M.GlobalSeqlen(world_size=1), "response_lengths"), (M.ValidationTurns(), "val_num_turns"),
+        (M.AgentLoopTiming(), "agent_generate_s"))),
+    (M.PolicyEntropy(), _nonfinite("entropies", float("nan")), "entropies"),
+    (M.ExplainedVariance(), _nonfinite("values", float("inf")), "returns"),
+])
+def test_bad_tensor_values_raise_at_compute_naming_the_field(metric, batch, field):
+    metric.update(batch)  # no host sync: counted, not checked
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        metric.compute()
 
 
 @pytest.mark.parametrize(
