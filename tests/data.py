@@ -461,7 +461,7 @@ def grouped_batch(batch: int = 8, seq: int = 12, seed: int = 0, **kwargs) -> dic
 
 
 def metric_values(metric, *batches) -> dict:
-    """Update ``metric`` with ``batches``, then its computed keys as floats."""
+    """Update ``metric`` (or a collection) with ``batches``, then its computed keys as floats."""
     for b in batches:
         metric.update(b)
-    return {k: v.item() for k, v in metric.compute_dict().items()}
+    return {k: v.item() for k, v in getattr(metric, "compute_dict", metric.compute)().items()}

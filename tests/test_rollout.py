@@ -14,7 +14,7 @@ from opbc_metrics import OPBCCollection
 from opbc_metrics import rollout as M
 from opbc_metrics.functional import rollout as R
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import NAMES, concat_batches, groups_batch, make_rollouts, rollout_groups
+from tests.data import NAMES, concat_batches, groups_batch, make_rollouts, metric_values, rollout_groups
 from tests.reference import (
     gini_pairwise,
     gini_sorted_rank,
@@ -34,17 +34,14 @@ def assert_matches(out: dict, ref: dict, rtol: float = 1e-9, atol: float = 1e-12
         if want is None:  # the reference has no value (e.g. no group with a ratio): no key either
             assert key not in out, (key, out[key])
             continue
-        got = out[key].item()
+        got = float(out[key])
         assert math.isclose(got, want, rel_tol=rtol, abs_tol=atol), (key, got, want)
 
 
 # --- reference ------------------------------------------------------------------------------------
 def test_token_level_batches_match_reference():  # per-sample batches: the harness
     batches = [make_rollouts(groups=3 + s, seed=s, first_id=s, tokens=True) for s in range(3)]
-    metrics = collection()
-    for b in batches:
-        metrics.update(b)
-    out = metrics.compute()
+    out = metric_values(collection(), *batches)
     ref = rollout_reference(concat_batches(batches), NAMES)
     assert set(ref) == set(out)
     assert_matches(out, ref)
