@@ -118,10 +118,8 @@ def router_reference(rollout, trainer, mask=None, num_layers=None, configured=Tr
     b, t, n_layers, _ = rollout.shape
     mask = np.ones((b, t), dtype=bool) if mask is None else np.asarray(mask) != 0
     cap = n_layers if num_layers is None else num_layers
-    flips = np.zeros(cap + 1)
-    pairs = np.zeros(cap + 1)
-    tokens = 0
-    set_diff = 0
+    flips, pairs = np.zeros(cap + 1), np.zeros(cap + 1)  # per layer bucket
+    tokens = set_diff = 0
     for i in range(b):
         for j in range(t):
             if not mask[i, j]:
@@ -307,13 +305,12 @@ def agent_reference(pairs):
     rows = [ref_pair(a, b) for a, b in pairs]
     n = len(rows)
     diverged = [r[1] for r in rows if r[1] is not None]
+    steps = [d[0] for d in diverged]
     either = sum(r[4] for r in rows)
     out = {
         "agent/trajectory/tool_call_jaccard": sum(r[0] for r in rows) / n if n else 1.0,
-        "agent/trajectory/first_divergence_step_mean": (
-            sum(d[0] for d in diverged) / len(diverged) if diverged else -1.0
-        ),
-        "agent/trajectory/first_divergence_step_min": min(d[0] for d in diverged) if diverged else -1.0,
+        "agent/trajectory/first_divergence_step_mean": sum(steps) / len(steps) if steps else -1.0,
+        "agent/trajectory/first_divergence_step_min": min(steps) if steps else -1.0,
         "agent/trajectory/diverged_fraction": len(diverged) / n if n else 0.0,
         "agent/trajectory/num_pairs": float(n),
         "agent/answer/match_rate": sum(r[2] for r in rows) / n if n else 1.0,
