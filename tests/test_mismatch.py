@@ -261,20 +261,16 @@ def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
     ``torch.std(masked_select(abs(exp(old_log_probs) - exp(rollout_log_probs)), mask))`` (divisor N - 1)."""
     from opbc_metrics import ImportanceWeightStd
 
-    batches = [make_batch(seed=s, dtype=torch.float64, drift=0.3) for s in range(3)]
-    std_metric, prob_metric = ImportanceWeightStd(), ProbabilityDiff()
-    for b in batches:  # chunked updates: the moments merge
-        std_metric.update(b)
-        prob_metric.update(b)
+    batches = [make_batch(seed=s, dtype=torch.float64, drift=0.3) for s in range(3)]  # chunks: the moments merge
+    std, prob = metric_values(ImportanceWeightStd(), *batches), metric_values(ProbabilityDiff(), *batches)
     cat = concat_batches(batches)
     tr, ro, mask = logprobs_numpy(cat)
     valid = (mask != 0) & np.isfinite(tr) & np.isfinite(ro)
     w = np.exp(np.clip(tr - ro, -20.0, 20.0))[valid]
-    assert std_metric.compute().item() == pytest.approx(float(np.sqrt(np.mean((w - w.mean()) ** 2))), rel=1e-9)
+    assert std["opbc/is/weight_std"] == pytest.approx(float(np.sqrt(np.mean((w - w.mean()) ** 2))), rel=1e-9)
     diff = (torch.exp(cat["trainer_logprobs"]) - torch.exp(cat["rollout_logprobs"])).abs()
     verl = torch.std(torch.masked_select(diff, torch.from_numpy(valid)))
-    assert prob_metric.compute()["opbc/prob/diff_std"].item() == pytest.approx(verl.item(), rel=1e-9)
+    assert prob["opbc/prob/diff_std"] == pytest.approx(verl.item(), rel=1e-9)
     # One token: torch.std is undefined (NaN); the metric reports 0 rather than a made-up spread.
-    one = ProbabilityDiff()
-    one.update(trainer_logprobs=torch.tensor([[-1.0]]), rollout_logprobs=torch.tensor([[-2.0]]))
-    assert one.compute()["opbc/prob/diff_std"].item() == 0.0
+    one = {"trainer_logprobs": torch.tensor([[-1.0]]), "rollout_logprobs": torch.tensor([[-2.0]])}
+    assert metric_values(ProbabilityDiff(), one)["opbc/prob/diff_std"] == 0.0
