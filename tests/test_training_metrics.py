@@ -18,7 +18,7 @@ from opbc_metrics.functional import training as FT
 from opbc_metrics.functional import validation as FV
 from opbc_metrics.testing import assert_no_host_sync
 from tests import training_reference as TR
-from tests.data import concat_batches, make_scalars, make_training_batch, make_validation_batch
+from tests.data import concat_batches, make_scalars, make_training_batch, make_validation_batch, metric_values
 
 RTOL = 1e-9
 
@@ -82,10 +82,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("make,reference,batches,rtol", VARIANTS)
 def test_configured_variants_match_reference(make, reference, batches, rtol):
-    metric = make()
-    for b in batches:
-        metric.update(b)
-    out = metric.compute_dict()
+    out = metric_values(make(), *batches)
     want = reference(concat_batches(batches))
     assert set(out) == set(want)
     for key, value in want.items():
