@@ -99,10 +99,7 @@ def make_router_batch(batch=4, seq=10, layers=3, k=2, experts=8, seed=0, swap=0.
 
 @st.composite
 def router_batches(draw, max_b=4, max_t=6, max_l=3, max_k=3):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
-    layers = draw(st.integers(1, max_l))
-    k = draw(st.integers(1, max_k))
+    b, t, layers, k = (draw(st.integers(1, most)) for most in (max_b, max_t, max_l, max_k))
     experts = draw(st.integers(k, k + 3))
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
@@ -155,8 +152,7 @@ finite_logprobs = st.floats(-30.0, 0.0, allow_nan=False, width=64)
 
 @st.composite
 def logprob_batches(draw, max_b=6, max_t=8, mask=None):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
+    b, t = draw(st.integers(1, max_b)), draw(st.integers(1, max_t))
     trainer = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
     rollout = draw(st.lists(finite_logprobs, min_size=b * t, max_size=b * t))
     mask = draw(st.lists(st.booleans() if mask is None else mask, min_size=b * t, max_size=b * t))
@@ -349,27 +345,13 @@ def make_rollouts(groups: int = 4, seed: int = 0, first_id: int = 0, tokens: boo
 def rollout_groups(draw, max_groups=5):
     """A list of whole groups: (id, [(reward, length, stop, discard, metric or None), ...])."""
     ids = draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=max_groups, unique=True))
-    groups = []
-    for gid in ids:
-        size = draw(st.integers(1, 5))
-        samples = [
-            (
-                draw(st.sampled_from([0.0, 0.25, 1.0, 3.0])),
-                draw(st.integers(0, 64)),
-                draw(st.sampled_from(STOP_STRINGS)),
-                draw(st.integers(0, 2)),
-                draw(st.one_of(st.none(), st.floats(0.0, 10.0))),
-            )
-            for _ in range(size)
-        ]
-        groups.append((gid, samples))
-    return groups
+    sample = st.tuples(st.sampled_from([0.0, 0.25, 1.0, 3.0]), st.integers(0, 64), st.sampled_from(STOP_STRINGS),
+                       st.integers(0, 2), st.one_of(st.none(), st.floats(0.0, 10.0)))
+    return [(gid, draw(st.lists(sample, min_size=1, max_size=5))) for gid in ids]
 
 
-def groups_batch(groups, order=None) -> dict:
+def groups_batch(groups) -> dict:
     rows = [(gid, s) for gid, samples in groups for s in samples]
-    if order is not None:
-        rows = [rows[i] for i in order]
     return {
         "group_ids": torch.tensor([g for g, _ in rows], dtype=torch.long),
         "rewards": torch.tensor([s[0] for _, s in rows], dtype=torch.float64),
@@ -479,7 +461,7 @@ def grouped_batch(batch: int = 8, seq: int = 12, seed: int = 0, **kwargs) -> dic
 
 
 def metric_values(metric, *batches) -> dict:
-    """Update ``metric`` with ``batches``, then its computed keys as floats."""
+    """Update ``metric`` (or a collection) with ``batches``, then its computed keys as floats."""
     for b in batches:
         metric.update(b)
-    return {k: v.item() for k, v in metric.compute_dict().items()}
+    return {k: v.item() for k, v in getattr(metric, "compute_dict", metric.compute)().items()}

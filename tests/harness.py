@@ -263,17 +263,15 @@ AGENT = Section(
 )
 
 
-def _exchanges(seed: int, n: int) -> Batch:
-    responses, requests = D.split_exchanges(D.random_exchanges(seed, n))
-    return {"endpoint_responses": responses, "endpoint_requests": requests}
+def _exchange_batch(exchanges: list) -> Batch:
+    return dict(zip(("endpoint_responses", "endpoint_requests"), D.split_exchanges(exchanges), strict=True))
 
 
 ENDPOINT = Section(
     "endpoint",
     members={cls.__name__: cls for cls in ENDPOINT_METRICS},
-    batches=lambda: [_exchanges(seed, n) for seed, n in ((20, 9), (21, 3), (22, 5), (23, 7))],
-    strategy=D.exchange_lists().map(
-        lambda ex: dict(zip(("endpoint_responses", "endpoint_requests"), D.split_exchanges(ex), strict=True))),
+    batches=lambda: [_exchange_batch(D.random_exchanges(seed, n)) for seed, n in ((20, 9), (21, 3), (22, 5), (23, 7))],
+    strategy=D.exchange_lists().map(_exchange_batch),
     reference=lambda b: R.endpoint_reference(list(zip(b["endpoint_responses"], b["endpoint_requests"], strict=True))),
     unit="response",
     functional=lambda b: F.endpoint_capabilities(b["endpoint_responses"], b["endpoint_requests"]),

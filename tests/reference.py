@@ -1,10 +1,11 @@
 """Independent references of every section's formulas, written from the design text and the sources alone.
 
 Deliberately naive: select the valid tokens with boolean indexing, loop over sequences, tokens and groups,
-Python sets, sort for the top-1% mass. Everything in float64. The mismatch reference returns the documented
-on-policy values for an empty window. The rollout reference's Gini comes in two independent forms: the
-pairwise definition ``sum_i sum_j |x_i - x_j| / (2 n^2 mean)`` and the sorted-rank form
-``2 sum_i i x_(i) / (n sum x) - (n + 1) / n``; its std is the sample std (ddof=1, as Telescope).
+Python sets, sort for the top-1% mass. Everything in float64. The mismatch reference has no token (sequence)
+statistics for a window without a valid token (sequence): the metrics report no keys then. The rollout
+reference's Gini comes in two independent forms: the pairwise definition ``sum_i sum_j |x_i - x_j| / (2 n^2
+mean)`` and the sorted-rank form ``2 sum_i i x_(i) / (n sum x) - (n + 1) / n``; its std is the sample std
+(ddof=1, as Telescope).
 """
 
 from __future__ import annotations
@@ -59,17 +60,6 @@ def mismatch_reference(trainer, rollout, mask=None, clamp=20.0, veto=30.0) -> di
             out["opbc/prob/pearson"] = float(np.corrcoef(p, q)[0, 1])
         else:
             out["opbc/prob/pearson"] = 1.0 if np.all(p == q) else 0.0
-    else:
-        out.update({
-            "opbc/is/ess": 1.0, "opbc/is/second_moment": 1.0, "opbc/is/weight_mean": 1.0, "opbc/is/weight_std": 0.0,
-            "opbc/is/top_1pct_gradient_mass": 0.0, "opbc/is/clipped_fraction": 0.0,
-            "opbc/is/veto_fraction": 0.0, "opbc/logprob/abs_diff_mean": 0.0,
-            "opbc/logprob/abs_diff_max": 0.0, "opbc/logprob/diff_mean": 0.0,
-            "opbc/log_ratio/min": 0.0, "opbc/log_ratio/max": 0.0, "opbc/log_ratio/max_abs": 0.0,
-            "opbc/kl/k1": 0.0, "opbc/kl/k2": 0.0, "opbc/kl/k3": 0.0, "opbc/kl/chi2_token": 0.0,
-            "opbc/prob/abs_diff_mean": 0.0, "opbc/prob/abs_diff_max": 0.0, "opbc/prob/pearson": 1.0,
-            "opbc/prob/diff_std": 0.0,
-        })
 
     # Sequences: at least one valid token and no non-finite response token.
     s_list, n_list = [], []
@@ -95,13 +85,6 @@ def mismatch_reference(trainer, rollout, mask=None, clamp=20.0, veto=30.0) -> di
         out["opbc/ppl/log_ppl_diff"] = d.mean()
         out["opbc/ppl/log_ppl_abs_diff"] = np.abs(d).mean()
         out["opbc/ppl/ratio"] = np.exp(d).mean()
-    else:
-        out.update({
-            "opbc/is/seq_ess": 1.0, "opbc/sequence/log_ratio_mean": 0.0,
-            "opbc/sequence/log_ratio_abs_mean": 0.0, "opbc/sequence/log_ratio_max_abs": 0.0,
-            "opbc/sequence/geo_log_ratio_mean": 0.0, "opbc/kl/chi2_seq": 0.0,
-            "opbc/ppl/log_ppl_diff": 0.0, "opbc/ppl/log_ppl_abs_diff": 0.0, "opbc/ppl/ratio": 1.0,
-        })
     out["opbc/input/nonfinite_count"] = float((mask & ~finite).sum())
     out["opbc/input/num_tokens"] = float(n)
     out["opbc/input/num_sequences"] = float(m)
@@ -135,10 +118,8 @@ def router_reference(rollout, trainer, mask=None, num_layers=None, configured=Tr
     b, t, n_layers, _ = rollout.shape
     mask = np.ones((b, t), dtype=bool) if mask is None else np.asarray(mask) != 0
     cap = n_layers if num_layers is None else num_layers
-    flips = np.zeros(cap + 1)
-    pairs = np.zeros(cap + 1)
-    tokens = 0
-    set_diff = 0
+    flips, pairs = np.zeros(cap + 1), np.zeros(cap + 1)  # per layer bucket
+    tokens = set_diff = 0
     for i in range(b):
         for j in range(t):
             if not mask[i, j]:
@@ -324,13 +305,12 @@ def agent_reference(pairs):
     rows = [ref_pair(a, b) for a, b in pairs]
     n = len(rows)
     diverged = [r[1] for r in rows if r[1] is not None]
+    steps = [d[0] for d in diverged]
     either = sum(r[4] for r in rows)
     out = {
         "agent/trajectory/tool_call_jaccard": sum(r[0] for r in rows) / n if n else 1.0,
-        "agent/trajectory/first_divergence_step_mean": (
-            sum(d[0] for d in diverged) / len(diverged) if diverged else -1.0
-        ),
-        "agent/trajectory/first_divergence_step_min": min(d[0] for d in diverged) if diverged else -1.0,
+        "agent/trajectory/first_divergence_step_mean": sum(steps) / len(steps) if steps else -1.0,
+        "agent/trajectory/first_divergence_step_min": min(steps) if steps else -1.0,
         "agent/trajectory/diverged_fraction": len(diverged) / n if n else 0.0,
         "agent/trajectory/num_pairs": float(n),
         "agent/answer/match_rate": sum(r[2] for r in rows) / n if n else 1.0,
@@ -424,12 +404,9 @@ def describe(values) -> dict[str, float]:
 
 def groups_of(group_ids, values) -> list[np.ndarray]:
     """Values per group, groups in order of first appearance (the order does not matter for means)."""
-    ids = [g for g in group_ids]
-    seen: dict = {}
-    for g in ids:
-        seen.setdefault(g, None)
+    ids = list(group_ids)
     x = np.asarray(values, dtype=np.float64)
-    return [x[np.array([i == g for i in ids], dtype=bool)] for g in seen]
+    return [x[np.array([i == g for i in ids], dtype=bool)] for g in dict.fromkeys(ids)]
 
 
 def group_gini_mean(group_ids, values, form=gini_pairwise) -> float:
@@ -455,13 +432,10 @@ def group_cv_mean(group_ids, lengths) -> float | None:
 
 
 def first_of_each_group(group_ids) -> list[int]:
-    seen: set = set()
-    out = []
+    first: dict = {}
     for i, g in enumerate(group_ids):
-        if g not in seen:
-            seen.add(g)
-            out.append(i)
-    return out
+        first.setdefault(g, i)
+    return list(first.values())
 
 
 def per_sample(values, mask, how):
@@ -509,12 +483,11 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
     if p is not None and c is not None:
         out.update({f"rollout/tokens_total/{k}": v for k, v in describe(p + c).items()})
     if "stop_reasons" in batch:
-        reasons = list(batch["stop_reasons"])
-        hits = sum(1 for s in reasons if s == "length" or (not isinstance(s, str) and s is not None and int(s) == 1))
-        out["rollout/stop_reason/length_pct"] = 100.0 * hits / len(reasons) if reasons else 0.0
+        hit = [s == "length" or (not isinstance(s, str) and s is not None and int(s) == 1)
+               for s in batch["stop_reasons"]]
+        out["rollout/stop_reason/length_pct"] = 100.0 * sum(hit) / len(hit) if hit else 0.0
     if "discard_reasons" in batch:
-        codes = [{"max_async": 1, "zero_advantage": 2, None: 0}.get(s, s) for s in batch["discard_reasons"]]
-        codes = [int(c) for c in codes]
+        codes = [int({"max_async": 1, "zero_advantage": 2, None: 0}.get(s, s)) for s in batch["discard_reasons"]]
         n_async, n_zero = codes.count(1), codes.count(2)
         out["rollout/discarded/max_async"] = float(n_async)
         out["rollout/discarded/zero_advantage"] = float(n_zero)
@@ -546,8 +519,6 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
                 if ratios_exist:
                     out["rollout/discarded/tokens_completion/group_max_median_ratio_mean"] = ratio
             if "stop_reasons" in batch and any(gone):
-                hit = [s == "length" or (not isinstance(s, str) and s is not None and int(s) == 1)
-                       for s in batch["stop_reasons"]]
                 out["rollout/discarded/stop_reason/length_pct"] = (
                     100.0 * sum(h and g for h, g in zip(hit, gone)) / sum(gone))
     if "policy_lag" in batch:
@@ -561,8 +532,7 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
                 out.update({f"sample_metrics/{name}/{k}": None for k in ("mean", "min", "max", "group_gini_mean")})
                 continue
             out.update({f"sample_metrics/{name}/{k}": v for k, v in describe(col[present]).items()})
-            gs = [g for g in groups_of(gid, col)]
-            ginis = [gini_pairwise(g[~np.isnan(g)]) for g in gs if (~np.isnan(g)).any()]
+            ginis = [gini_pairwise(g[~np.isnan(g)]) for g in groups_of(gid, col) if (~np.isnan(g)).any()]
             out[f"sample_metrics/{name}/group_gini_mean"] = float(np.mean(ginis)) if ginis else 0.0
     return out
 

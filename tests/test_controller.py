@@ -66,15 +66,6 @@ def reference_group_stats(batch, clamp=20.0, veto=30.0):
     return out
 
 
-def _assert_report_matches(report, expected, rel=1e-9, abs_=1e-12):
-    for key, want in expected.items():
-        got = getattr(report, key)
-        if want is None:
-            assert got is None, key
-        else:
-            assert got == pytest.approx(want, rel=rel, abs=abs_), (report.group_id, key, got, want)
-
-
 def _grouped_batch(seed=0, batch=12, seq=24, dtype=torch.float64, heavy=True, drift=1.5):
     b = make_batch(batch=batch, seq=seq, seed=seed, dtype=dtype, heavy_tail=heavy, drift=drift)
     g = torch.Generator().manual_seed(seed + 100)
@@ -98,7 +89,9 @@ def test_group_reports_match_plain_python_reference(seed):
     out = OPBCController(track_budget=False).step(b)
     assert [d.group_id for d in out.decisions] == sorted(ref)
     for d in out.decisions:
-        _assert_report_matches(d.report, ref[d.group_id])
+        for key, want in ref[d.group_id].items():
+            got = getattr(d.report, key)
+            assert got is None if want is None else got == pytest.approx(want, rel=1e-9, abs=1e-12), (d.group_id, key)
 
 
 @pytest.mark.parametrize("dtype,rel", [(torch.float64, 1e-9), (torch.float32, 2e-5)])
@@ -389,16 +382,14 @@ def _correction_batch():
 
 
 def _plain_weights(r, level, mode, floor, cap):
-    """Reference correction weights of one sequence (a list of log ratios)."""
-    if level == "token":
-        logs = r
-    else:
-        s = sum(r)
-        logs = [s if level == "sequence" else s / len(r)] * len(r)
+    """Reference correction weights of one sequence (a list of log ratios): (weights, kept, number outside the
+    bounds)."""
+    logs = r if level == "token" else [sum(r) if level == "sequence" else sum(r) / len(r)] * len(r)
+    outside = sum(not (floor <= math.exp(x) <= cap) for x in logs)
     if mode == "truncate":
-        return [min(max(math.exp(x), floor), cap) for x in logs], [True] * len(r)
+        return [min(max(math.exp(x), floor), cap) for x in logs], [True] * len(r), outside
     keep = [floor <= math.exp(x) <= cap for x in logs]
-    return [math.exp(x) if k else 0.0 for x, k in zip(logs, keep)], keep
+    return [math.exp(x) if k else 0.0 for x, k in zip(logs, keep)], keep, outside
 
 
 def test_default_policy_trains_flagged_groups_with_the_core_weights():
@@ -432,12 +423,10 @@ def test_correction_weights_match_reference(level, mode):
         if not action.trains:
             assert not out.loss_mask[i].any() and not out.weights[i].any()
             continue
-        w, keep = _plain_weights(r[i], level, mode, 0.5, 2.0)
+        w, keep, outside = _plain_weights(r[i], level, mode, 0.5, 2.0)
         trained += len(w)
         assert out.loss_mask[i].tolist() == keep
         assert out.weights[i].tolist() == pytest.approx(w, rel=1e-12)
-        logs = r[i] if level == "token" else [sum(r[i]) if level == "sequence" else sum(r[i]) / 4] * 4
-        outside = sum(not (0.5 <= math.exp(x) <= 2.0) for x in logs)
         truncated += outside if mode == "truncate" else 0
         masked += outside if mode == "mask" else 0
     stats = out.budget_stats()
@@ -504,8 +493,7 @@ def test_decisions_round_trip_through_json():
 
 def test_step_and_budget_update_never_sync_host_and_device():
     b = _grouped_batch(seed=1)
-    b["rollout_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
-    b["trainer_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
+    b["rollout_token_ids"] = b["trainer_token_ids"] = torch.zeros(12, 24, dtype=torch.long)
     for preset in ("default", "truncated_is", "masked_is"):
         controller = OPBCController(preset)
         with assert_no_host_sync():
@@ -548,9 +536,7 @@ def test_budget_metrics_values_and_empty_window():
         assert out[f"opbc/decision/group_share/{a}"] == 0.25
         assert out[f"opbc/decision/token_share/{a}"] == 0.25
     assert out["opbc/decision/group_share/train"] == 0
-    assert out["opbc/decision/reason_count/non_finite"] == 1
-    assert out["opbc/decision/reason_count/veto"] == 1
-    assert out["opbc/decision/reason_count/lag_above_replay"] == 1
+    assert all(out[f"opbc/decision/reason_count/{r}"] == 1 for r in ("non_finite", "veto", "lag_above_replay"))
     # masked_is: group 1 rows 2, 3 are trained; tokens with ratio outside [0.5, 2]: e^{0.9}, e^{-0.9}, e^{-25}
     assert out["opbc/decision/masked_token_share"].item() == pytest.approx(3 / 8)
     assert out["opbc/decision/truncated_token_share"] == 0

@@ -45,14 +45,11 @@ def reference_rules(s: dict, contract: set[str], p: OPBCPolicy) -> tuple[str, li
 
 
 def _decide_stats(stats: list[dict], contracts: list[set[str]], policy: OPBCPolicy) -> list[tuple[str, list[str]]]:
-    n = len(stats)
-    values = {}
-    for key in ("ess", "veto_fraction", "clipped_fraction", "policy_lag", "router_flip_rate"):
-        col = [float("nan") if s.get(key) is None else float(s[key]) for s in stats]
-        values[key] = torch.tensor(col, dtype=torch.float64)
+    values = {key: torch.tensor([float("nan") if s.get(key) is None else float(s[key]) for s in stats],
+                                dtype=torch.float64)
+              for key in ("ess", "veto_fraction", "clipped_fraction", "policy_lag", "router_flip_rate")}
     contract = {c: torch.tensor([c in x for x in contracts], dtype=torch.bool) for c in FC.CONTRACT_REASONS}
-    present = torch.ones(n, dtype=torch.bool)
-    action, reasons = FC.decide(values, contract, present, policy)
+    action, reasons = FC.decide(values, contract, torch.ones(len(stats), dtype=torch.bool), policy)  # all present
     return [
         (FC.ACTIONS[a], [FC.REASON_NAMES[j] for j in range(len(FC.REASON_NAMES)) if reasons[i, j]])
         for i, a in enumerate(action.tolist())
@@ -82,7 +79,6 @@ CLEAN = {"ess": 0.95, "veto_fraction": 0.0, "clipped_fraction": 0.0, "policy_lag
         ({"clipped_fraction": 0.10}, set(), "train", []),
         ({"policy_lag": None, "router_flip_rate": None}, set(), "train", []),  # not given: never fire
         # Combinations: which rule wins, and every reason is kept. Contract beats everything
-
         ({"veto_fraction": 0.5, "ess": 0.1, "policy_lag": 20, "clipped_fraction": 0.9}, {"logprobs_misaligned"},
          "reject",
          ["logprobs_misaligned", "veto", "lag_above_max", "ess_below_min", "clipped_above_max", "lag_above_replay",
@@ -239,21 +235,14 @@ def policies(draw):
     )
 
 
-@st.composite
-def group_stats(draw):
-    def opt(strategy):
-        return draw(st.one_of(st.none(), strategy))
-
-    return {
-        "ess": draw(st.floats(0.0, 1.0)),
-        "veto_fraction": draw(st.sampled_from([0.0, draw(st.floats(0.0, 1.0))])),
-        "clipped_fraction": draw(st.floats(0.0, 1.0)),
-        "policy_lag": opt(st.integers(0, 15)),
-        "router_flip_rate": opt(st.floats(0.0, 1.0)),
-    }
+group_stats = st.fixed_dictionaries({
+    "ess": st.floats(0.0, 1.0), "veto_fraction": st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    "clipped_fraction": st.floats(0.0, 1.0), "policy_lag": st.one_of(st.none(), st.integers(0, 15)),
+    "router_flip_rate": st.one_of(st.none(), st.floats(0.0, 1.0)),
+})
 
 
-@given(policies(), st.lists(st.tuples(group_stats(), st.sets(st.sampled_from(FC.CONTRACT_REASONS), max_size=2)),
+@given(policies(), st.lists(st.tuples(group_stats, st.sets(st.sampled_from(FC.CONTRACT_REASONS), max_size=2)),
                             min_size=1, max_size=8))
 def test_rules_match_the_plain_python_chain(policy, groups):
     stats, contracts = [g[0] for g in groups], [g[1] for g in groups]
@@ -263,8 +252,7 @@ def test_rules_match_the_plain_python_chain(policy, groups):
 
 @st.composite
 def batches(draw, max_b=8, max_t=6):
-    b = draw(st.integers(1, max_b))
-    t = draw(st.integers(1, max_t))
+    b, t = draw(st.integers(1, max_b)), draw(st.integers(1, max_t))
     logprob = st.one_of(st.just(0.0), st.floats(-25.0, 0.0, allow_nan=False, width=64))
     trainer = draw(st.lists(logprob, min_size=b * t, max_size=b * t))
     drift = draw(st.lists(st.one_of(st.just(0.0), st.floats(-40.0, 40.0)), min_size=b * t, max_size=b * t))

@@ -13,7 +13,7 @@ from hypothesis import given
 from opbc_metrics import ImportanceSamplingESS, OPBCCollection, ProbabilityDiff, TopGradientMass
 from opbc_metrics import functional as F
 from opbc_metrics.functional.mismatch import sketch_relative_error_bound
-from tests.data import concat_batches, logprob_batches, logprobs_numpy, make_batch
+from tests.data import concat_batches, logprob_batches, logprobs_numpy, make_batch, metric_values
 from tests.reference import DESIGN_KEYS, mismatch_reference
 
 # The sketch's documented bound for the default 8192 bins and C = 20.
@@ -22,7 +22,7 @@ SKETCH_RTOL = sketch_relative_error_bound()
 
 def _assert_matches_reference(out, ref, rtol, atol, sketch_rtol=SKETCH_RTOL):
     for key, expected in ref.items():
-        got = out[key].item()
+        got = float(out[key])
         tol_r = sketch_rtol * 1.01 + rtol if key == "opbc/is/top_1pct_gradient_mass" else rtol
         assert math.isclose(got, expected, rel_tol=tol_r, abs_tol=atol), (key, got, expected)
 
@@ -37,13 +37,9 @@ def test_collection_produces_every_design_key():
 @pytest.mark.parametrize("heavy", [False, True])
 def test_collection_matches_reference(dtype, rtol, atol, heavy):
     batches = [make_batch(seed=s, dtype=dtype, heavy_tail=heavy, drift=2.0 if heavy else 0.3) for s in range(3)]
-    metrics = OPBCCollection()
-    for b in batches:
-        metrics.update(b)
-    out = metrics.compute()
     # The reference sees the same (dtype-rounded) numbers as the metric, concatenated.
     ref = mismatch_reference(*logprobs_numpy(concat_batches(batches)))
-    _assert_matches_reference(out, ref, rtol, atol)
+    _assert_matches_reference(metric_values(OPBCCollection(), *batches), ref, rtol, atol)
 
 
 def test_large_log_ratios_hit_clamp_and_veto():
@@ -265,20 +261,16 @@ def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
     ``torch.std(masked_select(abs(exp(old_log_probs) - exp(rollout_log_probs)), mask))`` (divisor N - 1)."""
     from opbc_metrics import ImportanceWeightStd
 
-    batches = [make_batch(seed=s, dtype=torch.float64, drift=0.3) for s in range(3)]
-    std_metric, prob_metric = ImportanceWeightStd(), ProbabilityDiff()
-    for b in batches:  # chunked updates: the moments merge
-        std_metric.update(b)
-        prob_metric.update(b)
+    batches = [make_batch(seed=s, dtype=torch.float64, drift=0.3) for s in range(3)]  # chunks: the moments merge
+    std, prob = metric_values(ImportanceWeightStd(), *batches), metric_values(ProbabilityDiff(), *batches)
     cat = concat_batches(batches)
     tr, ro, mask = logprobs_numpy(cat)
     valid = (mask != 0) & np.isfinite(tr) & np.isfinite(ro)
     w = np.exp(np.clip(tr - ro, -20.0, 20.0))[valid]
-    assert std_metric.compute().item() == pytest.approx(float(np.sqrt(np.mean((w - w.mean()) ** 2))), rel=1e-9)
+    assert std["opbc/is/weight_std"] == pytest.approx(float(np.sqrt(np.mean((w - w.mean()) ** 2))), rel=1e-9)
     diff = (torch.exp(cat["trainer_logprobs"]) - torch.exp(cat["rollout_logprobs"])).abs()
     verl = torch.std(torch.masked_select(diff, torch.from_numpy(valid)))
-    assert prob_metric.compute()["opbc/prob/diff_std"].item() == pytest.approx(verl.item(), rel=1e-9)
+    assert prob["opbc/prob/diff_std"] == pytest.approx(verl.item(), rel=1e-9)
     # One token: torch.std is undefined (NaN); the metric reports 0 rather than a made-up spread.
-    one = ProbabilityDiff()
-    one.update(trainer_logprobs=torch.tensor([[-1.0]]), rollout_logprobs=torch.tensor([[-2.0]]))
-    assert one.compute()["opbc/prob/diff_std"].item() == 0.0
+    one = {"trainer_logprobs": torch.tensor([[-1.0]]), "rollout_logprobs": torch.tensor([[-2.0]])}
+    assert metric_values(ProbabilityDiff(), one)["opbc/prob/diff_std"] == 0.0

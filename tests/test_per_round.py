@@ -99,9 +99,7 @@ def test_default_collection_includes_per_round():
     assert "per_round" in DEFAULT_SECTIONS
     batches = [multi_turn_batch(seed=9), multi_turn_batch(seed=10, batch=2, seq=13)]
     metrics = OPBCCollection()
-    for b in batches:
-        metrics.update(b)
-    out = {k: v.item() for k, v in metrics.compute().items()}
+    out = metric_values(metrics, *batches)
     want = per_round_reference(*logprobs_numpy(concat_batches(batches)))
     assert_rounds_close({k: v for k, v in out.items() if k.startswith(P)}, want)
     assert len(metrics.keys_produced) == len(set(metrics.keys_produced))

@@ -20,6 +20,7 @@ import torch
 from opbc_metrics import OPBCCollection, OPBCController
 from opbc_metrics.functional import controller as FC
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
+from tests.data import logprobs_numpy
 from tests.ddp import run_distributed
 from tests.reference import mismatch_reference
 
@@ -60,10 +61,8 @@ def sketch_reference(trainer, rollout, mask, clamp=CLAMP, bins=DEFAULT_TOP_MASS_
 
 
 def float64_reference(batch: dict[str, torch.Tensor]) -> dict[str, float]:
-    args = [batch[k].double().numpy() if k != "response_mask" else batch[k].numpy()
-            for k in ("trainer_logprobs", "rollout_logprobs", "response_mask")]
-    ref = mismatch_reference(*args)
-    ref[TOP_MASS] = sketch_reference(*args)
+    ref = mismatch_reference(*logprobs_numpy(batch))
+    ref[TOP_MASS] = sketch_reference(*logprobs_numpy(batch))
     return ref
 
 
@@ -105,9 +104,7 @@ def grouped(drift: float) -> dict[str, torch.Tensor]:
 
 def group_reference(batch) -> dict[tuple[int, str], float]:
     """Per (group, statistic), in float64 from the float32 numbers: the parts of the weight statistics that move."""
-    t = batch["trainer_logprobs"].double().numpy()
-    r = batch["rollout_logprobs"].double().numpy()
-    mask = batch["response_mask"].numpy()
+    t, r, mask = logprobs_numpy(batch)
     groups = batch["group_ids"].numpy()
     out = {}
     for g in sorted(set(groups.tolist())):

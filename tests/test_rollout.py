@@ -14,7 +14,7 @@ from opbc_metrics import OPBCCollection
 from opbc_metrics import rollout as M
 from opbc_metrics.functional import rollout as R
 from opbc_metrics.testing import assert_no_host_sync
-from tests.data import NAMES, concat_batches, groups_batch, make_rollouts, rollout_groups
+from tests.data import NAMES, concat_batches, groups_batch, make_rollouts, metric_values, rollout_groups
 from tests.reference import (
     gini_pairwise,
     gini_sorted_rank,
@@ -34,17 +34,14 @@ def assert_matches(out: dict, ref: dict, rtol: float = 1e-9, atol: float = 1e-12
         if want is None:  # the reference has no value (e.g. no group with a ratio): no key either
             assert key not in out, (key, out[key])
             continue
-        got = out[key].item()
+        got = float(out[key])
         assert math.isclose(got, want, rel_tol=rtol, abs_tol=atol), (key, got, want)
 
 
 # --- reference ------------------------------------------------------------------------------------
 def test_token_level_batches_match_reference():  # per-sample batches: the harness
     batches = [make_rollouts(groups=3 + s, seed=s, first_id=s, tokens=True) for s in range(3)]
-    metrics = collection()
-    for b in batches:
-        metrics.update(b)
-    out = metrics.compute()
+    out = metric_values(collection(), *batches)
     ref = rollout_reference(concat_batches(batches), NAMES)
     assert set(ref) == set(out)
     assert_matches(out, ref)
@@ -208,7 +205,6 @@ def test_gini_bounds_and_scale_invariance(values, scale):
     assert g == pytest.approx(gini_sorted_rank(values), rel=1e-9, abs=1e-12)
 
 
-
 @given(rollout_groups())
 def test_matches_reference_and_bounds(groups):
     batch = groups_batch(groups)
@@ -277,14 +273,10 @@ def test_constant_values_have_zero_std():
 
 
 # --- contracts ------------------------------------------------------------------------------------
-def _all_metrics():
-    return [*[cls() for cls in M.ROLLOUT_METRICS], M.SampleMetricStats(NAMES), collection()]
-
-
 def test_token_fields_stop_codes_and_helpers_never_sync():
     b = make_rollouts(groups=6, seed=2, tokens=True)
     b["stop_reasons"] = torch.tensor([1, 0, 2] * (len(b["stop_reasons"]) // 3) + [0] * (len(b["stop_reasons"]) % 3))
-    for m in _all_metrics():
+    for m in [*[cls() for cls in M.ROLLOUT_METRICS], M.SampleMetricStats(NAMES), collection()]:
         with assert_no_host_sync():
             m.update(b)
     b = make_rollouts(groups=6, seed=3)
@@ -327,15 +319,12 @@ def test_chart_ranges_declared_and_observed():
         **{f"sample_metrics/format/{s}": (0.0, 1.0) for s in ("mean", "min", "max", "group_gini_mean")},
         "sample_metrics/format/std": (0.0, 1 / math.sqrt(2)),
     }
-    metrics.update(make_rollouts(groups=3, seed=4, missing=False))
-    metrics.compute()
-    metrics.reset()
-    b = make_rollouts(groups=3, seed=5, missing=False)
-    metrics.update(b)
-    metrics.compute()
-    metrics.reset()  # the observed range is the run's: it survives resets
+    a, b2 = (make_rollouts(groups=3, seed=s, missing=False) for s in (4, 5))
+    for x in (a, b2):
+        metrics.update(x)
+        metrics.compute()
+        metrics.reset()  # the observed range is the run's: it survives resets
     ranges = M.chart_ranges(metrics)
-    a, b2 = make_rollouts(groups=3, seed=4, missing=False), b
     seen = torch.cat([a["rewards"], b2["rewards"]])
     assert ranges["rollout/reward/mean"] == (-1.0, seen.max().item())  # declared lo, observed hi
     calls = torch.cat([a["sample_metrics"]["tool_calls"], b2["sample_metrics"]["tool_calls"]])
@@ -378,18 +367,25 @@ def test_bad_input_names_the_field(change, field):
         collection().update(b)
 
 
+def _token_stats(b):
+    return R.token_stats(b["prompt_lengths"], b["response_lengths"])
+
+
 @pytest.mark.parametrize(
-    "change,field",
+    "change,field,functional",  # the public function of the field: it raises at once
     [
-        (lambda b: b["response_lengths"].__setitem__(0, -1), "response_lengths"),
-        (lambda b: b["prompt_lengths"].__setitem__(1, -5), "prompt_lengths"),
-        (lambda b: b["rewards"].__setitem__(0, math.nan), "rewards"),
-        (lambda b: b["advantages"].__setitem__(0, math.inf), "advantages"),
-        (lambda b: b["sample_metrics"]["format"].__setitem__(0, -math.inf), "sample_metrics.*format"),
-        (lambda b: b["discard_reasons"].__setitem__(0, 5), "discard_reasons"),
+        (lambda b: b["response_lengths"].__setitem__(0, -1), "response_lengths", _token_stats),
+        (lambda b: b["prompt_lengths"].__setitem__(1, -5), "prompt_lengths", _token_stats),
+        (lambda b: b["rewards"].__setitem__(0, math.nan), "rewards", lambda b: R.reward_stats(b["rewards"])),
+        (lambda b: b["advantages"].__setitem__(0, math.inf), "advantages",
+         lambda b: R.advantage_stats(b["advantages"])),
+        (lambda b: b["sample_metrics"]["format"].__setitem__(0, -math.inf), "sample_metrics.*format",
+         lambda b: R.sample_metric_stats(b["sample_metrics"], b["group_ids"])),
+        (lambda b: b["discard_reasons"].__setitem__(0, 5), "discard_reasons",
+         lambda b: R.discarded_counts(b["discard_reasons"])),
     ],
 )
-def test_bad_values_raise_at_compute_naming_the_field(change, field):
+def test_bad_values_raise_at_compute_naming_the_field(change, field, functional):
     """Values cannot be read in update() without a host sync: they are counted and raise at compute()."""
     b = make_rollouts(groups=3, seed=0, missing=False)
     change(b)
@@ -402,59 +398,36 @@ def test_bad_values_raise_at_compute_naming_the_field(change, field):
     metrics.update(make_rollouts(groups=3, seed=0))
     metrics.compute()  # a reset clears the error
     with pytest.raises(ValueError, match=field):  # the public functions raise at once
-        _functional_for(field)(b)
-
-
-def _functional_for(field):
-    return {
-        "response_lengths": lambda b: R.token_stats(b["prompt_lengths"], b["response_lengths"]),
-        "prompt_lengths": lambda b: R.token_stats(b["prompt_lengths"], b["response_lengths"]),
-        "rewards": lambda b: R.reward_stats(b["rewards"]),
-        "advantages": lambda b: R.advantage_stats(b["advantages"]),
-        "sample_metrics.*format": lambda b: R.sample_metric_stats(b["sample_metrics"], b["group_ids"]),
-        "discard_reasons": lambda b: R.discarded_counts(b["discard_reasons"]),
-    }[field]
+        functional(b)
 
 
 def test_bad_constructor_arguments():
-    with pytest.raises(ValueError, match="value_range"):
-        M.RolloutRewardStats(reward_min=2.0, reward_max=1.0)
-    with pytest.raises(ValueError, match="value_range"):
-        M.RolloutRewardStats(reward_min=math.inf)
-    with pytest.raises(ValueError, match="metrics_ranges"):
-        M.SampleMetricStats(["a"], metrics_ranges={"b": (0, 1)})
-    with pytest.raises(ValueError, match="metrics_ranges"):
-        M.SampleMetricStats(["a"], metrics_ranges={"a": (0, 1, 2)})
-    for bad in (["a/b"], ["a", "a"], [""], "abc", [3]):
-        with pytest.raises(ValueError, match="names"):
-            M.SampleMetricStats(bad)
-    with pytest.raises(ValueError, match="length_code"):
-        M.StopReasonLengthPct(length_code="length")
-    with pytest.raises(ValueError, match="metrics_ranges"):
-        M.rollout_metrics(metrics_ranges={"a": (0, 1)})
+    for match, make in [("value_range", lambda: M.RolloutRewardStats(reward_min=2.0, reward_max=1.0)),
+                        ("value_range", lambda: M.RolloutRewardStats(reward_min=math.inf)),
+                        ("metrics_ranges", lambda: M.SampleMetricStats(["a"], metrics_ranges={"b": (0, 1)})),
+                        ("metrics_ranges", lambda: M.SampleMetricStats(["a"], metrics_ranges={"a": (0, 1, 2)})),
+                        *(("names", lambda bad=bad: M.SampleMetricStats(bad)) for bad in (["a/b"], ["a", "a"], [""],
+                                                                                            "abc", [3])),
+                        ("length_code", lambda: M.StopReasonLengthPct(length_code="length")),
+                        ("metrics_ranges", lambda: M.rollout_metrics(metrics_ranges={"a": (0, 1)}))]:
+        with pytest.raises(ValueError, match=match):
+            make()
 
 
 def test_each_class_alone():
     """Each class works outside a collection, with just its own fields (a missing one: test_contracts.py)."""
     b = make_rollouts(groups=4, seed=8)
     ref = rollout_reference(b, NAMES)
-    for m, fields in (
-        (M.RolloutRewardStats(), ("rewards",)),
-        (M.RolloutRewardGini(), ("rewards", "group_ids")),
-        (M.RolloutAdvantageStats(), ("advantages",)),
-        (M.PromptTokenStats(), ("prompt_lengths", "group_ids")),
-        (M.CompletionTokenStats(), ("response_lengths",)),
-        (M.TotalTokenStats(), ("prompt_lengths", "response_lengths")),
-        (M.CompletionLengthGini(), ("response_lengths", "group_ids")),
-        (M.CompletionLengthMaxMedianRatio(), ("response_lengths", "group_ids")),
-        (M.CompletionLengthCV(), ("response_lengths", "group_ids")),
-        (M.OffPolicySteps(), ("policy_lag",)),
-        (M.DiscardedRolloutStats(), ("discard_reasons", "response_lengths", "group_ids", "stop_reasons")),
-        (M.StopReasonLengthPct(), ("stop_reasons",)),
-        (M.DiscardedRollouts(), ("discard_reasons", "rewards")),
-        (M.SampleMetricStats(NAMES), ("sample_metrics", "group_ids")),
-    ):
-        m.update(**{f: b[f] for f in fields})
+    fields = {"RolloutRewardStats": "rewards", "RolloutRewardGini": "rewards group_ids",
+              "RolloutAdvantageStats": "advantages", "PromptTokenStats": "prompt_lengths group_ids",
+              "CompletionTokenStats": "response_lengths", "TotalTokenStats": "prompt_lengths response_lengths",
+              "CompletionLengthGini": "response_lengths group_ids", "OffPolicySteps": "policy_lag",
+              "CompletionLengthMaxMedianRatio": "response_lengths group_ids",
+              "CompletionLengthCV": "response_lengths group_ids", "StopReasonLengthPct": "stop_reasons",
+              "DiscardedRolloutStats": "discard_reasons response_lengths group_ids stop_reasons",
+              "DiscardedRollouts": "discard_reasons rewards", "SampleMetricStats": "sample_metrics group_ids"}
+    for m in [*(cls() for cls in M.ROLLOUT_METRICS), M.SampleMetricStats(NAMES)]:  # every class (KeyError: list it)
+        m.update(**{f: b[f] for f in fields[type(m).__name__].split()})
         out = m.compute_dict()
         assert set(out) == set(m.keys)
         assert_matches(out, {k: ref[k] for k in out})

@@ -18,7 +18,7 @@ from opbc_metrics.functional import training as FT
 from opbc_metrics.functional import validation as FV
 from opbc_metrics.testing import assert_no_host_sync
 from tests import training_reference as TR
-from tests.data import concat_batches, make_scalars, make_training_batch, make_validation_batch
+from tests.data import concat_batches, make_scalars, make_training_batch, make_validation_batch, metric_values
 
 RTOL = 1e-9
 
@@ -33,12 +33,6 @@ def _np(t):
 
 BATCHES = [make_training_batch(seed=s, batch=5 + s, seq=8 + 3 * s, empty_rows=s % 2) for s in range(3)]
 ALL = concat_batches(BATCHES)
-
-
-def _fed(metric, batches=BATCHES, **extra):
-    for b in batches:
-        metric.update(dict(b, **extra))
-    return metric
 
 
 def _wide(sequence_advantages=False):
@@ -88,7 +82,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("make,reference,batches,rtol", VARIANTS)
 def test_configured_variants_match_reference(make, reference, batches, rtol):
-    out = _fed(make(), batches).compute_dict()
+    out = metric_values(make(), *batches)
     want = reference(concat_batches(batches))
     assert set(out) == set(want)
     for key, value in want.items():
@@ -125,15 +119,15 @@ def test_policy_kl_clamps_huge_log_ratios():
 def test_clipfrac_boundaries_zero_advantage_and_unit_ratio():
     old = torch.zeros(1, 4, dtype=torch.float64)
     new = torch.tensor([[5.0, -5.0, 0.0, 0.0]], dtype=torch.float64)  # ratios e^5, e^-5, 1, 1
-    zero_adv = FT.pg_clipfrac(new, old, torch.zeros(1, 4))
-    assert zero_adv["actor/pg_clipfrac"] == 0.0 and zero_adv["actor/pg_clipfrac_lower"] == 0.0
-    at_one = FT.pg_clipfrac(old, old, torch.tensor([[1.0, -1.0, 2.0, -2.0]]))
-    assert at_one["actor/pg_clipfrac"] == 0.0 and at_one["actor/pg_clipfrac_lower"] == 0.0
+
+    def fractions(new, adv):
+        got = FT.pg_clipfrac(new, old, torch.tensor(adv))
+        return got["actor/pg_clipfrac"].item(), got["actor/pg_clipfrac_lower"].item()
+
+    assert fractions(new, [[0.0] * 4]) == fractions(old, [[1.0, -1.0, 2.0, -2.0]]) == (0.0, 0.0)  # A = 0, rho = 1
     want = TR.ref_clipfrac(new.numpy(), old.numpy(), [[1.0, -1.0, -1.0, 0.0]])
-    got = FT.pg_clipfrac(new, old, torch.tensor([[1.0, -1.0, -1.0, 0.0]]))
-    assert (got["actor/pg_clipfrac"].item(), got["actor/pg_clipfrac_lower"].item()) == want == (0.5, 0.0)
-    got = FT.pg_clipfrac(new, old, torch.tensor([[-1.0, 1.0, 0.0, 0.0]]))
-    assert (got["actor/pg_clipfrac"].item(), got["actor/pg_clipfrac_lower"].item()) == (0.0, 0.25)
+    assert fractions(new, [[1.0, -1.0, -1.0, 0.0]]) == want == (0.5, 0.0)
+    assert fractions(new, [[-1.0, 1.0, 0.0, 0.0]]) == (0.0, 0.25)
 
 
 # --- critic -----------------------------------------------------------------------------------------
@@ -215,10 +209,8 @@ def test_global_seqlen_driver_mode_matches_reference():
         assert out["global_seqlen/min"] == min(loads) and out["global_seqlen/max"] == max(loads)
         assert out["global_seqlen/minmax_diff"] == max(loads) - min(loads)
         assert close(out["global_seqlen/mean"], sum(total) / world)
-        if algo == "karmarkar_karp":
-            sums = TR.ref_karmarkar_karp_sums(total, world)
-        else:
-            sums = sorted(P.partition_loads(total, world, "lpt"))
+        sums = TR.ref_karmarkar_karp_sums(total, world) if algo == "karmarkar_karp" else sorted(
+            P.partition_loads(total, world, "lpt"))
         assert out["global_seqlen/balanced_min"] == sums[0] and out["global_seqlen/balanced_max"] == sums[-1]
         assert out["global_seqlen/balanced_max"] >= sum(total) / world - 1e-9
 
@@ -269,12 +261,9 @@ def test_transformer_flops_from_config_matches_reference():
 
 
 def test_peak_flops_table_and_overrides():
-    assert P.peak_flops("NVIDIA H200") == 989e12
-    assert P.peak_flops("NVIDIA H20") == 148e12
-    assert P.peak_flops("NVIDIA B200") == 2.25e15
-    assert P.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert P.peak_flops("NVIDIA L40S") == 362.05e12
-    assert P.peak_flops("NVIDIA H100 PCIe") == 756e12
+    table = {"NVIDIA H200": 989e12, "NVIDIA H20": 148e12, "NVIDIA B200": 2.25e15, "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA L40S": 362.05e12, "NVIDIA H100 PCIe": 756e12}
+    assert {name: P.peak_flops(name) for name in table} == table
     assert P.peak_flops("my-chip", {"my-chip": 1.0}) == 1.0
     with pytest.raises(ValueError, match="peak_flops"):
         P.peak_flops("NVIDIA A10")
@@ -387,11 +376,9 @@ def test_critic_statistics_of_huge_finite_values_are_finite(scale):
     rewards = M.RewardStats()
     rewards.update(rewards=torch.tensor(base * scale))
     assert rewards.compute()["critic/rewards/mean"].item() == pytest.approx(base.mean() * scale, rel=1e-12)
-    returns = torch.tensor(base * scale)[None, :]
-    values = torch.tensor((base + np.array([0.1, -0.1, 0.0, 0.2, -0.2])) * scale)[None, :]
-    ev = FT.explained_variance(values, returns)
-    d = base - (base + np.array([0.1, -0.1, 0.0, 0.2, -0.2]))
-    assert ev.item() == pytest.approx(1 - d.var() / base.var(), rel=1e-9)
+    error = np.array([0.1, -0.1, 0.0, 0.2, -0.2])
+    ev = FT.explained_variance(torch.tensor((base + error) * scale)[None, :], torch.tensor(base * scale)[None, :])
+    assert ev.item() == pytest.approx(1 - error.var() / base.var(), rel=1e-9)
 
 
 # --- contracts ------------------------------------------------------------------------------------------
@@ -451,43 +438,41 @@ def test_training_section_in_the_collection():
 
 
 # --- bad input ----------------------------------------------------------------------------------------
-def test_negative_lengths_in_tensors_raise_at_compute_naming_the_field():
-    for metric, field in ((M.ResponseLength(), "response_lengths"), (M.PromptLength(), "prompt_lengths"),
-                          (M.AbortedRatio(), "response_lengths"), (M.NumTurns(), "num_turns"),
-                          (M.GlobalSeqlen(world_size=1), "response_lengths"), (M.ValidationTurns(), "val_num_turns"),
-                          (M.AgentLoopTiming(), "agent_generate_s")):
-        b = {"response_lengths": torch.tensor([3, -1]), "prompt_lengths": torch.tensor([-2, 5]),
-             "num_turns": torch.tensor([1, -4]), "val_num_turns": torch.tensor([[1, -4]]),
-             "agent_generate_s": torch.tensor([1.0, -2.0])}
-        metric.update(b)  # no host sync: counted, not checked
-        with pytest.raises(ValueError, match=f"`{field}`"):
-            metric.compute()
+@pytest.mark.parametrize("metric,fields,match", [
+    (M.ResponseLength, {"response_lengths": [3, -1]}, r"`response_lengths`.*negative"),
+    (M.ActorLoss, {"actor_loss": float("nan")}, r"`actor_loss`.*NaN"),
+    (M.ActorLoss, {"actor_loss": [1.0, 2.0], "loss_tokens": [1]}, "`loss_tokens`"),
+    (M.ActorLoss, {"actor_loss": "high"}, "`actor_loss`"),
+])
+def test_host_inputs_are_checked_at_once(metric, fields, match):
+    with pytest.raises(ValueError, match=match):
+        metric().update(**fields)
 
 
-def test_host_inputs_are_checked_at_once():
-    with pytest.raises(ValueError, match=r"`response_lengths`.*negative"):
-        M.ResponseLength().update(response_lengths=[3, -1])
-    with pytest.raises(ValueError, match=r"`actor_loss`.*NaN"):
-        M.ActorLoss().update(actor_loss=float("nan"))
-    with pytest.raises(ValueError, match="`loss_tokens`"):
-        M.ActorLoss().update(actor_loss=[1.0, 2.0], loss_tokens=[1])
-    with pytest.raises(ValueError, match="`actor_loss`"):
-        M.ActorLoss().update(actor_loss="high")
+NEGATIVE = {"response_lengths": torch.tensor([3, -1]), "prompt_lengths": torch.tensor([-2, 5]),
+            "num_turns": torch.tensor([1, -4]), "val_num_turns": torch.tensor([[1, -4]]),
+            "agent_generate_s": torch.tensor([1.0, -2.0])}
 
 
-def test_nonfinite_tensor_values_raise_at_compute():
+def _nonfinite(field, value):
     b = make_training_batch(seed=1)
-    b["entropies"][0, 0] = float("nan")
-    b["response_mask"][0, 0] = 1
-    m = M.PolicyEntropy()
-    m.update(b)
-    with pytest.raises(ValueError, match="`entropies`"):
-        m.compute()
-    b["values"][0, 0] = float("inf")
-    m = M.ExplainedVariance()
-    m.update(b)
-    with pytest.raises(ValueError, match="`returns`"):
-        m.compute()
+    b[field][0, 0], b["response_mask"][0, 0] = value, 1
+    return b
+
+
+@pytest.mark.parametrize("metric,batch,field", [
+    *((metric, NEGATIVE, field) for metric, field in (
+        (M.ResponseLength(), "response_lengths"), (M.PromptLength(), "prompt_lengths"),
+        (M.AbortedRatio(), "response_lengths"), (M.NumTurns(), "num_turns"),
+        (M.GlobalSeqlen(world_size=1), "response_lengths"), (M.ValidationTurns(), "val_num_turns"),
+        (M.AgentLoopTiming(), "agent_generate_s"))),
+    (M.PolicyEntropy(), _nonfinite("entropies", float("nan")), "entropies"),
+    (M.ExplainedVariance(), _nonfinite("values", float("inf")), "returns"),
+])
+def test_bad_tensor_values_raise_at_compute_naming_the_field(metric, batch, field):
+    metric.update(batch)  # no host sync: counted, not checked
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        metric.compute()
 
 
 @pytest.mark.parametrize(
@@ -526,29 +511,20 @@ def test_bad_input_names_the_field(metric, change, field):
         metric.update(b)
 
 
-def test_bad_constructor_arguments():
-    bad = [
-        lambda: M.PolicyClipFraction(clip_ratio=1.5),
-        lambda: M.PolicyClipFraction(clip_ratio_c=1.0),
-        lambda: M.PPOKL(estimator="k4"),
-        lambda: M.DPOMetrics(beta=0.0),
-        lambda: M.DPOMetrics(label_smoothing=0.5),
-        lambda: M.ResponseLength(max_response_length=0),
-        lambda: M.ValidationAccuracy([]),
-        lambda: M.ValidationAccuracy(["a", "a"]),
-        lambda: M.ValidationAccuracy(["a"], n_samples=4, ks=[5]),
-        lambda: M.ValidationAccuracy(["a//b"]),
-        lambda: M.GlobalSeqlen(world_size=0),
-        lambda: M.GlobalSeqlen(algorithm="greedy"),
-        lambda: M.StageTiming(stages=("gen", "gen")),
-        lambda: M.StageTiming(stages=("gen",), per_token_stages=("ref",)),
-        lambda: M.Throughput(num_gpus=0),
-        lambda: M.ModelFlopsUtilization(P.TransformerFlops(1, 1, 1), stages={"x": ("s", "backward")}, peak_flops=1.0),
-        lambda: P.TransformerFlops(0, 1, 1),
-    ]
-    for make in bad:
-        with pytest.raises(ValueError):
-            make()
+@pytest.mark.parametrize("make", [
+    lambda: M.PolicyClipFraction(clip_ratio=1.5), lambda: M.PolicyClipFraction(clip_ratio_c=1.0),
+    lambda: M.PPOKL(estimator="k4"), lambda: M.DPOMetrics(beta=0.0), lambda: M.DPOMetrics(label_smoothing=0.5),
+    lambda: M.ResponseLength(max_response_length=0), lambda: M.ValidationAccuracy([]),
+    lambda: M.ValidationAccuracy(["a", "a"]), lambda: M.ValidationAccuracy(["a"], n_samples=4, ks=[5]),
+    lambda: M.ValidationAccuracy(["a//b"]), lambda: M.GlobalSeqlen(world_size=0),
+    lambda: M.GlobalSeqlen(algorithm="greedy"), lambda: M.StageTiming(stages=("gen", "gen")),
+    lambda: M.StageTiming(stages=("gen",), per_token_stages=("ref",)), lambda: M.Throughput(num_gpus=0),
+    lambda: M.ModelFlopsUtilization(P.TransformerFlops(1, 1, 1), stages={"x": ("s", "backward")}, peak_flops=1.0),
+    lambda: P.TransformerFlops(0, 1, 1),
+])
+def test_bad_constructor_arguments(make):
+    with pytest.raises(ValueError):
+        make()
 
 
 def test_rank_beyond_capacity_is_a_clear_error(monkeypatch):

@@ -22,18 +22,11 @@ def _states(collection):
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in collection.state_dict().items()}
 
 
-def _same_states(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
+def _same_states(a, b):  # the same keys, dtypes and values
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # -- no keys for windows without data ------------------------------------------------------------
-
-
 @pytest.mark.parametrize("sections", [("mismatch", "moe", "per_round", "agent", "endpoint"), ALL_SECTIONS])
 def test_empty_window_reports_only_input_accounting(sections):
     out = OPBCCollection(sections=sections).compute()
@@ -102,8 +95,6 @@ def test_invalid_only_window_still_raises():
 
 
 # -- merge_state / load_state_dict ---------------------------------------------------------------
-
-
 def test_merge_and_load_invalidate_the_cache():
     a, b = OPBCCollection(), OPBCCollection()
     a.update(make_batch(seed=1))
@@ -160,36 +151,24 @@ def test_mismatched_merge_is_refused_and_changes_nothing(name, form):
         other.load_state_dict(before)
 
 
-def _corrupt(state, how):
-    state = dict(state)
-    if how == "empty":
-        return {}
-    if how == "partial":
-        return {k: v for k, v in state.items() if not k.startswith("SequenceESS.")}
-    if how == "missing_state":
-        del state["SequenceESS.count"]
-    elif how == "extra_key":
-        state["Nobody.count"] = torch.zeros((), dtype=torch.float64)
-    elif how == "wrong_shape":
-        state["ImportanceSamplingESS.count"] = torch.zeros(2, dtype=torch.float64)
-    elif how == "float32":
-        state["ImportanceSamplingESS.count"] = state["ImportanceSamplingESS.count"].float()
-    elif how == "foreign":  # an older or foreign checkpoint: no configuration
-        state = {k: v for k, v in state.items() if not k.endswith("._extra_state")}
-    elif how == "bad_extra_state":
-        state["ImportanceSamplingESS._extra_state"] = "{not json"
-    return state
+def _without(state, drop):
+    return {k: v for k, v in state.items() if not drop(k)}
 
 
-CORRUPTIONS = {
-    "empty": "empty",
-    "partial": "SequenceESS",
-    "missing_state": r"SequenceESS\.count is missing",
-    "extra_key": "Nobody.count",
-    "wrong_shape": r"ImportanceSamplingESS\.count has shape \(2,\)",
-    "float32": r"ImportanceSamplingESS\.count has dtype torch\.float32",
-    "foreign": "no opbc-metrics configuration",
-    "bad_extra_state": "no opbc-metrics configuration",
+CORRUPTIONS = {  # name: (the source's state dict -> a corrupt one, the error's message)
+    "empty": (lambda state: {}, "empty"),
+    "partial": (lambda state: _without(state, lambda k: k.startswith("SequenceESS.")), "SequenceESS"),
+    "missing_state": (lambda state: _without(state, lambda k: k == "SequenceESS.count"),
+                      r"SequenceESS\.count is missing"),
+    "extra_key": (lambda state: {**state, "Nobody.count": torch.zeros((), dtype=torch.float64)}, "Nobody.count"),
+    "wrong_shape": (lambda state: {**state, "ImportanceSamplingESS.count": torch.zeros(2, dtype=torch.float64)},
+                    r"ImportanceSamplingESS\.count has shape \(2,\)"),
+    "float32": (lambda state: {**state, "ImportanceSamplingESS.count": state["ImportanceSamplingESS.count"].float()},
+                r"ImportanceSamplingESS\.count has dtype torch\.float32"),
+    # an older or foreign checkpoint: no configuration
+    "foreign": (lambda state: _without(state, lambda k: k.endswith("._extra_state")), "no opbc-metrics configuration"),
+    "bad_extra_state": (lambda state: {**state, "ImportanceSamplingESS._extra_state": "{not json"},
+                        "no opbc-metrics configuration"),
 }
 
 
@@ -200,12 +179,13 @@ def test_corrupt_checkpoint_is_refused_and_changes_nothing(how):
     target = OPBCCollection()
     target.update(make_batch(seed=2))
     before = _states(target)
-    with pytest.raises(ValueError, match=CORRUPTIONS[how]):
-        target.load_state_dict(_corrupt(source.state_dict(), how))
+    corrupt, message = CORRUPTIONS[how]
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(corrupt(source.state_dict()))
     _same_states(before, _states(target))
     if how not in ("empty", "partial", "foreign"):
-        with pytest.raises(ValueError, match=CORRUPTIONS[how]):
-            target.merge_state(_corrupt(source.state_dict(), how))
+        with pytest.raises(ValueError, match=message):
+            target.merge_state(corrupt(source.state_dict()))
         _same_states(before, _states(target))
 
 
@@ -242,13 +222,10 @@ def test_checkpoint_round_trips_through_torch_save_weights_only():
     loaded = torch.load(buffer, weights_only=True)
     restored = OPBCCollection(sections=ALL_SECTIONS)
     restored.load_state_dict(loaded)
-    assert restored.compute().keys() == metrics.compute().keys()
-    assert all(torch.equal(v, metrics.compute()[k]) for k, v in restored.compute().items())
+    torch.testing.assert_close(restored.compute(), metrics.compute(), rtol=0, atol=0)  # same keys, same values
 
 
 # -- inputs that require grad --------------------------------------------------------------------
-
-
 def test_forward_with_inputs_that_require_grad_keeps_no_graph():
     batch = make_batch(batch=3, seq=6, seed=4)
     trainer = batch["trainer_logprobs"].clone().requires_grad_(True)
@@ -264,8 +241,6 @@ def test_forward_with_inputs_that_require_grad_keeps_no_graph():
 
 
 # -- bad input -----------------------------------------------------------------------------------
-
-
 def test_probabilities_passed_as_logprobs_are_refused_at_compute():
     batch = make_batch(batch=3, seq=6, seed=5)
     probs = {**batch, "trainer_logprobs": batch["trainer_logprobs"].exp(),
@@ -329,8 +304,6 @@ def test_per_sequence_field_of_the_wrong_length_is_refused(field):
 
 
 # -- torchmetrics conventions --------------------------------------------------------------------
-
-
 def test_prefix_postfix_and_indexing_by_key():
     batch = make_batch(seed=9)
     plain = OPBCCollection()

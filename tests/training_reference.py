@@ -14,29 +14,25 @@ from fractions import Fraction
 
 import numpy as np
 
-# ---------------------------------------------------------------------------------------------------
-# generic
-# ---------------------------------------------------------------------------------------------------
 
-
+# --- generic -------------------------------------------------------------------------------------------------
 def _valid(mask, shape):
     return np.ones(shape, dtype=bool) if mask is None else np.asarray(mask) != 0
 
 
+def ref_token_entropies(logits, temperature=1.0):
+    """[B, T] entropies of softmax(logits / temperature), one position at a time."""
+    lg = np.asarray(logits, dtype=np.float64) / temperature
+    hs = np.zeros(lg.shape[:2])
+    for b, t in np.ndindex(*hs.shape):
+        e = np.exp(lg[b, t] - lg[b, t].max())
+        p = e[e > 0] / e.sum()
+        hs[b, t] = -(p * np.log(p)).sum()
+    return hs
+
+
 def ref_entropy(entropies=None, mask=None, logits=None, temperature=1.0):
-    if logits is not None:
-        lg = np.asarray(logits, dtype=np.float64) / temperature
-        hs = np.zeros(lg.shape[:2])
-        for b in range(lg.shape[0]):
-            for t in range(lg.shape[1]):
-                row = lg[b, t]
-                m = row.max()
-                e = np.exp(row - m)
-                p = e / e.sum()
-                nz = p > 0
-                hs[b, t] = -(p[nz] * np.log(p[nz])).sum()
-        entropies = hs
-    h = np.asarray(entropies, dtype=np.float64)
+    h = ref_token_entropies(logits, temperature) if logits is not None else np.asarray(entropies, np.float64)
     sel = h[_valid(mask, h.shape)]
     return float(sel.mean()) if sel.size else 0.0
 
@@ -81,13 +77,9 @@ def _token_select(x, mask):
 
 def ref_stats(x, with_std=False):
     x = np.asarray(x, np.float64)
-    if not x.size:
-        out = {"mean": 0.0, "max": 0.0, "min": 0.0}
-        return {**out, "std": 0.0} if with_std else out
-    out = {"mean": x.mean(), "max": x.max(), "min": x.min()}
-    if with_std:
-        out["std"] = x.std()
-    return {k: float(v) for k, v in out.items()}
+    out = {"mean": x.mean(), "max": x.max(), "min": x.min(), "std": x.std()} if x.size else dict.fromkeys(
+        ("mean", "max", "min", "std"), 0.0)
+    return {k: float(v) for k, v in out.items() if with_std or k != "std"}
 
 
 def ref_token_stats(x, mask=None, with_std=False):
@@ -147,11 +139,7 @@ def ref_rm(chosen, rejected):
             "reward_margin": sum(m) / n}
 
 
-# ---------------------------------------------------------------------------------------------------
-# validation
-# ---------------------------------------------------------------------------------------------------
-
-
+# --- validation ----------------------------------------------------------------------------------------------
 def ref_pass_at_k(n, c, k):
     """Exact, with big integers: 1 - C(n-c, k) / C(n, k)."""
     return float(1 - Fraction(math.comb(n - c, k), math.comb(n, k)))
@@ -190,22 +178,15 @@ def ref_validation(rows, sources, n_samples, ks, kind):
                     at_k[k].append(ref_pass_at_k(len(vals), sum(xi >= 0.5 for xi in vals), k))
                 else:
                     at_k[k].append(ref_best_at_k(vals, k))
-        if kind == "acc":
-            out[f"val-core/{s}/acc/mean@{n_samples}"] = sum(means) / len(means) if means else 0.0
-            for k in ks:
-                out[f"val-aux/{s}/acc/pass@{k}"] = sum(at_k[k]) / len(at_k[k]) if at_k[k] else 0.0
-        else:
-            out[f"val-aux/{s}/reward/mean@{n_samples}"] = sum(means) / len(means) if means else 0.0
-            for k in ks:
-                out[f"val-aux/{s}/reward/best@{k}"] = sum(at_k[k]) / len(at_k[k]) if at_k[k] else 0.0
+        avg = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        mean_key, at_key = ((f"val-core/{s}/acc/mean@", f"val-aux/{s}/acc/pass@") if kind == "acc" else
+                            (f"val-aux/{s}/reward/mean@", f"val-aux/{s}/reward/best@"))
+        out[f"{mean_key}{n_samples}"] = avg(means)
+        out.update({f"{at_key}{k}": avg(at_k[k]) for k in ks})
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# load balance, timing, FLOPs
-# ---------------------------------------------------------------------------------------------------
-
-
+# --- load balance, timing, FLOPs -----------------------------------------------------------------------------
 def ref_karmarkar_karp_sums(lengths, k, equal_size=True):
     """Largest differencing, list based: each round sorts the partial solutions by (-spread, age) and merges
     the first two, largest set of the first with the smallest of the second. Returns sorted set sums."""
@@ -259,21 +240,12 @@ def ref_transformer_active_params(hidden, layers, heads, vocab, inter, kv_heads=
     return layers * (q_proj + k_proj + v_proj + o_proj + mlp) + vocab * hidden + embed
 
 
-# ---------------------------------------------------------------------------------------------------
-# whole sections, on one (concatenated) batch: the case table's references (tests/harness.py)
-# ---------------------------------------------------------------------------------------------------
+# --- whole sections, on one (concatenated) batch: the case table's references (tests/harness.py) ------------
 SCALAR_KEYS = {"actor_loss": "actor/loss", "pg_loss": "actor/pg_loss", "entropy_loss": "actor/entropy_loss",
                "kl_loss": "actor/kl_loss", "kl_coef": "actor/kl_coef", "actor_grad_norm": "actor/grad_norm",
                "actor_lr": "actor/lr", "critic_loss": "critic/loss", "critic_lr": "critic/lr",
                "rm_grad_norm": "rm/grad_norm"}
 TOKEN_WEIGHTED = {"actor_loss", "pg_loss", "entropy_loss", "kl_loss", "critic_loss"}
-
-
-def ref_token_entropies(logits, temperature=1.0):
-    """[B, T] entropies of softmax(logits / temperature), one position at a time."""
-    lg = np.asarray(logits, dtype=np.float64)
-    return np.array([[ref_entropy(logits=lg[b:b + 1, t:t + 1], temperature=temperature)
-                      for t in range(lg.shape[1])] for b in range(lg.shape[0])])
 
 
 def ref_slowest(samples):
