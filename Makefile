@@ -27,7 +27,8 @@ test: $(INTEGRATIONS_STAMP)
 # The packed sync writes torchmetrics' private states: run the sync/DDP tests against the lowest and the newest
 # torchmetrics that pyproject.toml allows, each in a throwaway venv under /tmp (torch pinned by constraints.txt).
 TORCHMETRICS_LOWEST := 1.4.0
-SYNC_TESTS := tests/test_distributed.py tests/test_trust_ddp.py tests/test_training_ddp.py tests/test_rollout_distributed.py
+# The one gloo run of every metric and collection (test_contracts' ddp tests) and the trust checks over ranks.
+SYNC_TESTS := tests/test_contracts.py -k ddp tests/test_trust_ddp.py
 test-torchmetrics-range:
 	set -e; for spec in "torchmetrics==$(TORCHMETRICS_LOWEST)" "torchmetrics"; do \
 	  env=$$(mktemp -d /tmp/opbc-torchmetrics-XXXXXX); \
