@@ -25,7 +25,9 @@ are not in the tensor).
   top-K does not matter and an id repeated in a row counts once. With the number of experts E known
   (``num_experts``, or both sides given as router logits), the comparisons run on ids copied to the
   narrowest dtype that holds ``[0, E)`` (uint8 for E <= 256: several times cheaper), the same result;
-  an id outside ``[0, E)`` in a valid token then makes the stateful metric's ``compute()`` raise.
+  an id outside ``[0, E)`` in a valid token then makes the stateful metric's ``compute()`` raise. Without
+  ``num_experts``, ids of K > 2 are compared as int16: an id outside ``[0, 2**15)`` in a valid token makes
+  ``compute()`` raise the same way (pass ``num_experts``); for K <= 2 any integer ids compare exactly.
 * ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
   capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
   ``moe/router/layer_overflow/flip_rate``. The stateful metric reports a layer's key only for layers
@@ -221,14 +223,19 @@ def _top1_flips(rollout: Tensor, trainer: Tensor) -> Tensor:
     return rollout[..., 0] != trainer[..., 0]
 
 
-def _lane_sets_differ(rollout: Tensor, trainer: Tensor, pairs: Tensor) -> Tensor:
-    """``[n]`` uint8, nonzero where the sets of the columns of ``rollout`` / ``trainer`` ``[K, n]`` (lane-major)
-    differ. Exact for any ids; an id repeated in a column counts once, as in a set.
+def _lane_sets_differ(rollout: Tensor, trainer: Tensor, pairs: Tensor, non_negative: bool) -> Tensor:
+    """``[n]``, nonzero where the sets of the columns of ``rollout`` / ``trainer`` ``[K, n]`` (lane-major) differ.
+    Exact; an id repeated in a column counts once, as in a set.
 
-    ``pairs`` ``[K, K, n]`` (uint8) receives ``[rollout_i == trainer_j]`` for every (j, i) in one broadcast
-    compare; its maximum over i says whether trainer id j is among the rollout's, over j whether rollout id i
-    is among the trainer's (uint8 reductions over an outer dim: contiguous, vectorised).
+    ``pairs`` ``[K, K, n]`` receives every (trainer j, rollout i) comparison in one broadcast op; its reductions
+    over i say whether trainer id j is among the rollout's, over j whether rollout id i is among the
+    trainer's (reductions over an outer dim: contiguous, vectorised). ``non_negative`` ids (narrow copies)
+    are compared by XOR in their own dtype (an id is in the other set where the minimum XOR is 0): int16
+    compares into bool are not vectorised on CPU, 9x slower than uint8 ones. Other ids: ``==`` into uint8.
     """
+    if non_negative:
+        torch.bitwise_xor(rollout.unsqueeze(0), trainer.unsqueeze(1), out=pairs)
+        return torch.maximum(pairs.amin(dim=0), pairs.amin(dim=1)).amax(dim=0)
     torch.eq(rollout.unsqueeze(0), trainer.unsqueeze(1), out=pairs.view(torch.bool))
     found = torch.minimum(pairs.amax(dim=0), pairs.amax(dim=1))  # [K, n]: 1 where the id is in the other set
     return 1 - found.amin(dim=0)
@@ -284,6 +291,11 @@ _COLUMN_MAX_K = 2
 _CPU_CHUNK_IDS = 1 << 18
 
 
+# Without ``num_experts`` the ids of K > 2 are compared as int16, which holds any real router's experts; ids
+# outside [0, 2**15) are reported like ids outside [0, num_experts) (int64 lanes cost 3x as much).
+UNKNOWN_EXPERTS_BOUND = 2**15
+
+
 def lane_dtype(num_experts: int | None, ids_dtype: torch.dtype) -> torch.dtype:
     """The narrowest integer dtype holding every expert id in ``[0, num_experts)`` exactly (the ids' own
     dtype when ``num_experts`` is unknown or too large).
@@ -315,11 +327,14 @@ def _set_differs_tokens(
 
     The ids are copied in :func:`lane_dtype` (contiguous), then lane-major (``[K, tokens, L]``, one row per
     top-K column) and compared by :func:`_lane_sets_differ`; for K <= 2 their columns are compared in place.
-    With ``num_experts`` known (and ``check_range``), ``outside`` marks the tokens holding an id outside
-    ``[0, num_experts)``, whose narrow copies may wrap: the caller reports them (reading it here would be a
-    host sync). On CPU the tokens go in chunks that stay in cache.
+    With ``check_range``, ``outside`` marks the tokens holding an id outside ``[0, num_experts)`` (``[0, 2**15)``
+    when ``num_experts`` is None and K > 2), whose narrow copies may wrap: the caller reports them (reading it
+    here would be a host sync). ``check_range=False`` with ``num_experts`` None compares any ids exactly in
+    their own dtype. On CPU the tokens go in chunks that stay in cache.
     """
     b, t, n_layers, k = rollout.shape
+    if num_experts is None and check_range and k > _COLUMN_MAX_K:
+        num_experts = UNKNOWN_EXPERTS_BOUND  # narrowed to int16: ids outside [0, 2**15) are reported
     check_range = check_range and num_experts is not None
     if b * t == 0:
         none = torch.zeros((b, t), dtype=torch.bool, device=rollout.device)
@@ -332,7 +347,9 @@ def _set_differs_tokens(
     if k > _COLUMN_MAX_K:  # work buffers, reused by every chunk
         narrow = torch.empty((2, rows, n_layers, k), dtype=dtype, device=rollout.device)
         lanes = torch.empty((2, k, rows, n_layers), dtype=dtype, device=rollout.device)
-        pairs = torch.empty((k, k, rows * n_layers), dtype=torch.uint8, device=rollout.device)
+        non_negative = num_experts is not None  # valid narrow ids lie in [0, num_experts); others are reported
+        pair_dtype = dtype if non_negative else torch.uint8
+        pairs = torch.empty((k, k, rows * n_layers), dtype=pair_dtype, device=rollout.device)
     differs, outside = [], []
     for start in range(0, b * t, rows):
         r, tr = rollout[start : start + rows], trainer[start : start + rows]
@@ -349,7 +366,7 @@ def _set_differs_tokens(
             narrow[i, :m].view(m, n_layers * k).copy_(x)
             lanes[i, :, :m].copy_(narrow[i, :m].permute(2, 0, 1))
         views = [lanes[i, :, :m].reshape(k, m * n_layers) for i in (0, 1)]
-        differ = _lane_sets_differ(*views, pairs[:, :, : m * n_layers])
+        differ = _lane_sets_differ(*views, pairs[:, :, : m * n_layers], non_negative)
         differs.append(differ.view(m, n_layers).amax(dim=-1) != 0)
     return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t) if check_range else None
 
@@ -387,7 +404,7 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
         tensor([[False]])
     """
     _check_pair(rollout_experts, trainer_experts)
-    return _set_differs_tokens(rollout_experts, trainer_experts, None)[0]
+    return _set_differs_tokens(rollout_experts, trainer_experts, None, check_range=False)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,10 +503,10 @@ def router_flip_rate(
 # ---------------------------------------------------------------------------------------------
 def _set_disagreement_update(view: BatchView, top_k: int | None = None, num_experts: int | None = None) -> Stats:
     rollout, trainer, mask = router_inputs(view, top_k)
-    check_range = num_experts is not None
+    check_range = True
     if num_experts is None and not (view.has(ROLLOUT_EXPERTS) or view.has(TRAINER_EXPERTS)):
         # both sides are top-Ks of router logits: their ids are below the logits' width
-        num_experts = max(view.field(name).shape[-1] for name in LOGIT_FIELDS)
+        num_experts, check_range = max(view.field(name).shape[-1] for name in LOGIT_FIELDS), False
     differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range)
     out_of_range = torch.zeros((), dtype=torch.float64, device=mask.device)
     if outside is not None:
@@ -504,12 +521,19 @@ def _set_disagreement_update(view: BatchView, top_k: int | None = None, num_expe
 def _set_disagreement_compute(
     disagreements: Tensor, tokens: Tensor, out_of_range: Tensor | None = None, num_experts: int | None = None
 ) -> Tensor:
-    """The rate; raises when valid tokens held expert ids outside ``[0, num_experts)`` (one host read)."""
-    if out_of_range is not None and num_experts is not None and bool(out_of_range > 0):
+    """The rate; raises when valid tokens held expert ids outside ``[0, num_experts)`` (``[0, 2**15)`` without
+    ``num_experts``) (one host read)."""
+    if out_of_range is not None and bool(out_of_range > 0):
+        if num_experts is None:
+            raise ValueError(
+                f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` held expert ids outside "
+                f"[0, {UNKNOWN_EXPERTS_BOUND}) in {int(out_of_range)} valid tokens: without `num_experts` the ids "
+                "are compared as int16; pass the model's number of experts as `num_experts`"
+            )
         raise ValueError(
             f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` held expert ids outside [0, num_experts) = "
             f"[0, {num_experts}) in {int(out_of_range)} valid tokens: pass the model's number of experts as "
-            "`num_experts` (or None to compare any ids)"
+            "`num_experts`"
         )
     return _safe_div(disagreements, tokens, 0.0)
 
@@ -532,8 +556,9 @@ def router_topk_disagreement_rate(
         response_mask: ``[B, T]``; all ones when absent.
         top_k: K for router logits (required with logits); cuts expert ids to their first ``top_k``.
         num_experts: the model's number of experts E, when known: the ids are compared in the narrowest
-            dtype holding ``[0, E)`` (uint8 for E <= 256, several times cheaper than int64); an id outside
-            ``[0, E)`` in a valid token raises. ``None``: any integer ids, compared in their own dtype.
+            dtype holding ``[0, E)`` (uint8 for E <= 256, cheaper than int16); an id outside ``[0, E)`` in a
+            valid token raises. ``None``: K > 2 ids are compared as int16 and an id outside ``[0, 2**15)``
+            in a valid token raises; K <= 2 ids of any value compare exactly.
 
     Example:
         >>> import torch
