@@ -279,15 +279,20 @@ def _all_layers(same: Tensor, n_layers: int) -> Tensor:
 # the K^2 strided passes cost more than the copies (K = 8: 10x slower).
 _COLUMN_MAX_K = 2
 
-# Ids per chunk of the set comparison on CPU: a chunk's lane-major copies and masks stay in L2.
+# Ids per chunk of the set comparison on CPU (2^16: 1.35x, 2^17: 1.13x, 2^19: 1.05x the time of 2^18).
 # Measured with benchmarks/bench_controller_moe.py (one thread, 3.1M contiguous int64 ids, K = 8, E = 128),
-# as multiples of the top-1 flip rate's update: int64 bitmasks (an OR of one-hot words per set) 10x, the
-# K x K broadcast compare [.., K, K] 34x; uint8 lanes 4-5x with the range check (its aminmax ~1.5x, the two
-# transposing copies ~1x), int64 lanes (num_experts unknown) 15-17x; int16 lanes cost 3x uint8 ones. Tried
-# and slower: one [K, K, n] compare with any/all reductions (bool reductions over a non-inner dim are slow),
-# SWAR zero-byte tests on 8 ids packed in an int64 word (int64 ops cost ~15x a uint8 compare per id), amin +
-# amax for the range, float lanes (a monotone conversion that would make the range check elementwise: 3x
-# slower compares), a [K, L, tokens] layout (faster at K = 2, slower at K = 8).
+# as multiples of the top-1 flip rate's update. Now: 2.2-3.5x with num_experts, 4.3-5.3x without (int16),
+# of which the range check ~1.3x (the first pass over the ids, which pays for reading them), the narrow
+# copies ~0.3x, the transposes of the narrow copies ~0.6x, the [K, K, n] compare and its reductions ~0.9x.
+# Before: per-j compares into bool masks (16 [K, n] compares + ORs) 4-5x, aminmax for the range ~1.5x
+# alone (int64 amin is not vectorised: 8x an int64 amax; the int32 halves' amin costs what amax does), one
+# transposing copy from int64 3x a contiguous narrowing copy plus a transpose of the narrow one, int64
+# lanes without num_experts 15-17x. Tried and slower: int64 bitmasks (an OR of one-hot words per set) 10x,
+# the K x K compare with inner [.., K, K] broadcasts 34x, bool any/all over a non-inner dim, SWAR zero-byte
+# tests on 8 ids packed in an int64 word, float lanes, a [K, L, tokens] layout, folding the [K, K, n]
+# comparisons by halves (1.4x the uint8 amin over the outer dim), torch.minimum(ids, E, out=uint8) as a
+# clamping narrow copy (3x a plain copy, and negative ids still wrap), bool compares of int16 lanes (9x
+# uint8 ones: not vectorised; XOR + min in int16 is 2x uint8), XOR instead of == for uint8 (the same).
 _CPU_CHUNK_IDS = 1 << 18
 
 
