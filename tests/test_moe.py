@@ -422,3 +422,13 @@ def test_without_num_experts_ids_outside_int16_raise_at_compute(k):
         got = F.router_set_disagreement(r, trainer)  # the per-token function compares any ids exactly
         assert got.tolist() == [[any(set(a) != set(b) for a, b in zip(ra, ta)) for ra, ta in zip(rr, tt)]
                                 for rr, tt in zip(r.tolist(), trainer.tolist())]
+
+
+def test_range_check_holds_for_ids_beyond_int32():
+    """The range check reads the int32 halves for negatives only while every valid id fits in int32."""
+    rollout = torch.tensor([[[[2**31 + 5, 3, 7]], [[2**40, 1, 2]]]])
+    trainer = torch.tensor([[[[3, 2**31 + 5, 7]], [[1, 2, 2**40 + 1]]]])
+    differs, outside = FM._set_differs_tokens(rollout, trainer, 2**41)
+    assert differs.tolist() == [[False, True]] and outside.tolist() == [[False, False]]
+    rollout[0, 1, 0, 0] = -1
+    assert FM._set_differs_tokens(rollout, trainer, 2**41)[1].tolist() == [[False, True]]

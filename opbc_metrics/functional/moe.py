@@ -294,6 +294,8 @@ _COLUMN_MAX_K = 2
 # clamping narrow copy (3x a plain copy, and negative ids still wrap), bool compares of int16 lanes (9x
 # uint8 ones: not vectorised; XOR + min in int16 is 2x uint8), XOR instead of == for uint8 (the same).
 _CPU_CHUNK_IDS = 1 << 18
+# Elsewhere the chunks only bound the [K, K, ids / K] comparison buffer (128 MiB of uint8 at K = 8).
+_DEVICE_CHUNK_IDS = 1 << 24
 
 
 # Without ``num_experts`` the ids of K > 2 are compared as int16, which holds any real router's experts; ids
@@ -321,7 +323,7 @@ def _outside(ids: Tensor, num_experts: int) -> Tensor:
     the int64 maximum, and the minimum over the int32 halves (a negative id has a negative high half, every
     id in ``[0, 2**31)`` has two non-negative ones); int64 ``amin`` / ``aminmax`` are not vectorised on CPU."""
     high = ids.amax(dim=-1) >= num_experts
-    halves = ids.view(torch.int32) if ids.dtype == torch.int64 else ids
+    halves = ids.view(torch.int32) if ids.dtype == torch.int64 and num_experts <= 2**31 else ids
     return high | (halves.amin(dim=-1) < 0)
 
 
@@ -347,7 +349,8 @@ def _set_differs_tokens(
     ids_dtype = torch.promote_types(rollout.dtype, trainer.dtype)
     dtype = lane_dtype(num_experts, ids_dtype)
     rollout, trainer = rollout.reshape(b * t, n_layers * k), trainer.reshape(b * t, n_layers * k)
-    rows = b * t if rollout.device.type != "cpu" else max(1, _CPU_CHUNK_IDS // (n_layers * k))
+    chunk = _CPU_CHUNK_IDS if rollout.device.type == "cpu" else _DEVICE_CHUNK_IDS
+    rows = max(1, chunk // (n_layers * k))
     rows = min(rows, b * t)
     if k > _COLUMN_MAX_K:  # work buffers, reused by every chunk
         narrow = torch.empty((2, rows, n_layers, k), dtype=dtype, device=rollout.device)
