@@ -281,7 +281,7 @@ _COLUMN_MAX_K = 2
 
 # Ids per chunk of the set comparison on CPU (2^16: 1.35x, 2^17: 1.13x, 2^19: 1.05x the time of 2^18).
 # Measured with benchmarks/bench_controller_moe.py (one thread, 3.1M contiguous int64 ids, K = 8, E = 128),
-# as multiples of the top-1 flip rate's update. Now: 2.2-3.5x with num_experts, 4.3-5.3x without (int16),
+# as multiples of the top-1 flip rate's update. Now: 2.2-3.5x with num_experts, 3.9-5.3x without (int16),
 # of which the range check ~1.3x (the first pass over the ids, which pays for reading them), the narrow
 # copies ~0.3x, the transposes of the narrow copies ~0.6x, the [K, K, n] compare and its reductions ~0.9x.
 # Before: per-j compares into bool masks (16 [K, n] compares + ORs) 4-5x, aminmax for the range ~1.5x
@@ -372,7 +372,7 @@ def _set_differs_tokens(
         # narrow first (a contiguous copy), then transpose the narrow copy: 3x cheaper than one transposing copy
         for i, x in enumerate((r, tr)):
             narrow[i, :m].view(m, n_layers * k).copy_(x)
-            lanes[i, :, :m].copy_(narrow[i, :m].permute(2, 0, 1))
+        lanes[:, :, :m].copy_(narrow[:, :m].permute(0, 3, 1, 2))  # both sides in one op
         views = [lanes[i, :, :m].reshape(k, m * n_layers) for i in (0, 1)]
         differ = _lane_sets_differ(*views, pairs[:, :, : m * n_layers], non_negative)
         differs.append(differ.view(m, n_layers).amax(dim=-1) != 0)
