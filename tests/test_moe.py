@@ -395,3 +395,40 @@ def test_num_experts_reaches_the_collection_and_is_validated():
     for bad in (0, -3, 2.0, True):
         with pytest.raises(ValueError, match="num_experts"):
             RouterSetDisagreement(num_experts=bad)
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_without_num_experts_ids_outside_int16_raise_at_compute(k):
+    """Without num_experts the ids of K > 2 are compared as int16: an id outside [0, 2**15) in a valid
+    token (2**16 + 3 would alias to 3) makes compute() raise, naming the fields and num_experts; in a
+    padding token it is ignored; with num_experts large enough the same ids compare exactly."""
+    rollout, trainer, mask = _wide_batch(300, k, seed=k)
+    for bad in (-1, 2**15, 2**16 + int(trainer[0, 0, 1, 0]), -(2**40)):
+        r = rollout.clone()
+        r[0, 0, 1, 0] = bad
+        metric = RouterSetDisagreement()
+        with assert_no_host_sync():
+            metric.update(rollout_experts=r, trainer_experts=trainer, response_mask=torch.ones_like(mask))
+        with pytest.raises(ValueError, match=r"rollout_experts.*outside \[0, 32768\) in 1 valid tokens.*num_experts"):
+            metric.compute()
+        with pytest.raises(ValueError, match="num_experts"):
+            F.router_topk_disagreement_rate(r, trainer)
+        masked = mask.clone()
+        masked[0, 0] = False
+        assert F.router_topk_disagreement_rate(r, trainer, masked).item() == _python_set_rate(r, trainer, masked)
+        if bad >= 0:
+            wide = F.router_topk_disagreement_rate(r, trainer, mask, num_experts=bad + 1).item()
+            assert wide == _python_set_rate(r, trainer, mask)
+        got = F.router_set_disagreement(r, trainer)  # the per-token function compares any ids exactly
+        assert got.tolist() == [[any(set(a) != set(b) for a, b in zip(ra, ta)) for ra, ta in zip(rr, tt)]
+                                for rr, tt in zip(r.tolist(), trainer.tolist())]
+
+
+def test_range_check_holds_for_ids_beyond_int32():
+    """The range check reads the int32 halves for negatives only while every valid id fits in int32."""
+    rollout = torch.tensor([[[[2**31 + 5, 3, 7]], [[2**40, 1, 2]]]])
+    trainer = torch.tensor([[[[3, 2**31 + 5, 7]], [[1, 2, 2**40 + 1]]]])
+    differs, outside = FM._set_differs_tokens(rollout, trainer, 2**41)
+    assert differs.tolist() == [[False, True]] and outside.tolist() == [[False, False]]
+    rollout[0, 1, 0, 0] = -1
+    assert FM._set_differs_tokens(rollout, trainer, 2**41)[1].tolist() == [[False, True]]

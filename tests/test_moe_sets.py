@@ -36,7 +36,8 @@ def ids_batch(low: int, high: int, k: int, seed: int, b: int = 3, t: int = 50, l
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("num_experts", [2, 256, 257, 2**15, 2**15 + 1, None])
 def test_every_path_equals_python_sets(k, num_experts):
-    low, high = (0, num_experts) if num_experts is not None else (-(2**62), 2**62)
+    # without num_experts K > 2 compares in int16: ids in [0, 2**15) (outside them compute raises, test_moe.py)
+    low, high = (0, num_experts) if num_experts is not None else (-(2**62), 2**62) if k <= 2 else (0, 2**15)
     rollout, trainer = ids_batch(low, high, k, seed=k * 7 + (num_experts or 1) % 97)
     want = python_sets_differ(rollout, trainer)
     differs, outside = FM._set_differs_tokens(rollout, trainer, num_experts)

@@ -25,7 +25,9 @@ are not in the tensor).
   top-K does not matter and an id repeated in a row counts once. With the number of experts E known
   (``num_experts``, or both sides given as router logits), the comparisons run on ids copied to the
   narrowest dtype that holds ``[0, E)`` (uint8 for E <= 256: several times cheaper), the same result;
-  an id outside ``[0, E)`` in a valid token then makes the stateful metric's ``compute()`` raise.
+  an id outside ``[0, E)`` in a valid token then makes the stateful metric's ``compute()`` raise. Without
+  ``num_experts``, ids of K > 2 are compared as int16: an id outside ``[0, 2**15)`` in a valid token makes
+  ``compute()`` raise the same way (pass ``num_experts``); for K <= 2 any integer ids compare exactly.
 * ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
   capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
   ``moe/router/layer_overflow/flip_rate``. The stateful metric reports a layer's key only for layers
@@ -221,24 +223,22 @@ def _top1_flips(rollout: Tensor, trainer: Tensor) -> Tensor:
     return rollout[..., 0] != trainer[..., 0]
 
 
-def _lane_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
-    """``[n]``: the sets of the columns of ``rollout`` / ``trainer`` ``[K, n]`` (lane-major) are equal.
+def _lane_sets_differ(rollout: Tensor, trainer: Tensor, pairs: Tensor, non_negative: bool) -> Tensor:
+    """``[n]``, nonzero where the sets of the columns of ``rollout`` / ``trainer`` ``[K, n]`` (lane-major) differ.
+    Exact; an id repeated in a column counts once, as in a set.
 
-    Rollout id ``i`` is in the trainer's set when it equals one of the K trainer rows, and vice versa: 2K
-    comparisons of whole ``[K, n]`` tensors, each contiguous (in a narrow dtype: uint8 compares are the
-    cheapest elementwise op torch has on CPU). Repeated ids count once, as in a set. Exact for any ids.
+    ``pairs`` ``[K, K, n]`` receives every (trainer j, rollout i) comparison in one broadcast op; its reductions
+    over i say whether trainer id j is among the rollout's, over j whether rollout id i is among the
+    trainer's (reductions over an outer dim: contiguous, vectorised). ``non_negative`` ids (narrow copies)
+    are compared by XOR in their own dtype (an id is in the other set where the minimum XOR is 0): int16
+    compares into bool are not vectorised on CPU, 9x slower than uint8 ones. Other ids: ``==`` into uint8.
     """
-    in_trainer = rollout == trainer[0]
-    in_rollout = trainer == rollout[0]
-    for j in range(1, rollout.shape[0]):
-        in_trainer |= rollout == trainer[j]
-        in_rollout |= trainer == rollout[j]
-    both = in_trainer & in_rollout
-    while both.shape[0] > 1:  # AND over the K rows as a tree of halves (bool all(dim=0) is slower on CPU)
-        half = both.shape[0] // 2
-        folded = both[:half] & both[half : 2 * half]
-        both = folded if both.shape[0] % 2 == 0 else torch.cat([folded, both[2 * half :]])
-    return both[0]
+    if non_negative:
+        torch.bitwise_xor(rollout.unsqueeze(0), trainer.unsqueeze(1), out=pairs)
+        return torch.maximum(pairs.amin(dim=0), pairs.amin(dim=1)).amax(dim=0)
+    torch.eq(rollout.unsqueeze(0), trainer.unsqueeze(1), out=pairs.view(torch.bool))
+    found = torch.minimum(pairs.amax(dim=0), pairs.amax(dim=1))  # [K, n]: 1 where the id is in the other set
+    return 1 - found.amin(dim=0)
 
 
 def _column_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
@@ -279,16 +279,28 @@ def _all_layers(same: Tensor, n_layers: int) -> Tensor:
 # the K^2 strided passes cost more than the copies (K = 8: 10x slower).
 _COLUMN_MAX_K = 2
 
-# Ids per chunk of the set comparison on CPU: a chunk's lane-major copies and masks stay in L2.
+# Ids per chunk of the set comparison on CPU (2^16: 1.35x, 2^17: 1.13x, 2^19: 1.05x the time of 2^18).
 # Measured with benchmarks/bench_controller_moe.py (one thread, 3.1M contiguous int64 ids, K = 8, E = 128),
-# as multiples of the top-1 flip rate's update: int64 bitmasks (an OR of one-hot words per set) 10x, the
-# K x K broadcast compare [.., K, K] 34x; uint8 lanes 4-5x with the range check (its aminmax ~1.5x, the two
-# transposing copies ~1x), int64 lanes (num_experts unknown) 15-17x; int16 lanes cost 3x uint8 ones. Tried
-# and slower: one [K, K, n] compare with any/all reductions (bool reductions over a non-inner dim are slow),
-# SWAR zero-byte tests on 8 ids packed in an int64 word (int64 ops cost ~15x a uint8 compare per id), amin +
-# amax for the range, float lanes (a monotone conversion that would make the range check elementwise: 3x
-# slower compares), a [K, L, tokens] layout (faster at K = 2, slower at K = 8).
+# as multiples of the top-1 flip rate's update. Now: 2.2-3.5x with num_experts, 3.9-5.3x without (int16),
+# of which the range check ~1.3x (the first pass over the ids, which pays for reading them), the narrow
+# copies ~0.3x, the transposes of the narrow copies ~0.6x, the [K, K, n] compare and its reductions ~0.9x.
+# Before: per-j compares into bool masks (16 [K, n] compares + ORs) 4-5x, aminmax for the range ~1.5x
+# alone (int64 amin is not vectorised: 8x an int64 amax; the int32 halves' amin costs what amax does), one
+# transposing copy from int64 3x a contiguous narrowing copy plus a transpose of the narrow one, int64
+# lanes without num_experts 15-17x. Tried and slower: int64 bitmasks (an OR of one-hot words per set) 10x,
+# the K x K compare with inner [.., K, K] broadcasts 34x, bool any/all over a non-inner dim, SWAR zero-byte
+# tests on 8 ids packed in an int64 word, float lanes, a [K, L, tokens] layout, folding the [K, K, n]
+# comparisons by halves (1.4x the uint8 amin over the outer dim), torch.minimum(ids, E, out=uint8) as a
+# clamping narrow copy (3x a plain copy, and negative ids still wrap), bool compares of int16 lanes (9x
+# uint8 ones: not vectorised; XOR + min in int16 is 2x uint8), XOR instead of == for uint8 (the same).
 _CPU_CHUNK_IDS = 1 << 18
+# Elsewhere the chunks only bound the [K, K, ids / K] comparison buffer (128 MiB of uint8 at K = 8).
+_DEVICE_CHUNK_IDS = 1 << 24
+
+
+# Without ``num_experts`` the ids of K > 2 are compared as int16, which holds any real router's experts; ids
+# outside [0, 2**15) are reported like ids outside [0, num_experts) (int64 lanes cost 3x as much).
+UNKNOWN_EXPERTS_BOUND = 2**15
 
 
 def lane_dtype(num_experts: int | None, ids_dtype: torch.dtype) -> torch.dtype:
@@ -306,39 +318,64 @@ def lane_dtype(num_experts: int | None, ids_dtype: torch.dtype) -> torch.dtype:
     return ids_dtype
 
 
+def _outside(ids: Tensor, num_experts: int) -> Tensor:
+    """``[rows]``: the row ``[rows, n]`` holds an id outside ``[0, num_experts)``. Two vectorised reductions:
+    the int64 maximum, and the minimum over the int32 halves (a negative id has a negative high half, every
+    id in ``[0, 2**31)`` has two non-negative ones); int64 ``amin`` / ``aminmax`` are not vectorised on CPU."""
+    high = ids.amax(dim=-1) >= num_experts
+    halves = ids.view(torch.int32) if ids.dtype == torch.int64 and num_experts <= 2**31 else ids
+    return high | (halves.amin(dim=-1) < 0)
+
+
 def _set_differs_tokens(
     rollout: Tensor, trainer: Tensor, num_experts: int | None, check_range: bool = True
 ) -> tuple[Tensor, Tensor | None]:
     """``([B, T] differs, [B, T] outside or None)``: the top-K set differs in at least one layer.
 
-    The ids are copied lane-major (``[K, n]``, one row per top-K column) in :func:`lane_dtype` and
-    compared by :func:`_lane_sets_equal`; for K <= 2 their columns are compared in place. With
-    ``num_experts`` known (and ``check_range``), ``outside`` marks the tokens holding an id outside
-    ``[0, num_experts)``, whose narrow copies may wrap: the caller reports them (reading it here would be a
-    host sync). On CPU the tokens go in chunks that stay in cache.
+    The ids are copied in :func:`lane_dtype` (contiguous), then lane-major (``[K, tokens, L]``, one row per
+    top-K column) and compared by :func:`_lane_sets_differ`; for K <= 2 their columns are compared in place.
+    With ``check_range``, ``outside`` marks the tokens holding an id outside ``[0, num_experts)`` (``[0, 2**15)``
+    when ``num_experts`` is None and K > 2), whose narrow copies may wrap: the caller reports them (reading it
+    here would be a host sync). ``check_range=False`` with ``num_experts`` None compares any ids exactly in
+    their own dtype. On CPU the tokens go in chunks that stay in cache.
     """
     b, t, n_layers, k = rollout.shape
+    if num_experts is None and check_range and k > _COLUMN_MAX_K:
+        num_experts = UNKNOWN_EXPERTS_BOUND  # narrowed to int16: ids outside [0, 2**15) are reported
     check_range = check_range and num_experts is not None
     if b * t == 0:
         none = torch.zeros((b, t), dtype=torch.bool, device=rollout.device)
         return none, none if check_range else None
-    dtype = lane_dtype(num_experts, torch.promote_types(rollout.dtype, trainer.dtype))
+    ids_dtype = torch.promote_types(rollout.dtype, trainer.dtype)
+    dtype = lane_dtype(num_experts, ids_dtype)
     rollout, trainer = rollout.reshape(b * t, n_layers * k), trainer.reshape(b * t, n_layers * k)
-    rows = b * t if rollout.device.type != "cpu" else max(1, _CPU_CHUNK_IDS // (n_layers * k))
+    chunk = _CPU_CHUNK_IDS if rollout.device.type == "cpu" else _DEVICE_CHUNK_IDS
+    rows = max(1, chunk // (n_layers * k))
+    rows = min(rows, b * t)
+    if k > _COLUMN_MAX_K:  # work buffers, reused by every chunk
+        narrow = torch.empty((2, rows, n_layers, k), dtype=dtype, device=rollout.device)
+        lanes = torch.empty((2, k, rows, n_layers), dtype=dtype, device=rollout.device)
+        non_negative = num_experts is not None  # valid narrow ids lie in [0, num_experts); others are reported
+        pair_dtype = dtype if non_negative else torch.uint8
+        pairs = torch.empty((k, k, rows * n_layers), dtype=pair_dtype, device=rollout.device)
     differs, outside = [], []
     for start in range(0, b * t, rows):
         r, tr = rollout[start : start + rows], trainer[start : start + rows]
-        if check_range:  # while the chunk is in cache; one aminmax per side (amin + amax took 1.7x as long)
-            (r_low, r_high), (t_low, t_high) = torch.aminmax(r, dim=-1), torch.aminmax(tr, dim=-1)
-            outside.append((torch.minimum(r_low, t_low) < 0) | (torch.maximum(r_high, t_high) >= num_experts))
+        m = r.shape[0]
+        if check_range:  # while the chunk is in cache
+            assert num_experts is not None
+            outside.append(_outside(r, num_experts) | _outside(tr, num_experts))
         if k <= _COLUMN_MAX_K:
             same = _column_sets_equal(r.reshape(-1, k), tr.reshape(-1, k))
-        else:
-            lanes = [torch.empty((k, x.shape[0] * n_layers), dtype=dtype, device=x.device) for x in (r, tr)]
-            for lane, x in zip(lanes, (r, tr)):
-                lane.copy_(x.reshape(-1, k).t())
-            same = _lane_sets_equal(*lanes)
-        differs.append(~_all_layers(same, n_layers))
+            differs.append(~_all_layers(same, n_layers))
+            continue
+        # narrow first (a contiguous copy), then transpose the narrow copy: 3x cheaper than one transposing copy
+        for i, x in enumerate((r, tr)):
+            narrow[i, :m].view(m, n_layers * k).copy_(x)
+        lanes[:, :, :m].copy_(narrow[:, :m].permute(0, 3, 1, 2))  # both sides in one op
+        views = [lanes[i, :, :m].reshape(k, m * n_layers) for i in (0, 1)]
+        differ = _lane_sets_differ(*views, pairs[:, :, : m * n_layers], non_negative)
+        differs.append(differ.view(m, n_layers).amax(dim=-1) != 0)
     return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t) if check_range else None
 
 
@@ -375,7 +412,7 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
         tensor([[False]])
     """
     _check_pair(rollout_experts, trainer_experts)
-    return _set_differs_tokens(rollout_experts, trainer_experts, None)[0]
+    return _set_differs_tokens(rollout_experts, trainer_experts, None, check_range=False)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,10 +511,10 @@ def router_flip_rate(
 # ---------------------------------------------------------------------------------------------
 def _set_disagreement_update(view: BatchView, top_k: int | None = None, num_experts: int | None = None) -> Stats:
     rollout, trainer, mask = router_inputs(view, top_k)
-    check_range = num_experts is not None
+    check_range = True
     if num_experts is None and not (view.has(ROLLOUT_EXPERTS) or view.has(TRAINER_EXPERTS)):
         # both sides are top-Ks of router logits: their ids are below the logits' width
-        num_experts = max(view.field(name).shape[-1] for name in LOGIT_FIELDS)
+        num_experts, check_range = max(view.field(name).shape[-1] for name in LOGIT_FIELDS), False
     differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range)
     out_of_range = torch.zeros((), dtype=torch.float64, device=mask.device)
     if outside is not None:
@@ -492,12 +529,19 @@ def _set_disagreement_update(view: BatchView, top_k: int | None = None, num_expe
 def _set_disagreement_compute(
     disagreements: Tensor, tokens: Tensor, out_of_range: Tensor | None = None, num_experts: int | None = None
 ) -> Tensor:
-    """The rate; raises when valid tokens held expert ids outside ``[0, num_experts)`` (one host read)."""
-    if out_of_range is not None and num_experts is not None and bool(out_of_range > 0):
+    """The rate; raises when valid tokens held expert ids outside ``[0, num_experts)`` (``[0, 2**15)`` without
+    ``num_experts``) (one host read)."""
+    if out_of_range is not None and bool(out_of_range > 0):
+        if num_experts is None:
+            raise ValueError(
+                f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` held expert ids outside "
+                f"[0, {UNKNOWN_EXPERTS_BOUND}) in {int(out_of_range)} valid tokens: without `num_experts` the ids "
+                "are compared as int16; pass the model's number of experts as `num_experts`"
+            )
         raise ValueError(
             f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` held expert ids outside [0, num_experts) = "
             f"[0, {num_experts}) in {int(out_of_range)} valid tokens: pass the model's number of experts as "
-            "`num_experts` (or None to compare any ids)"
+            "`num_experts`"
         )
     return _safe_div(disagreements, tokens, 0.0)
 
@@ -520,8 +564,9 @@ def router_topk_disagreement_rate(
         response_mask: ``[B, T]``; all ones when absent.
         top_k: K for router logits (required with logits); cuts expert ids to their first ``top_k``.
         num_experts: the model's number of experts E, when known: the ids are compared in the narrowest
-            dtype holding ``[0, E)`` (uint8 for E <= 256, several times cheaper than int64); an id outside
-            ``[0, E)`` in a valid token raises. ``None``: any integer ids, compared in their own dtype.
+            dtype holding ``[0, E)`` (uint8 for E <= 256, cheaper than int16); an id outside ``[0, E)`` in a
+            valid token raises. ``None``: K > 2 ids are compared as int16 and an id outside ``[0, 2**15)``
+            in a valid token raises; K <= 2 ids of any value compare exactly.
 
     Example:
         >>> import torch

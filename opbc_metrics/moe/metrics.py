@@ -148,8 +148,10 @@ class RouterSetDisagreement(_RouterMetric):
         top_k: the number of routed experts, needed to read router logits; with expert ids it compares
             the first ``top_k`` of each side.
         num_experts: the model's number of experts E, when known: ids compared in the narrowest dtype
-            holding ``[0, E)`` (uint8 for E <= 256, several times cheaper than int64 ids); ids outside
-            ``[0, E)`` in valid tokens make :meth:`compute` raise. ``None``: any integer ids.
+            holding ``[0, E)`` (uint8 for E <= 256, cheaper than int16); ids outside ``[0, E)`` in valid
+            tokens make :meth:`compute` raise. ``None``: with K > 2 the ids are compared as int16, so ids
+            outside ``[0, 2**15)`` in valid tokens make :meth:`compute` raise (pass ``num_experts``); with
+            K <= 2 any integer ids.
         kwargs: torchmetrics ``Metric`` arguments.
 
     Example:
@@ -167,7 +169,9 @@ class RouterSetDisagreement(_RouterMetric):
         name="token_expert_disagreement_rate",
         what="Fraction of tokens with at least one MoE layer where the top-k *set* of routed experts differs "
         "between rollout and trainer. More sensitive than the top-1 flip: quantization noise often shuffles "
-        "the lower-ranked experts even when the dominant one is stable; the gap between the two shows it.",
+        "the lower-ranked experts even when the dominant one is stable; the gap between the two shows it. "
+        "Expert ids must lie in [0, num_experts) (in [0, 32768) without num_experts, for top-k > 2): "
+        "compute raises otherwise.",
         unit=_TOKENS,
         cap="none (diagnostic)",
         action="no OPBC action; read it against router_flip_rate, which carries the cap (max_flip)",
