@@ -5,7 +5,8 @@ to pick sections). Every figure is a median over repeats; what matters are the r
 compare code run on the same machine, in the same process, on the same data, timed in turn within
 each repeat. Times are the process's CPU time with one intra-op thread by default (``--threads``,
 ``--wall``): on a shared 2-core VM, wall-clock medians swing several-fold with the neighbours' load,
-while CPU time measures the work itself.
+while CPU time measures the work itself. ``--device cuda`` times on the GPU (wall-clock, synchronized after
+each call) over the larger shapes.
 
 Sections:
   update   the full mismatch collection's update() against the floor (one fused pass that reads the
@@ -40,6 +41,8 @@ from opbc_metrics import OPBCCollection  # noqa: E402
 
 SHAPES = [(8, 1024), (64, 1024), (64, 4096), (128, 8192), (256, 8192)]
 QUICK_SHAPES = [(8, 256), (32, 1024)]
+CUDA_SHAPES = [(64, 4096), (256, 8192), (512, 16384)]
+DEVICE = torch.device("cpu")
 
 
 def make_inputs(b: int, t: int, seed: int = 0, drift: float = 0.05) -> dict[str, torch.Tensor]:
@@ -48,10 +51,18 @@ def make_inputs(b: int, t: int, seed: int = 0, drift: float = 0.05) -> dict[str,
     rollout = (trainer + drift * torch.randn(b, t, generator=g)).clamp(max=0.0)
     lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
     mask = torch.arange(t)[None, :] < lengths[:, None]
-    return {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask}
+    x = {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask}
+    return {k: v.to(DEVICE) for k, v in x.items()}
 
 
 CLOCK: Callable[[], float] = time.process_time
+
+
+def _no_sync() -> None:
+    pass
+
+
+SYNC: Callable[[], None] = _no_sync  # torch.cuda.synchronize on CUDA: a call's time includes its kernels
 
 
 def timeit(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
@@ -62,6 +73,7 @@ def timeit(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     for _ in range(repeats):
         t0 = CLOCK()
         fn()
+        SYNC()
         times.append(CLOCK() - t0)
     return statistics.median(times)
 
@@ -84,6 +96,7 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
         for name, fn in fns.items():
             t0 = CLOCK()
             fn()
+            SYNC()
             times[name].append(CLOCK() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -95,14 +108,14 @@ def bench_update(shapes: list[tuple[int, int]], repeats: int, compiled: bool) ->
     for b, t in shapes:
         x = make_inputs(b, t)
         tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
-        eager_metrics = OPBCCollection(sections=["mismatch"])
+        eager_metrics = OPBCCollection(sections=["mismatch"]).to(DEVICE)
         fns: dict[str, Callable[[], object]] = {
             "floor": lambda: _floor_compiled(tr, ro, m),  # noqa: B023
             "floor_eager": lambda: _floor(tr, ro, m),  # noqa: B023
             "eager": lambda: eager_metrics.update(x),  # noqa: B023
         }
         if compiled:
-            compiled_metrics = OPBCCollection(sections=["mismatch"], compiled=True)
+            compiled_metrics = OPBCCollection(sections=["mismatch"], compiled=True).to(DEVICE)
             fns["compiled"] = lambda: compiled_metrics.update(x)  # noqa: B023
         med = interleaved(fns, repeats)
         floor = med["floor"]
@@ -121,8 +134,8 @@ def bench_naive(shapes: list[tuple[int, int]], repeats: int) -> None:
           " batch every default section reads (median ms)")
     print(f"{'shape':>12} {'naive':>9} {'collection':>11} {'speed-up':>9} {'keys':>5} {'max rel. diff':>14}")
     for b, t in shapes:
-        x = step_batch(b, t)
-        metrics = OPBCCollection()
+        x = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in step_batch(b, t).items()}
+        metrics = OPBCCollection().to(DEVICE)
 
         def ours() -> dict[str, float]:
             metrics.update(x)  # noqa: B023
@@ -198,12 +211,15 @@ def bench_sections(shapes: list[tuple[int, int]], repeats: int, compiled: bool) 
     modes = (False, True) if compiled else (False,)
     for mode in modes:
         print(f"{'eager' if not mode else 'compiled':>8} {'shape':>12} {'floor':>8} {'default':>14} "
-              + " ".join(f"{s:>14}" for s in DEFAULT_SECTIONS) + f" {'default/mismatch':>17}")
+              + " ".join(f"{s:>14}" for s in (("mismatch",) if mode and DEVICE.type == "cuda" else DEFAULT_SECTIONS))
+              + f" {'default/mismatch':>17}")
         for b, t in shapes:
             x = make_inputs(b, t)
             tr, ro, m = x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"]
-            collections = {"default": OPBCCollection(compiled=mode),
-                           **{s: OPBCCollection(sections=[s], compiled=mode) for s in DEFAULT_SECTIONS}}
+            # On CUDA the compiled mode times the two the target compares (each compiled graph takes a while).
+            sections = ("mismatch",) if mode and DEVICE.type == "cuda" else DEFAULT_SECTIONS
+            collections = {"default": OPBCCollection(compiled=mode).to(DEVICE),
+                           **{s: OPBCCollection(sections=[s], compiled=mode).to(DEVICE) for s in sections}}
             fns: dict[str, Callable[[], object]] = {"floor": lambda: _floor_compiled(tr, ro, m)}  # noqa: B023
             fns.update({name: (lambda c=c: c.update(x)) for name, c in collections.items()})  # noqa: B023
             med = interleaved(fns, repeats)
@@ -219,10 +235,10 @@ def bench_precision(shape: tuple[int, int], compiled: bool) -> None:
     for drift in (1e-4, 1e-3, 1e-2):
         x = make_inputs(b, t, drift=drift)
         x64 = {k: v.double() if v.is_floating_point() else v for k, v in x.items()}
-        want = {k: v.item() for k, v in OPBCCollection(sections=["mismatch"])(x64).items()}
+        want = {k: v.item() for k, v in OPBCCollection(sections=["mismatch"]).to(DEVICE)(x64).items()}
         cells = []
         for mode in ("eager", "compiled") if compiled else ("eager",):
-            got = OPBCCollection(sections=["mismatch"], compiled=mode == "compiled")(x)
+            got = OPBCCollection(sections=["mismatch"], compiled=mode == "compiled").to(DEVICE)(x)
             errors = {k: 0.0 if abs(v.item() - want[k]) <= 1e-12 else abs(v.item() - want[k]) / abs(want[k])
                       for k, v in got.items()}
             worst = max(errors, key=errors.__getitem__)
@@ -237,16 +253,21 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--wall", action="store_true", help="time wall-clock instead of process CPU time")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (wall-clock, synchronized after each call)")
     args = parser.parse_args()
-    global CLOCK
+    global CLOCK, DEVICE, SYNC
     torch.set_num_threads(args.threads)
-    if args.wall:
+    DEVICE = torch.device(args.device)
+    if args.wall or DEVICE.type == "cuda":
         CLOCK = time.perf_counter
-    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if DEVICE.type == "cuda":
+        SYNC = torch.cuda.synchronize
+    shapes = QUICK_SHAPES if args.quick else CUDA_SHAPES if DEVICE.type == "cuda" else SHAPES
     repeats = 3 if args.quick else 15
     only = set(args.only.split(","))
-    print(f"# opbc-metrics benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} cpus, {'wall-clock' if args.wall else 'process CPU time'}, "
+    where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"# opbc-metrics benchmark: torch {torch.__version__}, {where}, "
+          f"{os.cpu_count()} cpus, {'process CPU time' if CLOCK is time.process_time else 'wall-clock'}, "
           f"{'quick' if args.quick else 'full'}")
     if "update" in only:
         bench_update(shapes, repeats, compiled=not args.no_compile)
@@ -254,7 +275,7 @@ def main() -> None:
         bench_naive(shapes, repeats)
     if "sync" in only:
         bench_sync(5 if args.quick else 30)
-    if "memory" in only:
+    if "memory" in only and DEVICE.type == "cpu":  # host memory
         bench_memory(args.quick)
     if "sketch" in only:
         bench_sketch(shapes, repeats)

@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python benchmarks/bench_controller_moe.py`` (``--quick`` for a smoke run). Times are
 medians of the process's CPU time with one intra-op thread (as ``bench.py``); the peak memory is measured
-as ``peak_memory.py`` measures it, in a fresh process per measurement.
+as ``peak_memory.py`` measures it, in a fresh process per measurement. ``--device cuda``: the same on the GPU
+(wall-clock, synchronized after each call; memory from the CUDA allocator's peak).
 
 Lines:
   moe         RouterSetDisagreement.update(), with and without num_experts, against RouterFlipRate.update()
@@ -18,6 +19,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -25,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+import bench  # noqa: E402
 from bench import interleaved  # noqa: E402  (same timing method as bench.py)
 from peak_memory import fixed_malloc, peak_extra_bytes  # noqa: E402
 
@@ -42,7 +45,11 @@ def router_batch(b: int, t: int, layers: int, k: int, experts: int, seed: int = 
     new = torch.rand(b, t, layers, generator=g) < 0.05
     trainer[..., -1] = torch.where(new, (rollout[..., -1] + 1) % experts, rollout[..., -1])
     mask = torch.ones(b, t, dtype=torch.bool)
-    return {"rollout_experts": rollout, "trainer_experts": trainer, "response_mask": mask}
+    return _on_device({"rollout_experts": rollout, "trainer_experts": trainer, "response_mask": mask})
+
+
+def _on_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(bench.DEVICE) for k, v in batch.items()}
 
 
 def logprob_batch(b: int, t: int, group_size: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -52,7 +59,8 @@ def logprob_batch(b: int, t: int, group_size: int = 8, seed: int = 0) -> dict[st
     lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
     mask = torch.arange(t)[None, :] < lengths[:, None]
     groups = torch.arange(b) // group_size
-    return {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask, "group_ids": groups}
+    return _on_device({"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask,
+                       "group_ids": groups})
 
 
 def bench_moe(quick: bool, repeats: int) -> None:
@@ -63,8 +71,9 @@ def bench_moe(quick: bool, repeats: int) -> None:
 
 def _bench_moe_shape(shape: tuple[int, int, int, int, int], repeats: int) -> None:
     batch = router_batch(*shape)
-    flip = RouterFlipRate()
-    known, unknown = RouterSetDisagreement(num_experts=shape[4]), RouterSetDisagreement()  # E from the config or not
+    flip = RouterFlipRate().to(bench.DEVICE)
+    known = RouterSetDisagreement(num_experts=shape[4]).to(bench.DEVICE)  # E from the config or not
+    unknown = RouterSetDisagreement().to(bench.DEVICE)
     fns = {"flip": lambda: flip.update(batch), "known": lambda: known.update(batch),
            "unknown": lambda: unknown.update(batch)}
     times = interleaved(fns, repeats)
@@ -78,7 +87,7 @@ def _bench_moe_shape(shape: tuple[int, int, int, int, int], repeats: int) -> Non
 def bench_controller(quick: bool, repeats: int) -> None:
     for b, t in ([(16, 1024)] if quick else [(64, 4096), (64, 32768)]):
         batch = logprob_batch(b, t)
-        controller, collection = OPBCController(), OPBCCollection()
+        controller, collection = OPBCController(), OPBCCollection().to(bench.DEVICE)
         reps = max(3, repeats // (4 if t > 8192 else 1))
         fns = {"collection": lambda c=collection, x=batch: c.update(x), "step": lambda c=controller, x=batch: c.step(x)}
         times = interleaved(fns, reps)
@@ -97,7 +106,27 @@ def _peak_child(what: str, b: int, t: int) -> None:
     print(extra / (b * t))
 
 
+def _cuda_peak(what: str, b: int, t: int) -> float:
+    """Peak extra CUDA memory of one controller step (or collection update), bytes per token."""
+    batch = logprob_batch(b, t)
+    target = OPBCController() if what == "step" else OPBCCollection().to(bench.DEVICE)
+    run = target.step if what == "step" else target.update
+    run(batch)  # warm-up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run(batch)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / (b * t)
+
+
 def bench_memory(quick: bool) -> None:
+    if bench.DEVICE.type == "cuda":
+        b, t = (16, 4096) if quick else (64, 32768)
+        step, update = _cuda_peak("step", b, t), _cuda_peak("update", b, t)
+        print(f"memory at {b}x{t} (CUDA allocator): controller step peak extra {step:.1f} bytes/token (target <= 24), "
+              f"default collection update {update:.1f} bytes/token")
+        return
     if not os.path.exists("/proc/self/clear_refs"):
         print("memory: skipped (needs Linux /proc)")
         return
@@ -117,9 +146,11 @@ def bench_top_mass(quick: bool) -> None:
 
     b, t = (16, 2048) if quick else (64, 8192)
     batch = logprob_batch(b, t)
-    batch["rollout_logprobs"] = batch["rollout_logprobs"] - 2.0 * torch.rand(b, t) ** 8  # a heavy tail
+    tail = 2.0 * torch.rand(b, t, device=bench.DEVICE) ** 8
+    batch["rollout_logprobs"] = batch["rollout_logprobs"] - tail  # a heavy tail
     out = OPBCController(track_budget=False).step(batch)
     got = out.values["top_1pct_gradient_mass"][: int(out.index.num_groups)]
+    batch = {k: v.cpu() for k, v in batch.items()}
     r = (batch["trainer_logprobs"] - batch["rollout_logprobs"]).double().clamp(-20, 20)
     w = torch.where(batch["response_mask"], r.exp(), torch.zeros_like(r))
     errors, relative = [], []
@@ -144,8 +175,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (a smoke run)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (wall-clock, synchronized after each call)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    bench.DEVICE = torch.device(args.device)
+    if bench.DEVICE.type == "cuda":
+        bench.CLOCK, bench.SYNC = time.perf_counter, torch.cuda.synchronize
+        print(f"# on {torch.cuda.get_device_name(bench.DEVICE)}, torch {torch.__version__}")
     repeats = 3 if args.quick else args.repeats
     bench_moe(args.quick, repeats)
     bench_controller(args.quick, repeats)

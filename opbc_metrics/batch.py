@@ -142,6 +142,20 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def from_host(data: Any, dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
+    """Host data (a list, a NumPy array) as a ``dtype`` tensor on ``device``, without a host-device sync.
+
+    ``torch.tensor(data, device="cuda")`` copies with a stream sync, which waits for every kernel queued
+    before it; a non-blocking copy of the host tensor does not (pageable host memory is staged at once).
+
+    Example:
+        >>> from_host([1, 2], torch.float64)
+        tensor([1., 2.], dtype=torch.float64)
+    """
+    t = torch.as_tensor(data, dtype=dtype)
+    return t if device is None or t.device == torch.device(device) else t.to(device, non_blocking=True)
+
+
 def as_bool_mask(mask: Tensor) -> Tensor:
     """``mask != 0`` as a bool tensor; a bool mask is returned as is (``!=`` on bools costs a full pass).
 

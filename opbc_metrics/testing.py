@@ -3,11 +3,14 @@
 ``update()`` must never stall the GPU: no ``.item()``, ``.tolist()``, ``bool(tensor)`` and no operator
 whose output shape depends on the data (``nonzero``, boolean indexing, ``unique``, ...). On CPU these
 are invisible, so :func:`assert_no_host_sync` watches the operators dispatched inside a block and
-fails on any of them, whatever the device.
+fails on any of them, whatever the device. Where CUDA is in use it also runs the block under CUDA's sync
+debug mode, which catches what the dispatcher does not show: a blocking copy of host data to the device
+(``torch.tensor(list, device="cuda")``) waits for every kernel queued before it.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -90,8 +93,30 @@ def assert_no_host_sync() -> Iterator[None]:
     try:
         for name in saved:
             setattr(torch.Tensor, name, refuse(name))
-        with _SyncDetector():
+        with _cuda_sync_watch(), _SyncDetector():
             yield
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+
+
+@contextmanager
+def _cuda_sync_watch() -> Iterator[None]:
+    """Fail if the block calls a synchronizing CUDA operation, naming every line of Python that did."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # a warning per sync, raised at the calling Python line
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)})
+    for w in caught:
+        if "synchronizing CUDA operation" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if syncs:
+        raise HostSyncError(f"synchronizing CUDA operation(s) at {', '.join(syncs)}")

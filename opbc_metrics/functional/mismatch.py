@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, valid_tokens
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, from_host, valid_tokens
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
@@ -244,7 +244,7 @@ class _CallPlan:
         # Gram matrices of the feature pairs (rc, k3) and (p - q, q).
         self.grams = torch.zeros(blocks, 2, 2, 2, dtype=dtype, device=device)
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
-        self.product_index = torch.tensor(_PRODUCT_POSITIONS, device=device)
+        self.product_index = from_host(_PRODUCT_POSITIONS, torch.int64, device)
         # Chunk sums of the _CHUNKED rows, [rows, B, chunks] (the last chunk of a row may be partial).
         chunks = -(-t // _ROUND_CHUNK) if rounds else 0
         self.chunks = torch.zeros(len(range(len(_ROWS))[_CHUNKED]), b, chunks, dtype=dtype, device=device)
@@ -339,7 +339,7 @@ def _blocked_token_statistics(
     zero, r_scale, shift, scale_t = (
         torch.full((), v, dtype=dtype, device=device) for v in (0.0, _R_SCALE, clamp, scale)
     )
-    thresholds = torch.tensor([[clamp * _R_SCALE], [veto * _R_SCALE]], dtype=dtype, device=device)
+    thresholds = from_host([[clamp * _R_SCALE], [veto * _R_SCALE]], dtype, device)
     # One C++ call per input instead of a Python-level view per block. The mask goes as uint8: a uint8 -> float
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
@@ -591,8 +591,8 @@ def _round_sums(
     # Prefix sums at the starts (the row total where a start does not exist), between 0 and the row total;
     # summed over rows first, the bucket sums are their differences.
     rows = [row[name] for name in ROUND_STATS.values()]
-    scale = torch.tensor([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in ROUND_STATS.values()],
-                         dtype=f64, device=device).view(-1, 1, 1)
+    scale = from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in ROUND_STATS.values()], f64,
+                      device).view(-1, 1, 1)
     total = totals[rows].unsqueeze(-1) * scale  # [3, B, 1]
     prefix = torch.where(exists, before[rows] * scale + partial, total)
     bounds = torch.cat([prefix, total], dim=-1).sum(1)  # [3, capacity + 1]

@@ -73,6 +73,7 @@ from opbc_metrics.batch import (
     BatchView,
     as_bool_mask,
     check_same_shape,
+    from_host,
 )
 from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid
 
@@ -739,7 +740,7 @@ def _host_codes(name: str, values: Sequence[Any], table: dict[str, int], none_co
             codes.append(int(v))
         else:
             raise ValueError(f"batch field `{name}` must hold strings, int codes or None, got {type(v).__name__}")
-    return torch.tensor(codes, dtype=torch.long, device=device)
+    return from_host(codes, torch.long, device)
 
 
 def _code_tensor(view: BatchView, name: str, table: dict[str, int], none_code: int, unknown_code: int | None,
@@ -1004,7 +1005,7 @@ def _sample_matrix(view: BatchView, names: tuple[str, ...], device: torch.device
                 if raw.get(n) is None:
                     continue
                 v = raw[n]
-                t = v if isinstance(v, Tensor) else torch.as_tensor(np.asarray(v, dtype=np.float64), device=device)
+                t = v if isinstance(v, Tensor) else from_host(np.asarray(v, dtype=np.float64), F64, device)
                 if t.ndim != 1 or t.dtype == torch.bool or t.is_complex():
                     raise ValueError(
                         f"batch field `{SAMPLE_METRICS}`[{n!r}] must be a real [B] tensor, got {t.dtype} "
@@ -1031,7 +1032,7 @@ def _sample_matrix(view: BatchView, names: tuple[str, ...], device: torch.device
         if isinstance(raw, (list, tuple)) and all(isinstance(d, Mapping) for d in raw):
             _refuse_unknown({str(k) for d in raw for k in d if k not in known}, names)
             rows = [[_host_number(d, i, n) for n in names] for i, d in enumerate(raw)]
-            return torch.tensor(rows, dtype=F64, device=device).reshape(len(raw), len(names))
+            return from_host(rows, F64, device).reshape(len(raw), len(names))
         raise ValueError(
             f"batch field `{SAMPLE_METRICS}` must be a mapping name -> [B] values or a list of per-sample "
             f"mappings, got {type(raw).__name__}"

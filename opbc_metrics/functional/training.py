@@ -31,7 +31,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask, check_same_device, check_same_shape
+from opbc_metrics.batch import (
+    RESPONSE_MASK,
+    BatchView,
+    as_bool_mask,
+    check_same_device,
+    check_same_shape,
+    from_host,
+)
 from opbc_metrics.functional.statistics import SCALE, Stats, mean_std, moments, raise_if_invalid, safe_div, variance
 
 F64 = torch.float64
@@ -103,7 +110,7 @@ def field_tensor(view: BatchView, name: str, *, ndims: Sequence[int] = (1,), dim
             raise ValueError(f"batch field `{name}` contains NaN or infinite values")
         if check == "nonnegative" and (arr < 0).any():
             raise ValueError(f"batch field `{name}` contains negative values (min {arr.min():g})")
-        t = torch.as_tensor(arr, dtype=F64, device=device)
+        t = from_host(arr, F64, device)
     else:
         t = value
         if t.is_complex():

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, as_bool_mask, check_count, check_same_device
+from opbc_metrics.batch import BatchView, as_bool_mask, check_count, check_same_device, from_host
 from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
 from opbc_metrics.functional.training import (
     F64,
@@ -125,7 +125,7 @@ def source_index(value: Any, sources: tuple[str, ...], allow_other: bool, num_pr
                 "(declare it at construction, or pass allow_other=True to count it under 'other')"
             )
         idx.append(i)
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    return from_host(idx, torch.long, device)
 
 
 def _val_mask(view: BatchView, name: str, x: Tensor, per_prompt: bool) -> Tensor:

@@ -1,0 +1,89 @@
+"""Every section on a CUDA device: the values the CPU gives, and no host-device sync in ``update()``.
+
+CI has no GPU, so these tests skip there; on a CUDA machine ``pytest tests/test_cuda.py`` runs them. On
+CUDA, :func:`~opbc_metrics.testing.assert_no_host_sync` also runs the block under CUDA's sync debug mode
+(a blocking copy of host data to the device waits for every queued kernel) and names each line that synced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from opbc_metrics import OPBCCollection, OPBCController
+from opbc_metrics.testing import assert_no_host_sync
+from tests.data import make_batch, multi_turn_batch
+from tests.harness import SECTIONS, assert_close, floats
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+
+
+@contextmanager
+def _cuda_syncs_raise() -> Iterator[None]:
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def to_cuda(value: Any) -> Any:
+    """The batch on the GPU: tensors moved, mappings and lists of them walked, other values kept."""
+    if isinstance(value, torch.Tensor):
+        return value.to(CUDA)
+    if isinstance(value, dict):
+        return {k: to_cuda(v) for k, v in value.items()}
+    if isinstance(value, list) and value and isinstance(value[0], dict | torch.Tensor):
+        return [to_cuda(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("name", list(SECTIONS))
+def test_section_on_cuda_equals_cpu_without_syncs(name):
+    section = SECTIONS[name]
+    for cpu, gpu in zip(section.runs(), section.runs(), strict=True):
+        gpu.to(CUDA)
+        for batch in section.batches():
+            for x in section.updates(batch):
+                cpu.update(x)
+            for x in section.updates(to_cuda(batch)):
+                with assert_no_host_sync():
+                    gpu.update(x)
+        got, want = gpu.compute(), cpu.compute()
+        got = floats(got if isinstance(got, dict) else gpu.compute_dict())
+        want = floats(want if isinstance(want, dict) else cpu.compute_dict())
+        assert_close(got, want, section, where=f"{name} on cuda")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_default_collection_on_cuda_equals_cpu(compiled):
+    batches = [multi_turn_batch(batch=6, seq=300, seed=s, dtype=torch.float32) for s in range(3)]
+    cpu, gpu = OPBCCollection(), OPBCCollection(compiled=compiled).to(CUDA)
+    for b in batches:
+        cpu.update(b)
+        gpu.update(to_cuda(b))
+    # After the first calls (compilation), no update syncs. Compiled code runs under no dispatch mode, so there
+    # only CUDA's own sync check watches.
+    with assert_no_host_sync() if not compiled else _cuda_syncs_raise():
+        gpu.update(to_cuda(batches[0]))
+    cpu.update(batches[0])
+    got, want = floats(gpu.compute()), floats(cpu.compute())
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_controller_step_on_cuda_equals_cpu():
+    batch = make_batch(batch=12, seq=64, seed=3)
+    batch["group_ids"] = torch.arange(12) // 4
+    want = OPBCController(track_budget=False).step(batch)
+    controller = OPBCController(track_budget=False)
+    controller.step(to_cuda(batch))
+    with assert_no_host_sync():
+        got = controller.step(to_cuda(batch))
+    assert [d.to_json() for d in got.decisions] == [d.to_json() for d in want.decisions]
