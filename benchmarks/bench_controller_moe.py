@@ -87,7 +87,7 @@ def _bench_moe_shape(shape: tuple[int, int, int, int, int], repeats: int) -> Non
 def bench_controller(quick: bool, repeats: int) -> None:
     for b, t in ([(16, 1024)] if quick else [(64, 4096), (64, 32768)]):
         batch = logprob_batch(b, t)
-        controller, collection = OPBCController(), OPBCCollection().to(bench.DEVICE)
+        controller, collection = OPBCController().to(bench.DEVICE), OPBCCollection().to(bench.DEVICE)
         reps = max(3, repeats // (4 if t > 8192 else 1))
         fns = {"collection": lambda c=collection, x=batch: c.update(x), "step": lambda c=controller, x=batch: c.step(x)}
         times = interleaved(fns, reps)
@@ -109,7 +109,7 @@ def _peak_child(what: str, b: int, t: int) -> None:
 def _cuda_peak(what: str, b: int, t: int) -> float:
     """Peak extra CUDA memory of one controller step (or collection update), bytes per token."""
     batch = logprob_batch(b, t)
-    target = OPBCController() if what == "step" else OPBCCollection().to(bench.DEVICE)
+    target = (OPBCController() if what == "step" else OPBCCollection()).to(bench.DEVICE)
     run = target.step if what == "step" else target.update
     run(batch)  # warm-up
     torch.cuda.synchronize()

@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=offline PYTHONPATH="$PWD${PYTHONPATH:+:$PYT
 py="${PYTHON:-python3}"
 nvidia-smi -L
 $py -c "import torch, torchmetrics; print('torch', torch.__version__, 'torchmetrics', torchmetrics.__version__)"
-timeout "${TEST_S:-150}" $py -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_cuda.py 2>&1 | tee "$out/tests.log" | tail -80
-timeout "${BENCH_S:-170}" $py benchmarks/bench.py --device cuda --only update,sections,precision 2>&1 | tee "$out/bench.log"
+timeout "${TEST_S:-110}" $py -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_cuda.py 2>&1 | tee "$out/tests.log" | tail -80
+timeout "${BENCH_S:-150}" $py benchmarks/bench.py --device cuda --only "${BENCH_ONLY:-update,sections,precision}" 2>&1 | tee "$out/bench.log"
 timeout "${MOE_S:-60}" $py benchmarks/bench_controller_moe.py --device cuda 2>&1 | tee "$out/controller_moe.log"
-timeout "${NAIVE_S:-40}" $py benchmarks/bench.py --device cuda --only naive 2>&1 | tee "$out/naive.log"
+timeout "${NAIVE_S:-70}" $py benchmarks/bench.py --device cuda --only naive 2>&1 | tee "$out/naive.log"

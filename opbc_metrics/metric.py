@@ -276,7 +276,8 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
                 )
         for state, value, fx in pairs:
             if value.dtype != state.dtype or value.device != state.device:
-                value = value.to(device=state.device, dtype=state.dtype)
+                # from the host: non-blocking, as a blocking copy waits for every kernel queued before it
+                value = value.to(device=state.device, dtype=state.dtype, non_blocking=True)
             if fx is dim_zero_sum:
                 state.add_(value)
             elif fx is dim_zero_max:

@@ -51,7 +51,7 @@ def test_section_on_cuda_equals_cpu_without_syncs(name):
         for batch in section.batches():
             for x in section.updates(batch):
                 cpu.update(x)
-            for x in section.updates(to_cuda(batch)):
+            for x in section.updates(to_cuda(batch)):  # (a controller step on the GPU batch: prepare)
                 with assert_no_host_sync():
                     gpu.update(x)
         got, want = gpu.compute(), cpu.compute()
@@ -69,8 +69,9 @@ def test_default_collection_on_cuda_equals_cpu(compiled):
         gpu.update(to_cuda(b))
     # After the first calls (compilation), no update syncs. Compiled code runs under no dispatch mode, so there
     # only CUDA's own sync check watches.
+    again = to_cuda(batches[0])
     with assert_no_host_sync() if not compiled else _cuda_syncs_raise():
-        gpu.update(to_cuda(batches[0]))
+        gpu.update(again)
     cpu.update(batches[0])
     got, want = floats(gpu.compute()), floats(cpu.compute())
     assert set(got) == set(want)
@@ -81,9 +82,13 @@ def test_default_collection_on_cuda_equals_cpu(compiled):
 def test_controller_step_on_cuda_equals_cpu():
     batch = make_batch(batch=12, seq=64, seed=3)
     batch["group_ids"] = torch.arange(12) // 4
-    want = OPBCController(track_budget=False).step(batch)
-    controller = OPBCController(track_budget=False)
-    controller.step(to_cuda(batch))
+    cpu, controller = OPBCController(), OPBCController().to(CUDA)  # with the budget metrics
+    want = cpu.step(batch)
+    cpu.step(batch)
+    on_gpu = to_cuda(batch)
+    controller.step(on_gpu)
     with assert_no_host_sync():
-        got = controller.step(to_cuda(batch))
+        got = controller.step(on_gpu)
     assert [d.to_json() for d in got.decisions] == [d.to_json() for d in want.decisions]
+    budget, want_budget = floats(controller.budget.compute()), floats(cpu.budget.compute())
+    assert budget.keys() == want_budget.keys() and budget == pytest.approx(want_budget, rel=1e-9, abs=1e-12)

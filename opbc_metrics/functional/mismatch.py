@@ -155,6 +155,16 @@ _FLOAT32_EXACT_TOKENS = 2**24
 # The compiled kernel spreads its histogram over this many copies (by token position): consecutive
 # tokens, mostly in the same few central bins, then update different memory and do not wait on each other.
 _HIST_LANES = 4
+# On CUDA the histogram's scatter is atomic adds, and tokens near on-policy fall in a few central bins, where adds to
+# one address serialize: both kernels spread the tokens over up to this many copies of the histogram (by position,
+# at most _CUDA_HIST_SLOTS slots in all) and sum the copies.
+_CUDA_HIST_LANES = 256
+_CUDA_HIST_SLOTS = 1 << 21
+
+
+def _hist_lanes(device: torch.device, bins: int, cpu_lanes: int) -> int:
+    """Copies of the histogram a kernel scatters into: ``cpu_lanes`` on the CPU, up to 256 elsewhere."""
+    return cpu_lanes if device.type == "cpu" else max(1, min(_CUDA_HIST_LANES, _CUDA_HIST_SLOTS // (bins + 2)))
 
 
 class _Workspaces(threading.local):
@@ -221,7 +231,12 @@ class _BlockPlan:
         self.idx_flat = (self.pq if dtype == torch.float32 else self.dp).reshape(-1).view(torch.int64)
         self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
         self.idx32_flat = self.ars.reshape(-1).view(torch.int32)[:n]  # int32 indices in the |r| row
-        self.block_counts = torch.empty(bins + 1, dtype=dtype, device=device)
+        self.lanes = _hist_lanes(device, bins, 1)
+        self.block_counts = torch.empty(self.lanes * (bins + 1), dtype=dtype, device=device)
+        # Each token's copy of the histogram, as an offset of its bin index (none on the CPU, where the scatter
+        # runs in order and the spread below does the job).
+        lanes = torch.arange(n, device=device) % self.lanes if self.lanes > 1 else None
+        self.lane_offsets = lanes.mul_(bins + 1) if lanes is not None else None
         # Bin offsets for invalid tokens (weight 0, any bin will do), 16 distinct ones in a row: a run of
         # padding in one bin is a chain of dependent read-modify-writes (measured: the block's scatter
         # 47 us against 30 us spread). Offsets lie within +-0.495 bins of the middle bin, where r = 0 puts them.
@@ -333,7 +348,8 @@ def _blocked_token_statistics(
     call = _cached_plan(_WORKSPACES.calls, _CallPlan, b, t, rows, dtype, device, summed, with_rounds)
     # Histogram counts accumulate in the features' dtype while that is exact, else per block into float64.
     exact_counts = dtype == f64 or b * t <= _FLOAT32_EXACT_TOKENS
-    counts = torch.zeros(bins + 1, dtype=dtype if exact_counts else f64, device=device)
+    lanes = _hist_lanes(device, bins, 1)
+    counts = torch.zeros(lanes * (bins + 1), dtype=dtype if exact_counts else f64, device=device)
     scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
     # Operands as 0-dim tensors of the features' dtype: a Python scalar costs a conversion per call.
     zero, r_scale, shift, scale_t = (
@@ -396,10 +412,14 @@ def _blocked_token_statistics(
             # tokens (rc = 0, `invalid` = 1) move off the middle bin by their spread offset, valid ones by exactly 0.
             torch.add(rc, shift, out=x.rs).mul_(scale_t).addcmul_(invalid, x.spread)
             x.idx_flat.copy_(x.idx32_flat.copy_(x.rs_flat))  # via int32: two copies 11 us, direct 16 us
+            if x.lane_offsets is not None:
+                x.idx_flat.add_(x.lane_offsets)
             if exact_counts:
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
                 counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
+    if lanes > 1:
+        counts = counts.view(lanes, bins + 1).sum(0, dtype=f64)
     products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
     extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
     out = _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
@@ -492,7 +512,7 @@ def _fused_token_statistics(
     if hist:
         # Every token adds 1 (a constant, nothing to load): invalid ones to slot bins + 1 of their copy,
         # which is dropped. int32 counts are exact to 2^31 tokens per slot.
-        lanes, width, i32 = _HIST_LANES, bins + 2, torch.int32
+        lanes, width, i32 = _hist_lanes(trainer.device, bins, _HIST_LANES), bins + 2, torch.int32
         idx = torch.where(ok, ((d.clamp(-clamp, clamp) + clamp) * (bins / (2.0 * clamp))).to(i32), bins + 1)
         idx = idx + (torch.arange(trainer.shape[-1], dtype=i32, device=trainer.device) % lanes) * width
         one = torch.ones((), dtype=i32, device=trainer.device)
@@ -590,11 +610,12 @@ def _round_sums(
     partial = (torch.stack([valid, mf[..., 1:], abs_r]) * ahead).sum(-1).to(f64)  # [3, B, capacity]
     # Prefix sums at the starts (the row total where a start does not exist), between 0 and the row total;
     # summed over rows first, the bucket sums are their differences.
-    rows = [row[name] for name in ROUND_STATS.values()]
+    # (an index tensor: a Python list index is copied to the device with a stream sync)
+    rows = from_host([row[name] for name in ROUND_STATS.values()], torch.int64, device)
     scale = from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in ROUND_STATS.values()], f64,
                       device).view(-1, 1, 1)
-    total = totals[rows].unsqueeze(-1) * scale  # [3, B, 1]
-    prefix = torch.where(exists, before[rows] * scale + partial, total)
+    total = totals.index_select(0, rows).unsqueeze(-1) * scale  # [3, B, 1]
+    prefix = torch.where(exists, before.index_select(0, rows) * scale + partial, total)
     bounds = torch.cat([prefix, total], dim=-1).sum(1)  # [3, capacity + 1]
     sums = torch.cat([bounds[:, :1], bounds[:, 1:] - bounds[:, :-1]], dim=-1)
     out: Stats = dict(zip(ROUND_STATS, sums.unbind(0)))
