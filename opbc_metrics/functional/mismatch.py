@@ -800,8 +800,18 @@ def batch_statistics(
         trainer, rollout, mask = view.token_inputs
         if trainer.numel() == 0:  # shape metadata, not data: no sync
             return _empty_statistics(bins, trainer.device, rounds)
-        fn = compiled_token_statistics() if compiled else token_statistics
-        return fn(trainer, rollout, mask, float(clamp), float(veto), int(bins), prob, hist, rounds)
+        settings = (float(clamp), float(veto), int(bins))
+        if not compiled:
+            return token_statistics(trainer, rollout, mask, *settings, prob, hist, rounds)
+        # Compiled for CUDA (torch 2.11, H200), the per-round sums of the last tracked rounds came out wrong
+        # against the eager code on the same GPU (tests/test_cuda.py; the chunk sums and searchsorted alone were
+        # right): there the per-round sums are taken eagerly, beside the compiled kernel.
+        eager_rounds = rounds if trainer.device.type != "cpu" else 0
+        out = compiled_token_statistics()(trainer, rollout, mask, *settings, prob, hist, rounds - eager_rounds)
+        if eager_rounds:
+            per_round = token_statistics(trainer, rollout, mask, *settings, False, False, rounds)
+            out.update(_pick(per_round, "rounds", "max_rounds", *ROUND_STATS))
+        return out
 
     return view.shared((TOKEN_STATISTICS, float(clamp), float(veto), int(bins), prob, hist, rounds), make)
 
