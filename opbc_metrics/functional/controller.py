@@ -387,7 +387,6 @@ class _SketchPlan:
     def __init__(self, capacity: int, bins: int, clamp: float, device: torch.device) -> None:
         self.hist = torch.zeros(capacity, bins, dtype=torch.float64, device=device)
         self.scratch = torch.empty(capacity, bins, dtype=torch.float64, device=device)
-        self.reverse = torch.arange(bins - 1, -1, -1, device=device)
         width = 2.0 * clamp / bins
         centres = -clamp + width * (torch.arange(bins, dtype=torch.float64, device=device) + 0.5)
         self.top_values = torch.exp(centres).flip(0)
@@ -464,10 +463,11 @@ def fused_pass(
     sums = torch.empty(len(_FUSED_ROWS), b, dtype=dtype, device=device)
     sum_r = torch.empty(b, dtype=f64, device=device)
     max_abs = torch.empty(b, dtype=dtype, device=device)
-    outside = torch.empty(2, 2, b, dtype=dtype, device=device)  # (min, max) per side of the masked-out values
+    outside = torch.empty(2, b, dtype=dtype, device=device)  # per side, the largest finite |x| off the response
     loss_mask = torch.empty((b, t), dtype=torch.bool, device=device) if with_weights else None
     weights = torch.empty((b, t), dtype=dtype, device=device) if with_weights else None
-    offsets = (index.row_group * bins).to(torch.int32)[:, None]
+    # The histogram is kept from the top bin down (the order the sketch walks it): slot = last - bin.
+    last_slot = (index.row_group * bins + (bins - 1)).to(torch.int32)[:, None]
     # Operands as 0-dim tensors of the compute dtype (a Python scalar costs a conversion per call); the same
     # float32 values as the Python scalars of the chunked path.
     zero, c_pos, scale, top_bin = (
@@ -492,11 +492,11 @@ def fused_pass(
         torch.lt(ro, gap, out=x.below[1])
         torch.mul(x.zeros, x.below, out=x.unfilled)  # rollout 0 and trainer < -gap; trainer 0 and rollout < -gap
         # Off the response, x - x * m is x; on it 0 (or NaN for an infinite x); nan_to_num then leaves the
-        # finite values off the response: one is non-zero iff the side's min < 0 or max > 0.
+        # finite values off the response: one is non-zero iff the largest |value| is > 0 (aminmax: 40x slower).
         torch.addcmul(tr, tr, m, value=-1, out=x.pair[0])
         torch.addcmul(ro, ro, m, value=-1, out=x.pair[1])
-        torch.nan_to_num(x.pair, 0.0, 0.0, 0.0, out=x.pair)
-        torch.aminmax(x.pair, dim=-1, out=(outside[0, :, i:j], outside[1, :, i:j]))
+        torch.nan_to_num(x.pair, 0.0, 0.0, 0.0, out=x.pair).abs_()
+        torch.amax(x.pair, -1, out=outside[:, i:j])
         # r on valid tokens as the mismatch kernel finds it: (trainer - rollout) / m is finite exactly there.
         d = torch.sub(tr, ro, out=x.d).div_(m)
         r = torch.nan_to_num(d, 0.0, 0.0, 0.0, out=x.r)
@@ -514,7 +514,7 @@ def fused_pass(
         torch.sum(x.x, -1, out=sums[:, i:j])
         # The histogram of rc per group, counted with weight `valid` (invalid tokens, rc = 0, add 0).
         slot = torch.add(rc, c_pos, out=x.d).mul_(scale).clamp_max_(top_bin)
-        torch.add(x.idx32.copy_(slot), offsets[i:j], out=x.idx32)
+        torch.sub(last_slot[i:j], x.idx32.copy_(slot), out=x.idx32)
         hist.view(-1).scatter_add_(0, x.idx.copy_(x.idx32.view(-1)), x.v64.copy_(v.view(-1)))
         if flips is not None:
             extra["flips"].append((flips[i:j] & mask[i:j, :, None]).sum(dim=(1, 2)))
@@ -559,7 +559,7 @@ def fused_pass(
     all_zero = [rows["zero_t"] == resp, rows["zero_r"] == resp]  # (trainer, rollout) zero on every response token
     shifted = torch.zeros_like(has_resp)
     for side in range(2):
-        present_outside = (outside[0, side] < 0) | (outside[1, side] > 0)
+        present_outside = outside[side] > 0
         shifted = shifted | (has_resp & all_zero[side] & present_outside & ~all_zero[1 - side])
     contract_rows: Stats = {
         "resp": resp,
@@ -573,9 +573,10 @@ def fused_pass(
 
 
 def _sketch_in_place(plan: _SketchPlan, count: Tensor, fraction: float) -> Tensor:
-    """:func:`_group_top_mass_sketch` on the plan's histogram, in its buffers (the same ops, the same values)."""
-    counts = torch.index_select(plan.hist, 1, plan.reverse, out=plan.scratch)  # the bins from the top
-    before = torch.cumsum(counts, dim=1, out=plan.hist).sub_(counts)
+    """:func:`_group_top_mass_sketch` on the plan's histogram (kept from the top bin down), in its buffers: the
+    same ops, the same values."""
+    counts = plan.hist
+    before = torch.cumsum(counts, dim=1, out=plan.scratch).sub_(counts)
     k = M.top_k_count(count, fraction)[:, None]
     take = torch.minimum(torch.sub(k, before, out=before).clamp_min_(0.0), counts, out=before)
     return take.mul_(plan.top_values).sum(dim=1)
@@ -595,7 +596,15 @@ def fused_correction(
     trained_row = (row_action == TRAIN) | (row_action == TRAIN_WITH_CORRECTION)
     corrected_row = trained_row if policy.correct_train else row_action == TRAIN_WITH_CORRECTION
     loss_mask = fused.loss_mask.view(torch.uint8).mul_(trained_row.view(torch.uint8)[:, None]).view(torch.bool)
-    weights = torch.where(corrected_row[:, None], fused.weights, loss_mask.to(dtype), out=fused.weights)
+    if float(policy.clamp) <= 40.0:
+        # Valid tokens have weights in [e^-C, e^C]: scaled by 2^60 (finite) and capped at 1 they are the 1s of a
+        # trained row (a select per token is ~10x slower); corrected rows scale by 1, untrained rows by 0.
+        inf = float("inf")
+        scale = torch.where(corrected_row, 1.0, torch.where(trained_row, 2.0**60, 0.0)).to(dtype)[:, None]
+        cap = torch.where(corrected_row, inf, torch.where(trained_row, 1.0, 0.0)).to(dtype)[:, None]
+        weights = fused.weights.mul_(scale).clamp_max_(cap)
+    else:
+        weights = torch.where(corrected_row[:, None], fused.weights, loss_mask.to(dtype), out=fused.weights)
     # The counts as the chunked path sums them: exact per chunk, accumulated chunk by chunk in `dtype`.
     per_row = torch.stack([fused.valid_rows * trained_row, fused.valid_rows * corrected_row,
                            fused.clipped_rows * corrected_row, torch.zeros_like(fused.valid_rows)], dim=1)
