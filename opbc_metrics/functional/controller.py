@@ -375,7 +375,7 @@ class _FusedPlan:
         self.d, self.r, self.a, self.rc, self.u, self.u2 = torch.empty(6, rows, t, dtype=dtype, device=device).unbind(0)
         self.pair = torch.empty(2, rows, t, dtype=dtype, device=device)  # per side: logprob / mask, then outside
         self.below = torch.empty(2, rows, t, dtype=dtype, device=device)  # per side: logprob < -gap
-        self.v64 = torch.empty(n, dtype=torch.float64, device=device)
+        self.v64 = torch.empty(n, dtype=torch.float64, device=device) if dtype != torch.float64 else None
         self.idx32 = torch.empty(rows, t, dtype=torch.int32, device=device)
         self.idx = torch.empty(n, dtype=torch.int64, device=device)
         self.a_row, self.v_flat, self.idx32_flat = self.a.view(1, n), self.v.view(n), self.idx32.view(n)
@@ -393,6 +393,7 @@ class _SketchPlan:
         width = 2.0 * clamp / bins
         centres = -clamp + width * (torch.arange(bins, dtype=torch.float64, device=device) + 0.5)
         self.top_values = torch.exp(centres).flip(0)
+        self.zero = torch.zeros((), dtype=torch.float64, device=device)
 
 
 class _FusedWorkspaces(threading.local):
@@ -531,7 +532,7 @@ def fused_pass(
         # padding in one slot is a chain of dependent adds (measured: the whole step 5% slower).
         slot.addcmul_(torch.eq(v, zero, out=x.a), x.spread)
         torch.sub(last_c, x.idx32.copy_(slot), out=x.idx32)
-        hist_flat.scatter_add_(0, x.idx.copy_(x.idx32_flat), x.v64.copy_(x.v_flat))
+        hist_flat.scatter_add_(0, x.idx.copy_(x.idx32_flat), x.v_flat if x.v64 is None else x.v64.copy_(x.v_flat))
         if flips is not None:
             extra["flips"].append((flips[i:j] & mask[i:j, :, None]).sum(dim=(1, 2)))
         if token_ids is not None:
@@ -591,10 +592,13 @@ def fused_pass(
 def _sketch_in_place(plan: _SketchPlan, count: Tensor, fraction: float) -> Tensor:
     """:func:`_group_top_mass_sketch` on the plan's histogram (kept from the top bin down), in its buffers: the
     same ops, the same values."""
-    counts = plan.hist
-    before = torch.cumsum(counts, dim=1, out=plan.scratch).sub_(counts)
+    counts, before = plan.hist, plan.scratch
+    # The counts are integers: every way of forming these sums is exact. An exclusive cumsum in one pass, and
+    # one clamp for clamp_min and minimum, make 5 passes over the histogram of the chunked path's 7.
+    before[:, 0] = 0.0
+    torch.cumsum(counts[:, :-1], dim=1, out=before[:, 1:])
     k = M.top_k_count(count, fraction)[:, None]
-    take = torch.minimum(torch.sub(k, before, out=before).clamp_min_(0.0), counts, out=before)
+    take = torch.clamp(torch.sub(k, before, out=before), min=plan.zero, max=counts, out=before)
     return take.mul_(plan.top_values).sum(dim=1)
 
 
