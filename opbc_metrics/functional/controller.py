@@ -24,7 +24,8 @@ valid tokens. Per group g, over its valid tokens (``N_g`` of them) and its seque
   for a larger batch, which is processed in chunks of rows to bound its memory, from a per-group histogram
   of clamped log-weights (:data:`GROUP_TOP_MASS_BINS` bins over ``[-C, C]``, fewer for batches of more than
   128 rows: 8 MiB at most), within a relative error of ``e^{C/bins} - 1`` (0.25% at 8192 bins), as the
-  core sketch;
+  core sketch (on the CPU the controller takes such a batch in one fused sweep, :func:`fused_pass`: the
+  same values, bit for bit);
 * ``router_flip_rate`` = top-1 expert flips / (response tokens x layers), when expert ids are given (as
   ``moe/router/flip_rate``: routing does not depend on the logprobs being finite);
 * ``policy_lag`` = the largest lag of the group's sequences, in trainer steps, when given.
