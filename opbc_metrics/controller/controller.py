@@ -219,10 +219,20 @@ class OPBCController:
         # A large batch is processed in chunks of rows (statistics, checks, then correction), so that the
         # per-token temporaries are those of one chunk; see FC.row_chunks.
         chunks = FC.row_chunks(view)
-        values = FC._group_compute(
-            FC.group_update(view, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows, chunks=chunks)
-        )
-        if batch_reasons:
+        fused = None
+        if not batch_reasons and FC.fused_pass_applies(view, chunks):
+            # The same values from one sweep over the tokens (see FC.fused_pass).
+            fused = FC.fused_pass(view, index, policy.clamp, policy.veto, policy.alignment_gap, chunks, flips=flips,
+                                  lag_rows=lag_rows, token_ids=token_ids,
+                                  with_weights=FC.fused_correction_applies(policy))
+            values = FC._group_compute(fused.stats)
+        else:
+            values = FC._group_compute(
+                FC.group_update(view, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows, chunks=chunks)
+            )
+        if fused is not None:
+            contract = FC._contract_from_rows(fused.contract_rows, index, lag_rows)
+        elif batch_reasons:
             declared = view._cache.get("declared_response_tokens")
             if declared is not None:
                 values["num_response_tokens"] = FC._segment_sum(declared, index)
@@ -239,7 +249,9 @@ class OPBCController:
             contract = FC._contract_from_rows(FC.cat_rows(parts), index, lag_rows)
         action, reasons = FC.decide(values, contract, index.present, policy)
         row_action = action[index.row_group]
-        if len(chunks) == 1:
+        if fused is not None and fused.weights is not None:
+            loss_mask, weights, counts = FC.fused_correction(fused, row_action, policy, chunks, view.dtype)
+        elif len(chunks) == 1:
             corr = FC._correction(view, row_action, policy)
             loss_mask, weights = corr["loss_mask"], corr["weights"]
             counts = {k: corr[k] for k in _CORRECTION_COUNTS}
