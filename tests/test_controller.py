@@ -573,3 +573,42 @@ def test_grpo_example_runs():
     assert out["opbc/decision/group_share/train"] > 0.5
     shares = sum(out[f"opbc/decision/group_share/{a}"] for a in FC.ACTIONS)
     assert shares == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("preset,clamp", [("default", 20.0), ("default", 50.0), ("truncated_is", 20.0),
+                                          ("masked_is", 20.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_cpu_pass_equals_the_chunked_path(monkeypatch, preset, clamp, dtype):
+    """On the CPU a batch of several chunks goes through FC.fused_pass (one sweep): the same bits as the
+    chunked path, for every output of the step, with no host sync."""
+    b = grouped_batch_for_chunks(dtype)
+    monkeypatch.setattr(FC, "CHUNK_TOKENS", 1500)
+    assert FC.fused_pass_applies(BatchView(b), FC.row_chunks(BatchView(b)))
+    policy = OPBCPolicy.preset(preset) if clamp == 20.0 else OPBCPolicy(clamp=clamp, veto=60.0)  # clamp > 40: `where`
+    with assert_no_host_sync():
+        fused = OPBCController(policy).step(b)
+    monkeypatch.setattr(FC, "fused_pass_applies", lambda *_: False)
+    chunked = OPBCController(policy).step(b)
+    for name in ("action", "reasons", "loss_mask", "weights"):
+        assert torch.equal(getattr(fused, name), getattr(chunked, name)), name
+    assert [d.to_json() for d in fused.decisions] == [d.to_json() for d in chunked.decisions]
+    assert {k: v.item() for k, v in fused.counts.items()} == {k: v.item() for k, v in chunked.counts.items()}
+
+
+def grouped_batch_for_chunks(dtype: torch.dtype) -> dict:
+    """7 groups of 4 rows in several chunks, every action: train, train_with_correction (clipped), replay (lag),
+    quarantine (veto; lag), reject (a sequence without rollout logprobs), and a non-finite logprob."""
+    g = torch.Generator().manual_seed(11)
+    n, t = 28, 400
+    trainer = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
+    rollout = (trainer - torch.randn(n, t, generator=g, dtype=torch.float64) * 0.05).clamp(max=0.0)
+    spikes = torch.rand(4, t, generator=g) < 0.15
+    trainer[4:8] = torch.where(spikes, rollout[4:8] - 25.0, trainer[4:8])  # group 1: clipped (w = e^-20)
+    rollout[13, 40] = trainer[13, 40] - 35.0  # group 3: vetoed
+    rollout[21, :] = 0.0  # group 5: a sequence without rollout logprobs
+    trainer[26, 7] = float("nan")  # group 6: a non-finite logprob
+    mask = torch.rand(n, t, generator=g) < 0.85
+    lag = torch.zeros(n, dtype=torch.long)
+    lag[9], lag[17] = 6, 9  # group 2: replay, group 4: quarantine
+    return {"trainer_logprobs": trainer.to(dtype), "rollout_logprobs": rollout.to(dtype), "response_mask": mask,
+            "group_ids": torch.arange(n) // 4, "policy_lag": lag}
