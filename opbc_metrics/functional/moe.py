@@ -223,7 +223,9 @@ def _top1_flips(rollout: Tensor, trainer: Tensor) -> Tensor:
     return rollout[..., 0] != trainer[..., 0]
 
 
-def _lane_sets_differ(rollout: Tensor, trainer: Tensor, pairs: Tensor, non_negative: bool) -> Tensor:
+def _lane_sets_differ(
+    rollout: Tensor, trainer: Tensor, pairs: Tensor, non_negative: bool, found: Tensor | None = None
+) -> Tensor:
     """``[n]``, nonzero where the sets of the columns of ``rollout`` / ``trainer`` ``[K, n]`` (lane-major) differ.
     Exact; an id repeated in a column counts once, as in a set.
 
@@ -232,13 +234,18 @@ def _lane_sets_differ(rollout: Tensor, trainer: Tensor, pairs: Tensor, non_negat
     trainer's (reductions over an outer dim: contiguous, vectorised). ``non_negative`` ids (narrow copies)
     are compared by XOR in their own dtype (an id is in the other set where the minimum XOR is 0): int16
     compares into bool are not vectorised on CPU, 9x slower than uint8 ones. Other ids: ``==`` into uint8.
+    ``found`` ``[2, K, n]`` (``pairs``' dtype), when given, receives the two reductions (no allocation).
     """
     if non_negative:
         torch.bitwise_xor(rollout.unsqueeze(0), trainer.unsqueeze(1), out=pairs)
-        return torch.maximum(pairs.amin(dim=0), pairs.amin(dim=1)).amax(dim=0)
+        if found is None:
+            return torch.maximum(pairs.amin(dim=0), pairs.amin(dim=1)).amax(dim=0)
+        torch.amin(pairs, dim=0, out=found[0])
+        torch.amin(pairs, dim=1, out=found[1])
+        return found.amax(dim=(0, 1))  # a missing id in either direction
     torch.eq(rollout.unsqueeze(0), trainer.unsqueeze(1), out=pairs.view(torch.bool))
-    found = torch.minimum(pairs.amax(dim=0), pairs.amax(dim=1))  # [K, n]: 1 where the id is in the other set
-    return 1 - found.amin(dim=0)
+    found_ = torch.minimum(pairs.amax(dim=0), pairs.amax(dim=1))  # [K, n]: 1 where the id is in the other set
+    return 1 - found_.amin(dim=0)
 
 
 def _column_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
@@ -318,13 +325,10 @@ def lane_dtype(num_experts: int | None, ids_dtype: torch.dtype) -> torch.dtype:
     return ids_dtype
 
 
-def _outside(ids: Tensor, num_experts: int) -> Tensor:
-    """``[rows]``: the row ``[rows, n]`` holds an id outside ``[0, num_experts)``. Two vectorised reductions:
-    the int64 maximum, and the minimum over the int32 halves (a negative id has a negative high half, every
-    id in ``[0, 2**31)`` has two non-negative ones); int64 ``amin`` / ``aminmax`` are not vectorised on CPU."""
-    high = ids.amax(dim=-1) >= num_experts
-    halves = ids.view(torch.int32) if ids.dtype == torch.int64 and num_experts <= 2**31 else ids
-    return high | (halves.amin(dim=-1) < 0)
+def _range_halves(ids: Tensor, num_experts: int) -> Tensor:
+    """The view whose minimum is negative exactly when an id is: the int32 halves of int64 ids below 2**31 (a
+    negative id has a negative high half; int64 ``amin`` is not vectorised on CPU), else the ids."""
+    return ids.view(torch.int32) if ids.dtype == torch.int64 and num_experts <= 2**31 else ids
 
 
 def _set_differs_tokens(
@@ -337,46 +341,62 @@ def _set_differs_tokens(
     With ``check_range``, ``outside`` marks the tokens holding an id outside ``[0, num_experts)`` (``[0, 2**15)``
     when ``num_experts`` is None and K > 2), whose narrow copies may wrap: the caller reports them (reading it
     here would be a host sync). ``check_range=False`` with ``num_experts`` None compares any ids exactly in
-    their own dtype. On CPU the tokens go in chunks that stay in cache.
+    their own dtype. On CPU the tokens go in chunks that stay in cache; every chunk writes its per-token
+    reductions into whole-batch buffers (``out=``), compared once at the end: fewer ops per chunk.
     """
     b, t, n_layers, k = rollout.shape
     if num_experts is None and check_range and k > _COLUMN_MAX_K:
         num_experts = UNKNOWN_EXPERTS_BOUND  # narrowed to int16: ids outside [0, 2**15) are reported
     check_range = check_range and num_experts is not None
-    if b * t == 0:
-        none = torch.zeros((b, t), dtype=torch.bool, device=rollout.device)
+    device, tokens = rollout.device, b * t
+    if tokens == 0:
+        none = torch.zeros((b, t), dtype=torch.bool, device=device)
         return none, none if check_range else None
     ids_dtype = torch.promote_types(rollout.dtype, trainer.dtype)
     dtype = lane_dtype(num_experts, ids_dtype)
-    rollout, trainer = rollout.reshape(b * t, n_layers * k), trainer.reshape(b * t, n_layers * k)
-    chunk = _CPU_CHUNK_IDS if rollout.device.type == "cpu" else _DEVICE_CHUNK_IDS
-    rows = max(1, chunk // (n_layers * k))
-    rows = min(rows, b * t)
+    rollout, trainer = rollout.reshape(tokens, n_layers * k), trainer.reshape(tokens, n_layers * k)
+    chunk = _CPU_CHUNK_IDS if device.type == "cpu" else _DEVICE_CHUNK_IDS
+    rows = min(max(1, chunk // (n_layers * k)), tokens)
+    if check_range:  # per token and side: the largest id, the smallest of _range_halves
+        assert num_experts is not None
+        high = [torch.empty(tokens, dtype=x.dtype, device=device) for x in (rollout, trainer)]
+        low = [torch.empty(tokens, dtype=_range_halves(x[:1], num_experts).dtype, device=device)
+               for x in (rollout, trainer)]
     if k > _COLUMN_MAX_K:  # work buffers, reused by every chunk
-        narrow = torch.empty((2, rows, n_layers, k), dtype=dtype, device=rollout.device)
-        lanes = torch.empty((2, k, rows, n_layers), dtype=dtype, device=rollout.device)
+        narrow = torch.empty((2, rows, n_layers, k), dtype=dtype, device=device)
+        lanes = torch.empty((2, k, rows, n_layers), dtype=dtype, device=device)
         non_negative = num_experts is not None  # valid narrow ids lie in [0, num_experts); others are reported
         pair_dtype = dtype if non_negative else torch.uint8
-        pairs = torch.empty((k, k, rows * n_layers), dtype=pair_dtype, device=rollout.device)
-    differs, outside = [], []
-    for start in range(0, b * t, rows):
+        pairs = torch.empty((k, k, rows * n_layers), dtype=pair_dtype, device=device)
+        found = torch.empty((2, k, rows * n_layers), dtype=pair_dtype, device=device)
+        differs = torch.empty(tokens, dtype=pair_dtype, device=device)  # nonzero: differs
+    else:
+        differs = torch.empty(tokens, dtype=torch.bool, device=device)  # True: the sets are equal
+    for start in range(0, tokens, rows):
         r, tr = rollout[start : start + rows], trainer[start : start + rows]
         m = r.shape[0]
         if check_range:  # while the chunk is in cache
             assert num_experts is not None
-            outside.append(_outside(r, num_experts) | _outside(tr, num_experts))
+            for i, x in enumerate((r, tr)):
+                torch.amax(x, dim=-1, out=high[i][start : start + m])
+                torch.amin(_range_halves(x, num_experts), dim=-1, out=low[i][start : start + m])
         if k <= _COLUMN_MAX_K:
             same = _column_sets_equal(r.reshape(-1, k), tr.reshape(-1, k))
-            differs.append(~_all_layers(same, n_layers))
+            differs[start : start + m] = _all_layers(same, n_layers)
             continue
         # narrow first (a contiguous copy), then transpose the narrow copy: 3x cheaper than one transposing copy
         for i, x in enumerate((r, tr)):
             narrow[i, :m].view(m, n_layers * k).copy_(x)
         lanes[:, :, :m].copy_(narrow[:, :m].permute(0, 3, 1, 2))  # both sides in one op
         views = [lanes[i, :, :m].reshape(k, m * n_layers) for i in (0, 1)]
-        differ = _lane_sets_differ(*views, pairs[:, :, : m * n_layers], non_negative)
-        differs.append(differ.view(m, n_layers).amax(dim=-1) != 0)
-    return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t) if check_range else None
+        differ = _lane_sets_differ(*views, pairs[:, :, : m * n_layers], non_negative, found[:, :, : m * n_layers])
+        torch.amax(differ.view(m, n_layers), dim=-1, out=differs[start : start + m])
+    differs = (differs != 0 if k > _COLUMN_MAX_K else ~differs).view(b, t)
+    if not check_range:
+        return differs, None
+    assert num_experts is not None
+    outside = (high[0] >= num_experts) | (high[1] >= num_experts) | (low[0] < 0) | (low[1] < 0)
+    return differs, outside.view(b, t)
 
 
 def router_top1_flips(rollout_experts: Tensor, trainer_experts: Tensor) -> Tensor:
