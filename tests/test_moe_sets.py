@@ -76,3 +76,56 @@ def test_layer_reduction_in_words_equals_all(layers):
     assert torch.equal(FM._all_layers(same, layers), same.view(-1, layers).all(dim=-1))
     rollout, trainer = ids_batch(0, 64, 2, seed=layers, layers=layers)
     assert FM._set_differs_tokens(rollout, trainer, None)[0].tolist() == python_sets_differ(rollout, trainer)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 4, 8, 48])
+@pytest.mark.parametrize("num_experts", [2, 8, 64, 65, 129, 200, 256])
+def test_k2_byte_pairs_equal_python_sets(layers, num_experts):
+    """K = 2 with num_experts <= 256 compares uint8 copies in order and crosswise (shifted by one byte): a pair's
+    crosswise compare must not leak into its neighbours, repeated ids ({a, a} vs {a, b}) must differ."""
+    rollout, trainer = ids_batch(0, num_experts, 2, seed=layers * 31 + num_experts, t=40, layers=layers)
+    same_neighbours = torch.tensor([[[[1, 2], [2, 1]]]]).expand(1, 1, 2, 2).clone() % num_experts
+    for r, t in ((rollout, trainer), (same_neighbours, same_neighbours.flip(2))):
+        differs, outside = FM._set_differs_tokens(r, t, num_experts)
+        assert differs.tolist() == python_sets_differ(r, t)
+        assert not outside.any()
+
+
+def test_k2_byte_pairs_repeated_and_swapped_ids():
+    rollout = torch.tensor([[[[3, 3]], [[3, 4]], [[4, 3]], [[5, 5]], [[0, 255]], [[255, 0]]]])
+    trainer = torch.tensor([[[[3, 4]], [[3, 3]], [[3, 4]], [[5, 5]], [[255, 0]], [[0, 0]]]])
+    differs, _ = FM._set_differs_tokens(rollout, trainer, 256)
+    assert differs.tolist() == [[True, True, False, False, False, True]]
+
+
+@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize("chunk_ids", [2 * 8, 3 * 5 * 8, 7 * 5 * 8 + 1])
+def test_cpu_chunks_equal_one_pass(monkeypatch, k, chunk_ids):
+    rollout, trainer = ids_batch(0, 128, k, seed=k + chunk_ids, b=4, t=11, layers=5)
+    whole = FM._set_differs_tokens(rollout, trainer, 128)
+    monkeypatch.setattr(FM, "_CPU_CHUNK_IDS", chunk_ids)
+    chunked = FM._set_differs_tokens(rollout, trainer, 128)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert whole[0].tolist() == python_sets_differ(rollout, trainer)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 4, 5, 8, 16, 24, 48])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+def test_any_layer_in_words_equals_amax(layers, dtype):
+    g = torch.Generator().manual_seed(layers)
+    differ = (torch.rand(40 * layers, generator=g) < 0.05).to(dtype) * torch.randint(1, 200, (40 * layers,),
+                                                                                    generator=g).to(dtype)
+    assert torch.equal(FM._any_layer(differ, layers), differ.view(-1, layers).amax(dim=-1) != 0)
+
+
+@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize("num_experts", [63, 64, 65, 127, 128, 129, 255, 256])
+def test_ids_at_word_and_byte_boundaries(k, num_experts):
+    """Ids at the edges of 64-bit words, of int8 and of uint8 (63 / 64, 127 / 128, 255)."""
+    rollout, trainer = ids_batch(0, num_experts, k, seed=num_experts + k, t=30, layers=8)
+    differs, outside = FM._set_differs_tokens(rollout, trainer, num_experts)
+    assert differs.tolist() == python_sets_differ(rollout, trainer)
+    assert not outside.any()
+    bad = rollout.clone()
+    bad[0, 3, 7, k - 1] = num_experts  # one past the last expert
+    assert FM._set_differs_tokens(bad, trainer, num_experts)[1].nonzero().tolist() == [[0, 3]]
