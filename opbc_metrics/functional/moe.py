@@ -340,15 +340,16 @@ def _any_layer(differ: Tensor, n_layers: int) -> Tensor:
 # the K^2 strided passes cost more than the copies (K = 8: 10x slower).
 _COLUMN_MAX_K = 2
 
-# Ids per chunk of the set comparison on CPU (2^16: 1.35x, 2^17: 1.13x, 2^19: 1.05x the time of 2^18).
+# Ids per chunk of the set comparison on CPU (2^16: 1.3x, 2^17: 1.1x, 2^19: 1.05x the time of 2^18).
 # Measured with benchmarks/bench_controller_moe.py (one thread, 3.1M contiguous int64 ids, K = 8, E = 128),
-# as multiples of the top-1 flip rate's update. Now: 2.2-3.5x with num_experts, 3.9-5.3x without (int16),
-# of which the range check ~1.3x (the first pass over the ids, which pays for reading them), the narrow
-# copies ~0.3x, the transposes of the narrow copies ~0.6x, the [K, K, n] compare and its reductions ~0.9x.
+# as multiples of the top-1 flip rate's update: 3.4-3.6x with num_experts, 4.1-4.4x without (int16), of which
+# the range check ~1.1x (its first pass reads the ids from memory), the narrow copies ~0.25x, the lane
+# transpose ~0.6x, the [K, K, n] compare and its reductions ~1x (benchmarks/README.md, MoE set disagreement).
 # Before: per-j compares into bool masks (16 [K, n] compares + ORs) 4-5x, aminmax for the range ~1.5x
 # alone (int64 amin is not vectorised: 8x an int64 amax; the int32 halves' amin costs what amax does), one
 # transposing copy from int64 3x a contiguous narrowing copy plus a transpose of the narrow one, int64
-# lanes without num_experts 15-17x. Tried and slower: int64 bitmasks (an OR of one-hot words per set) 10x,
+# lanes without num_experts 15-17x. Tried and slower: int64 bitmasks (1 << id, OR tree over K: E = 64 0.93x,
+# E = 128 with two words 1.5x, K = 2 1.2x the K x K compare),
 # the K x K compare with inner [.., K, K] broadcasts 34x, bool any/all over a non-inner dim, SWAR zero-byte
 # tests on 8 ids packed in an int64 word, float lanes, a [K, L, tokens] layout, folding the [K, K, n]
 # comparisons by halves (1.4x the uint8 amin over the outer dim), torch.minimum(ids, E, out=uint8) as a
