@@ -129,25 +129,3 @@ def test_ids_at_word_and_byte_boundaries(k, num_experts):
     bad = rollout.clone()
     bad[0, 3, 7, k - 1] = num_experts  # one past the last expert
     assert FM._set_differs_tokens(bad, trainer, num_experts)[1].nonzero().tolist() == [[0, 3]]
-
-
-@pytest.mark.parametrize("layers", [1, 3, 5, 8, 48])
-@pytest.mark.parametrize("chunk_ids", [8, 3 * 8 * 8, 1 << 18])
-def test_k8_byte_transpose_blocks_equal_python_sets(monkeypatch, layers, chunk_ids):
-    """K = 8 uint8 ids go lane-major by an in-place 8 x 8 byte transpose of their int64 words, in blocks of 8
-    (token, layer) pairs; chunks whose pair count is not a multiple of 8 carry stale padding pairs."""
-    monkeypatch.setattr(FM, "_BLOCKS_MIN_PAIRS", 0)
-    monkeypatch.setattr(FM, "_CPU_CHUNK_IDS", chunk_ids)
-    for num_experts in (9, 128, 256):
-        rollout, trainer = ids_batch(0, num_experts, 8, seed=layers + num_experts, b=3, t=13, layers=layers)
-        differs, outside = FM._set_differs_tokens(rollout, trainer, num_experts)
-        assert differs.tolist() == python_sets_differ(rollout, trainer)
-        assert not outside.any()
-
-
-def test_byte_transpose_is_a_transpose():
-    words = torch.randint(-(2**63), 2**63 - 1, (2, 8, 5), dtype=torch.int64)
-    want = words.view(torch.uint8).view(2, 8, 5, 8).permute(0, 3, 2, 1).contiguous()  # [s, byte j, c, word i]
-    FM._byte_transpose_(words, torch.empty(2, 20, dtype=torch.int64))
-    got = words.view(torch.uint8).view(2, 8, 5, 8).permute(0, 1, 2, 3)  # [s, word j, c, byte i]
-    assert torch.equal(got, want)

@@ -283,31 +283,6 @@ def _byte_pairs_same(rollout: Tensor, trainer: Tensor, even: Tensor, work: Tenso
     return in_order
 
 
-# (shift, mask) of the three delta swaps of an 8 x 8 byte transpose: 4-byte blocks, then 2-byte, then bytes
-_BYTE_TRANSPOSE_STEPS = ((32, 0x00000000FFFFFFFF), (16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF))
-# Below this many (token, layer) pairs per chunk the 18 small ops of _byte_transpose_ cost more than they save
-_BLOCKS_MIN_PAIRS = 1 << 12
-
-
-def _byte_transpose_(words: Tensor, work: Tensor) -> None:
-    """In place: ``words`` ``[S, 8, M]`` int64, each ``(s, :, c)`` an 8 x 8 byte matrix (word i, byte j), becomes
-    its transpose (word j, byte i), by three delta swaps between whole rows of words (6 ops each, all over
-    contiguous rows: vectorised; a permuting copy of uint8 lanes moves one byte at a time, 1.4x as long).
-    ``work``: ``[S, 4 * M]`` int64. The right shifts are arithmetic: the mask drops the sign bits."""
-    s, _, m = words.shape
-    v = words.view(s, 2, 2, 2, m)
-    for step, (shift, mask) in enumerate(_BYTE_TRANSPOSE_STEPS):
-        index = (slice(None),) * (step + 1)
-        a, b = v[(*index, 0)], v[(*index, 1)]  # word i and word i + 4 (then i + 2, then i + 1)
-        t = work.view(s, 2, 2, m)
-        torch.bitwise_right_shift(a, shift, out=t)
-        t ^= b
-        t &= mask
-        b ^= t
-        t <<= shift
-        a ^= t
-
-
 _WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -426,23 +401,15 @@ def _set_differs_tokens(
         even[:, 0] = 1
         even = even.view(-1)
         differs = torch.empty(tokens, dtype=torch.bool, device=device)  # True: every pair of the token agrees
-    # K = 8 uint8 ids on CPU: the (token, layer) pairs' ids are int64 words, made lane-major in place by
-    # _byte_transpose_ in blocks of 8 words (word i * P / 8 + c: the pairs come back in the order c * 8 + i)
-    blocks = k == 8 and dtype == torch.uint8 and device.type == "cpu" and rows * n_layers >= _BLOCKS_MIN_PAIRS
-    pairs_cap = -(-(rows * n_layers) // 8) * 8 if blocks else rows * n_layers
-    if blocks:
-        narrow = torch.empty((2, pairs_cap * k), dtype=dtype, device=device)
-        work = torch.empty((2, pairs_cap // 2), dtype=torch.int64, device=device)
-    if k > _COLUMN_MAX_K and not byte_pairs:  # work buffers, reused by every chunk
-        if not blocks:
-            narrow = torch.empty((2, rows, n_layers, k), dtype=dtype, device=device)
-            lanes = torch.empty((2, k, rows, n_layers), dtype=dtype, device=device)
+    elif k > _COLUMN_MAX_K:  # work buffers, reused by every chunk
+        narrow = torch.empty((2, rows, n_layers, k), dtype=dtype, device=device)
+        lanes = torch.empty((2, k, rows, n_layers), dtype=dtype, device=device)
         non_negative = num_experts is not None  # valid narrow ids lie in [0, num_experts); others are reported
         pair_dtype = dtype if non_negative else torch.uint8
-        pairs = torch.empty((k, k, pairs_cap), dtype=pair_dtype, device=device)
-        found = torch.empty((2, k, pairs_cap), dtype=pair_dtype, device=device)
+        pairs = torch.empty((k, k, rows * n_layers), dtype=pair_dtype, device=device)
+        found = torch.empty((2, k, rows * n_layers), dtype=pair_dtype, device=device)
         differs = torch.empty(tokens, dtype=torch.bool, device=device)  # True: the sets differ
-    elif not byte_pairs:
+    else:
         differs = torch.empty(tokens, dtype=torch.bool, device=device)  # True: the sets are equal
     for start in range(0, tokens, rows):
         r, tr = rollout[start : start + rows], trainer[start : start + rows]
@@ -462,17 +429,6 @@ def _set_differs_tokens(
         if k <= _COLUMN_MAX_K:
             same = _column_sets_equal(r.reshape(-1, k), tr.reshape(-1, k))
             differs[start : start + m] = _all_layers(same, n_layers)
-            continue
-        if blocks:
-            n_pairs = m * n_layers
-            cap = -(-n_pairs // 8) * 8  # whole blocks: the pairs past n_pairs (stale bytes) are dropped below
-            for i, x in enumerate((r, tr)):
-                narrow[i, : n_pairs * k].view(m, n_layers * k).copy_(x)
-            _byte_transpose_(narrow[:, : cap * k].view(torch.int64).view(2, 8, cap // 8), work[:, : cap // 2])
-            lane = narrow[:, : cap * k].view(2, k, cap)
-            differ = _lane_sets_differ(lane[0], lane[1], pairs[:, :, :cap], True, found[:, :, :cap])
-            differ = differ.view(cap // 8, 8).t().reshape(-1)[:n_pairs]  # back to pair order (one small copy)
-            differs[start : start + m] = _any_layer(differ, n_layers)
             continue
         # narrow first (a contiguous copy), then transpose the narrow copy: 3x cheaper than one transposing copy
         for i, x in enumerate((r, tr)):
