@@ -542,7 +542,8 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
     # loops, storing it to memory (an extra pass) instead of computing it in both.
     d = -rollout + trainer
     ok = valid_tokens(d, mask)
-    previous = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=mask.device), mask[:, :-1]], dim=1)
+    # A pad, not a cat: inductor's CPU code for the cat of bools was a copy at ~5 ns per token.
+    previous = torch.nn.functional.pad(mask[:, :-1], (1, 0))
     features = {
         "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & ~previous).to(dtype),
         "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
