@@ -177,6 +177,7 @@ class _Workspaces(threading.local):
     def __init__(self) -> None:
         self.plans: dict[tuple[Any, ...], _BlockPlan] = {}
         self.calls: dict[tuple[Any, ...], _CallPlan] = {}
+        self.rounds: dict[tuple[Any, ...], dict[str, Tensor]] = {}
 
 
 _WORKSPACES = _Workspaces()
@@ -288,6 +289,7 @@ def release_workspaces() -> None:
     """Free this thread's workspace buffers (about 14 x ``max(32768, T)`` elements per cached block shape)."""
     _WORKSPACES.plans.clear()
     _WORKSPACES.calls.clear()
+    _WORKSPACES.rounds.clear()
 
 
 def token_statistics(
@@ -371,10 +373,10 @@ def _blocked_token_statistics(
         d.div_(x.m.copy_(mb))
         r = torch.nan_to_num(d, 0.0, 0.0, 0.0, out=a)
         torch.eq(d, r, out=valid)
-        if with_rounds:  # starts = m * (1 - previous m): m - m * previous m, then each row's first token
+        if with_rounds:  # starts = m * (1 - previous m) = m - m * previous m: here m * previous m (0 at each row's
+            # first token), its chunk sums subtracted from the mask's after the loop (one op per call, not per block)
             torch.mul(x.m_flat[1:], x.m_flat[:-1], out=x.starts_flat[1:])
-            torch.sub(x.m_flat[1:], x.starts_flat[1:], out=x.starts_flat[1:])
-            x.starts[:, 0] = x.m[:, 0]
+            x.starts[:, 0] = 0.0
         if prob:
             # p = exp(a), q = exp(b) with a, b the logprobs clamped to [PROB_LOG_FLOOR, 0], on valid tokens (0
             # elsewhere). p - q as q * expm1(a - b): exact to a few ulps, where exp(a) - exp(b) keeps only the
@@ -418,6 +420,10 @@ def _blocked_token_statistics(
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
                 counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
+    if with_rounds:  # the starts: the mask's sums less those of m * previous m
+        pair = (_ROWS.index["n_mask"], _ROWS.index["rounds"])
+        for sums in (call.chunks, call.row_sums):
+            torch.sub(sums[pair[0]], sums[pair[1]], out=sums[pair[1]])
     if lanes > 1:
         counts = counts.view(lanes, bins + 1).sum(0, dtype=f64)
     products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
@@ -568,7 +574,7 @@ def _round_sums(
     sums at round starts: ``P(start of round i + 1) - P(start of round i)``, ``P(start of round 0) = 0`` (no
     response token before it), the row total past the last round, rounds ``>= capacity`` pooled. A prefix
     sum at a start is the sum of the whole chunks before it (cumulative chunk sums) plus the part of its
-    chunk before it, recomputed from the inputs on a window of ``_ROUND_CHUNK`` tokens (and the token before,
+    chunk before it, recomputed from the inputs on a window of ``width`` tokens (and the token before,
     for the start rule). Which chunk holds a row's k-th start comes from the cumulative start counts.
     Float64 throughout, no data-dependent shape: starts that do not exist read the row total.
 
@@ -582,47 +588,74 @@ def _round_sums(
     f64, dtype = torch.float64, trainer.dtype
     b, t = trainer.shape
     device, n_chunks = trainer.device, chunks.shape[-1]
-    row = {name: i for i, name in enumerate(_ROWS.names[_CHUNKED])}
-    inclusive = chunks.to(f64).cumsum(-1)  # [rows, B, chunks]
+    consts = _round_constants(b, t, capacity, width, device)
+    inclusive = chunks.cumsum(-1, dtype=f64)  # [rows, B, chunks]
     totals = inclusive[..., -1]
+    starts_row = _CHUNK_ROW["rounds"]
     # The k-th start of each row for k = 2 .. capacity + 1 (the starts of rounds 1 .. capacity): its chunk is
     # the first whose cumulative start count reaches k.
-    k = torch.arange(2, capacity + 2, dtype=f64, device=device).expand(b, capacity).contiguous()
-    chunk = torch.searchsorted(inclusive[row["rounds"]], k).clamp_(max=n_chunks - 1)  # [B, capacity]
-    exists = k <= totals[row["rounds"]].unsqueeze(-1)
+    k = consts["k"]
+    chunk = torch.searchsorted(inclusive[starts_row], k).clamp_(max=n_chunks - 1)  # [B, capacity]
+    exists = k <= totals[starts_row].unsqueeze(-1)
     # Sums of the chunks before it (exclusive prefix): the inclusive prefix of the chunk before, 0 for chunk 0.
-    before = inclusive.gather(-1, (chunk - 1).clamp(min=0).expand(len(row), b, capacity)) * (chunk > 0)
-    rank = (k - before[row["rounds"]]).to(dtype)  # the start is the rank-th start of its chunk
-    # The chunk's tokens and the token before it, [B, capacity, 1 + width]; positions past the row's ends
-    # read as masked out.
-    # Positions before the row (chunk 0's token before) or past its end (a partial last chunk) read a token of
-    # the row instead: the first only for the start rule, zeroed below; the others come after the start, so
-    # they are never "before" it (and a missing start reads the row total).
-    pos = (chunk.unsqueeze(-1) * width + torch.arange(-1, width, device=device)).clamp_(0, max(t - 1, 0)).view(b, -1)
-    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)
-    m = mask.gather(1, pos).view(b, capacity, -1)
-    valid = valid_tokens(d, m)[..., 1:].to(dtype)
-    mf = m.to(dtype)
-    mf[..., 0] *= chunk > 0
-    starts = mf[..., 1:] - mf[..., 1:] * mf[..., :-1]
-    ahead = (starts.cumsum(-1) < rank.unsqueeze(-1)).to(dtype)  # tokens of the chunk before the start
-    # valid, mask and |r| (0 where not valid) of those tokens, summed in the inputs' dtype (at most `width`).
-    abs_r = torch.nan_to_num(d[..., 1:], 0.0, 0.0, 0.0).abs_().mul_(valid)
-    partial = (torch.stack([valid, mf[..., 1:], abs_r]) * ahead).sum(-1).to(f64)  # [3, B, capacity]
+    later = chunk > 0
+    before = inclusive.gather(-1, (chunk - 1).clamp_(min=0).expand(len(_CHUNK_ROW), b, capacity)) * later
+    rank = (k - before[starts_row]).to(dtype)  # the start is the rank-th start of its chunk
+    # The chunk's tokens and the token before it, [B, capacity, 1 + width]. Positions before the row (chunk 0's
+    # token before) or past its end (a partial last chunk) read a token of the row instead: the first only for the
+    # start rule, zeroed below; the others come after the start, so they are never "before" it (and a missing start
+    # reads the row total).
+    pos = chunk.unsqueeze(-1) * width + consts["offsets"]
+    pos[..., 0].clamp_(min=0)
+    if t % width:
+        pos.clamp_(max=t - 1)
+    pos = pos.view(b, -1)
+    m = mask.gather(1, pos).view(b, capacity, -1).to(dtype)
+    m[..., 0] *= later
+    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)[..., 1:]
+    m, m_before = m[..., 1:], m[..., :-1]
+    starts = m - m * m_before
+    # Tokens of the chunk before the start: fewer than `rank` starts up to them (integers: clamp(rank - seen, 0, 1)).
+    ahead = (rank.unsqueeze(-1) - starts.cumsum(-1)).clamp_(0.0, 1.0)
+    # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set, inf or
+    # NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0 elsewhere).
+    q = d / m
+    r = torch.nan_to_num(q, 0.0, 0.0, 0.0)
+    # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`).
+    partial = (torch.stack([(q == r).to(dtype), m, r.abs()]) * ahead).sum(-1).to(f64)  # [3, B, capacity]
     # Prefix sums at the starts (the row total where a start does not exist), between 0 and the row total;
     # summed over rows first, the bucket sums are their differences.
-    # (an index tensor: a Python list index is copied to the device with a stream sync)
-    rows = from_host([row[name] for name in ROUND_STATS.values()], torch.int64, device)
-    scale = from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in ROUND_STATS.values()], f64,
-                      device).view(-1, 1, 1)
-    total = totals.index_select(0, rows).unsqueeze(-1) * scale  # [3, B, 1]
-    prefix = torch.where(exists, before.index_select(0, rows) * scale + partial, total)
+    scale = consts["scale"]
+    total = totals.index_select(0, consts["rows"]).unsqueeze(-1) * scale  # [3, B, 1]
+    prefix = torch.where(exists, before.index_select(0, consts["rows"]) * scale + partial, total)
     bounds = torch.cat([prefix, total], dim=-1).sum(1)  # [3, capacity + 1]
     sums = torch.cat([bounds[:, :1], bounds[:, 1:] - bounds[:, :-1]], dim=-1)
     out: Stats = dict(zip(ROUND_STATS, sums.unbind(0)))
-    most = totals[row["rounds"]].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
+    most = totals[starts_row].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
     out["max_rounds"] = most
     return out
+
+
+_CHUNK_ROW = {name: i for i, name in enumerate(_ROWS.names[_CHUNKED])}
+
+
+def _make_round_constants(b: int, t: int, capacity: int, width: int, device: torch.device) -> dict[str, Tensor]:
+    # (index tensors: a Python list index is copied to the device with a stream sync)
+    names = ROUND_STATS.values()
+    return {
+        "k": torch.arange(2, capacity + 2, dtype=torch.float64, device=device).expand(b, capacity).contiguous(),
+        "offsets": torch.arange(-1, width, device=device),
+        "rows": from_host([_CHUNK_ROW[name] for name in names], torch.int64, device),
+        "scale": from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in names], torch.float64,
+                           device).view(-1, 1, 1),
+    }
+
+
+def _round_constants(b: int, t: int, capacity: int, width: int, device: torch.device) -> dict[str, Tensor]:
+    """The constant tensors of :func:`_round_sums`, cached per shape on the CPU in eager mode (each costs a call)."""
+    if torch.compiler.is_compiling():
+        return _make_round_constants(b, t, capacity, width, device)
+    return _cached_plan(_WORKSPACES.rounds, _make_round_constants, b, t, capacity, width, device)
 
 
 # Inductor's CPU code computes expm1 as exp(x) - 1, which keeps no relative precision near 0: the compiled
