@@ -140,7 +140,7 @@ _PRODUCT_POSITIONS = tuple(_gram_position(a, b) for a, b in _PRODUCTS.values())
 # inputs (a window of this many tokens per tracked round and sequence).
 _ROUND_CHUNK = 32
 # Inductor's CPU loops over chunks this short are slow (~10 ns per token at 32): the compiled kernel takes longer ones.
-_COMPILED_ROUND_CHUNK = 128
+_COMPILED_ROUND_CHUNK = 64
 _SCALAR_STATS = (
     *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "sum_w", "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_d", "sum_abs_d", "sum_exp_d",
@@ -548,15 +548,18 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
     # loops, storing it to memory (an extra pass) instead of computing it in both.
     d = -rollout + trainer
     ok = valid_tokens(d, mask)
-    # A pad, not a cat: inductor's CPU code for the cat of bools was a copy at ~5 ns per token.
-    previous = torch.nn.functional.pad(mask[:, :-1], (1, 0))
-    features = {
-        "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & ~previous).to(dtype),
-        "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
-    }
     width = _COMPILED_ROUND_CHUNK
-    return torch.stack([features[name].view(b, t // width, width).sum(-1)
-                        for name in _ROWS.names[_CHUNKED]])
+    m = mask.view(b, t // width, width)
+    # Starts within each chunk, then at its first token (the previous chunk's last token before it): no cat of the
+    # whole mask (inductor's CPU code for a cat of bools was a copy at ~5 ns per token).
+    inner = (m[..., 1:] & ~m[..., :-1]).to(dtype).sum(-1)
+    last = torch.nn.functional.pad(m[:, :-1, -1], (1, 0))
+    features = {
+        "n": ok.to(dtype), "n_mask": mask.to(dtype), "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
+    }
+    sums = {name: f.view(b, t // width, width).sum(-1) for name, f in features.items()}
+    sums["rounds"] = inner + (m[..., 0] & ~last).to(dtype)
+    return torch.stack([sums[name] for name in _ROWS.names[_CHUNKED]])
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
@@ -588,7 +591,7 @@ def _round_sums(
     f64, dtype = torch.float64, trainer.dtype
     b, t = trainer.shape
     device, n_chunks = trainer.device, chunks.shape[-1]
-    consts = _round_constants(b, t, capacity, width, device)
+    consts = _round_constants(b, t, capacity, width, dtype, device)
     inclusive = chunks.cumsum(-1, dtype=f64)  # [rows, B, chunks]
     totals = inclusive[..., -1]
     starts_row = _CHUNK_ROW["rounds"]
@@ -605,12 +608,14 @@ def _round_sums(
     # token before) or past its end (a partial last chunk) read a token of the row instead: the first only for the
     # start rule, zeroed below; the others come after the start, so they are never "before" it (and a missing start
     # reads the row total).
-    pos = chunk.unsqueeze(-1) * width + consts["offsets"]
+    pos = torch.add(consts["offsets"], chunk.unsqueeze(-1), alpha=width)
     pos[..., 0].clamp_(min=0)
     if t % width:
         pos.clamp_(max=t - 1)
     pos = pos.view(b, -1)
-    m = mask.gather(1, pos).view(b, capacity, -1).to(dtype)
+    # (eager: gathered as uint8, whose copy to float is ~6x faster than bool's; inductor's is the slow one)
+    m = (mask if torch.compiler.is_compiling() else mask.view(torch.uint8)).gather(1, pos).view(b, capacity, -1)
+    m = m.to(dtype)
     m[..., 0] *= later
     d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)[..., 1:]
     m, m_before = m[..., 1:], m[..., :-1]
@@ -621,8 +626,15 @@ def _round_sums(
     # NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0 elsewhere).
     q = d / m
     r = torch.nan_to_num(q, 0.0, 0.0, 0.0)
-    # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`).
-    partial = (torch.stack([(q == r).to(dtype), m, r.abs()]) * ahead).sum(-1).to(f64)  # [3, B, capacity]
+    # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`): [3, B, capacity].
+    if torch.compiler.is_compiling():
+        partial = (torch.stack([(q == r).to(dtype), m, r.abs()]) * ahead).sum(-1).to(f64)
+    else:  # into a cached buffer: a float `out` of eq is ~3x faster than eq to bool and a copy to float
+        feats = consts["features"]
+        torch.eq(q, r, out=feats[0])
+        feats[1].copy_(m)
+        torch.abs(r, out=feats[2])
+        partial = feats.mul_(ahead).sum(-1).to(f64)
     # Prefix sums at the starts (the row total where a start does not exist), between 0 and the row total;
     # summed over rows first, the bucket sums are their differences.
     scale = consts["scale"]
@@ -639,23 +651,28 @@ def _round_sums(
 _CHUNK_ROW = {name: i for i, name in enumerate(_ROWS.names[_CHUNKED])}
 
 
-def _make_round_constants(b: int, t: int, capacity: int, width: int, device: torch.device) -> dict[str, Tensor]:
+def _make_round_constants(
+    b: int, t: int, capacity: int, width: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor]:
     # (index tensors: a Python list index is copied to the device with a stream sync)
     names = ROUND_STATS.values()
     return {
         "k": torch.arange(2, capacity + 2, dtype=torch.float64, device=device).expand(b, capacity).contiguous(),
         "offsets": torch.arange(-1, width, device=device),
+        "features": torch.empty(3, b, capacity, width, dtype=dtype, device=device),  # eager only
         "rows": from_host([_CHUNK_ROW[name] for name in names], torch.int64, device),
         "scale": from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in names], torch.float64,
                            device).view(-1, 1, 1),
     }
 
 
-def _round_constants(b: int, t: int, capacity: int, width: int, device: torch.device) -> dict[str, Tensor]:
-    """The constant tensors of :func:`_round_sums`, cached per shape on the CPU in eager mode (each costs a call)."""
+def _round_constants(
+    b: int, t: int, capacity: int, width: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor]:
+    """The constant tensors and the buffer of :func:`_round_sums`, cached per shape on the CPU in eager mode."""
     if torch.compiler.is_compiling():
-        return _make_round_constants(b, t, capacity, width, device)
-    return _cached_plan(_WORKSPACES.rounds, _make_round_constants, b, t, capacity, width, device)
+        return _make_round_constants(b, t, capacity, width, dtype, device)
+    return _cached_plan(_WORKSPACES.rounds, _make_round_constants, b, t, capacity, width, dtype, device)
 
 
 # Inductor's CPU code computes expm1 as exp(x) - 1, which keeps no relative precision near 0: the compiled
