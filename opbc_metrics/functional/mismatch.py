@@ -268,7 +268,6 @@ class _CallPlan:
         self.outputs = list(zip(
             self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0),
             self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
-            self.chunks.split(rows, dim=1),
         ))
 
 
@@ -362,7 +361,7 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, all_chunks) in block_views:
+    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
@@ -397,11 +396,11 @@ def _blocked_token_statistics(
             torch.bmm(x.pairs, x.pairs_t, out=grams)  # both Gram matrices in one call
         else:
             torch.mm(x.rck3, x.rck3_t, out=grams[0])
-        if with_rounds:  # the chunked rows' sums per chunk (before the |r| row becomes scratch), then per row
+        if with_rounds:  # the chunked rows' sums per chunk (before the |r| row becomes scratch; per row after the
+            # loop, from the chunk sums), the other rows' per row
             torch.sum(x.chunked, -1, out=chunk_sums)
             if x.tail is not None:
                 torch.sum(x.tail, -1, keepdim=True, out=tail_sums)
-            torch.sum(all_chunks, -1, out=sums[_CHUNKED])
             torch.sum(x.summed_rest, -1, out=sums[_CHUNKED.stop :])
         else:
             torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
@@ -420,10 +419,10 @@ def _blocked_token_statistics(
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
                 counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
-    if with_rounds:  # the starts: the mask's sums less those of m * previous m
-        pair = (_ROWS.index["n_mask"], _ROWS.index["rounds"])
-        for sums in (call.chunks, call.row_sums):
-            torch.sub(sums[pair[0]], sums[pair[1]], out=sums[pair[1]])
+    if with_rounds:  # the starts: the mask's chunk sums less those of m * previous m; then the sums per row
+        starts = call.chunks[_ROWS.index["rounds"]]
+        torch.sub(call.chunks[_ROWS.index["n_mask"]], starts, out=starts)
+        torch.sum(call.chunks, -1, out=call.row_sums[_CHUNKED])
     if lanes > 1:
         counts = counts.view(lanes, bins + 1).sum(0, dtype=f64)
     products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
@@ -639,9 +638,9 @@ def _round_sums(
     # summed over rows first, the bucket sums are their differences.
     scale = consts["scale"]
     total = totals.index_select(0, consts["rows"]).unsqueeze(-1) * scale  # [3, B, 1]
-    prefix = torch.where(exists, before.index_select(0, consts["rows"]) * scale + partial, total)
+    prefix = torch.where(exists, torch.addcmul(partial, before.index_select(0, consts["rows"]), scale), total)
     bounds = torch.cat([prefix, total], dim=-1).sum(1)  # [3, capacity + 1]
-    sums = torch.cat([bounds[:, :1], bounds[:, 1:] - bounds[:, :-1]], dim=-1)
+    sums = bounds - torch.nn.functional.pad(bounds[:, :-1], (1, 0))
     out: Stats = dict(zip(ROUND_STATS, sums.unbind(0)))
     most = totals[starts_row].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
     out["max_rounds"] = most
