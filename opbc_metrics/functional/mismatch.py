@@ -220,7 +220,9 @@ class _BlockPlan:
         self.summed_rest = x[_CHUNKED.stop : summed]  # with the rounds group, the chunked rows' sums come from chunks
         # Round starts, flat: a token starts a round when its mask is 1 and the previous token's 0 (fixed up
         # at each row's first token).
-        self.m_flat, self.starts_flat = self.m.view(-1), self.starts.view(-1)
+        m_flat, starts_flat = self.m.view(-1), self.starts.view(-1)
+        self.m_next, self.m_previous, self.starts_next = m_flat[1:], m_flat[:-1], starts_flat[1:]
+        self.starts_first = self.starts[:, 0]
         # The chunked rows as [rows in _CHUNKED, rows, chunks, _ROUND_CHUNK], and the tail of a row whose length
         # is not a multiple of the chunk.
         whole = t - t % _ROUND_CHUNK
@@ -268,6 +270,7 @@ class _CallPlan:
         self.outputs = list(zip(
             self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0),
             self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
+            self.row_sums[_CHUNKED.stop : summed].split(rows, dim=1),
         ))
 
 
@@ -361,7 +364,7 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums) in block_views:
+    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, rest_sums) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
@@ -374,8 +377,8 @@ def _blocked_token_statistics(
         torch.eq(d, r, out=valid)
         if with_rounds:  # starts = m * (1 - previous m) = m - m * previous m: here m * previous m (0 at each row's
             # first token), its chunk sums subtracted from the mask's after the loop (one op per call, not per block)
-            torch.mul(x.m_flat[1:], x.m_flat[:-1], out=x.starts_flat[1:])
-            x.starts[:, 0] = 0.0
+            torch.mul(x.m_next, x.m_previous, out=x.starts_next)
+            x.starts_first.zero_()
         if prob:
             # p = exp(a), q = exp(b) with a, b the logprobs clamped to [PROB_LOG_FLOOR, 0], on valid tokens (0
             # elsewhere). p - q as q * expm1(a - b): exact to a few ulps, where exp(a) - exp(b) keeps only the
@@ -401,7 +404,7 @@ def _blocked_token_statistics(
             torch.sum(x.chunked, -1, out=chunk_sums)
             if x.tail is not None:
                 torch.sum(x.tail, -1, keepdim=True, out=tail_sums)
-            torch.sum(x.summed_rest, -1, out=sums[_CHUNKED.stop :])
+            torch.sum(x.summed_rest, -1, out=rest_sums)
         else:
             torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         # Extremes over valid tokens: the others move to the far end of the finite range.
