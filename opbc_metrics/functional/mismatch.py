@@ -139,8 +139,9 @@ _PRODUCT_POSITIONS = tuple(_gram_position(a, b) for a, b in _PRODUCTS.values())
 # at round starts: whole chunks from the chunk sums, the part of the chunk before the start recomputed from the
 # inputs (a window of this many tokens per tracked round and sequence).
 _ROUND_CHUNK = 32
-# Inductor's CPU loops over chunks this short are slow (~10 ns per token at 32): the compiled kernel takes longer ones.
-_COMPILED_ROUND_CHUNK = 128
+# The compiled kernel's chunks: its chunk loop costs about the same at 32, 64 and 128 tokens, the window stage
+# grows with the width (measured at 128 x 8192: the kernel with rounds 5.2 ms at 64, 5.8 ms at 128).
+_COMPILED_ROUND_CHUNK = 64
 _SCALAR_STATS = (
     *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "sum_w", "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_d", "sum_abs_d", "sum_exp_d",
@@ -177,6 +178,7 @@ class _Workspaces(threading.local):
     def __init__(self) -> None:
         self.plans: dict[tuple[Any, ...], _BlockPlan] = {}
         self.calls: dict[tuple[Any, ...], _CallPlan] = {}
+        self.rounds: dict[tuple[Any, ...], dict[str, Tensor]] = {}
 
 
 _WORKSPACES = _Workspaces()
@@ -219,7 +221,9 @@ class _BlockPlan:
         self.summed_rest = x[_CHUNKED.stop : summed]  # with the rounds group, the chunked rows' sums come from chunks
         # Round starts, flat: a token starts a round when its mask is 1 and the previous token's 0 (fixed up
         # at each row's first token).
-        self.m_flat, self.starts_flat = self.m.view(-1), self.starts.view(-1)
+        m_flat, starts_flat = self.m.view(-1), self.starts.view(-1)
+        self.m_next, self.m_previous, self.starts_next = m_flat[1:], m_flat[:-1], starts_flat[1:]
+        self.starts_first = self.starts[:, 0]
         # The chunked rows as [rows in _CHUNKED, rows, chunks, _ROUND_CHUNK], and the tail of a row whose length
         # is not a multiple of the chunk.
         whole = t - t % _ROUND_CHUNK
@@ -267,7 +271,7 @@ class _CallPlan:
         self.outputs = list(zip(
             self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0),
             self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
-            self.chunks.split(rows, dim=1),
+            self.row_sums[_CHUNKED.stop : summed].split(rows, dim=1),
         ))
 
 
@@ -288,6 +292,7 @@ def release_workspaces() -> None:
     """Free this thread's workspace buffers (about 14 x ``max(32768, T)`` elements per cached block shape)."""
     _WORKSPACES.plans.clear()
     _WORKSPACES.calls.clear()
+    _WORKSPACES.rounds.clear()
 
 
 def token_statistics(
@@ -360,7 +365,7 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, all_chunks) in block_views:
+    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, rest_sums) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
@@ -371,10 +376,10 @@ def _blocked_token_statistics(
         d.div_(x.m.copy_(mb))
         r = torch.nan_to_num(d, 0.0, 0.0, 0.0, out=a)
         torch.eq(d, r, out=valid)
-        if with_rounds:  # starts = m * (1 - previous m): m - m * previous m, then each row's first token
-            torch.mul(x.m_flat[1:], x.m_flat[:-1], out=x.starts_flat[1:])
-            torch.sub(x.m_flat[1:], x.starts_flat[1:], out=x.starts_flat[1:])
-            x.starts[:, 0] = x.m[:, 0]
+        if with_rounds:  # starts = m * (1 - previous m) = m - m * previous m: here m * previous m (0 at each row's
+            # first token), its chunk sums subtracted from the mask's after the loop (one op per call, not per block)
+            torch.mul(x.m_next, x.m_previous, out=x.starts_next)
+            x.starts_first.zero_()
         if prob:
             # p = exp(a), q = exp(b) with a, b the logprobs clamped to [PROB_LOG_FLOOR, 0], on valid tokens (0
             # elsewhere). p - q as q * expm1(a - b): exact to a few ulps, where exp(a) - exp(b) keeps only the
@@ -395,12 +400,12 @@ def _blocked_token_statistics(
             torch.bmm(x.pairs, x.pairs_t, out=grams)  # both Gram matrices in one call
         else:
             torch.mm(x.rck3, x.rck3_t, out=grams[0])
-        if with_rounds:  # the chunked rows' sums per chunk (before the |r| row becomes scratch), then per row
+        if with_rounds:  # the chunked rows' sums per chunk (before the |r| row becomes scratch; per row after the
+            # loop, from the chunk sums), the other rows' per row
             torch.sum(x.chunked, -1, out=chunk_sums)
             if x.tail is not None:
                 torch.sum(x.tail, -1, keepdim=True, out=tail_sums)
-            torch.sum(all_chunks, -1, out=sums[_CHUNKED])
-            torch.sum(x.summed_rest, -1, out=sums[_CHUNKED.stop :])
+            torch.sum(x.summed_rest, -1, out=rest_sums)
         else:
             torch.sum(x.summed, -1, out=sums)  # every per-sequence sum of the block at once
         # Extremes over valid tokens: the others move to the far end of the finite range.
@@ -418,6 +423,10 @@ def _blocked_token_statistics(
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
                 counts.add_(x.block_counts.zero_().scatter_add_(0, x.idx_flat, x.valid_flat))
+    if with_rounds:  # the starts: the mask's chunk sums less those of m * previous m; then the sums per row
+        starts = call.chunks[_ROWS.index["rounds"]]
+        torch.sub(call.chunks[_ROWS.index["n_mask"]], starts, out=starts)
+        torch.sum(call.chunks, -1, out=call.row_sums[_CHUNKED])
     if lanes > 1:
         counts = counts.view(lanes, bins + 1).sum(0, dtype=f64)
     products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
@@ -441,8 +450,8 @@ def _fused_token_statistics(
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
 
-    With ``rounds``, rows are cut into pieces of ``_ROUND_CHUNK`` tokens (padded with masked-out tokens to a
-    multiple of it), so the per-piece sums of the chunked rows are the chunk sums :func:`_round_sums` reads.
+    With ``rounds``, rows are padded with masked-out tokens to a multiple of ``_COMPILED_ROUND_CHUNK`` and
+    :func:`_chunk_sums` sums the chunked rows per chunk in a loop of its own, for :func:`_round_sums`.
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
@@ -531,7 +540,7 @@ def _fused_token_statistics(
 
 
 def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
-    """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _ROUND_CHUNK]`` (T a multiple).
+    """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
     Reductions over chunks rather than along the rows: inductor gives them their own loop over the inputs
     (cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower).
@@ -542,14 +551,20 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
     # loops, storing it to memory (an extra pass) instead of computing it in both.
     d = -rollout + trainer
     ok = valid_tokens(d, mask)
-    previous = torch.cat([torch.zeros((b, 1), dtype=torch.bool, device=mask.device), mask[:, :-1]], dim=1)
+    width = _COMPILED_ROUND_CHUNK
+    # Starts as m - m * previous m, the previous token by flat index (one shifted load in the same loop as the
+    # other rows; a cat of the mask was a copy at ~5 ns per token): a row's first token then sees the previous
+    # row's last, which is added back at chunk 0.
+    previous = torch.nn.functional.pad(mask.reshape(-1)[:-1], (1, 0)).view(b, t)
     features = {
-        "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & ~previous).to(dtype),
+        "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & previous).to(dtype),
         "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
     }
-    width = _COMPILED_ROUND_CHUNK
-    return torch.stack([features[name].view(b, t // width, width).sum(-1)
-                        for name in _ROWS.names[_CHUNKED]])
+    sums = {name: f.view(b, t // width, width).sum(-1) for name, f in features.items()}
+    across = torch.nn.functional.pad((mask[1:, 0] & mask[:-1, -1]).to(dtype), (1, 0)).unsqueeze(-1)
+    starts = sums["n_mask"] - sums["rounds"]
+    sums["rounds"] = torch.cat([starts[:, :1] + across, starts[:, 1:]], dim=1)
+    return torch.stack([sums[name] for name in _ROWS.names[_CHUNKED]])
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
@@ -567,7 +582,7 @@ def _round_sums(
     sums at round starts: ``P(start of round i + 1) - P(start of round i)``, ``P(start of round 0) = 0`` (no
     response token before it), the row total past the last round, rounds ``>= capacity`` pooled. A prefix
     sum at a start is the sum of the whole chunks before it (cumulative chunk sums) plus the part of its
-    chunk before it, recomputed from the inputs on a window of ``_ROUND_CHUNK`` tokens (and the token before,
+    chunk before it, recomputed from the inputs on a window of ``width`` tokens (and the token before,
     for the start rule). Which chunk holds a row's k-th start comes from the cumulative start counts.
     Float64 throughout, no data-dependent shape: starts that do not exist read the row total.
 
@@ -581,47 +596,88 @@ def _round_sums(
     f64, dtype = torch.float64, trainer.dtype
     b, t = trainer.shape
     device, n_chunks = trainer.device, chunks.shape[-1]
-    row = {name: i for i, name in enumerate(_ROWS.names[_CHUNKED])}
-    inclusive = chunks.to(f64).cumsum(-1)  # [rows, B, chunks]
+    consts = _round_constants(b, t, capacity, width, dtype, device)
+    inclusive = chunks.cumsum(-1, dtype=f64)  # [rows, B, chunks]
     totals = inclusive[..., -1]
+    starts_row = _CHUNK_ROW["rounds"]
     # The k-th start of each row for k = 2 .. capacity + 1 (the starts of rounds 1 .. capacity): its chunk is
     # the first whose cumulative start count reaches k.
-    k = torch.arange(2, capacity + 2, dtype=f64, device=device).expand(b, capacity).contiguous()
-    chunk = torch.searchsorted(inclusive[row["rounds"]], k).clamp_(max=n_chunks - 1)  # [B, capacity]
-    exists = k <= totals[row["rounds"]].unsqueeze(-1)
+    k = consts["k"]
+    chunk = torch.searchsorted(inclusive[starts_row], k).clamp_(max=n_chunks - 1)  # [B, capacity]
+    exists = k <= totals[starts_row].unsqueeze(-1)
     # Sums of the chunks before it (exclusive prefix): the inclusive prefix of the chunk before, 0 for chunk 0.
-    before = inclusive.gather(-1, (chunk - 1).clamp(min=0).expand(len(row), b, capacity)) * (chunk > 0)
-    rank = (k - before[row["rounds"]]).to(dtype)  # the start is the rank-th start of its chunk
-    # The chunk's tokens and the token before it, [B, capacity, 1 + width]; positions past the row's ends
-    # read as masked out.
-    # Positions before the row (chunk 0's token before) or past its end (a partial last chunk) read a token of
-    # the row instead: the first only for the start rule, zeroed below; the others come after the start, so
-    # they are never "before" it (and a missing start reads the row total).
-    pos = (chunk.unsqueeze(-1) * width + torch.arange(-1, width, device=device)).clamp_(0, max(t - 1, 0)).view(b, -1)
-    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)
-    m = mask.gather(1, pos).view(b, capacity, -1)
-    valid = valid_tokens(d, m)[..., 1:].to(dtype)
-    mf = m.to(dtype)
-    mf[..., 0] *= chunk > 0
-    starts = mf[..., 1:] - mf[..., 1:] * mf[..., :-1]
-    ahead = (starts.cumsum(-1) < rank.unsqueeze(-1)).to(dtype)  # tokens of the chunk before the start
-    # valid, mask and |r| (0 where not valid) of those tokens, summed in the inputs' dtype (at most `width`).
-    abs_r = torch.nan_to_num(d[..., 1:], 0.0, 0.0, 0.0).abs_().mul_(valid)
-    partial = (torch.stack([valid, mf[..., 1:], abs_r]) * ahead).sum(-1).to(f64)  # [3, B, capacity]
+    later = chunk > 0
+    before = inclusive.gather(-1, (chunk - 1).clamp_(min=0).expand(len(_CHUNK_ROW), b, capacity)) * later
+    rank = (k - before[starts_row]).to(dtype)  # the start is the rank-th start of its chunk
+    # The chunk's tokens and the token before it, [B, capacity, 1 + width]. Positions before the row (chunk 0's
+    # token before) or past its end (a partial last chunk) read a token of the row instead: the first only for the
+    # start rule, zeroed below; the others come after the start, so they are never "before" it (and a missing start
+    # reads the row total).
+    pos = torch.add(consts["offsets"], chunk.unsqueeze(-1), alpha=width)
+    pos[..., 0].clamp_(min=0)
+    if t % width:
+        pos.clamp_(max=t - 1)
+    pos = pos.view(b, -1)
+    # (eager: gathered as uint8, whose copy to float is ~6x faster than bool's; inductor's is the slow one)
+    m = (mask if torch.compiler.is_compiling() else mask.view(torch.uint8)).gather(1, pos).view(b, capacity, -1)
+    m = m.to(dtype)
+    m[..., 0] *= later
+    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)[..., 1:]
+    m, m_before = m[..., 1:], m[..., :-1]
+    starts = m - m * m_before
+    # Tokens of the chunk before the start: fewer than `rank` starts up to them (integers: clamp(rank - seen, 0, 1)).
+    ahead = (rank.unsqueeze(-1) - starts.cumsum(-1)).clamp_(0.0, 1.0)
+    # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set, inf or
+    # NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0 elsewhere).
+    q = d / m
+    r = torch.nan_to_num(q, 0.0, 0.0, 0.0)
+    # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`): [3, B, capacity].
+    if torch.compiler.is_compiling():
+        partial = (torch.stack([(q == r).to(dtype), m, r.abs()]) * ahead).sum(-1).to(f64)
+    else:  # into a cached buffer: a float `out` of eq is ~3x faster than eq to bool and a copy to float
+        feats = consts["features"]
+        torch.eq(q, r, out=feats[0])
+        feats[1].copy_(m)
+        torch.abs(r, out=feats[2])
+        partial = feats.mul_(ahead).sum(-1).to(f64)
     # Prefix sums at the starts (the row total where a start does not exist), between 0 and the row total;
     # summed over rows first, the bucket sums are their differences.
-    # (an index tensor: a Python list index is copied to the device with a stream sync)
-    rows = from_host([row[name] for name in ROUND_STATS.values()], torch.int64, device)
-    scale = from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in ROUND_STATS.values()], f64,
-                      device).view(-1, 1, 1)
-    total = totals.index_select(0, rows).unsqueeze(-1) * scale  # [3, B, 1]
-    prefix = torch.where(exists, before.index_select(0, rows) * scale + partial, total)
+    scale = consts["scale"]
+    total = totals.index_select(0, consts["rows"]).unsqueeze(-1) * scale  # [3, B, 1]
+    prefix = torch.where(exists, torch.addcmul(partial, before.index_select(0, consts["rows"]), scale), total)
     bounds = torch.cat([prefix, total], dim=-1).sum(1)  # [3, capacity + 1]
-    sums = torch.cat([bounds[:, :1], bounds[:, 1:] - bounds[:, :-1]], dim=-1)
+    sums = bounds - torch.nn.functional.pad(bounds[:, :-1], (1, 0))
     out: Stats = dict(zip(ROUND_STATS, sums.unbind(0)))
-    most = totals[row["rounds"]].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
+    most = totals[starts_row].amax() if b else torch.full((), -math.inf, dtype=f64, device=device)
     out["max_rounds"] = most
     return out
+
+
+_CHUNK_ROW = {name: i for i, name in enumerate(_ROWS.names[_CHUNKED])}
+
+
+def _make_round_constants(
+    b: int, t: int, capacity: int, width: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor]:
+    # (index tensors: a Python list index is copied to the device with a stream sync)
+    names = ROUND_STATS.values()
+    return {
+        "k": torch.arange(2, capacity + 2, dtype=torch.float64, device=device).expand(b, capacity).contiguous(),
+        "offsets": torch.arange(-1, width, device=device),
+        "features": torch.empty(3, b, capacity, width, dtype=dtype, device=device),  # eager only
+        "rows": from_host([_CHUNK_ROW[name] for name in names], torch.int64, device),
+        "scale": from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in names], torch.float64,
+                           device).view(-1, 1, 1),
+    }
+
+
+def _round_constants(
+    b: int, t: int, capacity: int, width: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Tensor]:
+    """The constant tensors and the buffer of :func:`_round_sums`, cached per shape on the CPU in eager mode."""
+    if torch.compiler.is_compiling():
+        return _make_round_constants(b, t, capacity, width, dtype, device)
+    return _cached_plan(_WORKSPACES.rounds, _make_round_constants, b, t, capacity, width, dtype, device)
 
 
 # Inductor's CPU code computes expm1 as exp(x) - 1, which keeps no relative precision near 0: the compiled
