@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import BatchView, from_host
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.policy import (
@@ -479,7 +479,7 @@ def fused_pass(
     zero, c_pos, scale, top_bin = (
         torch.full((), v, dtype=dtype, device=device) for v in (0.0, clamp, bins / (2.0 * clamp), bins - 1)
     )
-    thresholds = torch.tensor([[clamp], [veto]], dtype=dtype, device=device)
+    thresholds = from_host([[clamp], [veto]], dtype, device)
     gap = torch.full((), -float(alignment_gap), dtype=dtype, device=device)
     mask_u8 = mask.view(torch.uint8)
     extra: dict[str, list[Tensor]] = {"flips": [], "token_ids_differ": []}
