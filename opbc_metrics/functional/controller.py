@@ -222,18 +222,26 @@ def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None
         "clipped": (abs_r > clamp).sum(dim=1),
         "vetoed": (abs_r > veto).sum(dim=1),
         "max_abs": _row_amax(abs_r, valid),
-        "sum_s": s,
-        "sum_abs_s": s.abs(),
-        "max_abs_s": torch.where(view.seq_valid, s.abs(), torch.full_like(s, float("-inf"))),
-        "sum_geo": view.seq_mean_log_ratio,
-        "seq_count": view.seq_valid_f,
-        "sum_us": us,
-        "sum_us2": us * us,
+        **_sequence_rows(s, us, view.seq_valid, view.seq_valid_f, view.seq_lengths),
     }
     if flips is not None:
         # As moe/router/flip_rate: over response tokens x layers (routing exists whatever the logprobs).
         rows["flips"] = (flips & mask[..., None]).sum(dim=(1, 2))
     return rows
+
+
+def _sequence_rows(s: Tensor, us: Tensor, seq_valid: Tensor, seq_valid_f: Tensor, count: Tensor) -> Stats:
+    """The sequence-level row statistics from ``s`` (sum of r, 0 outside ``seq_valid``), ``us`` (the sequence
+    weight - 1, 0 outside) and ``count`` (valid tokens): shared by the chunked and the fused pass."""
+    return {
+        "sum_s": s,
+        "sum_abs_s": s.abs(),
+        "max_abs_s": torch.where(seq_valid, s.abs(), torch.full_like(s, float("-inf"))),
+        "sum_geo": s / count.clamp_min(1.0),  # as BatchView.seq_mean_log_ratio
+        "seq_count": seq_valid_f,
+        "sum_us": us,
+        "sum_us2": us * us,
+    }
 
 
 def _group_from_rows(rows: Stats, index: GroupIndex, layers: int | None = None, lag_rows: Tensor | None = None
@@ -559,32 +567,16 @@ def fused_pass(
         "clipped": rows["clipped"],
         "vetoed": rows["vetoed"],
         "max_abs": torch.where(count > 0, max_abs, torch.full_like(max_abs, float("-inf"))),
-        "sum_s": s,
-        "sum_abs_s": s.abs(),
-        "max_abs_s": torch.where(seq_valid, s.abs(), torch.full_like(s, float("-inf"))),
-        "sum_geo": s / count.clamp_min(1.0),
-        "seq_count": seq_valid_f,
-        "sum_us": us,
-        "sum_us2": us * us,
+        **_sequence_rows(s, us, seq_valid, seq_valid_f, count),
     }
     if flips is not None:
         row_stats["flips"] = torch.cat(extra["flips"])
     stats = _group_from_rows(row_stats, index, None if flips is None else flips.shape[-1], lag_rows)
     stats["top_sum"] = _sketch_in_place(sketch, stats["count"], fraction)
 
-    resp = rows["n_mask"]
-    has_resp = resp > 0
-    all_zero = [rows["zero_t"] == resp, rows["zero_r"] == resp]  # (trainer, rollout) zero on every response token
-    shifted = torch.zeros_like(has_resp)
-    for side in range(2):
-        present_outside = outside[side] > 0
-        shifted = shifted | (has_resp & all_zero[side] & present_outside & ~all_zero[1 - side])
-    contract_rows: Stats = {
-        "resp": resp,
-        "missing": has_resp & (all_zero[0] != all_zero[1]),
-        "misaligned": rows["unfilled_r"] + rows["unfilled_t"] + shifted.to(dtype),
-        "non_finite": nonfinite,
-    }
+    # (trainer, rollout): the zero counts on the response, a finite non-zero value off it
+    contract_rows = _contract_flags(rows["n_mask"], (rows["zero_t"], rows["zero_r"]), (outside[0] > 0, outside[1] > 0),
+                                    rows["unfilled_r"] + rows["unfilled_t"], nonfinite)
     if token_ids is not None:
         contract_rows["token_ids_differ"] = torch.cat(extra["token_ids_differ"])
     return FusedPass(stats, contract_rows, count, rows["clipped"], loss_mask, weights)
@@ -743,33 +735,41 @@ def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tenso
     rollout_raw = view.tensor("rollout_logprobs")
     _, _, mask = view.token_inputs
     dt = view.dtype
-    resp = mask.sum(dim=1).to(dt)
     trainer_zero, rollout_zero = trainer_raw == 0, rollout_raw == 0
-    t_zero_rows = (mask & trainer_zero).sum(dim=1).to(dt)
-    r_zero_rows = (mask & rollout_zero).sum(dim=1).to(dt)
-    # Per sequence, as the origin checks it: one sequence without logprobs rejects its whole group.
-    missing_rows = (resp > 0) & ((t_zero_rows == resp) != (r_zero_rows == resp))
-
     threshold = -float(alignment_gap)
     unfilled = mask & ((trainer_zero & (rollout_raw < threshold)) | (rollout_zero & (trainer_raw < threshold)))
     outside = ~mask
-    row_has_resp = resp > 0
-    all_zero_inside = [t_zero_rows == resp, r_zero_rows == resp]
-    shifted = torch.zeros_like(row_has_resp)
-    for side, (raw, zero) in enumerate(((trainer_raw, trainer_zero), (rollout_raw, rollout_zero))):
-        present_outside = (outside & ~zero & torch.isfinite(raw)).any(dim=1)
-        other_present = ~all_zero_inside[1 - side]
-        shifted = shifted | (row_has_resp & all_zero_inside[side] & present_outside & other_present)
-    rows: Stats = {
-        "resp": resp,
-        "missing": missing_rows,
-        "misaligned": unfilled.sum(dim=1).to(dt) + shifted.to(dt),
-        "non_finite": (mask & ~view.finite).sum(dim=1),
-    }
+    rows = _contract_flags(
+        mask.sum(dim=1).to(dt),
+        tuple((mask & zero).sum(dim=1).to(dt) for zero in (trainer_zero, rollout_zero)),
+        tuple((outside & ~zero & torch.isfinite(raw)).any(dim=1)
+              for raw, zero in ((trainer_raw, trainer_zero), (rollout_raw, rollout_zero))),
+        unfilled.sum(dim=1).to(dt),
+        (mask & ~view.finite).sum(dim=1),
+    )
     if token_ids is not None:
         rollout_ids, trainer_ids = token_ids
         rows["token_ids_differ"] = (mask & (rollout_ids != trainer_ids)).sum(dim=1)
     return rows
+
+
+def _contract_flags(resp: Tensor, zero_rows: tuple[Tensor, Tensor], present_outside: tuple[Tensor, Tensor],
+                    unfilled: Tensor, non_finite: Tensor) -> Stats:
+    """The per-row contract counts from per-side (trainer, rollout) facts: ``zero_rows`` the response tokens whose
+    logprob is exactly 0, ``present_outside`` a finite non-zero logprob off the response; ``unfilled`` the tokens
+    with one side 0 and the other below -gap. Shared by the chunked and the fused pass."""
+    has_resp = resp > 0
+    all_zero = [zero == resp for zero in zero_rows]
+    shifted = torch.zeros_like(has_resp)
+    for side in range(2):
+        shifted = shifted | (has_resp & all_zero[side] & present_outside[side] & ~all_zero[1 - side])
+    return {
+        "resp": resp,
+        # Per sequence, as the origin checks it: one sequence without logprobs rejects its whole group.
+        "missing": has_resp & (all_zero[0] != all_zero[1]),
+        "misaligned": unfilled + shifted.to(resp.dtype),
+        "non_finite": non_finite,
+    }
 
 
 def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None = None) -> dict[str, Tensor]:
