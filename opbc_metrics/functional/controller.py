@@ -407,27 +407,18 @@ class _SketchPlan:
 
 class _FusedWorkspaces(threading.local):
     def __init__(self) -> None:
-        self.plans: dict[tuple[Any, ...], Any] = {}
+        self.chunks: dict[tuple[Any, ...], _FusedPlan] = {}
+        self.sketches: dict[tuple[Any, ...], _SketchPlan] = {}
 
 
 _FUSED_WORKSPACES = _FusedWorkspaces()
 
 
-def _workspace(make: Any, *key: Any) -> Any:
-    """``make(*key)``, cached per thread for the last few keys."""
-    plans = _FUSED_WORKSPACES.plans
-    plan = plans.get((make, *key))
-    if plan is None:
-        if len(plans) >= 4:
-            plans.pop(next(iter(plans)))
-        plan = plans[(make, *key)] = make(*key)
-    return plan
-
-
 def release_controller_workspaces() -> None:
     """Free this thread's buffers of the controller's fused pass (about 24 values per token of one chunk, and
     two ``[capacity, bins]`` float64 histograms)."""
-    _FUSED_WORKSPACES.plans.clear()
+    _FUSED_WORKSPACES.chunks.clear()
+    _FUSED_WORKSPACES.sketches.clear()
 
 
 def fused_pass_applies(view: BatchView, chunks: list[tuple[int, int]]) -> bool:
@@ -471,7 +462,8 @@ def fused_pass(
     b, t = mask.shape
     dtype, device, f64 = view.dtype, view.device, torch.float64
     bins = group_top_mass_bins(index.capacity)
-    sketch = _workspace(_SketchPlan, index.capacity, bins, float(clamp), device)
+    # (cached per thread and key as the mismatch kernel's buffers)
+    sketch = M._cached_plan(_FUSED_WORKSPACES.sketches, _SketchPlan, index.capacity, bins, float(clamp), device)
     hist_flat = sketch.hist.zero_().view(-1)
     sums = torch.empty(len(_FUSED_ROWS), b, dtype=dtype, device=device)
     sum_r = torch.empty(b, dtype=f64, device=device)
@@ -504,7 +496,7 @@ def fused_pass(
         chunks, *per_chunk, *outputs
     ):
         if x is None or x.rows != j - i:
-            x = _workspace(_FusedPlan, j - i, t, dtype, bins, device)
+            x = M._cached_plan(_FUSED_WORKSPACES.chunks, _FusedPlan, j - i, t, dtype, bins, device)
         # Contract checks first, on the raw inputs while they are in cache. Per side x / m is x on the response
         # and +-inf or NaN off it, so it is 0 exactly at response tokens where x is.
         m = x.m.copy_(mb)  # uint8 -> float: ~6x faster than bool -> float
