@@ -1,13 +1,15 @@
 """A/B of the mismatch kernel: a git revision's ``token_statistics`` against another's (or the working tree's).
 
 Run: ``.venv/bin/python benchmarks/ab_kernel.py --old 15d0f27^`` (``--new REV``, default the working tree;
-``--modes eager,compiled``; ``--shapes 64x4096,128x8192``; ``--reps``). ``git archive REV opbc_metrics``
-unpacks each revision's package into a temporary directory; each tree runs in its own worker process (one
-intra-op thread, ``TORCHINDUCTOR_COMPILE_THREADS=1``) that imports only that tree. The parent asks the two
-workers in turn, alternating which goes first, to time a batch of calls of the mismatch-only kernel call
-(``token_statistics(trainer, rollout, mask, clamp, veto, bins, prob=True, hist=True)``, no per-round sums;
-compiled: ``compiled_token_statistics()``); fresh workers per shape and mode, so every shape has its own static
-graph.
+``--modes eager,compiled``; ``--shapes 64x4096,128x8192``; ``--drifts 1e-3,0.05``; ``--reps``).
+``git archive REV opbc_metrics`` unpacks each revision's package into a temporary directory; each tree runs
+in its own worker process (one intra-op thread, ``TORCHINDUCTOR_COMPILE_THREADS=1``) that imports only that
+tree. The parent asks the two workers in turn, alternating which goes first, to time a batch of calls of the
+mismatch-only kernel call (``token_statistics(trainer, rollout, mask, clamp, veto, bins, prob=True,
+hist=True)``, no per-round sums; compiled: ``compiled_token_statistics()``); fresh workers per shape, drift
+and mode, so every shape has its own static graph. The drift is the std of the inputs' per-token log-ratio:
+0.05 (the default) spreads the tokens over the histogram's bins, 1e-3 (bf16 against fp32 engines) puts most
+of them in one or two.
 Times are each worker's process CPU time per call, so the neighbours' load on a shared machine moves both
 sides alike. Printed per shape and mode: the medians, their ratio new/old, and the median and quartiles of
 the paired ratios (the spread), and the ratio of the fastest samples.
@@ -16,6 +18,7 @@ the paired ratios (the spread), and the ratio of the fastest samples.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -48,9 +51,9 @@ def worker(tree: str) -> None:
     args: tuple[object, ...] = ()
     for line in sys.stdin:
         cmd, *rest = line.split()
-        if cmd == "setup":  # setup B T MODE: build the inputs, compile, warm up; reply CPU seconds per call
-            b, t, mode = int(rest[0]), int(rest[1]), rest[2]
-            x = make_inputs(b, t)
+        if cmd == "setup":  # setup B T MODE DRIFT: build the inputs, compile, warm up; reply CPU seconds per call
+            b, t, mode, drift = int(rest[0]), int(rest[1]), rest[2], float(rest[3])
+            x = make_inputs(b, t, drift=drift)
             args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"], CLAMP, VETO, BINS, True, True)
             if mode == "compiled":
                 fn = mismatch.compiled_token_statistics()
@@ -114,6 +117,8 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--reps", type=int, default=40, help="paired samples per shape and mode")
+    parser.add_argument("--drifts", default="0.05",
+                        help="std of the inputs' per-token log-ratio (bench.make_inputs), comma-separated")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -122,31 +127,30 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"# A/B of token_statistics (mismatch only): new={args.new} / old={args.old}; process CPU time per call,"
           f" 1 thread, {args.reps} interleaved paired samples of ~{SAMPLE_SECONDS * 1e3:.0f} ms each")
-    print(f"{'mode':>8} {'shape':>10} {'old ms':>8} {'new ms':>8} {'new/old':>8} {'paired median [q1, q3]':>24}"
-          f" {'min/min':>8}")
+    print(f"{'mode':>8} {'drift':>6} {'shape':>10} {'old ms':>8} {'new ms':>8} {'new/old':>8}"
+          f" {'paired median [q1, q3]':>24} {'min/min':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         trees = tree_of(args.old, tmp), tree_of(args.new, tmp)
-        for mode in args.modes.split(","):
-            for b, t in shapes:
-                # Fresh workers per shape and mode: in one long-lived worker, a shape's time depended on what ran
-                # before it (measured: up to 1.5x at 256 x 8192 compiled against a fresh process).
-                old, new = Worker(trees[0]), Worker(trees[1])
-                try:
-                    per_call = max(old.ask(f"setup {b} {t} {mode}"), new.ask(f"setup {b} {t} {mode}"))
-                    n = max(1, round(SAMPLE_SECONDS / max(per_call, 1e-6)))
-                    times: dict[str, list[float]] = {"old": [], "new": []}
-                    for rep in range(args.reps):
-                        order = (("old", old), ("new", new)) if rep % 2 == 0 else (("new", new), ("old", old))
-                        for name, w in order:
-                            times[name].append(w.ask(f"time {n}") / n)
-                finally:
-                    old.close()
-                    new.close()
-                ratios = [a / b for a, b in zip(times["new"], times["old"])]
-                mo, mn = statistics.median(times["old"]), statistics.median(times["new"])
-                q1, med, q3 = quartiles(ratios)
-                print(f"{mode:>8} {b:>4}x{t:<5} {mo * 1e3:>8.2f} {mn * 1e3:>8.2f} {mn / mo:>8.3f} "
-                      f"{med:>10.3f} [{q1:.3f}, {q3:.3f}] {min(times['new']) / min(times['old']):>8.3f}", flush=True)
+        for mode, drift, (b, t) in itertools.product(args.modes.split(","), args.drifts.split(","), shapes):
+            # Fresh workers per shape and mode: in one long-lived worker, a shape's time depended on what ran
+            # before it (measured: up to 1.5x at 256 x 8192 compiled against a fresh process).
+            old, new = Worker(trees[0]), Worker(trees[1])
+            try:
+                per_call = max(old.ask(f"setup {b} {t} {mode} {drift}"), new.ask(f"setup {b} {t} {mode} {drift}"))
+                n = max(1, round(SAMPLE_SECONDS / max(per_call, 1e-6)))
+                times: dict[str, list[float]] = {"old": [], "new": []}
+                for rep in range(args.reps):
+                    order = (("old", old), ("new", new)) if rep % 2 == 0 else (("new", new), ("old", old))
+                    for name, w in order:
+                        times[name].append(w.ask(f"time {n}") / n)
+            finally:
+                old.close()
+                new.close()
+            ratios = [a / b for a, b in zip(times["new"], times["old"])]
+            mo, mn = statistics.median(times["old"]), statistics.median(times["new"])
+            q1, med, q3 = quartiles(ratios)
+            print(f"{mode:>8} {float(drift):>6.0e} {b:>4}x{t:<5} {mo * 1e3:>8.2f} {mn * 1e3:>8.2f} {mn / mo:>8.3f} "
+                  f"{med:>10.3f} [{q1:.3f}, {q3:.3f}] {min(times['new']) / min(times['old']):>8.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,11 @@ _FLOAT32_EXACT_TOKENS = 2**24
 # The compiled kernel spreads its histogram over this many copies (by token position): consecutive
 # tokens, mostly in the same few central bins, then update different memory and do not wait on each other.
 _HIST_LANES = 4
+# The eager kernel's CPU scatter likewise: near on-policy the tokens of a block fall in one or two bins, and
+# adds to one address wait on each other (a 32K-token block at drift 1e-3: 46 us in 1 copy, 25 in 2, 17 in 4,
+# 14 in 8; 16 copies, 512 KiB of float32 counts at 8192 bins, leave L2: 80 us). Spread tokens (drift 0.05): 15 us
+# in any number of copies; the offsets cost 2.6 us per block (an int32 add).
+_EAGER_HIST_LANES = 4
 # On CUDA the histogram's scatter is atomic adds, and tokens near on-policy fall in a few central bins, where adds to
 # one address serialize: both kernels spread the tokens over up to this many copies of the histogram (by position,
 # at most _CUDA_HIST_SLOTS slots in all) and sum the copies.
@@ -235,12 +240,10 @@ class _BlockPlan:
         self.idx_flat = (self.pq if dtype == torch.float32 else self.dp).reshape(-1).view(torch.int64)
         self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
         self.idx32_flat = self.ars.reshape(-1).view(torch.int32)[:n]  # int32 indices in the |r| row
-        self.lanes = _hist_lanes(device, bins, 1)
+        self.lanes = _hist_lanes(device, bins, _EAGER_HIST_LANES)
         self.block_counts = torch.empty(self.lanes * (bins + 1), dtype=dtype, device=device)
-        # Each token's copy of the histogram, as an offset of its bin index (none on the CPU, where the scatter
-        # runs in order and the spread below does the job).
-        lanes = torch.arange(n, device=device) % self.lanes if self.lanes > 1 else None
-        self.lane_offsets = lanes.mul_(bins + 1) if lanes is not None else None
+        # Each token's copy of the histogram, as an int32 offset of its bin index.
+        self.lane_offsets = (torch.arange(n, dtype=torch.int32, device=device) % self.lanes).mul_(bins + 1)
         # Bin offsets for invalid tokens (weight 0, any bin will do), 16 distinct ones in a row: a run of
         # padding in one bin is a chain of dependent read-modify-writes (measured: the block's scatter
         # 47 us against 30 us spread). Offsets lie within +-0.495 bins of the middle bin, where r = 0 puts them.
@@ -353,7 +356,7 @@ def _blocked_token_statistics(
     call = _cached_plan(_WORKSPACES.calls, _CallPlan, b, t, rows, dtype, device, summed, with_rounds)
     # Histogram counts accumulate in the features' dtype while that is exact, else per block into float64.
     exact_counts = dtype == f64 or b * t <= _FLOAT32_EXACT_TOKENS
-    lanes = _hist_lanes(device, bins, 1)
+    lanes = _hist_lanes(device, bins, _EAGER_HIST_LANES)
     counts = torch.zeros(lanes * (bins + 1), dtype=dtype if exact_counts else f64, device=device)
     scale, big = bins / (2.0 * clamp), torch.finfo(dtype).max
     # Operands as 0-dim tensors of the features' dtype: a Python scalar costs a conversion per call.
@@ -416,9 +419,9 @@ def _blocked_token_statistics(
             # Bin of rc, counted with weight `valid` (0 drops invalid tokens without index masking); invalid
             # tokens (rc = 0, `invalid` = 1) move off the middle bin by their spread offset, valid ones by exactly 0.
             torch.add(rc, shift, out=x.rs).mul_(scale_t).addcmul_(invalid, x.spread)
-            x.idx_flat.copy_(x.idx32_flat.copy_(x.rs_flat))  # via int32: two copies 11 us, direct 16 us
-            if x.lane_offsets is not None:
-                x.idx_flat.add_(x.lane_offsets)
+            # float -> int32 (truncation: the bin), plus the lane's offset, -> int64 (the index scatter takes): 6.5 us
+            # a block; float -> int64 directly 16 us, an int32 + int32 add into int64 14 us (a temporary and a copy)
+            x.idx_flat.copy_(x.idx32_flat.copy_(x.rs_flat).add_(x.lane_offsets))
             if exact_counts:
                 counts.scatter_add_(0, x.idx_flat, x.valid_flat)
             else:
@@ -428,7 +431,7 @@ def _blocked_token_statistics(
         torch.sub(call.chunks[_ROWS.index["n_mask"]], starts, out=starts)
         torch.sum(call.chunks, -1, out=call.row_sums[_CHUNKED])
     if lanes > 1:
-        counts = counts.view(lanes, bins + 1).sum(0, dtype=f64)
+        counts = counts.view(lanes, bins + 1).sum(0).to(f64)  # exact: counts stay exact in their dtype (above)
     products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
     extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
     out = _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
