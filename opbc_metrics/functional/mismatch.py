@@ -146,11 +146,31 @@ _SCALAR_STATS = (
     *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "sum_w", "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_d", "sum_abs_d", "sum_exp_d",
 )
-# Eager CPU work goes in blocks of about this many tokens: the dozen [rows, T] intermediates of a block
-# stay in the L2 cache between the ops that use them, where whole-batch intermediates would stream
-# through memory once per op (measured: 2-3x fewer CPU cycles per op at 64K tokens than at 2M; with the
-# views made once per block shape, 32K-token blocks are 2-5% faster than 64K at 1M-2M tokens).
-_BLOCK_TOKENS = 1 << 15
+
+
+def _l2_cache_bytes() -> int:
+    """The first CPU's L2 cache size from Linux sysfs, 0 where unknown."""
+    for index in range(8):
+        base = f"/sys/devices/system/cpu/cpu0/cache/index{index}/"
+        try:
+            with open(base + "level") as level, open(base + "size") as size:
+                if level.read().strip() == "2":
+                    text = size.read().strip().upper()
+                    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+                    return int(text.rstrip("KM")) * scale
+        except (OSError, ValueError):
+            continue
+    return 0
+
+
+# Eager CPU work goes in blocks of about this many tokens, so that the dozen [rows, T] intermediates of a
+# block stay in cache between the ops that use them, where whole-batch intermediates would stream through
+# memory once per op (2-3x fewer CPU cycles per op at 64K tokens than at 2M). A 32K-token block with its
+# inputs takes ~2 MiB: where that fits in L2 (Intel Xeon, 2 MiB) 32K-token blocks were 2-5% faster than 64K;
+# where it does not (AMD EPYC, 1 MiB), 64K-token blocks were 7-8% faster than 32K (L3-resident; half the
+# ~35 op dispatches per token) and 16K ones 17% slower. Not larger: the Gram products are float32 sums
+# over a block (128K: 4x the float32 error of 32K at drift 1e-4).
+_BLOCK_TOKENS = 1 << 15 if _l2_cache_bytes() >= 2 << 20 else 1 << 16
 # float32 counts every integer up to 2^24 exactly: a batch of at most this many tokens is counted in float32.
 _FLOAT32_EXACT_TOKENS = 2**24
 # The compiled kernel spreads its histogram over this many copies (by token position): consecutive
@@ -194,7 +214,7 @@ class _BlockPlan:
 
     Rows are reused once the block's sums are taken (min/max scratch in the |p - q| row, the histogram's
     int64 bin indices over the p - q and q rows, its int32 indices in the |r| row): 14 rows, so a 32K-token
-    block and its inputs take ~2 MiB, about a 2 MiB L2 cache (measured: 4-6% faster than separate scratch
+    block and its inputs take ~2 MiB, a 2 MiB L2 cache on the Intel VM (measured: 4-6% faster than separate scratch
     and index buffers).
     """
 
@@ -284,7 +304,7 @@ def _cached_plan(cache: dict[tuple[Any, ...], Any], make: Any, *key: Any) -> Any
         return make(*key)
     plan = cache.get(key)
     if plan is None:
-        # Keep the plans of the last few shapes only: a block plan holds ~14 x max(32K, T) elements.
+        # Keep the plans of the last few shapes only: a block plan holds ~14 x max(_BLOCK_TOKENS, T) elements.
         if len(cache) >= 4:
             cache.pop(next(iter(cache)))
         plan = cache[key] = make(*key)
@@ -292,7 +312,7 @@ def _cached_plan(cache: dict[tuple[Any, ...], Any], make: Any, *key: Any) -> Any
 
 
 def release_workspaces() -> None:
-    """Free this thread's workspace buffers (about 14 x ``max(32768, T)`` elements per cached block shape)."""
+    """Free this thread's workspace buffers (about 14 x ``max(_BLOCK_TOKENS, T)`` elements per cached block shape)."""
     _WORKSPACES.plans.clear()
     _WORKSPACES.calls.clear()
     _WORKSPACES.rounds.clear()
