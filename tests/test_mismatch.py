@@ -256,6 +256,39 @@ def test_histogram_counts_in_float64_past_float32s_exact_range(monkeypatch):
     assert per_block.sum().item() == batch["response_mask"].sum().item()
 
 
+@pytest.mark.parametrize("drift", [1e-3, 2.0])
+def test_histogram_copies_count_what_one_histogram_counts(monkeypatch, drift):
+    """The eager CPU scatter's copies of the histogram (tokens spread by position) sum to the counts of a
+    single histogram, near on-policy (a few bins) and spread out."""
+    import opbc_metrics.functional.mismatch as fm
+
+    batch = make_batch(batch=6, seq=70, seed=3, heavy_tail=True, drift=drift)
+    batch["response_mask"][1, 40:] = False
+    args = (*_kernel_inputs(batch), 20.0, 30.0, 256)
+    counts = {}
+    for lanes in (1, 3, fm._EAGER_HIST_LANES):
+        monkeypatch.setattr(fm, "_EAGER_HIST_LANES", lanes)
+        fm.release_workspaces()
+        counts[lanes] = fm.token_statistics(*args)["hist"]
+    fm.release_workspaces()
+    assert counts[1].sum().item() == batch["response_mask"].sum().item()
+    assert all(torch.equal(c, counts[1]) for c in counts.values())
+
+
+def test_l2_cache_size_read_from_sysfs(tmp_path):
+    """The block size's cache probe: the level-2 entry's size, 0 where sysfs has none."""
+    import opbc_metrics.functional.mismatch as fm
+
+    for index, (level, size) in enumerate([("1", "48K"), ("1", "32K"), ("2", "1024K"), ("3", "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert fm._l2_cache_bytes(str(tmp_path)) == 1 << 20
+    (tmp_path / "index2" / "size").write_text("2M\n")
+    assert fm._l2_cache_bytes(str(tmp_path)) == 2 << 20
+    assert fm._l2_cache_bytes(str(tmp_path / "missing")) == 0
+
+
 def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
     """weight_std: population std of the token IS weights; diff_std: verl's probs_diff_std, i.e.
     ``torch.std(masked_select(abs(exp(old_log_probs) - exp(rollout_log_probs)), mask))`` (divisor N - 1)."""

@@ -148,10 +148,10 @@ _SCALAR_STATS = (
 )
 
 
-def _l2_cache_bytes() -> int:
+def _l2_cache_bytes(cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """The first CPU's L2 cache size from Linux sysfs, 0 where unknown."""
     for index in range(8):
-        base = f"/sys/devices/system/cpu/cpu0/cache/index{index}/"
+        base = f"{cache_dir}/index{index}/"
         try:
             with open(base + "level") as level, open(base + "size") as size:
                 if level.read().strip() == "2":
