@@ -11,6 +11,10 @@ Lines:
   controller  OPBCController.step() against the default OPBCCollection.update() on the same batch
   memory      peak extra memory of OPBCController.step() in bytes per token (and of the collection's update)
   top mass    the controller's per-group top-1% gradient mass against an exact sort: largest absolute error
+
+``--moe-floor`` (CPU): instead, the K = 8 set disagreement's eager pipeline built up stage by stage (narrow copy,
+range reductions, lane transpose, K x K compare), each as a multiple of the flip rate's update, with an A/A pair
+of the set disagreement's update (benchmarks/README.md, MoE set disagreement, K = 8).
 """
 
 from __future__ import annotations
@@ -82,6 +86,47 @@ def _bench_moe_shape(shape: tuple[int, int, int, int, int], repeats: int) -> Non
           f"{times['flip'] * 1e3:.1f} ms; set disagreement with num_experts {times['known'] * 1e3:.1f} ms -> "
           f"{times['known'] / times['flip']:.2f}x, without {times['unknown'] * 1e3:.1f} ms -> "
           f"{times['unknown'] / times['flip']:.2f}x the flip rate (target <= 2x)")
+
+
+def bench_moe_floor(repeats: int) -> None:
+    """The K = 8 pipeline of ``_set_differs_tokens`` (CPU chunks, E = 128) stage by stage: what each costs."""
+    shape = (4, 2048, 48, 8, 128)
+    batch = router_batch(*shape)
+    tokens, layers, k = shape[0] * shape[1], shape[2], shape[3]
+    ids = [batch[f].reshape(tokens, layers * k) for f in ("rollout_experts", "trainer_experts")]
+    rows = (1 << 18) // (layers * k)  # as _CPU_CHUNK_IDS
+    narrow = torch.empty((2, rows, layers, k), dtype=torch.uint8)
+    lanes = torch.empty((2, k, rows, layers), dtype=torch.uint8)
+    high, low = torch.empty(tokens, dtype=torch.int64), torch.empty(tokens, dtype=torch.int32)
+    pairs = torch.empty((k, k, rows * layers), dtype=torch.uint8)
+    found = torch.empty((2, k, rows * layers), dtype=torch.uint8)
+
+    def stages(level: int) -> None:
+        for start in range(0, tokens, rows):
+            m = min(rows, tokens - start)
+            for i, x in enumerate(side[start : start + m] for side in ids):
+                if level >= 1:
+                    torch.amax(x, -1, out=high[start : start + m])
+                if level >= 2:
+                    torch.amin(x.view(torch.int32), -1, out=low[start : start + m])
+                narrow[i, :m].view(m, layers * k).copy_(x)
+            if level >= 3:
+                lanes[:, :, :m].copy_(narrow[:, :m].permute(0, 3, 1, 2))
+            if level >= 4:
+                n = m * layers
+                r, t = (lanes[i, :, :m].reshape(k, n) for i in (0, 1))
+                torch.bitwise_xor(r.unsqueeze(0), t.unsqueeze(1), out=pairs[:, :, :n])
+                torch.amin(pairs[:, :, :n], 0, out=found[0, :, :n])
+                torch.amin(pairs[:, :, :n], 1, out=found[1, :, :n])
+
+    flip, sets, again = RouterFlipRate(), RouterSetDisagreement(num_experts=128), RouterSetDisagreement(num_experts=128)
+    names = ["narrow copy", "+ int64 amax", "+ int32 amin (range)", "+ lane transpose", "+ K x K xor, 2 amin"]
+    fns = {"flip": lambda: flip.update(batch), "set": lambda: sets.update(batch), "A/A": lambda: again.update(batch)}
+    fns.update({name: (lambda level=level: stages(level)) for level, name in enumerate(names)})
+    times = interleaved(fns, repeats)
+    print(f"moe floor, B, T, L, K = {shape[:4]}, E = 128, flip rate update {times['flip'] * 1e3:.2f} ms:")
+    for name, value in times.items():
+        print(f"  {name:22s} {value / times['flip']:.2f}x")
 
 
 def bench_controller(quick: bool, repeats: int) -> None:
@@ -176,6 +221,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (wall-clock, synchronized after each call)")
+    parser.add_argument("--moe-floor", action="store_true", help="K = 8 set disagreement by stage (CPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bench.DEVICE = torch.device(args.device)
@@ -183,6 +229,9 @@ def main() -> None:
         bench.CLOCK, bench.SYNC = time.perf_counter, torch.cuda.synchronize
         print(f"# on {torch.cuda.get_device_name(bench.DEVICE)}, torch {torch.__version__}")
     repeats = 3 if args.quick else args.repeats
+    if args.moe_floor:
+        bench_moe_floor(repeats)
+        return
     bench_moe(args.quick, repeats)
     bench_controller(args.quick, repeats)
     bench_memory(args.quick)
