@@ -549,25 +549,33 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
     (cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower).
     """
     b, t = trainer.shape
-    dtype = trainer.dtype
-    # Written unlike the main loop's trainer - rollout: the graph would share one such node between the two
-    # loops, storing it to memory (an extra pass) instead of computing it in both.
-    d = -rollout + trainer
-    ok = valid_tokens(d, mask)
-    width = _COMPILED_ROUND_CHUNK
-    # Starts as m - m * previous m, the previous token by flat index (one shifted load in the same loop as the
-    # other rows; a cat of the mask was a copy at ~5 ns per token): a row's first token then sees the previous
-    # row's last, which is added back at chunk 0.
-    previous = torch.nn.functional.pad(mask.reshape(-1)[:-1], (1, 0)).view(b, t)
-    features = {
-        "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & previous).to(dtype),
-        "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
-    }
-    sums = {name: f.view(b, t // width, width).sum(-1) for name, f in features.items()}
-    across = torch.nn.functional.pad((mask[1:, 0] & mask[:-1, -1]).to(dtype), (1, 0)).unsqueeze(-1)
-    starts = sums["n_mask"] - sums["rounds"]
-    sums["rounds"] = torch.cat([starts[:, :1] + across, starts[:, 1:]], dim=1)
-    return torch.stack([sums[name] for name in _ROWS.names[_CHUNKED]])
+    dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
+    n, chunks = b * t, b * t // width
+    # The starts as m - m * previous m. The pairs (m[j], m[j + 1]) by flat index come from two slices of the
+    # flat mask, one token apart, over all chunks but the last (whose pairs are a small reduction of their own):
+    # no padded load, whose per-vector bounds check cost ~0.6 ms at 128 x 8192.
+    flat = [x.reshape(-1) for x in (trainer, rollout, mask)]
+
+    def sums(lo: int, hi: int) -> Tensor:  # the _CHUNKED rows' chunk sums of tokens lo .. hi - 1, [rows, chunks]
+        # Written unlike the main loop's trainer - rollout: the graph would share one such node between the two
+        # loops, storing it to memory (an extra pass) instead of computing it in both.
+        tr, ro, m = (x[lo:hi] for x in flat)
+        d = -ro + tr
+        ok = valid_tokens(d, m)
+        nxt = flat[2][lo + 1:hi + 1] if hi < n else torch.nn.functional.pad(flat[2][lo + 1:hi], (0, 1))
+        features = (ok.to(dtype), m.to(dtype), (m & nxt).to(dtype), torch.where(ok, d, 0.0).abs() * _R_SCALE)
+        return torch.stack([f.view(-1, width).sum(-1) for f in features])
+
+    rows = torch.cat([sums(0, n - width), sums(n - width, n)], dim=1)
+    # pairs(c): pairs (j, j + 1) with j in chunk c; the starts need those with j + 1 in chunk c: pairs(c), less the
+    # pair across the boundary after c, plus the one across the boundary before c unless c starts a row.
+    edges = mask.view(chunks, width)
+    across = (edges[1:, 0] & edges[:-1, -1]).to(dtype)  # the pair across the boundary before chunks 1 ..
+    row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
+    before = torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
+    after = torch.nn.functional.pad(across, (0, 1))
+    rows[2] = rows[1] - rows[2] + after - before
+    return rows.view(len(_CHUNK_ROW), b, t // width)
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
@@ -616,28 +624,44 @@ def _round_sums(
     # token before) or past its end (a partial last chunk) read a token of the row instead: the first only for the
     # start rule, zeroed below; the others come after the start, so they are never "before" it (and a missing start
     # reads the row total).
-    pos = torch.add(consts["offsets"], chunk.unsqueeze(-1), alpha=width)
-    pos[..., 0].clamp_(min=0)
-    if t % width:
-        pos.clamp_(max=t - 1)
-    pos = pos.view(b, -1)
-    # (eager: gathered as uint8, whose copy to float is ~6x faster than bool's; inductor's is the slow one)
-    m = (mask if torch.compiler.is_compiling() else mask.view(torch.uint8)).gather(1, pos).view(b, capacity, -1)
-    m = m.to(dtype)
-    m[..., 0] *= later
-    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)[..., 1:]
-    m, m_before = m[..., 1:], m[..., :-1]
+    if torch.compiler.is_compiling():
+        # (compiled, T a multiple of width) each window a row of the [chunks, width] view of an input: inductor loads
+        # it as contiguous vectors, where a gather by token positions was a scalar load per token (~5 ns each); the
+        # token before the chunk (the last of the chunk before, 0 at a row's first chunk) gathered on its own.
+        first = torch.add(chunk, consts["row_chunks"], alpha=n_chunks).view(-1)  # global chunk index
+
+        def window(x: Tensor) -> Tensor:
+            return x.reshape(-1, width)[first].view(b, capacity, width)
+
+        m_window = window(mask)
+        m = m_window.to(dtype)
+        m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
+        m_before = torch.cat([m_previous * later.unsqueeze(-1), m[..., :-1]], dim=-1)
+        d = window(trainer) - window(rollout)
+    else:
+        pos = torch.add(consts["offsets"], chunk.unsqueeze(-1), alpha=width)
+        pos[..., 0].clamp_(min=0)
+        if t % width:
+            pos.clamp_(max=t - 1)
+        pos = pos.view(b, -1)
+        # (gathered as uint8, whose copy to float is ~6x faster than bool's)
+        m = mask.view(torch.uint8).gather(1, pos).view(b, capacity, -1).to(dtype)
+        m[..., 0] *= later
+        d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)[..., 1:]
+        m, m_before = m[..., 1:], m[..., :-1]
     starts = m - m * m_before
     # Tokens of the chunk before the start: fewer than `rank` starts up to them (integers: clamp(rank - seen, 0, 1)).
     ahead = (rank.unsqueeze(-1) - starts.cumsum(-1)).clamp_(0.0, 1.0)
-    # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set, inf or
-    # NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0 elsewhere).
-    q = d / m
-    r = torch.nan_to_num(q, 0.0, 0.0, 0.0)
     # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`): [3, B, capacity].
-    if torch.compiler.is_compiling():
-        partial = (torch.stack([(q == r).to(dtype), m, r.abs()]) * ahead).sum(-1).to(f64)
+    if torch.compiler.is_compiling():  # valid_tokens' rule (inductor's nan_to_num is a scalar loop)
+        ok = valid_tokens(d, m_window)
+        partial = (torch.stack([ok.to(dtype), m, torch.where(ok, d, 0.0).abs()]) * ahead).sum(-1).to(f64)
     else:  # into a cached buffer: a float `out` of eq is ~3x faster than eq to bool and a copy to float
+        # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set,
+        # inf or NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0
+        # elsewhere).
+        q = d / m
+        r = torch.nan_to_num(q, 0.0, 0.0, 0.0)
         feats = consts["features"]
         torch.eq(q, r, out=feats[0])
         feats[1].copy_(m)
@@ -667,6 +691,7 @@ def _make_round_constants(
     return {
         "k": torch.arange(2, capacity + 2, dtype=torch.float64, device=device).expand(b, capacity).contiguous(),
         "offsets": torch.arange(-1, width, device=device),
+        "row_chunks": torch.arange(b, device=device).unsqueeze(-1),  # compiled only
         "features": torch.empty(3, b, capacity, width, dtype=dtype, device=device),  # eager only
         "rows": from_host([_CHUNK_ROW[name] for name in names], torch.int64, device),
         "scale": from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in names], torch.float64,
