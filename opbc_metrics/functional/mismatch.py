@@ -300,7 +300,7 @@ def release_workspaces() -> None:
 
 def token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int,
-    prob: bool = True, hist: bool = True, rounds: int = 0,
+    prob: bool = True, hist: bool = True, rounds: int = 0, mask_values: Tensor | None = None,
 ) -> Stats:
     """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
 
@@ -322,6 +322,9 @@ def token_statistics(
         hist: compute the log-weight histogram (else zeros).
         rounds: compute the per-round statistics for rounds ``0 .. rounds - 1`` and an overflow bucket
             (``round_*`` and ``max_rounds``, see :func:`_round_sums`); 0: none.
+        mask_values: optional, ``mask`` as 0/1 in the logprobs' dtype; the compiled kernel reads it for the
+            per-round sums (inductor's CPU code converts a bool mask at ~1 ns per token, a uint8-to-float copy
+            outside the graph costs ~0.05 ns).
 
     Returns:
         float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts) and, with
@@ -334,8 +337,9 @@ def token_statistics(
         >>> s["n"].item(), s["sum_r"].item(), s["max_r"].item(), int(s["hist"].sum())
         (2.0, 1.0, 1.0, 2)
     """
-    kernel = _fused_token_statistics if torch.compiler.is_compiling() else _blocked_token_statistics
-    return kernel(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
+    if torch.compiler.is_compiling():
+        return _fused_token_statistics(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
+    return _blocked_token_statistics(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
 
 
 def _blocked_token_statistics(
@@ -449,7 +453,7 @@ _FUSED_ORDER = ("n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_k3", "clippe
 
 def _fused_token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool,
-    rounds: int,
+    rounds: int, mask_values: Tensor | None = None,
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
 
@@ -458,12 +462,14 @@ def _fused_token_statistics(
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
+        # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none).
+        mask_in = mask.to(dtype) if mask_values is None else mask_values
         pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
         if pad:
-            trainer, rollout = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout))
+            trainer, rollout, mask_in = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout, mask_in))
             mask = torch.nn.functional.pad(mask, (0, pad))
-        chunks = _chunk_sums(trainer, rollout, mask)
-        trainer_in, rollout_in, mask_in = trainer, rollout, mask
+        chunks = _chunk_sums(trainer, rollout, mask_in)
+        trainer_in, rollout_in = trainer, rollout
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
@@ -545,11 +551,13 @@ def _fused_token_statistics(
 def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
-    Reductions over chunks rather than along the rows: inductor gives them their own loop over the inputs
-    (cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower).
+    ``mask`` as 0/1 floats: a bool mask's conversion in inductor's CPU code was most of this loop's cost (~0.9 ns
+    per token; the loop with float masks ~0.3 ns). Reductions over chunks rather than along the rows: inductor
+    gives them their own loop over the inputs (cutting the main reductions into chunk-sized pieces made the whole
+    kernel ~1.5x slower).
     """
     b, t = trainer.shape
-    dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
+    width = _COMPILED_ROUND_CHUNK
     n, chunks = b * t, b * t // width
     # The starts as m - m * previous m. The pairs (m[j], m[j + 1]) by flat index come from two slices of the
     # flat mask, one token apart, over all chunks but the last (whose pairs are a small reduction of their own):
@@ -561,16 +569,16 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
         # loops, storing it to memory (an extra pass) instead of computing it in both.
         tr, ro, m = (x[lo:hi] for x in flat)
         d = -ro + tr
-        ok = valid_tokens(d, m)
+        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule
         nxt = flat[2][lo + 1:hi + 1] if hi < n else torch.nn.functional.pad(flat[2][lo + 1:hi], (0, 1))
-        features = (ok.to(dtype), m.to(dtype), (m & nxt).to(dtype), torch.where(ok, d, 0.0).abs() * _R_SCALE)
+        features = (ok, m, m * nxt, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE)
         return torch.stack([f.view(-1, width).sum(-1) for f in features])
 
     rows = torch.cat([sums(0, n - width), sums(n - width, n)], dim=1)
     # pairs(c): pairs (j, j + 1) with j in chunk c; the starts need those with j + 1 in chunk c: pairs(c), less the
     # pair across the boundary after c, plus the one across the boundary before c unless c starts a row.
     edges = mask.view(chunks, width)
-    across = (edges[1:, 0] & edges[:-1, -1]).to(dtype)  # the pair across the boundary before chunks 1 ..
+    across = edges[1:, 0] * edges[:-1, -1]  # the pair across the boundary before chunks 1 ..
     row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
     before = torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
     after = torch.nn.functional.pad(across, (0, 1))
@@ -633,8 +641,7 @@ def _round_sums(
         def window(x: Tensor) -> Tensor:
             return x.reshape(-1, width)[first].view(b, capacity, width)
 
-        m_window = window(mask)
-        m = m_window.to(dtype)
+        m = window(mask).to(dtype)
         m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
         m_before = torch.cat([m_previous * later.unsqueeze(-1), m[..., :-1]], dim=-1)
         d = window(trainer) - window(rollout)
@@ -654,7 +661,7 @@ def _round_sums(
     ahead = (rank.unsqueeze(-1) - starts.cumsum(-1)).clamp_(0.0, 1.0)
     # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`): [3, B, capacity].
     if torch.compiler.is_compiling():  # valid_tokens' rule (inductor's nan_to_num is a scalar loop)
-        ok = valid_tokens(d, m_window)
+        ok = (m > 0) & ((d - d) == 0)  # valid_tokens' rule
         partial = (torch.stack([ok.to(dtype), m, torch.where(ok, d, 0.0).abs()]) * ahead).sum(-1).to(f64)
     else:  # into a cached buffer: a float `out` of eq is ~3x faster than eq to bool and a copy to float
         # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set,
@@ -891,7 +898,9 @@ def batch_statistics(
         # against the eager code on the same GPU (tests/test_cuda.py; the chunk sums and searchsorted alone were
         # right): there the per-round sums are taken eagerly, beside the compiled kernel.
         eager_rounds = rounds if trainer.device.type != "cpu" else 0
-        out = compiled_token_statistics()(trainer, rollout, mask, *settings, prob, hist, rounds - eager_rounds)
+        # (the per-round sums' float mask made outside the graph: a uint8-to-float copy, ~0.05 ns per token)
+        values = mask.view(torch.uint8).to(trainer.dtype) if rounds - eager_rounds else None
+        out = compiled_token_statistics()(trainer, rollout, mask, *settings, prob, hist, rounds - eager_rounds, values)
         if eager_rounds:
             per_round = token_statistics(trainer, rollout, mask, *settings, False, False, rounds)
             out.update(_pick(per_round, "rounds", "max_rounds", *ROUND_STATS))
