@@ -469,7 +469,6 @@ def _fused_token_statistics(
             trainer, rollout, mask_in = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout, mask_in))
             mask = torch.nn.functional.pad(mask, (0, pad))
             mask_values = None if mask_values is None else mask_in
-        chunks = _chunk_sums(trainer, rollout, mask_in)
         trainer_in, rollout_in = trainer, rollout
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
@@ -539,8 +538,11 @@ def _fused_token_statistics(
         one = torch.ones((), dtype=i32, device=trainer.device)
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
+    lo_r = torch.where(ok, r, math.inf).amin(-1)  # per row (piece)
+    if rounds:
+        chunks = _chunk_sums(trainer_in, rollout_in, mask_in, lo_r)
     extremes = torch.stack([
-        torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
+        lo_r.amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
     out = _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
     if rounds:
@@ -551,42 +553,47 @@ def _fused_token_statistics(
     return out
 
 
-def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
     ``mask`` as 0/1 floats: a bool mask's conversion in inductor's CPU code was most of this loop's cost (~0.9 ns
-    per token; the loop with float masks ~0.3 ns). Reductions over chunks rather than along the rows: inductor
-    gives them their own loop over the inputs (cutting the main reductions into chunk-sized pieces made the whole
-    kernel ~1.5x slower).
+    per token; the loop with float masks ~0.3 ns). ``anchor``: a per-row result of the main loop (``[B * pieces]``,
+    its rows as the main loop cuts them): the chunk sums read it (as an exact 0), so inductor runs them inside the
+    main loop's loop over rows (outer-loop fusion), on the row it has just read, still in cache (measured: 0.90x
+    the kernel at 256 x 8192, 0.97x at 128 x 8192, the same at 64 x 4096). Reductions over chunks rather than
+    along the rows: cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower.
     """
     b, t = trainer.shape
-    width = _COMPILED_ROUND_CHUNK
-    n, chunks = b * t, b * t // width
-    # The starts as m - m * previous m. The pairs (m[j], m[j + 1]) by flat index come from two slices of the
-    # flat mask, one token apart, over all chunks but the last (whose pairs are a small reduction of their own):
-    # no padded load, whose per-vector bounds check cost ~0.6 ms at 128 x 8192.
-    flat = [x.reshape(-1) for x in (trainer, rollout, mask)]
+    dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
+    rows = anchor.shape[0]
+    zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
+    if (t * b // rows) % width:  # the main loop's rows are no whole chunks: a loop of its own
+        rows, zero = b, torch.zeros(b, dtype=dtype, device=trainer.device)
+    tr, ro, mv = (x.reshape(rows, -1, width) for x in (trainer, rollout, mask))
+    zero = zero.view(rows, 1, 1)
+    # All tokens of a chunk but its last, and the pairs (m[j], m[j + 1]) inside it (slices one token apart: no
+    # padded previous-token load, whose per-vector bounds check cost ~0.6 ms at 128 x 8192); the last token added
+    # on its own. Written unlike the main loop's trainer - rollout: the graph would share one such node between
+    # the two loops, storing it to memory instead of computing it in both.
+    head = slice(0, width - 1)
 
-    def sums(lo: int, hi: int) -> Tensor:  # the _CHUNKED rows' chunk sums of tokens lo .. hi - 1, [rows, chunks]
-        # Written unlike the main loop's trainer - rollout: the graph would share one such node between the two
-        # loops, storing it to memory (an extra pass) instead of computing it in both.
-        tr, ro, m = (x[lo:hi] for x in flat)
-        d = -ro + tr
+    def features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
         ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule
-        nxt = flat[2][lo + 1:hi + 1] if hi < n else torch.nn.functional.pad(flat[2][lo + 1:hi], (0, 1))
-        features = (ok, m, m * nxt, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE)
-        return torch.stack([f.view(-1, width).sum(-1) for f in features])
+        return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
 
-    rows = torch.cat([sums(0, n - width), sums(n - width, n)], dim=1)
-    # pairs(c): pairs (j, j + 1) with j in chunk c; the starts need those with j + 1 in chunk c: pairs(c), less the
-    # pair across the boundary after c, plus the one across the boundary before c unless c starts a row.
-    edges = mask.view(chunks, width)
-    across = edges[1:, 0] * edges[:-1, -1]  # the pair across the boundary before chunks 1 ..
+    m = mv[..., head]
+    n, sum_abs_r = features(-ro[..., head] + tr[..., head], m)
+    n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
+    last_n, last_abs_r = features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    sums = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r]).view(len(_CHUNK_ROW), -1)
+    # The starts: the mask's count less the pairs (j - 1, j) with j in the chunk, the pair across the boundary
+    # before the chunk included unless the chunk starts a row.
+    chunks = b * t // width
+    edges = mask.reshape(chunks, width)
+    across = edges[1:, 0] * edges[:-1, -1]
     row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
-    before = torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
-    after = torch.nn.functional.pad(across, (0, 1))
-    rows[2] = rows[1] - rows[2] + after - before
-    return rows.view(len(_CHUNK_ROW), b, t // width)
+    sums[2] = sums[1] - sums[2] - torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
+    return sums.view(len(_CHUNK_ROW), b, t // width)
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
