@@ -322,9 +322,9 @@ def token_statistics(
         hist: compute the log-weight histogram (else zeros).
         rounds: compute the per-round statistics for rounds ``0 .. rounds - 1`` and an overflow bucket
             (``round_*`` and ``max_rounds``, see :func:`_round_sums`); 0: none.
-        mask_values: optional, ``mask`` as 0/1 in the logprobs' dtype, read by the compiled kernel instead of
-            the bool mask (inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token, a uint8-to-float
-            copy outside the graph costs ~0.05 ns); :func:`compiled_token_statistics` makes it on CPU.
+        mask_values: optional, ``mask`` as 0/1 in the logprobs' dtype, read by the compiled kernel's per-round
+            sums (inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token, a uint8-to-float copy
+            outside the graph costs ~0.05 ns); :func:`compiled_token_statistics` makes it on CPU.
 
     Returns:
         float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts) and, with
@@ -468,12 +468,9 @@ def _fused_token_statistics(
         if pad:
             trainer, rollout, mask_in = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout, mask_in))
             mask = torch.nn.functional.pad(mask, (0, pad))
-            mask_values = None if mask_values is None else mask_in
         trainer_in, rollout_in = trainer, rollout
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
-    if mask_values is not None:  # read as floats: inductor's CPU code converts a bool mask at ~0.6 ns per token
-        mask = mask_values > 0
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
     d = trainer - rollout
@@ -843,9 +840,9 @@ def compiled_token_statistics() -> Any:
             trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool = True,
             hist: bool = True, rounds: int = 0, mask_values: Tensor | None = None,
         ) -> Stats:
-            if mask_values is None and trainer.device.type == "cpu" and mask.dtype == torch.bool:
-                # The mask as 0/1 floats, made outside the graph: a uint8-to-float copy (~0.05 ns per token)
-                # where inductor's CPU code converts a bool mask at ~0.6 ns per token.
+            if rounds and mask_values is None and trainer.device.type == "cpu" and mask.dtype == torch.bool:
+                # The per-round sums' mask as 0/1 floats, made outside the graph: a uint8-to-float copy (~0.05 ns
+                # per token) where inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token.
                 mask_values = mask.view(torch.uint8).to(trainer.dtype)
             # One graph per combination of statistic groups and capacity (constants of the graph), and per
             # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
