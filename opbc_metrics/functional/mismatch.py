@@ -566,7 +566,8 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) 
     zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
     if (t * b // rows) % width:  # the main loop's rows are no whole chunks: a loop of its own
         rows, zero = b, torch.zeros(b, dtype=dtype, device=trainer.device)
-    tr, ro, mv = (x.reshape(rows, -1, width) for x in (trainer, rollout, mask))
+    # (sizes from the inputs' shape: the mask's own size symbols, under dynamic shapes, split the loop in two)
+    tr, ro, mv = (x.reshape(rows, b * t // (rows * width), width) for x in (trainer, rollout, mask))
     zero = zero.view(rows, 1, 1)
     # All tokens of a chunk but its last, and the pairs (m[j], m[j + 1]) inside it (slices one token apart: no
     # padded previous-token load, whose per-vector bounds check cost ~0.6 ms at 128 x 8192); the last token added
@@ -646,7 +647,7 @@ def _round_sums(
         first = torch.add(chunk, consts["row_chunks"], alpha=n_chunks).view(-1)  # global chunk index
 
         def window(x: Tensor) -> Tensor:
-            return x.reshape(-1, width)[first].view(b, capacity, width)
+            return x.reshape(b * t // width, width)[first].view(b, capacity, width)
 
         m = window(mask).to(dtype)
         m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
