@@ -535,11 +535,10 @@ def _fused_token_statistics(
         one = torch.ones((), dtype=i32, device=trainer.device)
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
-    lo_r = torch.where(ok, r, math.inf).amin(-1)  # per row (piece)
-    if rounds:
-        chunks = _chunk_sums(trainer_in, rollout_in, mask_in, lo_r)
+    if rounds:  # (the same expression as below: one node of the graph, the per-row min of r)
+        chunks = _chunk_sums(trainer_in, rollout_in, mask_in, torch.where(ok, r, math.inf).amin(-1))
     extremes = torch.stack([
-        lo_r.amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
+        torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
     out = _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
     if rounds:
@@ -848,6 +847,8 @@ def compiled_token_statistics() -> Any:
             # One graph per combination of statistic groups and capacity (constants of the graph), and per
             # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                if mask_values is None:
+                    return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
                 return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
 
         _COMPILED["fn"] = run
