@@ -320,7 +320,7 @@ def release_workspaces() -> None:
 
 def token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int,
-    prob: bool = True, hist: bool = True, rounds: int = 0,
+    prob: bool = True, hist: bool = True, rounds: int = 0, mask_values: Tensor | None = None,
 ) -> Stats:
     """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
 
@@ -342,6 +342,9 @@ def token_statistics(
         hist: compute the log-weight histogram (else zeros).
         rounds: compute the per-round statistics for rounds ``0 .. rounds - 1`` and an overflow bucket
             (``round_*`` and ``max_rounds``, see :func:`_round_sums`); 0: none.
+        mask_values: optional, ``mask`` as 0/1 in the logprobs' dtype, read by the compiled kernel's per-round
+            sums (inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token, a uint8-to-float copy
+            outside the graph costs ~0.05 ns); :func:`compiled_token_statistics` makes it on CPU.
 
     Returns:
         float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts) and, with
@@ -354,8 +357,9 @@ def token_statistics(
         >>> s["n"].item(), s["sum_r"].item(), s["max_r"].item(), int(s["hist"].sum())
         (2.0, 1.0, 1.0, 2)
     """
-    kernel = _fused_token_statistics if torch.compiler.is_compiling() else _blocked_token_statistics
-    return kernel(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
+    if torch.compiler.is_compiling():
+        return _fused_token_statistics(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
+    return _blocked_token_statistics(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
 
 
 def _blocked_token_statistics(
@@ -469,7 +473,7 @@ _FUSED_ORDER = ("n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_k3", "clippe
 
 def _fused_token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool,
-    rounds: int,
+    rounds: int, mask_values: Tensor | None = None,
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
 
@@ -478,12 +482,13 @@ def _fused_token_statistics(
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
+        # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none).
+        mask_in = mask.to(dtype) if mask_values is None else mask_values
         pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
         if pad:
-            trainer, rollout = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout))
+            trainer, rollout, mask_in = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout, mask_in))
             mask = torch.nn.functional.pad(mask, (0, pad))
-        chunks = _chunk_sums(trainer, rollout, mask)
-        trainer_in, rollout_in, mask_in = trainer, rollout, mask
+        trainer_in, rollout_in = trainer, rollout
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
@@ -550,6 +555,8 @@ def _fused_token_statistics(
         one = torch.ones((), dtype=i32, device=trainer.device)
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
+    if rounds:  # (the same expression as below: one node of the graph, the per-row min of r)
+        chunks = _chunk_sums(trainer_in, rollout_in, mask_in, torch.where(ok, r, math.inf).amin(-1))
     extremes = torch.stack([
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
@@ -562,32 +569,48 @@ def _fused_token_statistics(
     return out
 
 
-def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor) -> Tensor:
+def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
-    Reductions over chunks rather than along the rows: inductor gives them their own loop over the inputs
-    (cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower).
+    ``mask`` as 0/1 floats: a bool mask's conversion in inductor's CPU code was most of this loop's cost (~0.9 ns
+    per token; the loop with float masks ~0.3 ns). ``anchor``: a per-row result of the main loop (``[B * pieces]``,
+    its rows as the main loop cuts them): the chunk sums read it (as an exact 0), so inductor runs them inside the
+    main loop's loop over rows (outer-loop fusion), on the row it has just read, still in cache (measured: 0.90x
+    the kernel at 256 x 8192, 0.97x at 128 x 8192, the same at 64 x 4096). Reductions over chunks rather than
+    along the rows: cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower.
     """
     b, t = trainer.shape
-    dtype = trainer.dtype
-    # Written unlike the main loop's trainer - rollout: the graph would share one such node between the two
-    # loops, storing it to memory (an extra pass) instead of computing it in both.
-    d = -rollout + trainer
-    ok = valid_tokens(d, mask)
-    width = _COMPILED_ROUND_CHUNK
-    # Starts as m - m * previous m, the previous token by flat index (one shifted load in the same loop as the
-    # other rows; a cat of the mask was a copy at ~5 ns per token): a row's first token then sees the previous
-    # row's last, which is added back at chunk 0.
-    previous = torch.nn.functional.pad(mask.reshape(-1)[:-1], (1, 0)).view(b, t)
-    features = {
-        "n": ok.to(dtype), "n_mask": mask.to(dtype), "rounds": (mask & previous).to(dtype),
-        "sum_abs_r": torch.where(ok, d, 0.0).abs() * _R_SCALE,
-    }
-    sums = {name: f.view(b, t // width, width).sum(-1) for name, f in features.items()}
-    across = torch.nn.functional.pad((mask[1:, 0] & mask[:-1, -1]).to(dtype), (1, 0)).unsqueeze(-1)
-    starts = sums["n_mask"] - sums["rounds"]
-    sums["rounds"] = torch.cat([starts[:, :1] + across, starts[:, 1:]], dim=1)
-    return torch.stack([sums[name] for name in _ROWS.names[_CHUNKED]])
+    dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
+    rows = anchor.shape[0]
+    zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
+    if (t * b // rows) % width:  # the main loop's rows are no whole chunks: a loop of its own
+        rows, zero = b, torch.zeros(b, dtype=dtype, device=trainer.device)
+    # (sizes from the inputs' shape: the mask's own size symbols, under dynamic shapes, split the loop in two)
+    tr, ro, mv = (x.reshape(rows, b * t // (rows * width), width) for x in (trainer, rollout, mask))
+    zero = zero.view(rows, 1, 1)
+    # All tokens of a chunk but its last, and the pairs (m[j], m[j + 1]) inside it (slices one token apart: no
+    # padded previous-token load, whose per-vector bounds check cost ~0.6 ms at 128 x 8192); the last token added
+    # on its own. Written unlike the main loop's trainer - rollout: the graph would share one such node between
+    # the two loops, storing it to memory instead of computing it in both.
+    head = slice(0, width - 1)
+
+    def features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule
+        return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
+
+    m = mv[..., head]
+    n, sum_abs_r = features(-ro[..., head] + tr[..., head], m)
+    n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
+    last_n, last_abs_r = features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    sums = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r]).view(len(_CHUNK_ROW), -1)
+    # The starts: the mask's count less the pairs (j - 1, j) with j in the chunk, the pair across the boundary
+    # before the chunk included unless the chunk starts a row.
+    chunks = b * t // width
+    edges = mask.reshape(chunks, width)
+    across = edges[1:, 0] * edges[:-1, -1]
+    row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
+    sums[2] = sums[1] - sums[2] - torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
+    return sums.view(len(_CHUNK_ROW), b, t // width)
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
@@ -636,28 +659,43 @@ def _round_sums(
     # token before) or past its end (a partial last chunk) read a token of the row instead: the first only for the
     # start rule, zeroed below; the others come after the start, so they are never "before" it (and a missing start
     # reads the row total).
-    pos = torch.add(consts["offsets"], chunk.unsqueeze(-1), alpha=width)
-    pos[..., 0].clamp_(min=0)
-    if t % width:
-        pos.clamp_(max=t - 1)
-    pos = pos.view(b, -1)
-    # (eager: gathered as uint8, whose copy to float is ~6x faster than bool's; inductor's is the slow one)
-    m = (mask if torch.compiler.is_compiling() else mask.view(torch.uint8)).gather(1, pos).view(b, capacity, -1)
-    m = m.to(dtype)
-    m[..., 0] *= later
-    d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)[..., 1:]
-    m, m_before = m[..., 1:], m[..., :-1]
+    if torch.compiler.is_compiling():
+        # (compiled, T a multiple of width) each window a row of the [chunks, width] view of an input: inductor loads
+        # it as contiguous vectors, where a gather by token positions was a scalar load per token (~5 ns each); the
+        # token before the chunk (the last of the chunk before, 0 at a row's first chunk) gathered on its own.
+        first = torch.add(chunk, consts["row_chunks"], alpha=n_chunks).view(-1)  # global chunk index
+
+        def window(x: Tensor) -> Tensor:
+            return x.reshape(b * t // width, width)[first].view(b, capacity, width)
+
+        m = window(mask).to(dtype)
+        m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
+        m_before = torch.cat([m_previous * later.unsqueeze(-1), m[..., :-1]], dim=-1)
+        d = window(trainer) - window(rollout)
+    else:
+        pos = torch.add(consts["offsets"], chunk.unsqueeze(-1), alpha=width)
+        pos[..., 0].clamp_(min=0)
+        if t % width:
+            pos.clamp_(max=t - 1)
+        pos = pos.view(b, -1)
+        # (gathered as uint8, whose copy to float is ~6x faster than bool's)
+        m = mask.view(torch.uint8).gather(1, pos).view(b, capacity, -1).to(dtype)
+        m[..., 0] *= later
+        d = (trainer.gather(1, pos) - rollout.gather(1, pos)).view(b, capacity, -1)[..., 1:]
+        m, m_before = m[..., 1:], m[..., :-1]
     starts = m - m * m_before
     # Tokens of the chunk before the start: fewer than `rank` starts up to them (integers: clamp(rank - seen, 0, 1)).
     ahead = (rank.unsqueeze(-1) - starts.cumsum(-1)).clamp_(0.0, 1.0)
-    # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set, inf or
-    # NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0 elsewhere).
-    q = d / m
-    r = torch.nan_to_num(q, 0.0, 0.0, 0.0)
     # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`): [3, B, capacity].
-    if torch.compiler.is_compiling():
-        partial = (torch.stack([(q == r).to(dtype), m, r.abs()]) * ahead).sum(-1).to(f64)
+    if torch.compiler.is_compiling():  # valid_tokens' rule (inductor's nan_to_num is a scalar loop)
+        ok = (m > 0) & ((d - d) == 0)  # valid_tokens' rule
+        partial = (torch.stack([ok.to(dtype), m, torch.where(ok, d, 0.0).abs()]) * ahead).sum(-1).to(f64)
     else:  # into a cached buffer: a float `out` of eq is ~3x faster than eq to bool and a copy to float
+        # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set,
+        # inf or NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0
+        # elsewhere).
+        q = d / m
+        r = torch.nan_to_num(q, 0.0, 0.0, 0.0)
         feats = consts["features"]
         torch.eq(q, r, out=feats[0])
         feats[1].copy_(m)
@@ -687,6 +725,7 @@ def _make_round_constants(
     return {
         "k": torch.arange(2, capacity + 2, dtype=torch.float64, device=device).expand(b, capacity).contiguous(),
         "offsets": torch.arange(-1, width, device=device),
+        "row_chunks": torch.arange(b, device=device).unsqueeze(-1),  # compiled only
         "features": torch.empty(3, b, capacity, width, dtype=dtype, device=device),  # eager only
         "rows": from_host([_CHUNK_ROW[name] for name in names], torch.int64, device),
         "scale": from_host([1.0 / _R_SCALE if name == "sum_abs_r" else 1.0 for name in names], torch.float64,
@@ -817,11 +856,20 @@ def compiled_token_statistics() -> Any:
         options = {"cpp.max_horizontal_fusion_size": 32, "assert_indirect_indexing": False}
         compiled = torch.compile(token_statistics, fullgraph=True, dynamic=None, options=options)
 
-        def run(*args: Any) -> Stats:
+        def run(
+            trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool = True,
+            hist: bool = True, rounds: int = 0, mask_values: Tensor | None = None,
+        ) -> Stats:
+            if rounds and mask_values is None and trainer.device.type == "cpu" and mask.dtype == torch.bool:
+                # The per-round sums' mask as 0/1 floats, made outside the graph: a uint8-to-float copy (~0.05 ns
+                # per token) where inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token.
+                mask_values = mask.view(torch.uint8).to(trainer.dtype)
             # One graph per combination of statistic groups and capacity (constants of the graph), and per
             # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
             with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                return compiled(*args)
+                if mask_values is None:
+                    return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
+                return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
 
         _COMPILED["fn"] = run
     return _COMPILED["fn"]
