@@ -595,7 +595,7 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) 
     head = slice(0, width - 1)
 
     def features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
-        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule
+        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule, as 0/1 floats (m is)
         return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
 
     m = mv[..., head]
@@ -688,7 +688,7 @@ def _round_sums(
     ahead = (rank.unsqueeze(-1) - starts.cumsum(-1)).clamp_(0.0, 1.0)
     # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`): [3, B, capacity].
     if torch.compiler.is_compiling():  # valid_tokens' rule (inductor's nan_to_num is a scalar loop)
-        ok = (m > 0) & ((d - d) == 0)  # valid_tokens' rule
+        ok = valid_tokens(d, m > 0)
         partial = (torch.stack([ok.to(dtype), m, torch.where(ok, d, 0.0).abs()]) * ahead).sum(-1).to(f64)
     else:  # into a cached buffer: a float `out` of eq is ~3x faster than eq to bool and a copy to float
         # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set,
