@@ -7,7 +7,7 @@ as ``peak_memory.py`` measures it, in a fresh process per measurement. ``--devic
 
 Lines:
   moe         RouterSetDisagreement.update(), with and without num_experts, against RouterFlipRate.update()
-              on the same (contiguous) expert ids
+              on the same (contiguous) expert ids; "moe compiled": the same with compiled=True (CPU, K > 2)
   controller  OPBCController.step() against the default OPBCCollection.update() on the same batch
   memory      peak extra memory of OPBCController.step() in bytes per token (and of the collection's update)
   top mass    the controller's per-group top-1% gradient mass against an exact sort: largest absolute error
@@ -67,25 +67,36 @@ def logprob_batch(b: int, t: int, group_size: int = 8, seed: int = 0) -> dict[st
                        "group_ids": groups})
 
 
-def bench_moe(quick: bool, repeats: int) -> None:
+def bench_moe(quick: bool, repeats: int, compiled: bool) -> None:
     # Qwen3-30B-A3B-like (48 MoE layers, top-8 of 128) and Mixtral-like (32 layers, top-2 of 8)
     for shape in [(2, 512, 16, 8, 64)] if quick else [(4, 2048, 48, 8, 128), (4, 2048, 32, 2, 8)]:
-        _bench_moe_shape(shape, repeats)
+        _bench_moe_shape(shape, repeats, compiled)
 
 
-def _bench_moe_shape(shape: tuple[int, int, int, int, int], repeats: int) -> None:
+def _bench_moe_shape(shape: tuple[int, int, int, int, int], repeats: int, compiled: bool) -> None:
     batch = router_batch(*shape)
     flip = RouterFlipRate().to(bench.DEVICE)
-    known = RouterSetDisagreement(num_experts=shape[4]).to(bench.DEVICE)  # E from the config or not
-    unknown = RouterSetDisagreement().to(bench.DEVICE)
-    fns = {"flip": lambda: flip.update(batch), "known": lambda: known.update(batch),
-           "unknown": lambda: unknown.update(batch)}
-    times = interleaved(fns, repeats)
+    metrics = {"known": RouterSetDisagreement(num_experts=shape[4]),  # E from the config or not
+               "unknown": RouterSetDisagreement()}
+    # compiled=True changes the comparison only on CPU for K > 2 (elsewhere it is the eager row again)
+    compiled = compiled and shape[3] > 2 and bench.DEVICE.type == "cpu"
+    if compiled:
+        metrics |= {"known compiled": RouterSetDisagreement(num_experts=shape[4], compiled=True),
+                    "unknown compiled": RouterSetDisagreement(compiled=True)}
+    fns = {"flip": lambda: flip.update(batch)}
+    for name, metric in metrics.items():
+        metric.to(bench.DEVICE)
+        fns[name] = lambda metric=metric: metric.update(batch)
+    times = interleaved(fns, repeats)  # its warm-up calls compile
     ids = batch["rollout_experts"].numel()
     print(f"moe: {ids / 1e6:.1f}M expert ids (B, T, L, K = {shape[:4]}, E = {shape[4]}): top-1 flip rate "
           f"{times['flip'] * 1e3:.1f} ms; set disagreement with num_experts {times['known'] * 1e3:.1f} ms -> "
           f"{times['known'] / times['flip']:.2f}x, without {times['unknown'] * 1e3:.1f} ms -> "
           f"{times['unknown'] / times['flip']:.2f}x the flip rate (target <= 2x)")
+    if compiled:
+        print(f"moe compiled: with num_experts {times['known compiled'] * 1e3:.1f} ms -> "
+              f"{times['known compiled'] / times['flip']:.2f}x, without {times['unknown compiled'] * 1e3:.1f} ms -> "
+              f"{times['unknown compiled'] / times['flip']:.2f}x the flip rate (target <= 2x)")
 
 
 def bench_moe_floor(repeats: int) -> None:
@@ -222,6 +233,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (wall-clock, synchronized after each call)")
     parser.add_argument("--moe-floor", action="store_true", help="K = 8 set disagreement by stage (CPU)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled set disagreement rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bench.DEVICE = torch.device(args.device)
@@ -232,7 +244,7 @@ def main() -> None:
     if args.moe_floor:
         bench_moe_floor(repeats)
         return
-    bench_moe(args.quick, repeats)
+    bench_moe(args.quick, repeats, not args.no_compile)
     bench_controller(args.quick, repeats)
     bench_memory(args.quick)
     bench_top_mass(args.quick)

@@ -129,3 +129,76 @@ def test_ids_at_word_and_byte_boundaries(k, num_experts):
     bad = rollout.clone()
     bad[0, 3, 7, k - 1] = num_experts  # one past the last expert
     assert FM._set_differs_tokens(bad, trainer, num_experts)[1].nonzero().tolist() == [[0, 3]]
+
+
+# --- the compiled comparison (compiled=True, CPU, K > 2): one torch.compile graph, same values ---------------------
+@pytest.fixture
+def small_compiled_chunks(monkeypatch):
+    """Chunks of 3 tokens at L * K = 24 ids: every batch below goes in several, the last one shorter."""
+    monkeypatch.setattr(FM, "_COMPILED_CHUNK_IDS", 72)
+
+
+@pytest.mark.parametrize("k", [3, 4, 8])
+@pytest.mark.parametrize("num_experts", [4, 128, 257])
+def test_compiled_sets_equal_python_sets(k, num_experts, small_compiled_chunks):
+    rollout, trainer = ids_batch(0, num_experts, k, seed=k * 11 + num_experts, t=20, layers=24 // k)
+    differs, outside = FM._compiled_set_differs(rollout, trainer, num_experts)
+    assert differs.tolist() == python_sets_differ(rollout, trainer)
+    assert differs.dtype == torch.bool and not outside.any()
+
+
+@pytest.mark.parametrize("dtypes", [(torch.int32, torch.int64), (torch.uint8, torch.int16), (torch.int64, torch.int64)])
+def test_compiled_sets_mixed_id_dtypes(dtypes, small_compiled_chunks):
+    rollout, trainer = ids_batch(0, 200, 8, seed=5, t=20, layers=3)
+    rollout, trainer = rollout.to(dtypes[0]), trainer.to(dtypes[1])
+    assert FM._compiled_set_differs(rollout, trainer, 200)[0].tolist() == python_sets_differ(rollout, trainer)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "bad"), [(256, 256), (256, -1), (128, 2**40 + 3), (300, -(2**40)), (2**15, 2**15)]
+)
+def test_compiled_sets_flag_ids_outside_the_range(num_experts, bad, small_compiled_chunks):
+    """The outside flag as the eager path's; on the other tokens the comparison is the eager one."""
+    rollout, trainer = ids_batch(0, num_experts, 8, seed=2, t=20, layers=3)
+    trainer[1, 4, 2, 5] = bad
+    rollout[2, 19, 0, 0] = bad
+    differs, outside = FM._compiled_set_differs(rollout, trainer, num_experts)
+    eager_differs, eager_outside = FM._set_differs_tokens(rollout, trainer, num_experts)
+    assert outside.nonzero().tolist() == [[1, 4], [2, 19]] == eager_outside.nonzero().tolist()
+    assert torch.equal(differs[~outside], eager_differs[~outside])
+
+
+@pytest.mark.parametrize("num_experts", [128, None])
+def test_compiled_metric_equals_eager_metric(num_experts, small_compiled_chunks):
+    """RouterSetDisagreement(compiled=True) over several batches (token counts differ: one dynamic-shape graph)
+    reports what the eager metric does, and raises where it raises."""
+    compiled, eager = (RouterSetDisagreement(num_experts=num_experts, compiled=c) for c in (True, False))
+    for seed, t in ((1, 20), (2, 7), (3, 33)):
+        rollout, trainer = ids_batch(0, num_experts or 2**15, 8, seed=seed, t=t, layers=3)
+        mask = torch.rand(3, t, generator=torch.Generator().manual_seed(seed)) < 0.7
+        for metric in (compiled, eager):
+            metric.update(rollout_experts=rollout, trainer_experts=trainer, response_mask=mask)
+    assert compiled.compute().item() == eager.compute().item() > 0
+    rollout[0, 0, 0, 0] = (num_experts or 2**15) + 1
+    for metric in (compiled, eager):
+        metric.update(rollout_experts=rollout, trainer_experts=trainer)
+        with pytest.raises(ValueError, match="outside"):
+            metric.compute()
+
+
+def test_compiled_collection_compiles_the_set_comparison(monkeypatch):
+    """OPBCCollection(compiled=True) runs the MoE set comparison compiled (on CPU, K > 2), the same value."""
+    from opbc_metrics import OPBCCollection
+
+    calls = []
+    real = FM._compiled_set_differs
+    monkeypatch.setattr(FM, "_compiled_set_differs", lambda *a: calls.append(a[2]) or real(*a))
+    rollout, trainer = ids_batch(0, 64, 8, seed=9, t=30, layers=4)
+    batch = {"rollout_experts": rollout, "trainer_experts": trainer}
+    values = []
+    for compiled in (True, False):
+        collection = OPBCCollection(sections=["moe"], section_options={"moe": {"num_experts": 64}}, compiled=compiled)
+        collection.update(batch)
+        values.append(collection.compute()["moe/router/topk_disagreement_rate"].item())
+    assert calls == [64]
+    assert values[0] == values[1] > 0

@@ -43,10 +43,13 @@ Over an empty window (no valid token) the rates are 0 (what identical routing gi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask, check_count
+from opbc_metrics.functional.mismatch import _RECOMPILE_LIMIT
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
@@ -455,6 +458,57 @@ def _set_differs_tokens(
     return differs, outside.view(b, t)
 
 
+# Compiled (``compiled=True`` or a compiled collection, CPU, K > 2): one inductor loop over the (token, layer)
+# pairs reads both sides' K int64 ids once and compares them in registers: no narrow copy, no range pass, no lane
+# transpose. Lane i of a pair holds max(min_j r_i ^ t_j, min_j t_i ^ r_j): 0 exactly when rollout id i is among
+# the trainer's and trainer id i among the rollout's. A lane holding an id outside [0, bound) is raised to
+# _OUTSIDE_LANE, above any XOR of two ids in range (bound <= 2^30), so one per-token maximum says both things.
+# K = 8 of E = 128, 3.1M ids, one thread: ~1.5x the flip rate's update against ~3.6x for the eager lanes
+# (benchmarks/README.md, "MoE set disagreement, compiled"). The lanes are stored as int32 between the loop and
+# the per-token maximum (inductor keeps them in a buffer: 4 bytes per id), hence the chunks.
+_OUTSIDE_LANE = 1 << 30
+_COMPILED_CHUNK_IDS = 1 << 22
+_COMPILED_SETS: dict[str, Any] = {}
+
+
+def _set_lanes_per_token(rollout: Tensor, trainer: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+    """``([tokens] differs, [tokens] outside)`` from ``[tokens, L, K]`` ids; traced by ``torch.compile``."""
+    outside = (torch.maximum(rollout, trainer) >= bound) | (torch.minimum(rollout, trainer) < 0)
+    r_missing = t_missing = None
+    for j in range(rollout.shape[-1]):  # unrolled: K broadcasts of one id against the other side's K
+        a, b = rollout ^ trainer[..., j : j + 1], trainer ^ rollout[..., j : j + 1]
+        r_missing = a if r_missing is None else torch.minimum(r_missing, a)
+        t_missing = b if t_missing is None else torch.minimum(t_missing, b)
+    assert r_missing is not None and t_missing is not None
+    # The outside flag enters between the two minima (not after them): so inductor computes it in the same loop
+    # instead of reading the ids again in the per-token reduction.
+    lanes = torch.maximum(torch.maximum(r_missing, torch.where(outside, _OUTSIDE_LANE, 0)), t_missing)
+    per_token = lanes.clamp(max=_OUTSIDE_LANE).to(torch.int32).view(lanes.shape[0], -1).amax(dim=-1)
+    return per_token != 0, per_token >= _OUTSIDE_LANE
+
+
+def _compiled_set_differs(rollout: Tensor, trainer: Tensor, bound: int) -> tuple[Tensor, Tensor]:
+    """``([B, T] differs, [B, T] outside)`` as :func:`_set_differs_tokens` with ``num_experts = bound``, from the
+    compiled loop; ``differs`` agrees with the eager path on every token without an id outside ``[0, bound)``."""
+    if "fn" not in _COMPILED_SETS:
+        _COMPILED_SETS["fn"] = torch.compile(_set_lanes_per_token, fullgraph=True, dynamic=None)
+    b, t, n_layers, k = rollout.shape
+    tokens = b * t
+    rollout, trainer = rollout.reshape(tokens, n_layers, k), trainer.reshape(tokens, n_layers, k)
+    rows = max(1, _COMPILED_CHUNK_IDS // (n_layers * k))
+    differs, outside = [], []
+    for start in range(0, tokens, rows):
+        r, tr = rollout[start : start + rows], trainer[start : start + rows]
+        for x in (r, tr):  # one graph for every chunk length (the last chunk is shorter)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+        # one graph per K, L, bound and dtypes: more than dynamo's default 8 per function in a long-lived process
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            d, o = _COMPILED_SETS["fn"](r, tr, bound)
+        differs.append(d)
+        outside.append(o)
+    return torch.cat(differs).view(b, t), torch.cat(outside).view(b, t)
+
+
 def router_top1_flips(rollout_experts: Tensor, trainer_experts: Tensor) -> Tensor:
     """``[B, T, L]`` bool: the top-1 (highest-weight) expert differs between rollout and trainer.
 
@@ -585,13 +639,21 @@ def router_flip_rate(
 # ---------------------------------------------------------------------------------------------
 # moe/router/topk_disagreement_rate
 # ---------------------------------------------------------------------------------------------
-def _set_disagreement_update(view: BatchView, top_k: int | None = None, num_experts: int | None = None) -> Stats:
+def _set_disagreement_update(
+    view: BatchView, top_k: int | None = None, num_experts: int | None = None, compiled: bool = False
+) -> Stats:
     rollout, trainer, mask = router_inputs(view, top_k)
     check_range = True
     if num_experts is None and not (view.has(ROLLOUT_EXPERTS) or view.has(TRAINER_EXPERTS)):
         # both sides are top-Ks of router logits: their ids are below the logits' width
         num_experts, check_range = max(view.field(name).shape[-1] for name in LOGIT_FIELDS), False
-    differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range)
+    bound = UNKNOWN_EXPERTS_BOUND if num_experts is None else num_experts  # as _set_differs_tokens for K > 2
+    if ((compiled or view.compiled) and rollout.device.type == "cpu" and rollout.shape[3] > _COLUMN_MAX_K
+            and bound <= _OUTSIDE_LANE and rollout.numel() > 0):
+        differs, outside_ = _compiled_set_differs(rollout, trainer, bound)
+        outside = outside_ if check_range else None
+    else:
+        differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range)
     out_of_range = torch.zeros((), dtype=torch.float64, device=mask.device)
     if outside is not None:
         out_of_range = (outside & mask).sum().to(torch.float64)
