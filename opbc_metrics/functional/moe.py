@@ -28,6 +28,8 @@ are not in the tensor).
   an id outside ``[0, E)`` in a valid token then makes the stateful metric's ``compute()`` raise. Without
   ``num_experts``, ids of K > 2 are compared as int16: an id outside ``[0, 2**15)`` in a valid token makes
   ``compute()`` raise the same way (pass ``num_experts``); for K <= 2 any integer ids compare exactly.
+  Compiled (the metric's ``compiled=True`` or a compiled collection, on CPU for K > 2), one ``torch.compile``
+  loop compares the int64 ids themselves (no narrowing) and flags the same out-of-range ids.
 * ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
   capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
   ``moe/router/layer_overflow/flip_rate``. The stateful metric reports a layer's key only for layers
