@@ -76,7 +76,7 @@ class OPBCCollection(MetricCollection):
         veto: the veto threshold in nats (30).
         top_mass_bins: bins of the top-1% gradient-mass sketch (8192).
         compiled: run the shared pre-computations (the mismatch kernel, which the per-round section shares)
-            under ``torch.compile`` (the first call compiles).
+            and, on CPU, the MoE top-K set comparison under ``torch.compile`` (the first call compiles).
         section_options: per-section constructor options, e.g. ``{"moe": {"num_layers": 48, "top_k": 8}}``.
         prefix, postfix: strings added before / after every output key, as in torchmetrics'
             ``MetricCollection`` (e.g. ``prefix="bf16/"`` to compare engines side by side).
