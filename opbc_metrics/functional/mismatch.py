@@ -483,7 +483,7 @@ def _fused_token_statistics(
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
         # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none).
-        mask_in = mask.to(dtype) if mask_values is None else mask_values
+        mask_in = mask.to(dtype) if mask_values is None else mask_values.expand_as(trainer)
         pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
         if pad:
             trainer, rollout, mask_in = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout, mask_in))
@@ -493,6 +493,8 @@ def _fused_token_statistics(
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
+    if rounds:
+        mask = mask_in.reshape(trainer.shape) > 0
     d = trainer - rollout
     ok = valid_tokens(d, mask)
     r = torch.where(ok, d, 0.0)
