@@ -482,18 +482,22 @@ def _fused_token_statistics(
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
-        # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none).
+        # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none). expand_as: the
+        # same size symbols as the logprobs' under dynamic shapes (a view, no copy).
         mask_in = mask.to(dtype) if mask_values is None else mask_values.expand_as(trainer)
+        # The chunk sums and windows read rows padded to whole chunks; the main loop reads the inputs themselves
+        # (padded, under dynamic shapes inductor indexed them modulo their sizes: a scalar loop, ~700x slower).
         pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
-        if pad:
-            trainer, rollout, mask_in = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout, mask_in))
-            mask = torch.nn.functional.pad(mask, (0, pad))
-        trainer_in, rollout_in = trainer, rollout
+        trainer_in, rollout_in, mask_pad = (torch.nn.functional.pad(x, (0, pad)) if pad else x
+                                            for x in (trainer, rollout, mask_in))
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
     if rounds:
+        # The main loop reads the float mask too: inductor's CPU code loads a bool mask with a scalar loop per 16
+        # tokens. (Reshaped as the input it is, before the comparison: a view of the comparison's result, under
+        # dynamic shapes, was indexed modulo its sizes, a scalar loop.)
         mask = mask_in.reshape(trainer.shape) > 0
     d = trainer - rollout
     ok = valid_tokens(d, mask)
@@ -558,7 +562,8 @@ def _fused_token_statistics(
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
     if rounds:  # (the same expression as below: one node of the graph, the per-row min of r)
-        chunks = _chunk_sums(trainer_in, rollout_in, mask_in, torch.where(ok, r, math.inf).amin(-1))
+        anchor = None if pad else torch.where(ok, r, math.inf).amin(-1)
+        chunks = _chunk_sums(trainer_in, rollout_in, mask_pad, anchor)
     extremes = torch.stack([
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
@@ -567,11 +572,11 @@ def _fused_token_statistics(
         # The rounds row from the chunk sums, not the main loop's (kept 0 there: a row changed after the
         # loop kept inductor from fusing the histogram's scatter into it).
         out["rounds"] = chunks[_ROWS.index["rounds"] - _CHUNKED.start].sum(dtype=f64)
-        out.update(_round_sums(chunks, trainer_in, rollout_in, mask_in, rounds, _COMPILED_ROUND_CHUNK))
+        out.update(_round_sums(chunks, trainer_in, rollout_in, mask_pad, rounds, _COMPILED_ROUND_CHUNK))
     return out
 
 
-def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) -> Tensor:
+def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
     ``mask`` as 0/1 floats: a bool mask's conversion in inductor's CPU code was most of this loop's cost (~0.9 ns
@@ -583,10 +588,11 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) 
     """
     b, t = trainer.shape
     dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
-    rows = anchor.shape[0]
-    zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
-    if (t * b // rows) % width:  # the main loop's rows are no whole chunks: a loop of its own
+    rows = b if anchor is None else anchor.shape[0]
+    if anchor is None or (t * b // rows) % width:  # the main loop's rows are no whole chunks: a loop of its own
         rows, zero = b, torch.zeros(b, dtype=dtype, device=trainer.device)
+    else:
+        zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
     # (sizes from the inputs' shape: the mask's own size symbols, under dynamic shapes, split the loop in two)
     tr, ro, mv = (x.reshape(rows, b * t // (rows * width), width) for x in (trainer, rollout, mask))
     zero = zero.view(rows, 1, 1)
@@ -667,8 +673,8 @@ def _round_sums(
         # token before the chunk (the last of the chunk before, 0 at a row's first chunk) gathered on its own.
         first = torch.add(chunk, consts["row_chunks"], alpha=n_chunks).view(-1)  # global chunk index
 
-        def window(x: Tensor) -> Tensor:
-            return x.reshape(b * t // width, width)[first].view(b, capacity, width)
+        def window(x: Tensor) -> Tensor:  # (indexed by row and chunk: a padded input's loads stay contiguous)
+            return x.view(b, t // width, width)[consts["row_chunks"], chunk]
 
         m = window(mask).to(dtype)
         m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
@@ -868,7 +874,7 @@ def compiled_token_statistics() -> Any:
                 mask_values = mask.view(torch.uint8).to(trainer.dtype)
             # One graph per combination of statistic groups and capacity (constants of the graph), and per
             # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, specialize_int=True):
                 if mask_values is None:
                     return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
                 return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
