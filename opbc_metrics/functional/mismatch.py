@@ -673,8 +673,9 @@ def _round_sums(
         # token before the chunk (the last of the chunk before, 0 at a row's first chunk) gathered on its own.
         first = torch.add(chunk, consts["row_chunks"], alpha=n_chunks).view(-1)  # global chunk index
 
-        def window(x: Tensor) -> Tensor:  # (indexed by row and chunk: a padded input's loads stay contiguous)
-            return x.view(b, t // width, width)[consts["row_chunks"], chunk]
+        def window(x: Tensor) -> Tensor:  # (unfold: a literal window width; view or reshape gave T // (T // 64) under
+            # dynamic shapes, whose divisions inductor left in the inner loop, ~3x the window kernel)
+            return x.unfold(-1, width, width)[consts["row_chunks"], chunk]
 
         m = window(mask).to(dtype)
         m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
