@@ -874,8 +874,11 @@ def compiled_token_statistics() -> Any:
                 # per token) where inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token.
                 mask_values = mask.view(torch.uint8).to(trainer.dtype)
             # One graph per combination of statistic groups and capacity (constants of the graph), and per
-            # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT, specialize_int=True):
+            # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function. The capacity
+            # stays a constant (specialize_int): once dynamo has seen two values it made it a size symbol, and
+            # the window stage's shapes with it (a patch of two settings costs ~7 us more per call than of one).
+            patch = {"recompile_limit": _RECOMPILE_LIMIT, **({"specialize_int": True} if rounds else {})}
+            with torch._dynamo.config.patch(**patch):
                 if mask_values is None:
                     return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
                 return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
