@@ -477,8 +477,9 @@ def _fused_token_statistics(
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
 
-    With ``rounds``, rows are padded with masked-out tokens to a multiple of ``_COMPILED_ROUND_CHUNK`` and
-    :func:`_chunk_sums` sums the chunked rows per chunk in a loop of its own, for :func:`_round_sums`.
+    With ``rounds``, :func:`_chunk_sums` sums the chunked rows per chunk of ``_COMPILED_ROUND_CHUNK`` tokens (rows
+    padded with masked-out tokens to whole chunks, for it and :func:`_round_sums` only), inside the main loop's loop
+    over rows where its rows are whole chunks.
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
