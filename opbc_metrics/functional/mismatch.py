@@ -489,8 +489,8 @@ def _fused_token_statistics(
         # The chunk sums and windows read rows padded to whole chunks; the main loop reads the inputs themselves
         # (padded, under dynamic shapes inductor indexed them modulo their sizes: a scalar loop, ~700x slower).
         pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
-        trainer_in, rollout_in, mask_pad = (torch.nn.functional.pad(x, (0, pad)) if pad else x
-                                            for x in (trainer, rollout, mask_in))
+        unpadded = (trainer, rollout, mask_in)
+        trainer_in, rollout_in, mask_pad = (torch.nn.functional.pad(x, (0, pad)) if pad else x for x in unpadded)
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
@@ -563,8 +563,11 @@ def _fused_token_statistics(
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
     if rounds:  # (the same expression as below: one node of the graph, the per-row min of r)
-        anchor = None if pad else torch.where(ok, r, math.inf).amin(-1)
-        chunks = _chunk_sums(trainer_in, rollout_in, mask_pad, anchor)
+        anchor = torch.where(ok, r, math.inf).amin(-1)
+        if pad and t > _COMPILED_ROUND_CHUNK:
+            chunks = _ragged_chunk_sums(*unpadded, anchor if pieces == 1 else None)
+        else:  # (rows shorter than a chunk: the padded rows, in a loop of their own)
+            chunks = _chunk_sums(trainer_in, rollout_in, mask_pad, None if pad else anchor)
     extremes = torch.stack([
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
@@ -620,6 +623,39 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
     row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
     sums[2] = sums[1] - sums[2] - torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
     return sums.view(len(_CHUNK_ROW), b, t // width)
+
+
+def _ragged_chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None) -> Tensor:
+    """:func:`_chunk_sums` for rows of T not a multiple of the chunk (``[rows, B, ceil(T / chunk)]``): the whole chunks
+    from ``unfold`` views of the inputs (contiguous loads; the padded inputs were loaded through the pad's bounds
+    checks, in a loop of its own), the partial last chunk of each row summed on its own. ``anchor`` (the main loop's
+    per-row result, when its rows are the sequences): read as an exact 0, for outer-loop fusion."""
+    b, t = trainer.shape
+    dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
+    zero = torch.zeros(b, dtype=dtype, device=trainer.device) if anchor is None else (anchor > anchor).to(dtype)
+    zero = zero.view(b, 1, 1)
+    tr, ro, mv = (x.unfold(-1, width, width) for x in (trainer, rollout, mask))  # [B, T // width, width]
+    head = slice(0, width - 1)
+
+    def features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule, as 0/1 floats (m is)
+        return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
+
+    m = mv[..., head]
+    n, sum_abs_r = features(-ro[..., head] + tr[..., head], m)
+    n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
+    last_n, last_abs_r = features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    whole = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r])  # [4, B, T // width]
+    start = t // width * width
+    tt, rt, mt = trainer[:, start:], rollout[:, start:], mask[:, start:]
+    tail_n, tail_abs_r = features(-rt + tt, mt)
+    tail = torch.stack([tail_n.sum(-1), mt.sum(-1), (mt[:, :-1] * mt[:, 1:]).sum(-1), tail_abs_r.sum(-1)])
+    sums = torch.cat([whole, tail.unsqueeze(-1)], dim=-1)  # [4, B, T // width + 1]
+    # The starts: the mask's count less the pairs inside the chunk and the pair across its first token (none for
+    # a row's first chunk).
+    across = mask[:, width::width] * mask[:, width - 1::width]  # [B, T // width]
+    sums[2] = sums[1] - sums[2] - torch.nn.functional.pad(across, (1, 0))
+    return sums
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
