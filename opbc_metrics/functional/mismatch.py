@@ -495,10 +495,10 @@ def _fused_token_statistics(
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
-    if rounds:
-        # The main loop reads the float mask too: inductor's CPU code loads a bool mask with a scalar loop per 16
-        # tokens. (Reshaped as the input it is, before the comparison: a view of the comparison's result, under
-        # dynamic shapes, was indexed modulo its sizes, a scalar loop.)
+    if rounds and mask_values is not None:
+        # The main loop reads the float mask too (when the caller made it: the CPU wrapper): inductor's CPU code
+        # loads a bool mask with a scalar loop per 16 tokens. (Reshaped as the input it is, before the comparison:
+        # a view of the comparison's result, under dynamic shapes, was indexed modulo its sizes, a scalar loop.)
         mask = mask_in.reshape(trainer.shape) > 0
     d = trainer - rollout
     ok = valid_tokens(d, mask)
