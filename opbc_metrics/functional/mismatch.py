@@ -580,6 +580,12 @@ def _fused_token_statistics(
     return out
 
 
+def _chunk_features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """Valid (0/1) and scaled |r| of tokens with difference ``d`` and 0/1 float mask ``m``, for the chunk sums."""
+    ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule, as 0/1 floats (m is)
+    return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
+
+
 def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
@@ -605,15 +611,10 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
     # on its own. Written unlike the main loop's trainer - rollout: the graph would share one such node between
     # the two loops, storing it to memory instead of computing it in both.
     head = slice(0, width - 1)
-
-    def features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
-        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule, as 0/1 floats (m is)
-        return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
-
     m = mv[..., head]
-    n, sum_abs_r = features(-ro[..., head] + tr[..., head], m)
+    n, sum_abs_r = _chunk_features(-ro[..., head] + tr[..., head], m)
     n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
-    last_n, last_abs_r = features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    last_n, last_abs_r = _chunk_features(-ro[..., -1] + tr[..., -1], mv[..., -1])
     sums = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r]).view(len(_CHUNK_ROW), -1)
     # The starts: the mask's count less the pairs (j - 1, j) with j in the chunk, the pair across the boundary
     # before the chunk included unless the chunk starts a row.
@@ -636,19 +637,14 @@ def _ragged_chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: T
     zero = zero.view(b, 1, 1)
     tr, ro, mv = (x.unfold(-1, width, width) for x in (trainer, rollout, mask))  # [B, T // width, width]
     head = slice(0, width - 1)
-
-    def features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
-        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule, as 0/1 floats (m is)
-        return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
-
     m = mv[..., head]
-    n, sum_abs_r = features(-ro[..., head] + tr[..., head], m)
+    n, sum_abs_r = _chunk_features(-ro[..., head] + tr[..., head], m)
     n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
-    last_n, last_abs_r = features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    last_n, last_abs_r = _chunk_features(-ro[..., -1] + tr[..., -1], mv[..., -1])
     whole = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r])  # [4, B, T // width]
     start = t // width * width
     tt, rt, mt = trainer[:, start:], rollout[:, start:], mask[:, start:]
-    tail_n, tail_abs_r = features(-rt + tt, mt)
+    tail_n, tail_abs_r = _chunk_features(-rt + tt, mt)
     tail = torch.stack([tail_n.sum(-1), mt.sum(-1), (mt[:, :-1] * mt[:, 1:]).sum(-1), tail_abs_r.sum(-1)])
     sums = torch.cat([whole, tail.unsqueeze(-1)], dim=-1)  # [4, B, T // width + 1]
     # The starts: the mask's count less the pairs inside the chunk and the pair across its first token (none for
