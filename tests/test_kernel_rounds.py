@@ -161,3 +161,25 @@ def test_compiled_collections_of_several_sections_and_shapes_do_not_hit_the_reco
         x = _short_rounds(b, t, seed=t, dtype=torch.float32)
         for sections in (["mismatch", "per_round"], ["mismatch"], ["per_round"]):
             OPBCCollection(sections=sections, compiled=True).update(x)
+
+
+def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_stay_vectorized():
+    """Rows of T not a multiple of the compiled chunk, once dynamo has made the shapes dynamic: the main loop read
+    padded inputs, which inductor indexed modulo their sizes (a scalar loop, ~700x the mismatch-only call)."""
+    import time
+
+    run = fm.compiled_token_statistics()
+    for b, t in [(4, 256), (8, 512), (4, 4200)]:  # (rows of more than 4096 tokens: cut into pieces)
+        x = _short_rounds(b, t, seed=t, dtype=torch.float32)
+        args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"].bool(), 20.0, 30.0, 64, True, True)
+        got = {r: run(*args, r) for r in (0, 6)}
+    eager = fm.token_statistics(*args, 6)
+    for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
+        torch.testing.assert_close(got[6][key], eager[key], rtol=1e-6, atol=1e-6, msg=key)
+    seconds = {}
+    for r in (0, 6):
+        t0 = time.process_time()
+        for _ in range(3):
+            run(*args, r)
+        seconds[r] = time.process_time() - t0
+    assert seconds[6] < 20 * seconds[0], seconds

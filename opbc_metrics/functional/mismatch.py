@@ -477,22 +477,29 @@ def _fused_token_statistics(
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
 
-    With ``rounds``, rows are padded with masked-out tokens to a multiple of ``_COMPILED_ROUND_CHUNK`` and
-    :func:`_chunk_sums` sums the chunked rows per chunk in a loop of its own, for :func:`_round_sums`.
+    With ``rounds``, :func:`_chunk_sums` sums the chunked rows per chunk of ``_COMPILED_ROUND_CHUNK`` tokens (rows
+    padded with masked-out tokens to whole chunks, for it and :func:`_round_sums` only), inside the main loop's loop
+    over rows where its rows are whole chunks.
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
-        # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none).
-        mask_in = mask.to(dtype) if mask_values is None else mask_values
+        # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none). expand_as: the
+        # same size symbols as the logprobs' under dynamic shapes (a view, no copy).
+        mask_in = mask.to(dtype) if mask_values is None else mask_values.expand_as(trainer)
+        # The chunk sums and windows read rows padded to whole chunks; the main loop reads the inputs themselves
+        # (padded, under dynamic shapes inductor indexed them modulo their sizes: a scalar loop, ~700x slower).
         pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
-        if pad:
-            trainer, rollout, mask_in = (torch.nn.functional.pad(x, (0, pad)) for x in (trainer, rollout, mask_in))
-            mask = torch.nn.functional.pad(mask, (0, pad))
-        trainer_in, rollout_in = trainer, rollout
+        unpadded = (trainer, rollout, mask_in)
+        trainer_in, rollout_in, mask_pad = (torch.nn.functional.pad(x, (0, pad)) if pad else x for x in unpadded)
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
+    if rounds and mask_values is not None:
+        # The main loop reads the float mask too (when the caller made it: the CPU wrapper): inductor's CPU code
+        # loads a bool mask with a scalar loop per 16 tokens. (Reshaped as the input it is, before the comparison:
+        # a view of the comparison's result, under dynamic shapes, was indexed modulo its sizes, a scalar loop.)
+        mask = mask_in.reshape(trainer.shape) > 0
     d = trainer - rollout
     ok = valid_tokens(d, mask)
     r = torch.where(ok, d, 0.0)
@@ -556,7 +563,11 @@ def _fused_token_statistics(
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
     if rounds:  # (the same expression as below: one node of the graph, the per-row min of r)
-        chunks = _chunk_sums(trainer_in, rollout_in, mask_in, torch.where(ok, r, math.inf).amin(-1))
+        anchor = torch.where(ok, r, math.inf).amin(-1)
+        if pad and t > _COMPILED_ROUND_CHUNK:
+            chunks = _ragged_chunk_sums(*unpadded, anchor if pieces == 1 else None)
+        else:  # (rows shorter than a chunk: the padded rows, in a loop of their own)
+            chunks = _chunk_sums(trainer_in, rollout_in, mask_pad, None if pad else anchor)
     extremes = torch.stack([
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
@@ -565,11 +576,17 @@ def _fused_token_statistics(
         # The rounds row from the chunk sums, not the main loop's (kept 0 there: a row changed after the
         # loop kept inductor from fusing the histogram's scatter into it).
         out["rounds"] = chunks[_ROWS.index["rounds"] - _CHUNKED.start].sum(dtype=f64)
-        out.update(_round_sums(chunks, trainer_in, rollout_in, mask_in, rounds, _COMPILED_ROUND_CHUNK))
+        out.update(_round_sums(chunks, trainer_in, rollout_in, mask_pad, rounds, _COMPILED_ROUND_CHUNK))
     return out
 
 
-def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) -> Tensor:
+def _chunk_features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """Valid (0/1) and scaled |r| of tokens with difference ``d`` and 0/1 float mask ``m``, for the chunk sums."""
+    ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule, as 0/1 floats (m is)
+    return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
+
+
+def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
     ``mask`` as 0/1 floats: a bool mask's conversion in inductor's CPU code was most of this loop's cost (~0.9 ns
@@ -581,10 +598,11 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) 
     """
     b, t = trainer.shape
     dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
-    rows = anchor.shape[0]
-    zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
-    if (t * b // rows) % width:  # the main loop's rows are no whole chunks: a loop of its own
+    rows = b if anchor is None else anchor.shape[0]
+    if anchor is None or (t * b // rows) % width:  # the main loop's rows are no whole chunks: a loop of its own
         rows, zero = b, torch.zeros(b, dtype=dtype, device=trainer.device)
+    else:
+        zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
     # (sizes from the inputs' shape: the mask's own size symbols, under dynamic shapes, split the loop in two)
     tr, ro, mv = (x.reshape(rows, b * t // (rows * width), width) for x in (trainer, rollout, mask))
     zero = zero.view(rows, 1, 1)
@@ -593,15 +611,10 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) 
     # on its own. Written unlike the main loop's trainer - rollout: the graph would share one such node between
     # the two loops, storing it to memory instead of computing it in both.
     head = slice(0, width - 1)
-
-    def features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
-        ok = torch.where((d - d) == 0, m, 0.0)  # valid_tokens' rule, as 0/1 floats (m is)
-        return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
-
     m = mv[..., head]
-    n, sum_abs_r = features(-ro[..., head] + tr[..., head], m)
+    n, sum_abs_r = _chunk_features(-ro[..., head] + tr[..., head], m)
     n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
-    last_n, last_abs_r = features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    last_n, last_abs_r = _chunk_features(-ro[..., -1] + tr[..., -1], mv[..., -1])
     sums = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r]).view(len(_CHUNK_ROW), -1)
     # The starts: the mask's count less the pairs (j - 1, j) with j in the chunk, the pair across the boundary
     # before the chunk included unless the chunk starts a row.
@@ -611,6 +624,34 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor) 
     row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
     sums[2] = sums[1] - sums[2] - torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
     return sums.view(len(_CHUNK_ROW), b, t // width)
+
+
+def _ragged_chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None) -> Tensor:
+    """:func:`_chunk_sums` for rows of T not a multiple of the chunk (``[rows, B, ceil(T / chunk)]``): the whole chunks
+    from ``unfold`` views of the inputs (contiguous loads; the padded inputs were loaded through the pad's bounds
+    checks, in a loop of its own), the partial last chunk of each row summed on its own. ``anchor`` (the main loop's
+    per-row result, when its rows are the sequences): read as an exact 0, for outer-loop fusion."""
+    b, t = trainer.shape
+    dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
+    zero = torch.zeros(b, dtype=dtype, device=trainer.device) if anchor is None else (anchor > anchor).to(dtype)
+    zero = zero.view(b, 1, 1)
+    tr, ro, mv = (x.unfold(-1, width, width) for x in (trainer, rollout, mask))  # [B, T // width, width]
+    head = slice(0, width - 1)
+    m = mv[..., head]
+    n, sum_abs_r = _chunk_features(-ro[..., head] + tr[..., head], m)
+    n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
+    last_n, last_abs_r = _chunk_features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    whole = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r])  # [4, B, T // width]
+    start = t // width * width
+    tt, rt, mt = trainer[:, start:], rollout[:, start:], mask[:, start:]
+    tail_n, tail_abs_r = _chunk_features(-rt + tt, mt)
+    tail = torch.stack([tail_n.sum(-1), mt.sum(-1), (mt[:, :-1] * mt[:, 1:]).sum(-1), tail_abs_r.sum(-1)])
+    sums = torch.cat([whole, tail.unsqueeze(-1)], dim=-1)  # [4, B, T // width + 1]
+    # The starts: the mask's count less the pairs inside the chunk and the pair across its first token (none for
+    # a row's first chunk).
+    across = mask[:, width::width] * mask[:, width - 1::width]  # [B, T // width]
+    sums[2] = sums[1] - sums[2] - torch.nn.functional.pad(across, (1, 0))
+    return sums
 
 
 # The per-round statistics: name -> the chunked row whose per-round sums it holds ([rounds + 1] float64,
@@ -665,8 +706,9 @@ def _round_sums(
         # token before the chunk (the last of the chunk before, 0 at a row's first chunk) gathered on its own.
         first = torch.add(chunk, consts["row_chunks"], alpha=n_chunks).view(-1)  # global chunk index
 
-        def window(x: Tensor) -> Tensor:
-            return x.reshape(b * t // width, width)[first].view(b, capacity, width)
+        def window(x: Tensor) -> Tensor:  # (unfold: a literal window width; view or reshape gave T // (T // 64) under
+            # dynamic shapes, whose divisions inductor left in the inner loop, ~3x the window kernel)
+            return x.unfold(-1, width, width)[consts["row_chunks"], chunk]
 
         m = window(mask).to(dtype)
         m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
@@ -865,8 +907,11 @@ def compiled_token_statistics() -> Any:
                 # per token) where inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token.
                 mask_values = mask.view(torch.uint8).to(trainer.dtype)
             # One graph per combination of statistic groups and capacity (constants of the graph), and per
-            # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function.
-            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function. The capacity
+            # stays a constant (specialize_int): once dynamo has seen two values it made it a size symbol, and
+            # the window stage's shapes with it (a patch of two settings costs ~7 us more per call than of one).
+            patch = {"recompile_limit": _RECOMPILE_LIMIT, **({"specialize_int": True} if rounds else {})}
+            with torch._dynamo.config.patch(**patch):
                 if mask_values is None:
                     return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
                 return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
