@@ -586,6 +586,23 @@ def _chunk_features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
     return ok, torch.where(ok > 0, d, 0.0).abs() * _R_SCALE
 
 
+def _whole_chunk_sums(tr: Tensor, ro: Tensor, mv: Tensor, zero: Tensor) -> Tensor:
+    """The n, n_mask, pairs and |r| sums of chunks laid out as ``[..., chunks, width]`` views: ``[4, ..., chunks]``.
+
+    All tokens of a chunk but its last, and the pairs (m[j], m[j + 1]) inside it (slices one token apart: no
+    padded previous-token load, whose per-vector bounds check cost ~0.6 ms at 128 x 8192); the last token added
+    on its own. Written unlike the main loop's trainer - rollout: the graph would share one such node between
+    the two loops, storing it to memory instead of computing it in both. ``zero`` (an exact 0 from the main
+    loop's per-row result, or zeros) is added to every sum, for outer-loop fusion.
+    """
+    head = slice(0, _COMPILED_ROUND_CHUNK - 1)
+    m = mv[..., head]
+    n, sum_abs_r = _chunk_features(-ro[..., head] + tr[..., head], m)
+    n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
+    last_n, last_abs_r = _chunk_features(-ro[..., -1] + tr[..., -1], mv[..., -1])
+    return torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r])
+
+
 def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
@@ -605,17 +622,7 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
         zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
     # (sizes from the inputs' shape: the mask's own size symbols, under dynamic shapes, split the loop in two)
     tr, ro, mv = (x.reshape(rows, b * t // (rows * width), width) for x in (trainer, rollout, mask))
-    zero = zero.view(rows, 1, 1)
-    # All tokens of a chunk but its last, and the pairs (m[j], m[j + 1]) inside it (slices one token apart: no
-    # padded previous-token load, whose per-vector bounds check cost ~0.6 ms at 128 x 8192); the last token added
-    # on its own. Written unlike the main loop's trainer - rollout: the graph would share one such node between
-    # the two loops, storing it to memory instead of computing it in both.
-    head = slice(0, width - 1)
-    m = mv[..., head]
-    n, sum_abs_r = _chunk_features(-ro[..., head] + tr[..., head], m)
-    n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
-    last_n, last_abs_r = _chunk_features(-ro[..., -1] + tr[..., -1], mv[..., -1])
-    sums = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r]).view(len(_CHUNK_ROW), -1)
+    sums = _whole_chunk_sums(tr, ro, mv, zero.view(rows, 1, 1)).view(len(_CHUNK_ROW), -1)
     # The starts: the mask's count less the pairs (j - 1, j) with j in the chunk, the pair across the boundary
     # before the chunk included unless the chunk starts a row.
     chunks = b * t // width
@@ -634,14 +641,8 @@ def _ragged_chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: T
     b, t = trainer.shape
     dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
     zero = torch.zeros(b, dtype=dtype, device=trainer.device) if anchor is None else (anchor > anchor).to(dtype)
-    zero = zero.view(b, 1, 1)
     tr, ro, mv = (x.unfold(-1, width, width) for x in (trainer, rollout, mask))  # [B, T // width, width]
-    head = slice(0, width - 1)
-    m = mv[..., head]
-    n, sum_abs_r = _chunk_features(-ro[..., head] + tr[..., head], m)
-    n, n_mask, pairs, sum_abs_r = ((f + zero).sum(-1) for f in (n, m, m * mv[..., 1:], sum_abs_r))
-    last_n, last_abs_r = _chunk_features(-ro[..., -1] + tr[..., -1], mv[..., -1])
-    whole = torch.stack([n + last_n, n_mask + mv[..., -1], pairs, sum_abs_r + last_abs_r])  # [4, B, T // width]
+    whole = _whole_chunk_sums(tr, ro, mv, zero.view(b, 1, 1))  # [4, B, T // width]
     start = t // width * width
     tt, rt, mt = trainer[:, start:], rollout[:, start:], mask[:, start:]
     tail_n, tail_abs_r = _chunk_features(-rt + tt, mt)
