@@ -163,11 +163,10 @@ def test_compiled_collections_of_several_sections_and_shapes_do_not_hit_the_reco
             OPBCCollection(sections=sections, compiled=True).update(x)
 
 
-def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_stay_vectorized():
-    """Rows of T not a multiple of the compiled chunk, once dynamo has made the shapes dynamic: the main loop read
-    padded inputs, which inductor indexed modulo their sizes (a scalar loop, ~700x the mismatch-only call)."""
-    import time
-
+def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_eager():
+    """Rows of T not a multiple of the compiled chunk, once dynamo has made the shapes dynamic (the main loop reads
+    the inputs unpadded there, the chunk sums ragged rows): the per-round sums equal the eager kernel's. The speed
+    of this case (once a scalar loop, ~700x the mismatch-only call) is timed by bench.py's 128 x 8100 shape."""
     run = fm.compiled_token_statistics()
     for b, t in [(4, 256), (8, 512), (4, 4200)]:  # (rows of more than 4096 tokens: cut into pieces)
         x = _short_rounds(b, t, seed=t, dtype=torch.float32)
@@ -176,10 +175,3 @@ def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_stay_vec
     eager = fm.token_statistics(*args, 6)
     for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
         torch.testing.assert_close(got[6][key], eager[key], rtol=1e-6, atol=1e-6, msg=key)
-    seconds = {}
-    for r in (0, 6):
-        t0 = time.process_time()
-        for _ in range(3):
-            run(*args, r)
-        seconds[r] = time.process_time() - t0
-    assert seconds[6] < 20 * seconds[0], seconds
