@@ -168,10 +168,11 @@ def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_ea
     the inputs unpadded there, the chunk sums ragged rows): the per-round sums equal the eager kernel's. The speed
     of this case (once a scalar loop, ~700x the mismatch-only call) is timed by bench.py's 128 x 8100 shape."""
     run = fm.compiled_token_statistics()
-    for b, t in [(4, 256), (8, 512), (4, 4200)]:  # (rows of more than 4096 tokens: cut into pieces)
+    # (T > 4096: the main loop cuts rows into pieces; 8256: whole chunks per row, not per piece)
+    for b, t in [(4, 256), (8, 512), (3, 1000), (4, 4200), (2, 8256)]:
         x = _short_rounds(b, t, seed=t, dtype=torch.float32)
         args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"].bool(), 20.0, 30.0, 64, True, True)
         got = {r: run(*args, r) for r in (0, 6)}
-    eager = fm.token_statistics(*args, 6)
-    for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
-        torch.testing.assert_close(got[6][key], eager[key], rtol=1e-6, atol=1e-6, msg=key)
+        eager = fm.token_statistics(*args, 6)
+        for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
+            torch.testing.assert_close(got[6][key], eager[key], rtol=1e-6, atol=1e-6, msg=f"{key} at {b} x {t}")
