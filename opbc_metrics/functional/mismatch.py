@@ -646,6 +646,7 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
     across = edges[1:, 0] * edges[:-1, -1]
     row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
     starts = sums[1] - sums[2] - torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
+    # (stacked, not written into `sums`: 0.88x the kernel with rounds at 256 x 8192, as in _ragged_chunk_sums)
     return torch.stack([sums[0], sums[1], starts, sums[3]]).view(len(_CHUNK_ROW), b, t // width)
 
 
@@ -665,9 +666,9 @@ def _ragged_chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: T
     tail = torch.stack([tail_n.sum(-1), mt.sum(-1), (mt[:, :-1] * mt[:, 1:]).sum(-1), tail_abs_r.sum(-1)])
     sums = torch.cat([whole, tail.unsqueeze(-1)], dim=-1)  # [4, B, T // width + 1]
     # The starts: the mask's count less the pairs inside the chunk and the pair across its first token (none for
-    # a row's first chunk). The pairs across from the chunk views' edge columns: strided slices of the mask
-    # (mask[:, 64::64]) split the main loop in two under dynamic shapes (measured: the kernel with rounds 1.72 ->
-    # 1.3x the mismatch-only one at 128 x 8100).
+    # a row's first chunk), from the chunk views' edge columns. Stacked, not written into `sums`: that in-place
+    # row went with the main loop split in two passes under dynamic shapes (the kernel with rounds 1.73 -> 1.28x
+    # the mismatch-only one at 128 x 8100; benchmarks/README.md).
     across = torch.cat([mv[:, 1:, 0] * mv[:, :-1, -1], (mt[:, 0] * mv[:, -1, -1]).unsqueeze(-1)], dim=-1)
     starts = sums[1] - sums[2] - torch.nn.functional.pad(across, (1, 0))  # [B, T // width + 1]
     return torch.stack([sums[0], sums[1], starts, sums[3]])
