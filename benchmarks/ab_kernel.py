@@ -6,8 +6,10 @@ Run: ``.venv/bin/python benchmarks/ab_kernel.py --old 15d0f27^`` (``--new REV``,
 in its own worker process (one intra-op thread, ``TORCHINDUCTOR_COMPILE_THREADS=1``) that imports only that
 tree. The parent asks the two workers in turn, alternating which goes first, to time a batch of calls of the
 mismatch-only kernel call (``token_statistics(trainer, rollout, mask, clamp, veto, bins, prob=True,
-hist=True)``, no per-round sums; compiled: ``compiled_token_statistics()``); fresh workers per shape, drift
-and mode, so every shape has its own static graph. The drift is the std of the inputs' per-token log-ratio:
+hist=True)``, no per-round sums; ``--rounds 16``: with the default collection's per-round sums; compiled:
+``compiled_token_statistics()``); fresh workers per shape, drift and mode, so every shape has its own static
+graph (``--dynamic``: each worker first calls bench.py's six shapes, so that, as in bench.py, the compiled
+graphs are dynamic-shape ones). The drift is the std of the inputs' per-token log-ratio:
 0.05 (the default) spreads the tokens over the histogram's bins, 1e-3 (bf16 against fp32 engines) puts most
 of them in one or two.
 Times are each worker's process CPU time per call, so the neighbours' load on a shared machine moves both
@@ -28,6 +30,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = "64x4096,128x8192,256x8192"
+WARM_UP_SHAPES = ((8, 1024), (64, 1024), (64, 4096), (128, 8192), (256, 8192), (128, 8100))  # bench.py's
 CLAMP, VETO, BINS = 20.0, 30.0, 8192
 # Calls per timed sample: a sample of about this many CPU seconds.
 SAMPLE_SECONDS = 0.05
@@ -51,14 +54,22 @@ def worker(tree: str) -> None:
     args: tuple[object, ...] = ()
     for line in sys.stdin:
         cmd, *rest = line.split()
-        if cmd == "setup":  # setup B T MODE DRIFT: build the inputs, compile, warm up; reply CPU seconds per call
-            b, t, mode, drift = int(rest[0]), int(rest[1]), rest[2], float(rest[3])
-            x = make_inputs(b, t, drift=drift)
-            args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"], CLAMP, VETO, BINS, True, True)
+        if cmd == "setup":  # setup B T MODE DRIFT ROUNDS DYNAMIC: build the inputs, compile, warm up; reply CPU
+            # seconds per call
+            b, t, mode, drift, rounds, dynamic = int(rest[0]), int(rest[1]), rest[2], float(rest[3]), int(rest[4]), \
+                rest[5] == "1"
             if mode == "compiled":
                 fn = mismatch.compiled_token_statistics()
             else:
                 fn = mismatch.token_statistics
+            if dynamic:  # bench.py's shapes first: from the third on, dynamo compiles dynamic-shape graphs
+                for shape in WARM_UP_SHAPES:
+                    w = make_inputs(*shape)
+                    fn(w["trainer_logprobs"], w["rollout_logprobs"], w["response_mask"], CLAMP, VETO, BINS, True,
+                       True, rounds)
+            x = make_inputs(b, t, drift=drift)
+            args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"], CLAMP, VETO, BINS, True, True,
+                    rounds)
             for _ in range(3):
                 fn(*args)
             t0 = time.process_time()
@@ -119,13 +130,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=40, help="paired samples per shape and mode")
     parser.add_argument("--drifts", default="0.05",
                         help="std of the inputs' per-token log-ratio (bench.make_inputs), comma-separated")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="per-round capacity of the call (16: the default collection's); 0: mismatch only")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="each worker first calls bench.py's shapes, so that the graphs are dynamic-shape ones")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(f"# A/B of token_statistics (mismatch only): new={args.new} / old={args.old}; process CPU time per call,"
+    what = f"rounds={args.rounds}" if args.rounds else "mismatch only"
+    print(f"# A/B of token_statistics ({what}{', dynamic shapes' if args.dynamic else ''}): new={args.new} /"
+          f" old={args.old}; process CPU time per call,"
           f" 1 thread, {args.reps} interleaved paired samples of ~{SAMPLE_SECONDS * 1e3:.0f} ms each")
     print(f"{'mode':>8} {'drift':>6} {'shape':>10} {'old ms':>8} {'new ms':>8} {'new/old':>8}"
           f" {'paired median [q1, q3]':>24} {'min/min':>8}")
@@ -136,7 +153,8 @@ def main() -> None:
             # before it (measured: up to 1.5x at 256 x 8192 compiled against a fresh process).
             old, new = Worker(trees[0]), Worker(trees[1])
             try:
-                per_call = max(old.ask(f"setup {b} {t} {mode} {drift}"), new.ask(f"setup {b} {t} {mode} {drift}"))
+                setup = f"setup {b} {t} {mode} {drift} {args.rounds} {int(args.dynamic)}"
+                per_call = max(old.ask(setup), new.ask(setup))
                 n = max(1, round(SAMPLE_SECONDS / max(per_call, 1e-6)))
                 times: dict[str, list[float]] = {"old": [], "new": []}
                 for rep in range(args.reps):
