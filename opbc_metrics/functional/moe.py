@@ -465,7 +465,7 @@ def _set_differs_tokens(
 # transpose. Lane i of a pair holds max(min_j r_i ^ t_j, min_j t_i ^ r_j): 0 exactly when rollout id i is among
 # the trainer's and trainer id i among the rollout's. A lane holding an id outside [0, bound) is raised to
 # _OUTSIDE_LANE, above any XOR of two ids in range (bound <= 2^30), so one per-token maximum says both things.
-# K = 8 of E = 128, 3.1M ids, one thread: 1.6-1.9x the flip rate's update against 3.9-4.4x for the eager lanes
+# K = 8 of E = 128, 3.1M ids, one thread: 1.6-2.0x the flip rate's update against 3.9-4.4x for the eager lanes
 # (benchmarks/README.md, "MoE set disagreement, compiled"). The lanes are stored as int32 between the loop and
 # the per-token maximum (inductor keeps them in a buffer: 4 bytes per id), hence the chunks.
 _OUTSIDE_LANE = 1 << 30

@@ -153,7 +153,7 @@ class RouterSetDisagreement(_RouterMetric):
             outside ``[0, 2**15)`` in valid tokens make :meth:`compute` raise (pass ``num_experts``); with
             K <= 2 any integer ids.
         compiled: compare the sets in one ``torch.compile`` loop (CPU, K > 2; a collection's ``compiled`` option
-            does it for all): ~2.5x faster at K = 8 after a compilation of a few seconds on first use, the same
+            does it for all): ~2-2.5x faster at K = 8 after a compilation of a few seconds on first use, the same
             value. Elsewhere the eager comparison runs.
         kwargs: torchmetrics ``Metric`` arguments.
 
