@@ -320,7 +320,7 @@ def release_workspaces() -> None:
 
 def token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int,
-    prob: bool = True, hist: bool = True, rounds: int = 0, mask_values: Tensor | None = None,
+    prob: bool = True, hist: bool = True, rounds: int = 0,
 ) -> Stats:
     """All sufficient statistics of the mismatch section for one batch, in one sweep over the tokens.
 
@@ -334,7 +334,8 @@ def token_statistics(
     Args:
         trainer: ``[B, T]`` trainer logprobs (float32 or float64).
         rollout: ``[B, T]`` rollout logprobs, same dtype.
-        mask: ``[B, T]`` bool response mask.
+        mask: ``[B, T]`` bool response mask (compiled, also its ``uint8`` view: see
+            :func:`compiled_token_statistics`).
         clamp: C, the log-ratio clamp.
         veto: the veto threshold.
         bins: bins of the top-1% sketch's log-weight histogram over ``[-C, C]``.
@@ -342,9 +343,6 @@ def token_statistics(
         hist: compute the log-weight histogram (else zeros).
         rounds: compute the per-round statistics for rounds ``0 .. rounds - 1`` and an overflow bucket
             (``round_*`` and ``max_rounds``, see :func:`_round_sums`); 0: none.
-        mask_values: optional, ``mask`` as 0/1 in the logprobs' dtype, read by the compiled kernel's per-round
-            sums (inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token, a uint8-to-float copy
-            outside the graph costs ~0.05 ns); :func:`compiled_token_statistics` makes it on CPU.
 
     Returns:
         float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts) and, with
@@ -358,7 +356,7 @@ def token_statistics(
         (2.0, 1.0, 1.0, 2)
     """
     if torch.compiler.is_compiling():
-        return _fused_token_statistics(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
+        return _fused_token_statistics(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
     return _blocked_token_statistics(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
 
 
@@ -473,7 +471,7 @@ _FUSED_ORDER = ("n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_k3", "clippe
 
 def _fused_token_statistics(
     trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool, hist: bool,
-    rounds: int, mask_values: Tensor | None = None,
+    rounds: int,
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
 
@@ -483,9 +481,10 @@ def _fused_token_statistics(
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
-        # The per-round sums read the mask as 0/1 floats (converted here if the caller gave none). expand_as: the
-        # same size symbols as the logprobs' under dynamic shapes (a view, no copy).
-        mask_in = mask.to(dtype) if mask_values is None else mask_values.expand_as(trainer)
+        # The per-round sums read the mask as 0/1 numbers: a uint8 mask converted where read (after the views of
+        # it: a view of a converted mask, under dynamic shapes, was indexed modulo its sizes, a scalar loop), a bool
+        # one converted here. expand_as: the logprobs' size symbols under dynamic shapes (a view, no copy).
+        mask_in = mask.expand_as(trainer) if mask.dtype == torch.uint8 else mask.to(dtype)
         # The chunk sums and windows read rows padded to whole chunks; the main loop reads the inputs themselves
         # (padded, under dynamic shapes inductor indexed them modulo their sizes: a scalar loop, ~700x slower).
         pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
@@ -495,11 +494,10 @@ def _fused_token_statistics(
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
         trainer, rollout, mask = (x.reshape(seqs * pieces, t // pieces) for x in (trainer, rollout, mask))
-    if rounds and mask_values is not None:
-        # The main loop reads the float mask too (when the caller made it: the CPU wrapper): inductor's CPU code
-        # loads a bool mask with a scalar loop per 16 tokens. (Reshaped as the input it is, before the comparison:
-        # a view of the comparison's result, under dynamic shapes, was indexed modulo its sizes, a scalar loop.)
-        mask = mask_in.reshape(trainer.shape) > 0
+    if mask.dtype == torch.uint8:
+        # (converted to the logprobs' dtype and compared there: a uint8 comparison's mask, cast to the float lanes,
+        # made the kernel with rounds 1.4x slower at 256 x 8192)
+        mask = (mask_in.reshape(trainer.shape) if rounds else mask).to(dtype) > 0
     d = trainer - rollout
     ok = valid_tokens(d, mask)
     r = torch.where(ok, d, 0.0)
@@ -576,7 +574,10 @@ def _fused_token_statistics(
         # The rounds row from the chunk sums, not the main loop's (kept 0 there: a row changed after the
         # loop kept inductor from fusing the histogram's scatter into it).
         out["rounds"] = chunks[_ROWS.index["rounds"] - _CHUNKED.start].sum(dtype=f64)
-        out.update(_round_sums(chunks, trainer_in, rollout_in, mask_pad, rounds, _COMPILED_ROUND_CHUNK))
+        # (the windows of rows longer than a chunk read the unpadded inputs: _round_sums shifts a row's partial last
+        # window back inside the row)
+        windowed = unpadded if t > _COMPILED_ROUND_CHUNK else (trainer_in, rollout_in, mask_pad)
+        out.update(_round_sums(chunks, *windowed, rounds, _COMPILED_ROUND_CHUNK))
     return out
 
 
@@ -638,11 +639,12 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
         zero = (anchor > anchor).to(dtype)  # 0 (anchor is a min over a row: never NaN, at most inf)
     # (sizes from the inputs' shape: the mask's own size symbols, under dynamic shapes, split the loop in two)
     tr, ro, mv = (x.reshape(rows, b * t // (rows * width), width) for x in (trainer, rollout, mask))
+    mv = mv.to(dtype)
     sums = _whole_chunk_sums(tr, ro, mv, zero.view(rows, 1, 1)).view(len(_CHUNK_ROW), -1)
     # The starts: the mask's count less the pairs (j - 1, j) with j in the chunk, the pair across the boundary
     # before the chunk included unless the chunk starts a row.
     chunks = b * t // width
-    edges = mask.reshape(chunks, width)
+    edges = mask.reshape(chunks, width).to(dtype)
     across = edges[1:, 0] * edges[:-1, -1]
     row_first = torch.arange(1, chunks, device=mask.device) % (t // width) == 0
     starts = sums[1] - sums[2] - torch.nn.functional.pad(torch.where(row_first, 0.0, across), (1, 0))
@@ -659,9 +661,10 @@ def _ragged_chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: T
     dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
     zero = torch.zeros(b, dtype=dtype, device=trainer.device) if anchor is None else (anchor > anchor).to(dtype)
     tr, ro, mv = (x.unfold(-1, width, width) for x in (trainer, rollout, mask))  # [B, T // width, width]
+    mv = mv.to(dtype)
     whole = _whole_chunk_sums(tr, ro, mv, zero.view(b, 1, 1))  # [4, B, T // width]
     start = t // width * width
-    tt, rt, mt = trainer[:, start:], rollout[:, start:], mask[:, start:]
+    tt, rt, mt = trainer[:, start:], rollout[:, start:], mask[:, start:].to(dtype)
     tail_n, tail_abs_r = _chunk_features(-rt + tt, mt)
     tail = torch.stack([tail_n.sum(-1), mt.sum(-1), (mt[:, :-1] * mt[:, 1:]).sum(-1), tail_abs_r.sum(-1)])
     sums = torch.cat([whole, tail.unsqueeze(-1)], dim=-1)  # [4, B, T // width + 1]
@@ -724,16 +727,21 @@ def _round_sums(
         # (compiled, T a multiple of width) each window a row of the [chunks, width] view of an input: inductor loads
         # it as contiguous vectors, where a gather by token positions was a scalar load per token (~5 ns each); the
         # token before the chunk (the last of the chunk before, 0 at a row's first chunk) gathered on its own.
-        first = torch.add(chunk, consts["row_chunks"], alpha=n_chunks).view(-1)  # global chunk index
+        # A row's partial last chunk (T not a multiple of width, T > width) is read through the window ending at the
+        # row's end, shifted back by `offset` tokens, whose first `offset` tokens (of the chunk before) are left out:
+        # every load inside the row, where windows of padded inputs were loaded through the pad's masks.
+        first = torch.mul(chunk, width).clamp_(max=t - width)  # the window's first token
+        offset = torch.mul(chunk, width) - first
 
         def window(x: Tensor) -> Tensor:  # (unfold: a literal window width; view or reshape gave T // (T // 64) under
             # dynamic shapes, whose divisions inductor left in the inner loop, ~3x the window kernel)
-            return x.unfold(-1, width, width)[consts["row_chunks"], chunk]
+            return x.unfold(-1, width, 1)[consts["row_chunks"], first]
 
         m = window(mask).to(dtype)
-        m_previous = mask.reshape(-1)[(first * width - 1).clamp_(min=0)].view(b, capacity, 1).to(dtype)
+        m_previous = mask[consts["row_chunks"], (first - 1).clamp_(min=0)].unsqueeze(-1).to(dtype)
         m_before = torch.cat([m_previous * later.unsqueeze(-1), m[..., :-1]], dim=-1)
         d = window(trainer) - window(rollout)
+        m = m * (consts["offsets"][1:] >= offset.unsqueeze(-1)).to(dtype)  # the chunk's tokens
     else:
         pos = torch.add(consts["offsets"], chunk.unsqueeze(-1), alpha=width)
         pos[..., 0].clamp_(min=0)
@@ -920,21 +928,20 @@ def compiled_token_statistics() -> Any:
 
         def run(
             trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool = True,
-            hist: bool = True, rounds: int = 0, mask_values: Tensor | None = None,
+            hist: bool = True, rounds: int = 0,
         ) -> Stats:
-            if rounds and mask_values is None and trainer.device.type == "cpu" and mask.dtype == torch.bool:
-                # The per-round sums' mask as 0/1 floats, made outside the graph: a uint8-to-float copy (~0.05 ns
-                # per token) where inductor's CPU code converts a bool mask at ~0.6-0.9 ns per token.
-                mask_values = mask.view(torch.uint8).to(trainer.dtype)
+            if trainer.device.type == "cpu" and mask.dtype == torch.bool:
+                # The graph reads the mask's uint8 view (no copy): inductor's CPU code loads a bool mask through a
+                # scalar loop per 16 tokens, a uint8 one as vectors (measured: the mismatch-only kernel 0.90-0.92x,
+                # the one with rounds 0.91-0.99x against a float copy of the mask made here, from 64 x 4096 up).
+                mask = mask.view(torch.uint8)
             # One graph per combination of statistic groups and capacity (constants of the graph), and per
             # shape until dynamo makes the shapes dynamic: more than dynamo's default 8 per function. The capacity
             # stays a constant (specialize_int): once dynamo has seen two values it made it a size symbol, and
             # the window stage's shapes with it (a patch of two settings costs ~7 us more per call than of one).
             patch = {"recompile_limit": _RECOMPILE_LIMIT, **({"specialize_int": True} if rounds else {})}
             with torch._dynamo.config.patch(**patch):
-                if mask_values is None:
-                    return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
-                return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds, mask_values)
+                return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
 
         _COMPILED["fn"] = run
     return _COMPILED["fn"]
