@@ -623,11 +623,12 @@ def _whole_chunk_sums(tr: Tensor, ro: Tensor, mv: Tensor, zero: Tensor) -> Tenso
 def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None) -> Tensor:
     """The compiled kernel's chunk sums of the _CHUNKED rows, ``[rows, B, T / _COMPILED_ROUND_CHUNK]`` (T a multiple).
 
-    ``mask`` as 0/1 floats: a bool mask's conversion in inductor's CPU code was most of this loop's cost (~0.9 ns
-    per token; the loop with float masks ~0.3 ns). ``anchor``: a per-row result of the main loop (``[B * pieces]``,
-    its rows as the main loop cuts them): the chunk sums read it (as an exact 0), so inductor runs them inside the
-    main loop's loop over rows (outer-loop fusion), on the row it has just read, still in cache (measured: 0.90x
-    the kernel at 256 x 8192, 0.97x at 128 x 8192, the same at 64 x 4096). Reductions over chunks rather than
+    ``mask`` as 0/1 numbers, uint8 (converted after the views) or floats: a bool mask's conversion in inductor's CPU
+    code was most of this loop's cost (~0.9 ns per token; the loop with float masks ~0.3 ns). ``anchor``: a per-row
+    result of the main loop (``[B * pieces]``, its rows as the main loop cuts them): the chunk sums read it (as an
+    exact 0), so inductor runs them inside the main loop's loop over rows (outer-loop fusion), on the row it has
+    just read, still in cache (measured: 0.90x the kernel at 256 x 8192, 0.97x at 128 x 8192, the same at 64 x
+    4096). Reductions over chunks rather than
     along the rows: cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower.
     """
     b, t = trainer.shape
