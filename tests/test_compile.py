@@ -67,3 +67,26 @@ def test_compiled_collection_equals_eager_collection():
     e, c = eager.compute(), compiled.compute()
     for key in e:
         torch.testing.assert_close(c[key], e[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_strided_inputs_reuse_the_contiguous_graph_and_give_the_same_values():
+    """A response cut out of a longer padded batch (``x[:, k:]``) is copied before the compiled CPU graph: the graph
+    for non-contiguous strides was ~10x slower (benchmarks/README.md). So it reuses the graph of contiguous inputs of
+    its shape (no new graph) and gives the same values bit for bit."""
+    from torch._dynamo.utils import counters
+
+    from opbc_metrics.functional.mismatch import compiled_token_statistics
+
+    run = compiled_token_statistics()
+    wide = make_batch(batch=4, seq=300 + 7, seed=11)
+    cut = {k: wide[k][:, 7:] for k in ("trainer_logprobs", "rollout_logprobs", "response_mask")}
+    assert not cut["trainer_logprobs"].is_contiguous()
+    for rounds in (0, 6):
+        args = [cut["trainer_logprobs"], cut["rollout_logprobs"], cut["response_mask"].bool()]
+        contiguous = run(*(x.contiguous() for x in args), 20.0, 30.0, 256, True, True, rounds)
+        graphs = counters["stats"]["unique_graphs"]
+        strided = run(*args, 20.0, 30.0, 256, True, True, rounds)
+        assert counters["stats"]["unique_graphs"] == graphs, "strided inputs compiled a graph of their own"
+        assert set(strided) == set(contiguous)
+        for key in contiguous:
+            assert torch.equal(strided[key], contiguous[key]), key

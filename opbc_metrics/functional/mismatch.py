@@ -931,6 +931,10 @@ def compiled_token_statistics() -> Any:
             trainer: Tensor, rollout: Tensor, mask: Tensor, clamp: float, veto: float, bins: int, prob: bool = True,
             hist: bool = True, rounds: int = 0,
         ) -> Stats:
+            # Strided inputs (a slice of a longer padded batch, as frameworks cut out the response) copied first:
+            # the graph for non-contiguous strides ran ~10x slower (measured at 128 x 8192, a [:, 37:] slice: 26 ms
+            # mismatch-only and 48 ms with rounds, against 2.2 and 2.7 ms contiguous; a copy costs ~0.1 ns a token).
+            trainer, rollout, mask = (x.contiguous() for x in (trainer, rollout, mask))
             if trainer.device.type == "cpu" and mask.dtype == torch.bool:
                 # The graph reads the mask's uint8 view (no copy): inductor's CPU code loads a bool mask through a
                 # scalar loop per 16 tokens, a uint8 one as vectors (measured: the mismatch-only kernel 0.90-0.92x,
