@@ -628,8 +628,8 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
     result of the main loop (``[B * pieces]``, its rows as the main loop cuts them): the chunk sums read it (as an
     exact 0), so inductor runs them inside the main loop's loop over rows (outer-loop fusion), on the row it has
     just read, still in cache (measured: 0.90x the kernel at 256 x 8192, 0.97x at 128 x 8192, the same at 64 x
-    4096). Reductions over chunks rather than
-    along the rows: cutting the main reductions into chunk-sized pieces made the whole kernel ~1.5x slower.
+    4096). Reductions over chunks rather than along the rows: cutting the main reductions into chunk-sized pieces
+    made the whole kernel ~1.5x slower.
     """
     b, t = trainer.shape
     dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
@@ -725,9 +725,9 @@ def _round_sums(
     # start rule, zeroed below; the others come after the start, so they are never "before" it (and a missing start
     # reads the row total).
     if torch.compiler.is_compiling():
-        # (compiled, T a multiple of width) each window a row of the [chunks, width] view of an input: inductor loads
-        # it as contiguous vectors, where a gather by token positions was a scalar load per token (~5 ns each); the
-        # token before the chunk (the last of the chunk before, 0 at a row's first chunk) gathered on its own.
+        # (compiled) each window a row of an `unfold` view of an input: inductor loads it as contiguous vectors, where
+        # a gather by token positions was a scalar load per token (~5 ns each); the token before the window (0 at a
+        # row's first chunk) gathered on its own.
         # A row's partial last chunk (T not a multiple of width, T > width) is read through the window ending at the
         # row's end, shifted back by `offset` tokens, whose first `offset` tokens (of the chunk before) are left out:
         # every load inside the row, where windows of padded inputs were loaded through the pad's masks.
