@@ -475,9 +475,9 @@ def _fused_token_statistics(
 ) -> Stats:
     """Compiled kernel: pure expressions with every reduction along T, which inductor fuses into one loop.
 
-    With ``rounds``, :func:`_chunk_sums` sums the chunked rows per chunk of ``_COMPILED_ROUND_CHUNK`` tokens (rows
-    padded with masked-out tokens to whole chunks, for it and :func:`_round_sums` only), inside the main loop's loop
-    over rows where its rows are whole chunks.
+    With ``rounds``, :func:`_chunk_sums` (or :func:`_ragged_chunk_sums`, rows of T not a multiple) sums the chunked
+    rows per chunk of ``_COMPILED_ROUND_CHUNK`` tokens, inside the main loop's loop over rows where its rows are whole
+    chunks; rows shorter than a chunk are padded with masked-out tokens for the chunk sums and :func:`_round_sums`.
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
@@ -731,8 +731,9 @@ def _round_sums(
         # A row's partial last chunk (T not a multiple of width, T > width) is read through the window ending at the
         # row's end, shifted back by `offset` tokens, whose first `offset` tokens (of the chunk before) are left out:
         # every load inside the row, where windows of padded inputs were loaded through the pad's masks.
-        first = torch.mul(chunk, width).clamp_(max=t - width)  # the window's first token
-        offset = torch.mul(chunk, width) - first
+        chunk_first = torch.mul(chunk, width)
+        first = chunk_first.clamp(max=t - width)  # the window's first token
+        offset = chunk_first - first
 
         def window(x: Tensor) -> Tensor:  # (unfold: a literal window width; view or reshape gave T // (T // 64) under
             # dynamic shapes, whose divisions inductor left in the inner loop, ~3x the window kernel)
