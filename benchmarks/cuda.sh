@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA checks and benchmarks, for a machine with a GPU and PyTorch (no install: run from the repo root).
 # tests/test_cuda.py (every section's values against the CPU's, no sync in update(), eager and compiled), then
-# bench.py and bench_controller_moe.py on the GPU. Each stage is time-bounded; logs go to $OUT (or ./cuda-logs).
+# bench.py and bench_controller_moe.py on the GPU, then cuda_rounds.py (the compiled per-round sums there).
+# Each stage is time-bounded; logs go to $OUT (or ./cuda-logs).
 set -uo pipefail
 out="${OUT:-cuda-logs}"
 mkdir -p "$out"
@@ -13,3 +14,4 @@ timeout "${TEST_S:-110}" $py -m pytest -q -p no:cacheprovider --tb=short -rfE te
 timeout "${BENCH_S:-150}" $py benchmarks/bench.py --device cuda --only "${BENCH_ONLY:-update,sections,precision}" 2>&1 | tee "$out/bench.log"
 timeout "${MOE_S:-60}" $py benchmarks/bench_controller_moe.py --device cuda 2>&1 | tee "$out/controller_moe.log"
 timeout "${NAIVE_S:-70}" $py benchmarks/bench.py --device cuda --only naive 2>&1 | tee "$out/naive.log"
+timeout "${ROUNDS_S:-90}" $py benchmarks/cuda_rounds.py --profile 2>&1 | tee "$out/rounds.log"

@@ -98,3 +98,20 @@ def test_controller_step_on_cuda_equals_cpu():
             {k: v for k, v in b.items() if isinstance(v, float)}, rel=1e-6, abs=1e-9)
     budget, want_budget = floats(controller.budget.compute()), floats(cpu.budget.compute())
     assert budget.keys() == want_budget.keys() and budget == pytest.approx(want_budget, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("b,t", [(4, 256), (3, 1000), (4, 4200), (2, 8256)])
+def test_compiled_round_sums_on_cuda_equal_eager(b, t):
+    """The compiled kernel's per-round sums on the GPU against the eager kernel's there, rounds late in the rows too
+    (inductor's Triton searchsorted once ignored a view's offset: every round sum was wrong on torch 2.11)."""
+    from opbc_metrics.functional import mismatch as fm
+
+    x = to_cuda(multi_turn_batch(batch=b, seq=t, seed=t, p_switch=0.45, dtype=torch.float32))
+    for late in (False, True):
+        if late:  # every round in the rows' last tokens
+            x["response_mask"][:, : t - (t % 64 or 64) - 3] = 0
+        args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"].bool(), 20.0, 30.0, 64, True, True, 6)
+        got, want = fm.compiled_token_statistics()(*args), fm.token_statistics(*args)
+        assert want["max_rounds"] > 6, "the batch must fill the tracked rounds"
+        for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=f"{key} at {b} x {t}, {late=}")

@@ -714,7 +714,13 @@ def _round_sums(
     # The k-th start of each row for k = 2 .. capacity + 1 (the starts of rounds 1 .. capacity): its chunk is
     # the first whose cumulative start count reaches k.
     k = consts["k"]
-    chunk = torch.searchsorted(inclusive[starts_row], k).clamp_(max=n_chunks - 1)  # [B, capacity]
+    start_counts = inclusive[starts_row]
+    if torch.compiler.is_compiling() and device.type != "cpu":
+        # The start counts' prefix sums in a buffer of their own: inductor's Triton searchsorted ignored a view's
+        # storage offset before torch 2.13 (pytorch/pytorch#182343) and searched the first row of `inclusive`
+        # (seen on an H200 with torch 2.11: every round sum wrong). Its CPU code calls aten's searchsorted.
+        start_counts = chunks[starts_row].cumsum(-1, dtype=f64)
+    chunk = torch.searchsorted(start_counts, k).clamp_(max=n_chunks - 1)  # [B, capacity]
     exists = k <= totals[starts_row].unsqueeze(-1)
     # Sums of the chunks before it (exclusive prefix): the inclusive prefix of the chunk before, 0 for chunk 0.
     later = chunk > 0
@@ -1006,17 +1012,8 @@ def batch_statistics(
         if trainer.numel() == 0:  # shape metadata, not data: no sync
             return _empty_statistics(bins, trainer.device, rounds)
         settings = (float(clamp), float(veto), int(bins))
-        if not compiled:
-            return token_statistics(trainer, rollout, mask, *settings, prob, hist, rounds)
-        # Compiled for CUDA (torch 2.11, H200), the per-round sums of the last tracked rounds came out wrong
-        # against the eager code on the same GPU (tests/test_cuda.py; the chunk sums and searchsorted alone were
-        # right): there the per-round sums are taken eagerly, beside the compiled kernel.
-        eager_rounds = rounds if trainer.device.type != "cpu" else 0
-        out = compiled_token_statistics()(trainer, rollout, mask, *settings, prob, hist, rounds - eager_rounds)
-        if eager_rounds:
-            per_round = token_statistics(trainer, rollout, mask, *settings, False, False, rounds)
-            out.update(_pick(per_round, "rounds", "max_rounds", *ROUND_STATS))
-        return out
+        kernel = compiled_token_statistics() if compiled else token_statistics
+        return kernel(trainer, rollout, mask, *settings, prob, hist, rounds)
 
     return view.shared((TOKEN_STATISTICS, float(clamp), float(veto), int(bins), prob, hist, rounds), make)
 
