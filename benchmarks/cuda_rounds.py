@@ -1,12 +1,11 @@
 """On a GPU: are the compiled per-round sums right there, and what does each way of taking them cost?
 
-Compiled for CUDA (torch 2.11, one H200), ``_round_sums`` once gave wrong sums for the last tracked rounds, so
-``batch_statistics`` takes the per-round sums eagerly beside the compiled kernel on CUDA. This script checks
-the compiled kernel with rounds against the eager kernel on the same device and inputs (the cases of
-``tests/test_kernel_rounds.py``'s dynamic-shape test, late rounds included, and multi-round benchmark shapes),
-then times the kernel calls (medians, synchronized, wall-clock): mismatch-only and with 16 rounds, eager and
-compiled, and compiled + eager rounds (what ``batch_statistics`` does on CUDA now). ``--profile`` adds the
-eager kernel's top CUDA ops at 256 x 8192.
+Compiled for CUDA with torch < 2.13, ``_round_sums`` gave wrong sums (inductor's Triton ``searchsorted`` ignored a
+view's storage offset, pytorch/pytorch#182343; fixed in ``_round_sums``). This script checks the compiled kernel
+with rounds against the eager kernel on the same device and inputs (the cases of ``tests/test_kernel_rounds.py``'s
+dynamic-shape test, late rounds included, and multi-round benchmark shapes; ``--no-check`` skips it), then times
+the kernel calls (medians, synchronized, wall-clock): mismatch-only and with 16 rounds, eager and compiled, and
+compiled + eager rounds (the interim CUDA workaround). ``--profile`` adds the eager kernel's top ops at 256 x 8192.
 
 Run: ``python3 benchmarks/cuda_rounds.py`` (``--device cpu`` runs it here, as a smoke test).
 """
@@ -79,9 +78,9 @@ def median_ms(fn, device: torch.device, repeats: int = 30) -> float:
 
 
 def _calls(run, args: tuple) -> list:
-    """The five kernel calls timed: eager / compiled, without / with rounds, and what CUDA does now."""
+    """The five kernel calls timed: eager / compiled, without / with rounds, and the interim CUDA path."""
 
-    def current() -> None:  # batch_statistics on CUDA: compiled without rounds, the rounds eagerly
+    def current() -> None:  # the interim CUDA path: compiled without rounds, the rounds eagerly
         run(*args, True, True, 0)
         fm.token_statistics(*args, False, False, ROUNDS)
 
@@ -93,7 +92,7 @@ def timings(device: torch.device, shapes: list[tuple[int, int]]) -> None:
     run = fm.compiled_token_statistics()
     print("\nkernel calls, ms (median; multi-round inputs, 16 tracked rounds):")
     cols = ("eager", "eager+R", "compiled", "compiled+R", "comp+eagerR")
-    print(f"  {'shape':>12} " + " ".join(f"{c:>11}" for c in cols) + "   with rounds / without: compiled, current")
+    print(f"  {'shape':>12} " + " ".join(f"{c:>11}" for c in cols) + "   with rounds / without: compiled, interim")
     for b, t in shapes:
         ms = [median_ms(f, device) for f in _calls(run, (*multi_round_inputs(b, t, device), CLAMP, VETO, BINS))]
         print(f"  {f'{b} x {t}':>12} " + " ".join(f"{m:>11.3f}" for m in ms)

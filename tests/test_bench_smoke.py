@@ -29,3 +29,13 @@ def test_controller_and_moe_benchmark_runs_quick():
     assert out.returncode == 0, out.stderr[-3000:]
     for line in ("moe:", "controller at", "memory at", "top mass at"):
         assert line in out.stdout
+
+
+def test_cuda_rounds_script_runs_on_the_cpu():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "cuda_rounds.py"), "--device", "cpu", "--no-check",
+         "--shapes", "8x256"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kernel calls" in out.stdout and "8 x 256" in out.stdout
