@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from opbc_metrics import OPBCCollection, OPBCController
+from opbc_metrics.functional import mismatch as fm
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch, multi_turn_batch
 from tests.harness import SECTIONS, assert_close, floats
@@ -104,8 +105,6 @@ def test_controller_step_on_cuda_equals_cpu():
 def test_compiled_round_sums_on_cuda_equal_eager(b, t):
     """The compiled kernel's per-round sums on the GPU against the eager kernel's there, rounds late in the rows too
     (inductor's Triton searchsorted once ignored a view's offset: every round sum was wrong on torch 2.11)."""
-    from opbc_metrics.functional import mismatch as fm
-
     x = to_cuda(multi_turn_batch(batch=b, seq=t, seed=t, p_switch=0.45, dtype=torch.float32))
     for late in (False, True):
         if late:  # every round in the rows' last tokens
