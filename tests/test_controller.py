@@ -575,6 +575,21 @@ def test_grpo_example_runs():
     assert shares == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("b,t,chunks", [(64, 32768, 16), (64, 4096, 4), (1000, 2048, 16), (7, 40000, 7), (3, 10, 1)])
+def test_row_chunks_on_an_accelerator_are_at_most_sixteen(b, t, chunks):
+    """On an accelerator a chunk costs its kernel launches, not its size: at most ACCELERATOR_CHUNKS row ranges
+    (never smaller than the CPU's), covering every row once. Meta tensors stand in for a GPU's (shapes only)."""
+    meta = {"device": "meta"}
+    view = BatchView(trainer_logprobs=torch.empty(b, t, **meta), rollout_logprobs=torch.empty(b, t, **meta),
+                     response_mask=torch.empty(b, t, dtype=torch.bool, **meta))
+    ranges = FC.row_chunks(view)
+    assert len(ranges) == chunks <= FC.ACCELERATOR_CHUNKS
+    assert [i for i, _ in ranges] == [0, *(j for _, j in ranges[:-1])] and ranges[-1][1] == b
+    cpu = BatchView(trainer_logprobs=torch.zeros(b, t), rollout_logprobs=torch.zeros(b, t))
+    assert len(FC.row_chunks(cpu)) >= chunks  # the CPU keeps cache-sized chunks
+    assert len(FC.row_chunks(view, chunk_tokens=t)) == b  # an explicit size is kept everywhere
+
+
 @pytest.mark.parametrize("preset,clamp", [("default", 20.0), ("default", 50.0), ("truncated_is", 20.0),
                                           ("masked_is", 20.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from opbc_metrics import OPBCCollection, OPBCController
+from opbc_metrics.batch import BatchView
+from opbc_metrics.functional import controller as FC
 from opbc_metrics.functional import mismatch as fm
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch, multi_turn_batch
@@ -80,9 +82,15 @@ def test_default_collection_on_cuda_equals_cpu(compiled):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
 
 
-def test_controller_step_on_cuda_equals_cpu():
+@pytest.mark.parametrize("chunk_tokens", [None, 256], ids=["one_chunk", "fused_chunks"])
+def test_controller_step_on_cuda_equals_cpu(monkeypatch, chunk_tokens):
     batch = make_batch(batch=12, seq=64, seed=3)
     batch["group_ids"] = torch.arange(12) // 4
+    if chunk_tokens:  # three chunks of 4 rows on both devices: the fused pass (FC.fused_pass) on each
+        monkeypatch.setattr(FC, "CHUNK_TOKENS", chunk_tokens)
+        for device in ("cpu", CUDA):
+            view = BatchView({k: v.to(device) for k, v in batch.items()})
+            assert len(FC.row_chunks(view)) == 3 and FC.fused_pass_applies(view, FC.row_chunks(view))
     cpu, controller = OPBCController(), OPBCController().to(CUDA)  # with the budget metrics
     want = cpu.step(batch)
     cpu.step(batch)

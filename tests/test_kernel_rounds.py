@@ -44,6 +44,24 @@ def test_kernel_round_sums_match_the_reference_on_long_rows(seq):
         assert_rounds_close(got, per_round_reference(*logprobs_numpy(b), capacity=capacity))
 
 
+@pytest.mark.parametrize("seq", [33, 64, 97])
+def test_eager_round_sums_of_strided_rows_equal_those_of_contiguous_ones(seq):
+    """A slice of a wider padded batch (rows strided, as frameworks cut out the response) and a transposed copy
+    (columns strided) give the per-round sums of the contiguous batch."""
+    b = _short_rounds(4, seq, seed=seq)
+    b["rollout_logprobs"][2, seq - 1] = float("-inf")
+    inputs = (b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool())
+    wide = [torch.cat([torch.zeros_like(x[:, :7]), x, torch.ones_like(x[:, :5])], dim=1)[:, 7 : 7 + seq]
+            for x in inputs]
+    transposed = [x.t().contiguous().t() for x in inputs]
+    assert wide[0].stride(0) == seq + 12 and transposed[0].stride(-1) != 1
+    want = fm.token_statistics(*inputs, 20.0, 30.0, 64, True, True, 5)
+    for strided in (wide, transposed):
+        got = fm.token_statistics(*strided, 20.0, 30.0, 64, True, True, 5)
+        for key in (*fm.ROUND_STATS, "max_rounds"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-12, atol=0.0, msg=key)
+
+
 @pytest.mark.parametrize("capacity,alone", [
     (0, ((ImportanceSamplingESS, (False, False)), (ProbabilityDiff, (True, False)), (TopGradientMass, (False, True)))),
     (4, ((lambda: PerRoundMismatch(capacity=4), (False, False)),)),
