@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import PER_SEQUENCE_FIELDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS
+from opbc_metrics.batch import (
+    PER_SEQUENCE_FIELDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOGPROBS,
+    TRAINER_LOGPROBS,
+    host_floats,
+)
 from opbc_metrics.functional.moe import ROLLOUT_EXPERTS, TRAINER_EXPERTS
 
 # The batch schema's fields: adapters pass them through unchanged when a trainer's batch already uses them.
@@ -129,14 +135,7 @@ def loggable(values: Mapping[str, Any], *, logprob_window: bool = False) -> dict
     """
     from opbc_metrics.functional.mismatch import INPUT_KEYS
 
-    out: dict[str, float] = {}
-    for key, value in values.items():
-        if isinstance(value, Tensor):
-            if value.numel() != 1:
-                continue
-            out[key] = float(value.detach().reshape(()).item())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = float(value)
+    out = host_floats(values)  # one device-to-host copy, not one sync per key
     if out and set(out) <= set(INPUT_KEYS) and not any(out.values()):
         return {}
     if logprob_window and not any(out.get(k, 0.0) for k in INPUT_KEYS[1:]):  # num_tokens, num_sequences

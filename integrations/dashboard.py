@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from opbc_metrics.batch import host_floats
+
 __all__ = ["ALIASES", "PER_ROUND", "SPARSE_PATTERNS", "Alias", "KeyFilter", "resolve_alias"]
 
 
@@ -193,6 +195,7 @@ class KeyFilter:
         """The keys of ``values`` not to write on this step."""
         if self.log_all:
             return set()
+        values = {**values, **host_floats(values)}  # tensors read in one device-to-host copy, not one sync each
         out: set[str] = set()
         for key, value in values.items():
             if key in self.written:

@@ -76,6 +76,7 @@ try:  # the unified package first, the standalone one as a fallback
 except ImportError:  # pragma: no cover - depends on the environment
     from pytorch_lightning import Callback, LightningModule, Trainer
 
+from opbc_metrics.batch import host_floats
 from opbc_metrics.collection import OPBCCollection
 from opbc_metrics.integrations.dashboard import KeyFilter
 
@@ -271,7 +272,7 @@ class OPBCCallback(Callback):
             return
         if trainer.is_global_zero and scalars:
             written = [f"{k}{suffix}" for k in self.key_filter(values)]
-            floats = {name: float(scalars[name].detach().reshape(()).item()) for name in written if name in scalars}
+            floats = host_floats({name: scalars[name] for name in written if name in scalars})
             floats["epoch"] = float(trainer.current_epoch)  # as Lightning adds to its own records
             for logger in trainer.loggers:
                 logger.log_metrics(floats, step=step)

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view
+from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view, host_floats
 from opbc_metrics.functional.statistics import bin_counts
 from opbc_metrics.integrations.dashboard import ALIASES, KeyFilter
 from opbc_metrics.metric import SUM, OPBCMetric, State, registered_metrics, table
@@ -727,11 +727,12 @@ class OPBCWandbLogger:
         if run is None:
             return
         values = self.key_filter(values)
+        floats = host_floats(values)  # one device-to-host copy, not one sync per key
         if self.layer_bars:
-            hists.update(layer_histograms(values, self.num_layers))
+            hists.update(layer_histograms({**values, **floats}, self.num_layers))
         data: dict[str, Any] = {}
         for key, value in values.items():
-            scalar = _scalar(value)
+            scalar = floats[key] if key in floats else _scalar(value)
             if scalar is not None:
                 data[key] = scalar
             elif isinstance(value, (Tensor, np.ndarray, list, tuple)) and np.ndim(_to_numpy(value)) == 1:

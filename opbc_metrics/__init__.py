@@ -6,7 +6,7 @@ Every name a section package exports (its ``__all__``) is exported here too.
 # In this order the sections register their metric classes, which orders the glossary (collection before controller).
 from opbc_metrics import agent, collection, controller, endpoint, mismatch, moe, per_round, rollout, training  # noqa: F401
 from opbc_metrics.agent import *  # noqa: F403
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import BatchView, host_floats
 from opbc_metrics.collection import OPBCCollection
 from opbc_metrics.controller import *  # noqa: F403
 from opbc_metrics.endpoint import *  # noqa: F403
@@ -20,7 +20,7 @@ from opbc_metrics.training import *  # noqa: F403
 
 __version__ = "0.1.0"
 
-__all__ = ["BatchView", "GlossaryEntry", "OPBCCollection", "OPBCMetric", "make_key", "parse_key"]
+__all__ = ["BatchView", "GlossaryEntry", "OPBCCollection", "OPBCMetric", "host_floats", "make_key", "parse_key"]
 __all__ += agent.__all__
 __all__ += controller.__all__
 __all__ += endpoint.__all__

@@ -156,6 +156,31 @@ def from_host(data: Any, dtype: torch.dtype, device: torch.device | str | None =
     return t if device is None or t.device == torch.device(device) else t.to(device, non_blocking=True)
 
 
+def host_floats(values: Mapping[str, Any]) -> dict[str, float]:
+    """The single-element tensors and the numbers of ``values`` (a ``compute()`` result) as Python floats, in
+    ``values``' order; other values are left out.
+
+    The tensors come to the host in one copy per device and dtype: on a GPU each ``.item()`` waits for the device
+    (a sync per key, ~100 for the default collection), this waits once.
+
+    Example:
+        >>> host_floats({"a": torch.tensor(0.5), "n": torch.tensor([3]), "x": 2, "v": torch.ones(2), "s": "no"})
+        {'a': 0.5, 'n': 3.0, 'x': 2.0}
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
+    found: dict[str, float] = {}
+    for key, value in values.items():
+        if isinstance(value, Tensor):
+            if value.numel() == 1:
+                groups.setdefault((value.device, value.dtype), []).append((key, value.detach().reshape(())))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            found[key] = float(value)
+    for items in groups.values():
+        host = torch.stack([v for _, v in items]).tolist()
+        found.update((key, float(x)) for (key, _), x in zip(items, host, strict=True))
+    return {key: found[key] for key in values if key in found}
+
+
 def as_bool_mask(mask: Tensor) -> Tensor:
     """``mask != 0`` as a bool tensor; a bool mask is returned as is (``!=`` on bools costs a full pass).
 

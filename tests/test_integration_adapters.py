@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from opbc_metrics import OPBCCollection
+from opbc_metrics import OPBCCollection, host_floats
 from opbc_metrics.integrations._common import ids_to_group_ids
 from opbc_metrics.integrations.trl import trl_to_batch
 from opbc_metrics.integrations.verl import verl_to_batch
 from opbc_metrics.testing import assert_no_host_sync
+from tests.data import multi_turn_batch
 from tests.verl_data import FakeDataProto, FakeTensorDict, VerlStep, verl_step
 
 
@@ -225,6 +226,29 @@ def test_loggable_drops_windows_without_data_and_fills_nothing():
         "opbc/is/ess": 0.5}
     assert loggable({"moe/router/flip_rate_per_layer": torch.zeros(4), "critic/score/mean": 2.0}) == {
         "critic/score/mean": 2.0}
+
+
+def test_host_floats_reads_a_compute_result_in_one_copy_per_dtype(monkeypatch):
+    """What the loggers write: every single-element tensor and number as the float ``.item()`` gives, in the
+    result's order, read with one ``tolist`` per device and dtype (on a GPU each ``.item()`` is a sync)."""
+    values = dict(OPBCCollection()(multi_turn_batch(seed=3, dtype=torch.float32)))
+    values.update({"flag": torch.tensor(True), "count": torch.tensor(7), "vector": torch.ones(3), "step": 5,
+                   "ok": True, "name": "run"})
+    want = {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in values.items()
+            if (isinstance(v, torch.Tensor) and v.numel() == 1) or type(v) in (int, float)}
+    dtypes = {v.dtype for v in values.values() if isinstance(v, torch.Tensor) and v.numel() == 1}
+    calls = {"item": 0, "tolist": 0}
+    for name in calls:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    got = host_floats(values)
+    assert calls == {"item": 0, "tolist": len(dtypes)} and len(dtypes) >= 3
+    assert list(got) == list(want) and got == want and len(got) > 40
 
 
 def test_report_once_warns_once_per_problem():
