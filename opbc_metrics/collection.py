@@ -12,7 +12,7 @@ from opbc_metrics.agent import agent_section
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
 from opbc_metrics.endpoint import endpoint_section
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
-from opbc_metrics.metric import OPBCMetric, plot_values
+from opbc_metrics.metric import OPBCMetric, forget_presence, plot_values, quiet_compute, read_presence
 from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
 from opbc_metrics.per_round import per_round_section
@@ -48,6 +48,12 @@ SECTIONS["rollout"] = rollout_section
 # settings via section_options={"training": {"max_response_length": ..., "data_sources": [...], ...}}.
 SECTIONS["training"] = training_section
 DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round", "agent", "endpoint")
+
+
+def _distributed(m: OPBCMetric) -> bool:
+    """Whether torchmetrics would sync ``m``'s states in its compute (it checks the same function)."""
+    available = m.distributed_available_fn
+    return bool(callable(available) and available())
 
 
 class OPBCCollection(MetricCollection):
@@ -204,10 +210,14 @@ class OPBCCollection(MetricCollection):
         synced = packed_sync(members)
         out: dict[str, Tensor] = {}
         try:
-            for m in members:
-                # States are synced here, so every rank leaves out the same members (no data anywhere).
-                out.update(m.compute_dict())
+            # States are synced here, so every rank leaves out the same members (no data anywhere). Which members
+            # saw data: one host read for all of them (those that still sync in their own compute read their own).
+            read_presence([m for m in members if not (m._to_sync and _distributed(m))])
+            with quiet_compute():
+                for m in members:
+                    out.update(m.as_dict(m._compute_or_none()))
         finally:
+            forget_presence(members)
             restore_local_states(synced)
         return self._named(out)
 

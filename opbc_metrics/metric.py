@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
 import warnings
 from abc import ABCMeta
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -360,11 +361,17 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
         # Inside torchmetrics' sync context (states synced): no data -> None, which the public compute()
         # turns into NoDataError. Raising here would skip torchmetrics' unsync (its context has no finally).
         def checked(*args: Any, **kwargs: Any) -> Any:
-            if not self.saw_data():
+            # A collection reads every member's counts to the host at once (read_presence); alone, read them here.
+            known = self.__dict__.pop("_presence", None)
+            if not (self.saw_data() if known is None else known[0]):
                 return None
             value = compute(*args, **kwargs)
             if self.key_counts and isinstance(value, dict):
-                empty = {key for key, state in self.key_counts if not bool(torch.count_nonzero(getattr(self, state)))}
+                if known is None:
+                    empty = {key for key, state in self.key_counts
+                             if not bool(torch.count_nonzero(getattr(self, state)))}
+                else:
+                    empty = known[1]
                 value = {k: v for k, v in value.items() if k not in empty}
             return value
 
@@ -380,8 +387,7 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
 
     def compute_dict(self) -> dict[str, Tensor]:
         """:meth:`compute` as a dict keyed by the full ``section/group/metric`` keys; ``{}`` without data."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+        with quiet_compute():
             return self.as_dict(self._compute_or_none())
 
     def as_dict(self, value: Any) -> dict[str, Tensor]:
@@ -590,6 +596,56 @@ def _plain(value: Any) -> Any:
     if isinstance(value, torch.dtype | torch.device):
         return str(value)
     return repr(value)
+
+
+@contextlib.contextmanager
+def quiet_compute() -> Iterator[None]:
+    """Without torchmetrics' warning for a compute before any update (such a metric has no data: no keys)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+        yield
+
+
+def read_presence(metrics: Iterable[OPBCMetric]) -> None:
+    """What :meth:`OPBCMetric.saw_data` and the ``key_counts`` filter need, for every metric at once: their count
+    states are compared with 0 on their device and read to the host in one copy per device (each metric's own
+    read is a host-device sync: ~30 for the default collection). Each metric's next compute takes its answer;
+    metrics whose ``data_counts`` is undeclared (None) read their states themselves."""
+    metrics = list(metrics)
+    by_device: dict[torch.device, list[tuple[OPBCMetric, list[int], list[int], list[Tensor]]]] = {}
+    for m in metrics:
+        if not isinstance(m, OPBCMetric) or m.data_counts is None:
+            continue
+        counts = [getattr(m, name) for name in m.data_counts if name in m._defaults]
+        if m.data_counts and not counts:
+            continue  # saw_data() raises its TypeError
+        keyed = [getattr(m, state) for _, state in m.key_counts]
+        parts = [*counts, *keyed]
+        if parts:
+            by_device.setdefault(parts[0].device, []).append(
+                (m, [c.numel() for c in counts], [k.numel() for k in keyed], parts))
+    for entries in by_device.values():
+        nonzero = (torch.cat([p.reshape(-1) for *_, parts in entries for p in parts]) != 0).tolist()
+        at = 0
+        for m, count_sizes, key_sizes, _ in entries:
+            n = sum(count_sizes)
+            saw = any(nonzero[at : at + n]) if m.data_counts else True
+            at += n
+            empty = set()
+            for (key, _), size in zip(m.key_counts, key_sizes, strict=True):
+                if not any(nonzero[at : at + size]):
+                    empty.add(key)
+                at += size
+            m.__dict__["_presence"] = (saw, empty)
+    for m in metrics:
+        if isinstance(m, OPBCMetric) and m.data_counts == () and "_presence" not in m.__dict__:
+            m.__dict__["_presence"] = (True, set())
+
+
+def forget_presence(metrics: Iterable[OPBCMetric]) -> None:
+    """Drop the answers :func:`read_presence` left (a metric whose compute returned its cached value kept one)."""
+    for m in metrics:
+        m.__dict__.pop("_presence", None)
 
 
 def _is_scalar(value: Any) -> bool:

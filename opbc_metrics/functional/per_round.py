@@ -116,6 +116,8 @@ def _per_round_update(view: BatchView, capacity: int, compiled: bool = False) ->
     stats = M.batch_statistics(view, clamp, veto, bins, compiled, frozenset({M.rounds_need(capacity)}))
 
     def fold(sums: Tensor) -> Tensor:
+        if sums.shape[0] == capacity + 1:  # the kernel's own capacity (the usual case): nothing to fold
+            return sums
         return torch.cat([sums[:capacity], sums[capacity:].sum(0, keepdim=True)])
 
     return {

@@ -22,7 +22,8 @@ def safe_div(num: Tensor, den: Tensor, empty: float) -> Tensor:
         >>> safe_div(torch.tensor([1.0, 2.0]), torch.tensor([4.0, 0.0]), -1.0)
         tensor([ 0.2500, -1.0000])
     """
-    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.full_like(num, empty))
+    # (a Python scalar for ``empty``: one op fewer than a filled tensor, a kernel launch on a GPU)
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), empty)
 
 
 def raise_if_invalid(fields: str | Sequence[str], count: Tensor, what: str) -> None:
