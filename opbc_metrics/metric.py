@@ -228,7 +228,7 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
         object.__setattr__(self, "compute", compute)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in super().__getstate__().items() if k != "_compute_or_none"}
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_compute_or_none", "_checked_compute")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)  # re-wraps the class's compute
@@ -375,6 +375,9 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
                 value = {k: v for k, v in value.items() if k not in empty}
             return value
 
+        # The compute without torchmetrics' wrapper (no sync, cache or clone of each value), for a collection that
+        # has synced the states itself and copies all the values at once (OPBCCollection.compute).
+        object.__setattr__(self, "_checked_compute", checked)
         return super()._wrap_compute(checked)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -236,6 +236,25 @@ def test_collection_compute_decides_which_members_saw_data_in_one_host_read(monk
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
+def test_collection_values_are_copies_not_the_states():
+    """A collection's compute() copies its values all at once (not one clone per value, as torchmetrics does), so
+    no value is a state: later updates leave earlier values alone, and changing a value changes no state."""
+    batch = make_batch(batch=4, seq=24, seed=5, dtype=torch.float64)
+    metrics, twice = OPBCCollection(), OPBCCollection()
+    metrics.update(batch)
+    out = metrics.compute()
+    kept = {k: v.clone() for k, v in out.items()}
+    metrics.update(batch)
+    assert all(torch.equal(out[k], kept[k]) for k in out)
+    for value in out.values():
+        value.add_(1.0)
+    for _ in range(2):
+        twice.update(batch)
+    want, got = twice.compute(), metrics.compute()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert "opbc/input/num_tokens" in got and all(v.ndim == 0 for v in got.values())
+
+
 def _chunks(section, batch, n_chunks, dim):
     if dim == 1:  # along time: every field of rank >= 2 is cut at the same columns
         cols = torch.arange(batch["response_mask"].shape[1])
