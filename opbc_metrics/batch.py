@@ -167,18 +167,25 @@ def host_floats(values: Mapping[str, Any]) -> dict[str, float]:
         >>> host_floats({"a": torch.tensor(0.5), "n": torch.tensor([3]), "x": 2, "v": torch.ones(2), "s": "no"})
         {'a': 0.5, 'n': 3.0, 'x': 2.0}
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, Tensor]]] = {}
-    found: dict[str, float] = {}
-    for key, value in values.items():
-        if isinstance(value, Tensor):
-            if value.numel() == 1:
-                groups.setdefault((value.device, value.dtype), []).append((key, value.detach().reshape(())))
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            found[key] = float(value)
-    for items in groups.values():
-        host = torch.stack([v for _, v in items]).tolist()
-        found.update((key, float(x)) for (key, _), x in zip(items, host, strict=True))
+    found = {key: float(v) for key, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    for keys, stacked in stacked_scalars(values):
+        found.update(zip(keys, map(float, stacked.tolist()), strict=True))
     return {key: found[key] for key in values if key in found}
+
+
+def stacked_scalars(values: Mapping[str, Any]) -> list[tuple[list[str], Tensor]]:
+    """The single-element tensors of ``values``, detached and stacked into one 1-D tensor per device and dtype:
+    ``[(keys, stacked)]``, ``stacked[i]`` the value of ``keys[i]`` (one op per group, not one per value).
+
+    Example:
+        >>> stacked_scalars({"a": torch.tensor(1.0), "v": torch.ones(2), "b": torch.tensor([2.0])})
+        [(['a', 'b'], tensor([1., 2.]))]
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
+    for key, value in values.items():
+        if isinstance(value, Tensor) and value.numel() == 1:
+            groups.setdefault((value.device, value.dtype), []).append(key)
+    return [(keys, torch.stack([values[k].detach().reshape(()) for k in keys])) for keys in groups.values()]
 
 
 def as_bool_mask(mask: Tensor) -> Tensor:

@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 from torchmetrics import MetricCollection
 
 from opbc_metrics.agent import agent_section
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view, stacked_scalars
 from opbc_metrics.endpoint import endpoint_section
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
 from opbc_metrics.metric import OPBCMetric, forget_presence, plot_values, quiet_compute, read_presence
@@ -18,7 +17,7 @@ from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
 from opbc_metrics.per_round import per_round_section
 from opbc_metrics.rollout import rollout_section
-from opbc_metrics.sync import packed_sync, restore_local_states
+from opbc_metrics.sync import distributed, packed_sync, restore_local_states
 from opbc_metrics.training import training_section
 
 
@@ -51,27 +50,14 @@ SECTIONS["training"] = training_section
 DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round", "agent", "endpoint")
 
 
-def _distributed(m: OPBCMetric) -> bool:
-    """Whether torchmetrics would sync ``m``'s states in its compute (it checks the same function)."""
-    available = m.distributed_available_fn
-    return bool(callable(available) and available())
-
-
 def _own_copies(values: dict[str, Tensor]) -> dict[str, Tensor]:
     """``values`` in storage of their own, as torchmetrics' compute gives them (a value may be a state itself):
     the single-element ones squeezed to 0-dim and copied in one stack per device and dtype (views of it), the
     others cloned. torchmetrics clones each value: ~80 copies per compute of the default collection, a kernel
     launch each on a GPU."""
-    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
-    out: dict[str, Tensor] = {}
-    for key, value in values.items():
-        if isinstance(value, Tensor) and value.numel() == 1:
-            groups.setdefault((value.device, value.dtype), []).append(key)
-        elif isinstance(value, Tensor):
-            out[key] = value.clone()
-    for keys in groups.values():
-        copied = torch.stack([values[k].reshape(()) for k in keys]).unbind(0)
-        out.update(zip(keys, copied, strict=True))
+    out = {key: v.clone() for key, v in values.items() if isinstance(v, Tensor) and v.numel() != 1}
+    for keys, stacked in stacked_scalars(values):
+        out.update(zip(keys, stacked.unbind(0), strict=True))
     return {key: out.get(key, values[key]) for key in values}
 
 
@@ -231,7 +217,7 @@ class OPBCCollection(MetricCollection):
         try:
             # States are synced here, so every rank leaves out the same members (no data anywhere). Which members
             # saw data: one host read for all of them (those that still sync in their own compute read their own).
-            ready = [m for m in members if not (m._to_sync and _distributed(m))]
+            ready = [m for m in members if not (m._to_sync and distributed(m))]
             read_presence(ready)
             direct = {id(m) for m in ready if m._computed is None}
             with quiet_compute():

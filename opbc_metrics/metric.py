@@ -614,7 +614,6 @@ def read_presence(metrics: Iterable[OPBCMetric]) -> None:
     states are compared with 0 on their device and read to the host in one copy per device (each metric's own
     read is a host-device sync: ~30 for the default collection). Each metric's next compute takes its answer;
     metrics whose ``data_counts`` is undeclared (None) read their states themselves."""
-    metrics = list(metrics)
     by_device: dict[torch.device, list[tuple[OPBCMetric, list[int], list[int], list[Tensor]]]] = {}
     for m in metrics:
         if not isinstance(m, OPBCMetric) or m.data_counts is None:
@@ -624,9 +623,11 @@ def read_presence(metrics: Iterable[OPBCMetric]) -> None:
             continue  # saw_data() raises its TypeError
         keyed = [getattr(m, state) for _, state in m.key_counts]
         parts = [*counts, *keyed]
-        if parts:
-            by_device.setdefault(parts[0].device, []).append(
-                (m, [c.numel() for c in counts], [k.numel() for k in keyed], parts))
+        if not parts:  # data_counts = (): it always has a value
+            m.__dict__["_presence"] = (True, set())
+            continue
+        by_device.setdefault(parts[0].device, []).append(
+            (m, [c.numel() for c in counts], [k.numel() for k in keyed], parts))
     for entries in by_device.values():
         nonzero = (torch.cat([p.reshape(-1) for *_, parts in entries for p in parts]) != 0).tolist()
         at = 0
@@ -640,9 +641,6 @@ def read_presence(metrics: Iterable[OPBCMetric]) -> None:
                     empty.add(key)
                 at += size
             m.__dict__["_presence"] = (saw, empty)
-    for m in metrics:
-        if isinstance(m, OPBCMetric) and m.data_counts == () and "_presence" not in m.__dict__:
-            m.__dict__["_presence"] = (True, set())
 
 
 def forget_presence(metrics: Iterable[OPBCMetric]) -> None:

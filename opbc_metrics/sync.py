@@ -137,6 +137,12 @@ def _check_same_layout(metrics: list[Metric], device: torch.device, group: Any) 
 # private flags: ``_to_sync`` (whether compute() syncs), ``_is_synced`` and ``_cache`` (the local states
 # that unsync() puts back). They are the only writes of torchmetrics privates in this library, tested
 # against the lowest and the newest torchmetrics that pyproject.toml allows (make test-torchmetrics-range).
+def distributed(m: Metric) -> bool:
+    """Whether torchmetrics would sync ``m``'s states in its compute: its ``distributed_available_fn`` says so."""
+    available = m.distributed_available_fn
+    return bool(callable(available) and available())
+
+
 def packed_sync(metrics: Iterable[Metric]) -> list[Metric]:
     """Sync the states of every metric that would sync in its own compute(), with one packed all_reduce.
 
@@ -148,10 +154,7 @@ def packed_sync(metrics: Iterable[Metric]) -> list[Metric]:
         for m in metrics
         if m._to_sync and m.dist_sync_fn in (None, gather_all_tensors) and packable(m) and not m._is_synced
     ]
-    if not to_pack:
-        return []
-    available = to_pack[0].distributed_available_fn
-    if not (callable(available) and available()):
+    if not to_pack or not distributed(to_pack[0]):
         return []
     for m in to_pack:
         m._cache = m._copy_state_dict()
