@@ -255,6 +255,43 @@ def test_collection_values_are_copies_not_the_states():
     assert "opbc/input/num_tokens" in got and all(v.ndim == 0 for v in got.values())
 
 
+def test_collection_reset_sets_states_without_module_bookkeeping(monkeypatch):
+    """reset() gives every state a new tensor equal to its default, as torchmetrics does, but sets it as a plain
+    attribute: nn.Module's __setattr__ (parameter/buffer/module checks, ~3 us a call) is not called for the ~100
+    states and the per-metric flags of its members (it was ~190 times per reset of the default collection).
+    Non-state attributes still take Module's path."""
+    batch = make_batch(batch=4, seq=24, seed=6, dtype=torch.float64)
+    metrics = OPBCCollection()
+    metrics.update(batch)
+    before = {(name, attr): getattr(m, attr) for name, m in metrics.items() for attr in m._defaults}
+    calls = {"n": 0}
+    original = torch.nn.Module.__setattr__
+
+    def counted(self, name, value):
+        calls["n"] += self is not metrics  # (the collection sets one flag of its own)
+        return original(self, name, value)
+
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", counted)
+    metrics.reset()
+    assert calls["n"] == 0
+    for (name, attr), old in before.items():
+        member = metrics[name]
+        new, default = getattr(member, attr), member._defaults[attr]
+        if isinstance(default, torch.Tensor):
+            assert new is not old and new is not default and torch.equal(new, default), (name, attr)
+        else:
+            assert new == [], (name, attr)
+    member = next(iter(metrics.values()))
+    member.extra = torch.nn.Linear(1, 1)  # not a state: a submodule, registered by Module's __setattr__
+    assert calls["n"] >= 1 and "extra" in member._modules
+    monkeypatch.undo()
+    metrics.update(batch)
+    fresh = OPBCCollection()
+    fresh.update(batch)
+    got, want = metrics.compute(), fresh.compute()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
 def _chunks(section, batch, n_chunks, dim):
     if dim == 1:  # along time: every field of rank >= 2 is cut at the same columns
         cols = torch.arange(batch["response_mask"].shape[1])

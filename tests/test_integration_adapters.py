@@ -233,7 +233,8 @@ def test_host_floats_reads_a_compute_result_in_one_copy_per_dtype(monkeypatch):
     result's order, read with one ``tolist`` per device and dtype (on a GPU each ``.item()`` is a sync)."""
     values = dict(OPBCCollection()(multi_turn_batch(seed=3, dtype=torch.float32)))
     values.update({"flag": torch.tensor(True), "count": torch.tensor(7), "vector": torch.ones(3), "step": 5,
-                   "ok": True, "name": "run"})
+                   "ok": True, "name": "run", "nested": torch.tensor([[4.0]]),
+                   "with_grad": torch.tensor(2.0, requires_grad=True) * 3})
     want = {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in values.items()
             if (isinstance(v, torch.Tensor) and v.numel() == 1) or type(v) in (int, float)}
     dtypes = {v.dtype for v in values.values() if isinstance(v, torch.Tensor) and v.numel() == 1}
