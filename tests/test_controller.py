@@ -150,6 +150,7 @@ def test_large_batches_in_chunks_give_the_same_decisions(monkeypatch, chunk_toke
     trainer[7, 10] = float("nan")
     rollout[9, 4] = trainer[9, 4] + 40.0  # vetoed
     mask = torch.rand(12, 500, generator=g) < 0.9
+    mask[7, 10] = mask[9, 4] = True  # the non-finite and the vetoed token are response tokens
     b = {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask,
          "group_ids": torch.tensor([5, 5, 2, 2, 2, 8, 8, 1, 1, 3, 3, 3]),
          "policy_lag": torch.tensor([0, 1, 0, 0, 2, 5, 0, 0, 0, 1, 1, 9])}
@@ -168,6 +169,9 @@ def test_large_batches_in_chunks_give_the_same_decisions(monkeypatch, chunk_toke
                 assert getattr(e.report, name) == pytest.approx(value, rel=bound)
             elif isinstance(value, float):
                 assert getattr(e.report, name) == pytest.approx(value, rel=1e-12, abs=1e-15, nan_ok=True), name
+            else:  # counts (the non-finite token among them) exactly
+                assert getattr(e.report, name) == value, name
+    assert {d.group_id: d.report.nonfinite_count for d in chunked.decisions}[1] == 1
     assert {k: v.item() for k, v in whole.counts.items()} == {k: v.item() for k, v in chunked.counts.items()}
     with assert_no_host_sync():  # the chunked path keeps the discipline
         OPBCController("truncated_is").step(b)
@@ -608,6 +612,8 @@ def test_fused_cpu_pass_equals_the_chunked_path(monkeypatch, preset, clamp, dtyp
         assert torch.equal(getattr(fused, name), getattr(chunked, name)), name
     assert [d.to_json() for d in fused.decisions] == [d.to_json() for d in chunked.decisions]
     assert {k: v.item() for k, v in fused.counts.items()} == {k: v.item() for k, v in chunked.counts.items()}
+    six = fused.decisions[6]  # the group with the non-finite response token
+    assert six.group_id == 6 and six.report.nonfinite_count == 1 and "non_finite" in [r.value for r in six.reasons]
 
 
 def grouped_batch_for_chunks(dtype: torch.dtype) -> dict:
@@ -623,6 +629,7 @@ def grouped_batch_for_chunks(dtype: torch.dtype) -> dict:
     rollout[21, :] = 0.0  # group 5: a sequence without rollout logprobs
     trainer[26, 7] = float("nan")  # group 6: a non-finite logprob
     mask = torch.rand(n, t, generator=g) < 0.85
+    mask[13, 40] = mask[26, 7] = True  # the vetoed token and the non-finite one are response tokens
     lag = torch.zeros(n, dtype=torch.long)
     lag[9], lag[17] = 6, 9  # group 2: replay, group 4: quarantine
     return {"trainer_logprobs": trainer.to(dtype), "rollout_logprobs": rollout.to(dtype), "response_mask": mask,

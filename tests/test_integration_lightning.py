@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import warnings
@@ -186,15 +187,35 @@ def test_skip_missing_and_clear_errors():
         OPBCCallback(log_every_n_steps=-1)
 
 
+class _Snapshot(L.Callback):
+    """A copy of the OPBC callback's state after training batch ``at``, as a mid-epoch checkpoint holds it."""
+
+    def __init__(self, opbc: OPBCCallback, at: int) -> None:
+        self.opbc, self.at, self.state = opbc, at, None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at:
+            self.state = copy.deepcopy(self.opbc.state_dict())
+
+
 def test_callback_state_round_trip():
-    samples = make_samples(6, seed=7)
-    callback = OPBCCallback(key="opbc", log_every_n_steps=4)
-    make_trainer(callback, MemoryLogger()).fit(TinyModule(), loader(samples))
-    state = callback.state_dict()
-    assert state["batches_seen"] == 3 and "window" in state and "epoch" in state
-    fresh = OPBCCallback(key="opbc", log_every_n_steps=4)
+    """A checkpoint taken mid-window and mid-epoch: a callback restored from it (load_state_dict, then a new fit's
+    hooks) goes on with that window and that epoch. Its first window equals a fresh collection on the window's
+    batches from before and after the checkpoint, its epoch value one on every batch of both runs."""
+    samples = make_samples(16, seed=7)  # batches of 2
+    callback = OPBCCallback(key="opbc", log_every_n_steps=4, log_epoch=True)
+    snapshot = _Snapshot(callback, at=4)  # after 5 batches: a window of 4 logged and folded, 1 batch open
+    make_trainer([callback, snapshot], MemoryLogger()).fit(TinyModule(), loader(samples[:10]))
+    state = snapshot.state
+    assert state["batches_seen"] == 5 and state["window_batches"] == 1 and "window" in state and "epoch" in state
+    fresh, logger = OPBCCallback(key="opbc", log_every_n_steps=4, log_epoch=True), MemoryLogger()
     fresh.load_state_dict(state)
-    assert fresh.batches_seen == 3
+    make_trainer(fresh, logger).fit(TinyModule(), loader(samples[10:]))  # 3 batches: the open window fills
+    assert fresh.batches_seen == 8
+    assert_windows(logger.opbc_records(), [2], samples[8:], size=8)
+    epochs = logger.opbc_records(suffix="_epoch")
+    assert len(epochs) == 1
+    assert_close(epochs[0][1], reference(samples), suffix="_epoch")
 
 
 # -- Two processes (gloo): the logged values are global, on every rank, with no Lightning reduction ---

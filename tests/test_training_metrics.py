@@ -209,8 +209,7 @@ def test_global_seqlen_driver_mode_matches_reference():
         assert out["global_seqlen/min"] == min(loads) and out["global_seqlen/max"] == max(loads)
         assert out["global_seqlen/minmax_diff"] == max(loads) - min(loads)
         assert close(out["global_seqlen/mean"], sum(total) / world)
-        sums = TR.ref_karmarkar_karp_sums(total, world) if algo == "karmarkar_karp" else sorted(
-            P.partition_loads(total, world, "lpt"))
+        sums = (TR.ref_karmarkar_karp_sums if algo == "karmarkar_karp" else TR.ref_lpt_sums)(total, world)
         assert out["global_seqlen/balanced_min"] == sums[0] and out["global_seqlen/balanced_max"] == sums[-1]
         assert out["global_seqlen/balanced_max"] >= sum(total) / world - 1e-9
 
@@ -228,6 +227,8 @@ def test_partitions_are_exact_covers_with_equal_counts():
                     assert max(map(len, parts)) - min(map(len, parts)) <= 1
         assert sorted(P.partition_loads(lengths, k)) == TR.ref_karmarkar_karp_sums(lengths, k)
         assert sorted(P.partition_loads(lengths, k, equal_size=False)) == TR.ref_karmarkar_karp_sums(lengths, k, False)
+        for equal in (True, False):
+            assert sorted(P.partition_loads(lengths, k, "lpt", equal)) == TR.ref_lpt_sums(lengths, k, equal)
 
 
 def test_global_seqlen_overflow_is_exact_in_totals_and_warns():

@@ -210,6 +210,19 @@ def ref_karmarkar_karp_sums(lengths, k, equal_size=True):
     return sorted(sols[0][1]) if sols else [0.0] * k
 
 
+def ref_lpt_sums(lengths, k, equal_size=True):
+    """Longest processing time first, list based: items by decreasing length (ties: lower index first), each to
+    the set of least load among those not yet full (ties: the lower set), full at ceil(n / k) items with
+    ``equal_size``. Returns sorted set sums."""
+    cap = -(-len(lengths) // k) if equal_size else len(lengths)
+    sums, counts = [0.0] * k, [0] * k
+    for i in sorted(range(len(lengths)), key=lambda i: (-float(lengths[i]), i)):
+        j = min((j for j in range(k) if counts[j] < cap), key=lambda j: (sums[j], j))
+        sums[j] += float(lengths[i])
+        counts[j] += 1
+    return sorted(sums)
+
+
 def brute_min_max_partition(lengths, k, equal_size=True):
     """Optimal largest set sum over all assignments (tiny inputs only)."""
     n = len(lengths)
