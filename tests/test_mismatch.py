@@ -307,3 +307,18 @@ def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
     # One token: torch.std is undefined (NaN); the metric reports 0 rather than a made-up spread.
     one = {"trainer_logprobs": torch.tensor([[-1.0]]), "rollout_logprobs": torch.tensor([[-2.0]])}
     assert metric_values(ProbabilityDiff(), one)["opbc/prob/diff_std"] == 0.0
+
+
+def test_clip_and_veto_thresholds_are_strict():
+    """DESIGN: clipped is |r| > C, vetoed |r| > veto. Tokens at exactly C and exactly the veto (either sign) are
+    neither; just above, they are (r exact in float64: differences of small integers and halves)."""
+    rollout = torch.tensor([[-1.0] * 8], dtype=torch.float64)
+    r = torch.tensor([[0.0, 20.0, -20.0, 20.5, 30.0, -30.0, 30.5, -30.5]], dtype=torch.float64)
+    trainer = rollout + r
+    assert torch.equal(trainer - rollout, r)
+    want_clipped, want_veto = 5 / 8, 2 / 8  # 20.5, +-30, +-30.5 clipped; +-30.5 vetoed
+    assert F.clipped_fraction(trainer, rollout, clamp=20.0).item() == want_clipped
+    assert F.veto_fraction(trainer, rollout, veto=30.0).item() == want_veto
+    out = OPBCCollection(sections=["mismatch"])({"trainer_logprobs": trainer, "rollout_logprobs": rollout})
+    assert out["opbc/is/clipped_fraction"].item() == want_clipped
+    assert out["opbc/is/veto_fraction"].item() == want_veto

@@ -84,6 +84,13 @@ def test_all_nonfinite_round_does_not_compete():
     out = {k: v.item() for k, v in F.per_round_mismatch(trainer, rollout, mask, capacity=2).items()}
     assert out[P + "round_1_token_count"] == 1 and out[P + "round_1_abs_diff_mean"] == 0
     assert out[P + "max_round_diff"] == 0 and out[P + "max_diff_value"] == 0.25
+    # The round without a valid token first, the only round with one at mean 0: that round is the max, not round 0.
+    mask = torch.tensor([[1, 0, 1, 1]])
+    trainer = torch.tensor([[float("nan"), 0.0, -1.0, -2.0]], dtype=torch.float64)
+    rollout = torch.tensor([[-1.0, 0.0, -1.0, -2.0]], dtype=torch.float64)
+    out = {k: v.item() for k, v in F.per_round_mismatch(trainer, rollout, mask, capacity=2).items()}
+    assert out[P + "round_0_token_count"] == 1 and out[P + "round_1_abs_diff_mean"] == 0
+    assert out[P + "max_round_diff"] == 1 and out[P + "max_diff_value"] == 0
 
 
 def test_missing_mask_and_empty_time_dim():  # no valid token / no update: the harness's no-data contract

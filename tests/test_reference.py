@@ -62,3 +62,7 @@ def test_karmarkar_karp_reference_is_sane():
         sums = ref_karmarkar_karp_sums(lengths, k)
         assert math.isclose(sum(sums), sum(lengths))
         assert max(sums) >= brute_min_max_partition(lengths, k) - 1e-9
+    # worked by hand: largest differencing 8-7, 6-5, 4-1, 3-1 leaves 2 (sums 14, 16); equal sizes, k = 3: the
+    # triples (5, 4, 3) and (8, 7, 6) merged largest with smallest
+    assert ref_karmarkar_karp_sums([8, 7, 6, 5, 4], 2, equal_size=False) == [14.0, 16.0]
+    assert ref_karmarkar_karp_sums([8, 7, 6, 5, 4, 3], 3) == [11.0, 11.0, 11.0]
