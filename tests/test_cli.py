@@ -84,9 +84,10 @@ def _collate(parts: list[dict]) -> dict:
     return concat_batches([{k: v for k, v in p.items() if k in common} for p in parts])
 
 
-def reference_metrics(samples: list[dict], sections=DEFAULT_SECTIONS) -> dict[str, float]:
-    """Feed the collection one prompt group per update (as a training step holds whole groups)."""
-    metrics = OPBCCollection(sections=sections)
+def reference_metrics(samples: list[dict], sections=DEFAULT_SECTIONS, **settings: float) -> dict[str, float]:
+    """Feed the collection (section ``settings`` such as ``clamp``) one prompt group per update (as a training step
+    holds whole groups)."""
+    metrics = OPBCCollection(sections=sections, **settings)
     labels: dict[str, int] = {}
     runs: list[list[dict]] = []
     for i, s in enumerate(samples):
@@ -332,6 +333,10 @@ def test_clamp_and_veto_options_reach_the_metrics(tmp_path):
     result, out, _ = analyze(JSONL, tmp_path, "--clamp", "5", "--veto", "10000", "--no-html")
     assert result["settings"]["clamp"] == 5 and result["metrics"]["opbc/is/veto_fraction"] == 0
     assert "clamp C = 5 nats, veto = 10000 nats" in out
+    sections = result["settings"]["sections"]
+    assert_metrics(result["metrics"], reference_metrics(SAMPLES, sections, clamp=5.0, veto=10000.0))
+    default = reference_metrics(SAMPLES, sections, veto=10000.0)  # the default clamp gives other weights here
+    assert not math.isclose(result["metrics"]["opbc/is/ess"], default["opbc/is/ess"], rel_tol=1e-3)
 
 
 def test_bad_options_exit_2_without_traceback(tmp_path):
