@@ -195,8 +195,10 @@ def test_controller_weights_replace_trls_is_ratio_and_decisions_are_logged(tmp_p
         # every group is healthy (r = 0.1 everywhere): train, weight 1 per token instead of TRL's exp(0.1)
         assert torch.allclose(ratio, torch.ones_like(ratio))
         assert bool((mask == 1).all())
-    for log in logs:
+    assert len(logs) == 2
+    for log in logs:  # each step's own decisions (the budget restarts after each log): 2 groups of 2 completions
         assert log["opbc/decision/group_share/train"] == 1.0
+        assert log["opbc/decision/num_groups"] == 2 and log["opbc/decision/num_tokens"] == 4 * COMPLETION_LEN
         assert_offset_read(log)
 
 
