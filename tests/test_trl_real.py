@@ -258,3 +258,12 @@ def test_two_processes_log_the_synced_values_on_every_process(tmp_path):
 
 if __name__ == "__main__":
     _ddp_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+
+
+def test_generation_group_ids_number_prompts_across_processes():
+    """Each process's rows get the ids of their prompts in the globally ordered generation batch (TRL's
+    RepeatSampler keeps a prompt's completions together there): process p's rows are global rows p * B .. (p + 1) * B
+    - 1, a group may straddle two processes, and no two processes' different prompts share an id."""
+    for world, batch_size, generations in ((1, 4, 2), (2, 4, 2), (3, 3, 2), (2, 6, 3), (4, 2, 4)):
+        ids = torch.cat([opbc_trl.generation_group_ids(batch_size, generations, p) for p in range(world)])
+        assert ids.tolist() == [row // generations for row in range(world * batch_size)]
