@@ -42,3 +42,11 @@ def assert_values_close(got: dict[str, Any], want: dict[str, Any], rel: float = 
     for key, value in want.items():
         a, b = (float(x.item() if isinstance(x, torch.Tensor) else x) for x in (got[key], value))
         assert math.isclose(a, b, rel_tol=rel, abs_tol=abs_) or (math.isnan(a) and math.isnan(b)), (key, a, b)
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled since its last reset: a compiled path that fell back to eager compiles none, and
+    a test comparing it with eager would compare eager with eager."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -10,6 +10,7 @@ from opbc_metrics.functional.mismatch import _reduction_pieces, token_statistics
 from opbc_metrics.functional.moe import router_set_disagreement, router_top1_flips
 from opbc_metrics.functional.per_round import round_index
 from tests.data import make_batch
+from tests.support import compiled_graphs
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +66,7 @@ def test_compiled_collection_equals_eager_collection():
         eager.update(b)
         compiled.update(b)
     e, c = eager.compute(), compiled.compute()
+    assert compiled_graphs() >= 1  # the compiled collection did run a graph
     for key in e:
         torch.testing.assert_close(c[key], e[key], rtol=1e-5, atol=1e-6, msg=key)
 
@@ -73,8 +75,6 @@ def test_strided_inputs_reuse_the_contiguous_graph_and_give_the_same_values():
     """A response cut out of a longer padded batch (``x[:, k:]``) is copied before the compiled CPU graph: the graph
     for non-contiguous strides was ~10x slower (benchmarks/README.md). So it reuses the graph of contiguous inputs of
     its shape (no new graph) and gives the same values bit for bit."""
-    from torch._dynamo.utils import counters
-
     from opbc_metrics.functional.mismatch import compiled_token_statistics
 
     run = compiled_token_statistics()
@@ -83,10 +83,12 @@ def test_strided_inputs_reuse_the_contiguous_graph_and_give_the_same_values():
     assert not cut["trainer_logprobs"].is_contiguous()
     for rounds in (0, 6):
         args = [cut["trainer_logprobs"], cut["rollout_logprobs"], cut["response_mask"].bool()]
+        before = compiled_graphs()
         contiguous = run(*(x.contiguous() for x in args), 20.0, 30.0, 256, True, True, rounds)
-        graphs = counters["stats"]["unique_graphs"]
+        graphs = compiled_graphs()
+        assert graphs > before, "contiguous inputs of a new capacity compile a graph"
         strided = run(*args, 20.0, 30.0, 256, True, True, rounds)
-        assert counters["stats"]["unique_graphs"] == graphs, "strided inputs compiled a graph of their own"
+        assert compiled_graphs() == graphs, "strided inputs compiled a graph of their own"
         assert set(strided) == set(contiguous)
         for key in contiguous:
             assert torch.equal(strided[key], contiguous[key]), key

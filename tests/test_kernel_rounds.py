@@ -21,6 +21,7 @@ from opbc_metrics.functional import mismatch as fm
 from opbc_metrics.functional.per_round import _per_round_update
 from tests.data import logprobs_numpy, metric_values, multi_turn_batch
 from tests.reference import assert_rounds_close, per_round_reference
+from tests.support import compiled_graphs
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +111,7 @@ def test_compiled_round_sums_equal_eager(shape):
     args = (b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool(), 20.0, 30.0, 64, True, True, 6)
     eager = fm.token_statistics(*args)
     compiled = fm.compiled_token_statistics()(*args)
+    assert compiled_graphs() >= 1
     for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-6, atol=1e-6, msg=key)
     ref = per_round_reference(*logprobs_numpy(b), capacity=6)
@@ -120,6 +122,7 @@ def test_compiled_round_sums_equal_eager(shape):
 def test_compiled_collection_per_round_matches_the_reference():
     b = _short_rounds(3, 130, seed=9, dtype=torch.float32)
     got = metric_values(OPBCCollection(sections=["mismatch", "per_round"], compiled=True), b)
+    assert compiled_graphs() >= 1
     got = {k: v for k, v in got.items() if k.startswith("per_round/")}
     assert_rounds_close(got, per_round_reference(*logprobs_numpy(b)), rel=2e-6, abs_tol=1e-6)
 
@@ -197,6 +200,7 @@ def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_ea
                 x["response_mask"][row, : t - (t % 64 or 64) - (0, 3, 9, 40)[row % 4]] = 0
         args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"].bool(), 20.0, 30.0, 64, True, True)
         got = {r: run(*args, r) for r in (0, 6)}
+        assert compiled_graphs() >= 2  # (with and without rounds)
         eager = fm.token_statistics(*args, 6)
         assert eager["max_rounds"] > 6, "the batch must fill the tracked rounds"
         for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):  # (float32 sums of up to 8K tokens in other orders)
