@@ -169,15 +169,20 @@ def test_compiled_sets_flag_ids_outside_the_range(num_experts, bad, small_compil
 
 
 @pytest.mark.parametrize("num_experts", [128, None])
-def test_compiled_metric_equals_eager_metric(num_experts, small_compiled_chunks):
+def test_compiled_metric_equals_eager_metric(num_experts, small_compiled_chunks, monkeypatch):
     """RouterSetDisagreement(compiled=True) over several batches (token counts differ: one dynamic-shape graph)
-    reports what the eager metric does, and raises where it raises."""
+    reports what the eager metric does, and raises where it raises. The compiled one does take the compiled path
+    (else this compares eager with eager), the eager one does not."""
+    calls = []
+    real = FM._compiled_set_differs
+    monkeypatch.setattr(FM, "_compiled_set_differs", lambda *a: calls.append(a[2]) or real(*a))
     compiled, eager = (RouterSetDisagreement(num_experts=num_experts, compiled=c) for c in (True, False))
     for seed, t in ((1, 20), (2, 7), (3, 33)):
         rollout, trainer = ids_batch(0, num_experts or 2**15, 8, seed=seed, t=t, layers=3)
         mask = torch.rand(3, t, generator=torch.Generator().manual_seed(seed)) < 0.7
         for metric in (compiled, eager):
             metric.update(rollout_experts=rollout, trainer_experts=trainer, response_mask=mask)
+    assert calls == [num_experts or 2**15] * 3
     assert compiled.compute().item() == eager.compute().item() > 0
     rollout[0, 0, 0, 0] = (num_experts or 2**15) + 1
     for metric in (compiled, eager):
