@@ -343,12 +343,18 @@ def test_fuzz_collection_default_sections_counts_nonfinite_without_poisoning(dat
     if run_outcome("OPBCCollection(default)", run, case) is None or case.mutated is not None:
         return
     out = run(case.plain)  # the reference twins below are contiguous too: results must be bit-identical
-    mask, bad = bad_tokens(case.plain)
+    _assert_nonfinite_accounting(out, case.plain)
+
+
+def _assert_nonfinite_accounting(out: dict[str, torch.Tensor], plain: dict[str, Any]) -> None:
+    """The non-finite tokens of ``plain`` are counted, and every other key of the default collection's ``out`` is
+    that of the same batch without them (token keys) or without their sequences (sequence keys)."""
+    mask, bad = bad_tokens(plain)
     assert out["opbc/input/nonfinite_count"].item() == bad.sum().item()
     assert out["opbc/input/num_tokens"].item() == (mask & ~bad).sum().item()
     # Token keys: as if the non-finite tokens were masked out. Sequence keys: as if their sequences were.
-    token_masked = dict(case.plain, response_mask=mask & ~bad)
-    row_masked = dict(case.plain, response_mask=mask & ~bad.any(dim=1, keepdim=True))
+    token_masked = dict(plain, response_mask=mask & ~bad)
+    row_masked = dict(plain, response_mask=mask & ~bad.any(dim=1, keepdim=True))
     for keys, twin in ((TOKEN_KEYS, token_masked), (SEQUENCE_KEYS, row_masked)):
         ref = OPBCCollection(sections=("mismatch",))
         ref.update(twin)
@@ -360,6 +366,24 @@ def test_fuzz_collection_default_sections_counts_nonfinite_without_poisoning(dat
     # per_round: every response token (finite or not) is in exactly one round's count (no valid token: no keys).
     counts = [v.item() for k, v in out.items() if k.startswith("per_round/") and k.endswith("token_count")]
     assert sum(counts) == (mask.sum().item() if (mask & ~bad).any() else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_nonfinite_tokens_beside_clean_rows_are_counted_without_poisoning(dtype):
+    """The fuzz test above on a fixed batch that surely has what it checks (its draws rarely do: a few of 100):
+    NaN, +inf and -inf response tokens in some rows, clean rows beside them, a masked-out NaN."""
+    g = torch.Generator().manual_seed(21)
+    trainer = -torch.rand(5, 16, generator=g, dtype=torch.float64) * 3
+    rollout = trainer - torch.randn(5, 16, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.ones(5, 16, dtype=torch.bool)
+    mask[:, 13:] = False
+    mask[4, 2:6] = False  # row 4: two rounds
+    trainer[1, 3], rollout[2, 5], trainer[2, 9] = float("nan"), float("inf"), float("-inf")
+    trainer[3, 14] = float("nan")  # masked out: not counted, row 3 stays clean
+    plain = {"trainer_logprobs": trainer.to(dtype), "rollout_logprobs": rollout.to(dtype), "response_mask": mask}
+    out = _collection_run(M.collection.DEFAULT_SECTIONS)(plain)
+    assert out["opbc/input/nonfinite_count"].item() == 3
+    _assert_nonfinite_accounting(out, plain)
 
 
 ALL_OPTIONAL = (
