@@ -30,6 +30,8 @@ def collection(**kwargs) -> OPBCCollection:
 
 
 def assert_matches(out: dict, ref: dict, rtol: float = 1e-9, atol: float = 1e-12) -> None:
+    """``out`` has exactly the keys the reference gives a value (a key without one would be made up), each close."""
+    assert set(out) == {key for key, want in ref.items() if want is not None}, set(out) ^ set(ref)
     for key, want in ref.items():
         if want is None:  # the reference has no value (e.g. no group with a ratio): no key either
             assert key not in out, (key, out[key])
