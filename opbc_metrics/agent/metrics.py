@@ -171,7 +171,7 @@ class SoftAnswerMatch(_AgentMetric):
     Per pair, with the answers normalised as for ``answer_match`` and split on whitespace, ``c`` the
     size of the multiset intersection of the two token lists: :math:`F_1 = 2c / (|a| + |b|)` (SQuAD's
     token F1; 0 when either answer is empty). Partial credit where ``answer_match`` is all or nothing:
-    "the answer is 42" against "42" scores 0.4. Mean over pairs. Empty window: 1.0.
+    "the answer is 42" against "42" scores 0.4. Mean over pairs. No data in the window: no key.
 
     Example:
         >>> roll = [{"role": "assistant", "content": "The capital is Paris"}]
@@ -197,7 +197,7 @@ class TrajectoryStepCounts(_AgentMetric):
     """Mean assistant steps per trajectory, ``agent/steps/{rollout_mean, reference_mean}``.
 
     The number of assistant steps of each side of a pair, averaged over pairs: a rollout that takes more
-    steps than the reference to finish (or runs to the step limit) shows here. Empty window: 0.
+    steps than the reference to finish (or runs to the step limit) shows here. No data in the window: no keys.
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory

@@ -420,7 +420,7 @@ class CompletionLengthCV(_GroupMean):
     Key ``rollout/tokens_completion/group_cv_mean``. Per group, the sample std (n - 1) of its completion
     lengths over their mean (Telescope's definition); a group of one sample or with mean 0 has no CV and is
     left out of the mean. Scale-free, unlike the std: 0.5 means a group's lengths typically differ from
-    their mean by half of it. Empty window (or no group with a CV): 0.
+    their mean by half of it. No group with a CV in the window: no key.
 
     Example:
         >>> import torch
