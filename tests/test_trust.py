@@ -53,11 +53,13 @@ def test_sequence_keys_need_a_valid_sequence():
     batch = make_batch(batch=3, seq=6, seed=4)
     batch["response_mask"] = torch.ones_like(batch["response_mask"])
     batch["rollout_logprobs"][:, 0] = float("-inf")  # every sequence holds a non-finite token
-    out = OPBCCollection()(batch)
-    assert out["opbc/input/num_sequences"] == 0 and out["opbc/input/num_tokens"] == 15
-    assert "opbc/kl/chi2_token" in out and "opbc/is/ess" in out
-    assert not [k for k in out if k.startswith(("opbc/sequence/", "opbc/ppl/")) or k in ("opbc/kl/chi2_seq",
-                                                                                          "opbc/is/seq_ess")]
+    metrics = OPBCCollection()
+    # forward (this batch's values) and compute() (the window's, decided apart: one host read for all members)
+    for out in (metrics(batch), metrics.compute()):
+        assert out["opbc/input/num_sequences"] == 0 and out["opbc/input/num_tokens"] == 15
+        assert "opbc/kl/chi2_token" in out and "opbc/is/ess" in out
+        assert not [k for k in out if k.startswith(("opbc/sequence/", "opbc/ppl/")) or k in ("opbc/kl/chi2_seq",
+                                                                                              "opbc/is/seq_ess")]
 
 
 def test_zero_counts_in_a_window_with_data_stay():
