@@ -13,6 +13,7 @@ from opbc_metrics.metric import NoDataError
 from opbc_metrics.mismatch import ImportanceSamplingESS
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch
+from tests.support import assert_values_close
 
 INPUT_KEYS = {"opbc/input/nonfinite_count", "opbc/input/num_tokens", "opbc/input/num_sequences"}
 ALL_SECTIONS = ("mismatch", "moe", "per_round", "agent", "endpoint", "rollout", "training")
@@ -108,6 +109,7 @@ def test_merge_and_load_invalidate_the_cache():
     one.update(make_batch(seed=1))
     one.update(make_batch(seed=2, drift=2.0))
     assert merged != before and merged == pytest.approx(one.compute()["opbc/is/ess"].item(), rel=1e-12)
+    assert_values_close(a.compute(), one.compute())  # every key, the max / min ones included
 
     c = OPBCCollection()
     c.update(make_batch(seed=7))
