@@ -234,11 +234,11 @@ def pair_lists(draw, max_size=8):
 def random_exchange(rng: random.Random):
     chat = rng.random() < 0.5
     n_tokens = rng.randint(0, 3)  # zero-token generations included
-    as_ids = rng.random() < 0.3
+    id_tokens = rng.choice(["all", "none", "none", "some"])  # tokens as `token_id:<int>`: all, none or some
     choices = []
     for i in range(rng.choice([1, 1, 2])):
-        tokens = [f"token_id:{rng.randint(0, 150000)}" if as_ids else rng.choice(["Hi", "!", " there"])
-                  for _ in range(n_tokens)]
+        tokens = [f"token_id:{rng.randint(0, 150000)}" if id_tokens == "all" or (id_tokens == "some" and rng.random()
+                  < 0.5) else rng.choice(["Hi", "!", " there"]) for _ in range(n_tokens)]
         choice = {"index": i, "finish_reason": "stop"}
         if chat:
             choice["message"] = {"role": "assistant", "content": "x" * n_tokens}

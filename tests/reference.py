@@ -350,8 +350,11 @@ def ref_flags(resp, req):
         else:
             tokens = lp["tokens"] if lp else []
             sampled = bool(lp) and any(v is not None for v in lp["token_logprobs"])
-            nonnull = [e for e in ((lp or {}).get("top_logprobs") or []) if e is not None]
-            top = len(nonnull) > 0 and all(len(e) > 0 for e in nonnull)
+            # alternatives at every sampled position; a null entry only where nothing was sampled (an echoed token)
+            tops, sampled_at = (lp or {}).get("top_logprobs") or [], (lp or {}).get("token_logprobs") or []
+            held = [e for j, e in enumerate(tops)
+                    if e is not None or (j < len(sampled_at) and sampled_at[j] is not None)]
+            top = any(e is not None for e in held) and all(e is not None and len(e) > 0 for e in held)
             prompt = bool(c.get("prompt_token_ids")) or bool(resp.get("prompt_token_ids"))
         ids = bool(c.get("token_ids")) or (len(tokens) > 0 and all(re.fullmatch(r"token_id:-?\d+", t) for t in tokens))
         per_choice.append((ids, prompt, sampled, top))

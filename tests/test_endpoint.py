@@ -102,6 +102,9 @@ def test_top_logprobs_need_alternatives_at_every_position():
     assert E.probe_response(two).top_logprobs_available  # a null entry (echoed first token) is allowed
     two["choices"][0]["logprobs"]["top_logprobs"] = [{"x": -0.3}, {}]
     assert not E.probe_response(two).top_logprobs_available
+    three = _completion(tokens=["x", "y", "z"], token_logprobs=[-0.1, -0.2, -0.3],
+                        top_logprobs=[{"x": -0.1}, None, {"z": -0.3}], text_offset=[0, 1, 2])
+    assert not E.probe_response(three).top_logprobs_available  # a null entry at a sampled position
 
 
 def test_multiple_choices_need_the_capability_in_every_choice():

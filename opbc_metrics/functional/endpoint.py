@@ -49,7 +49,8 @@ evidence, so its flags are false):
   ``null`` entries, e.g. the first echoed prompt token, are allowed).
 * ``top_logprobs_available``: the top-k alternatives: every chat content item has a non-empty
   ``top_logprobs`` list; for completions ``top_logprobs`` is a non-empty list whose non-null entries
-  are all non-empty ``{token: logprob}`` maps, with at least one such entry.
+  are all non-empty ``{token: logprob}`` maps, with at least one such entry, and null only where
+  ``token_logprobs`` is null (nothing sampled there: an echoed prompt token).
 * ``seed_requested``: the request (when given) has a non-null integer ``seed``.
 * ``seed_supported``: ``seed_requested`` and the response returned a non-empty ``system_fingerprint``.
 
@@ -315,7 +316,9 @@ def _completion_logprobs(logprobs: Any, where: str) -> tuple[bool, bool, bool]:
             )
         entries = []
         for j, entry in enumerate(alternatives):
-            if entry is None:
+            if entry is None:  # allowed where nothing was sampled (an echoed prompt token), not at a sampled one
+                if j < len(token_logprobs) and token_logprobs[j] is not None:
+                    entries.append({})
                 continue
             entry = _mapping(entry, f"{where}.top_logprobs[{j}]")
             if any(not _is_number(v) for v in entry.values()):
