@@ -14,6 +14,7 @@ from opbc_metrics import training as M
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional import training as FT
 from opbc_metrics.functional import validation as FV
+from tests import training_reference as TR
 from tests.data import make_training_batch
 from tests.harness import VALIDATION
 
@@ -86,11 +87,14 @@ def test_validation_pass_at_k_is_bounded(batch):
 
 @given(st.lists(st.integers(0, 5000), min_size=0, max_size=40), st.integers(1, 6), st.booleans())
 def test_balanced_partitions_bracket_the_mean(lengths, k, equal):
+    references = {"karmarkar_karp": TR.ref_karmarkar_karp_sums, "lpt": TR.ref_lpt_sums}
+    assert set(references) == set(P.PARTITION_ALGORITHMS)
     for algo in P.PARTITION_ALGORITHMS:
         loads = P.partition_loads(lengths, k, algo, equal)
         assert len(loads) == k and math.isclose(sum(loads), sum(lengths))
         if lengths:
             assert min(loads) <= sum(lengths) / k <= max(loads)
+            assert sorted(loads) == references[algo](lengths, k, equal)  # the algorithm's own partition
     m = M.GlobalSeqlen(world_size=k)
     if lengths:
         ranks = torch.arange(len(lengths)) % k
@@ -108,7 +112,9 @@ def test_balanced_partitions_bracket_the_mean(lengths, k, equal):
 @given(st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=30), st.floats(-1e3, 1e3))
 def test_explained_variance_at_most_one_and_shift_invariant(returns, shift):
     r = torch.tensor([returns], dtype=torch.float64)
-    v = r * 0.5 + 1.0
+    # values not an affine function of the returns (where any formula in r - v gives the same number)
+    values = [x * 0.5 + 1.0 + (i * 7919 % 13) / 13 * (1.0 + abs(x)) for i, x in enumerate(returns)]
+    v = torch.tensor([values], dtype=torch.float64)
     ev = FT.explained_variance(v, r).item()
     assert ev <= 1.0
     ev_shift = FT.explained_variance(v + shift, r + shift).item()
@@ -119,3 +125,8 @@ def test_explained_variance_at_most_one_and_shift_invariant(returns, shift):
     second = max(sum((x + c) ** 2 for x in returns) / n for c in (0.0, shift, 1.0 + shift))
     assume(var_r > 1e-9 * max(second, 1.0))
     assert math.isclose(ev, ev_shift, rel_tol=1e-6, abs_tol=1e-6 + 1e-14 * max(second, 1.0) / var_r)
+    # 1 - Var(r - v) / Var(r), population variances, in plain Python
+    d = [x - y for x, y in zip(returns, values, strict=True)]
+    var_d = sum((x - sum(d) / n) ** 2 for x in d) / n
+    scale = max(second, max(y * y for y in values), 1.0) / var_r
+    assert math.isclose(ev, 1.0 - var_d / var_r, rel_tol=1e-6, abs_tol=1e-6 + 1e-13 * scale)
