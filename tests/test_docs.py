@@ -89,6 +89,24 @@ def test_readme_use_snippet_runs():
     assert scope["values"]["opbc/is/ess"].item() == pytest.approx(1.0)
 
 
+def test_readme_controller_snippet_runs(capsys):
+    """The controller block as written, on a batch of two groups: one on-policy (train), one with a vetoed token
+    (quarantine: veto, and the ESS that token takes down): the loss keeps the first group's tokens only, and each
+    decision is printed."""
+    block = README.split("## The Off-Policy Budget Controller", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    trainer = -torch.rand(4, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rollout = trainer.clone()
+    rollout[3, 2] = trainer[3, 2] - 40.0  # |r| = 40 > the veto (30)
+    batch = {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "group_ids": torch.tensor([0, 0, 1, 1])}
+    scope = {"batch": batch, "per_token_loss": torch.ones(4, 6, dtype=torch.float64)}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["loss"].item() == pytest.approx(1.0)
+    assert scope["out"].loss_mask.tolist() == [[1.0] * 6] * 2 + [[0.0] * 6] * 2
+    # every reason that held: the vetoed token's weight (e^20 after the clamp) also takes the ESS below 1 / 5
+    assert capsys.readouterr().out.splitlines() == ["0 train []",
+                                                    "1 quarantine ['veto', 'ess_below_min', 'ess_below_replay']"]
+
+
 def test_readme_cli_commands_parse():
     from opbc_metrics.cli import build_parser
 
