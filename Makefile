@@ -27,8 +27,10 @@ test: $(INTEGRATIONS_STAMP)
 # The packed sync writes torchmetrics' private states: run the sync/DDP tests against the lowest and the newest
 # torchmetrics that pyproject.toml allows, each in a throwaway venv under /tmp (torch pinned by constraints.txt).
 TORCHMETRICS_LOWEST := 1.4.0
-# The one gloo run of every metric and collection (test_contracts' ddp tests) and the trust checks over ranks.
-SYNC_TESTS := tests/test_contracts.py -k ddp tests/test_trust_ddp.py
+# The one gloo run of every metric and collection (test_contracts' ddp tests), the trust checks over ranks, and the
+# state merges and round trips (merge_state folds with torchmetrics' _reduce_states: its merge_state came in 1.5).
+SYNC_TESTS := tests/test_contracts.py tests/test_trust_ddp.py tests/test_trust_properties.py \
+	-k "ddp or merge or round_trip or any_sequence"
 test-torchmetrics-range:
 	set -e; for spec in "torchmetrics==$(TORCHMETRICS_LOWEST)" "torchmetrics"; do \
 	  env=$$(mktemp -d /tmp/opbc-torchmetrics-XXXXXX); \

@@ -543,8 +543,12 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
             raise ValueError(f"merge_state: expected a dict or a {type(self).__name__}, got {kind}")
         if problem:
             raise ValueError(f"merge_state: {problem}")
+        if self.dist_sync_on_step:  # (as torchmetrics refuses it)
+            raise RuntimeError("merge_state is not supported for metrics with dist_sync_on_step=True")
         self._computed = None
-        super().merge_state({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in state.items()})
+        # torchmetrics' fold (by each state's reduction; a metric may override it), which its merge_state calls:
+        # merge_state itself came in torchmetrics 1.5, this library allows 1.4.
+        self._reduce_states({k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in state.items()})
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load states saved by :meth:`state_dict`; checked before anything changes (see :meth:`merge_state`).
