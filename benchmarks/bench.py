@@ -12,7 +12,8 @@ Sections:
   update   the full mismatch collection's update() against the floor (one fused pass that reads the
            two logprob tensors and the mask once and reduces them), eager and compiled, over shapes
   naive    one step of the default collection against the way peers compute every one of its keys: each
-           metric its own pass with .item() per value, per-round as verl PR #5229 (naive_baseline.py)
+           metric its own pass with .item() per value, per-round as verl PR #5229 (naive_baseline.py); also
+           the step's parts (update, compute, reading the values, reset), and on CUDA the compiled collection too
   sync     2-process gloo: the collection's packed sync against torchmetrics' per-state sync
   memory   state bytes after 1 and 1000 updates; peak memory of one update against its inputs
   sketch   the top-1% histogram sketch: cost and error against an exact sort
@@ -140,30 +141,60 @@ def bench_update(shapes: list[tuple[int, int]], repeats: int, compiled: bool) ->
               f"{med['cut'] / med['dense']:.2f}x the contiguous inputs' update", flush=True)
 
 
-def bench_naive(shapes: list[tuple[int, int]], repeats: int) -> None:
+def bench_naive(shapes: list[tuple[int, int]], repeats: int, compiled: bool) -> None:
     from naive_baseline import naive_default_keys, step_batch
 
+    modes = ("eager", "compiled") if compiled else ("eager",)
     print("\n## one step of the default collection (update + compute + reading every value with host_floats + reset)"
           " against the naive per-metric .item() baseline for every key it reports (benchmarks/naive_baseline.py), on a"
-          " batch every default section reads (median ms)")
-    print(f"{'shape':>12} {'naive':>9} {'collection':>11} {'speed-up':>9} {'keys':>5} {'max rel. diff':>14}")
+          " batch every default section reads (median ms); then the step's parts, timed apart"
+          + (" (compiled: OPBCCollection(compiled=True), the mode for a GPU)" if compiled else ""))
+    print(f"{'shape':>12} {'mode':>9} {'naive':>9} {'collection':>11} {'speed-up':>9} {'keys':>5} {'max rel. diff':>14}"
+          f" {'update':>8} {'compute':>8} {'read':>6} {'reset':>6}")
     for b, t in shapes:
         x = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in step_batch(b, t).items()}
-        metrics = OPBCCollection().to(DEVICE)
+        for mode in modes:
+            metrics = OPBCCollection(compiled=mode == "compiled").to(DEVICE)
 
-        def ours() -> dict[str, float]:
-            metrics.update(x)  # noqa: B023
-            out = host_floats(metrics.compute())  # as the loggers read it: one copy, not a sync per key  # noqa: B023
-            metrics.reset()  # noqa: B023
-            return out
+            def ours() -> dict[str, float]:
+                metrics.update(x)  # noqa: B023
+                out = host_floats(metrics.compute())  # as the loggers read it: one copy, not a sync per key  # noqa: B023
+                metrics.reset()  # noqa: B023
+                return out
 
-        med = interleaved({"naive": lambda: naive_default_keys(x), "ours": ours}, repeats)  # noqa: B023
-        mine, naive = ours(), naive_default_keys(x)
-        if set(mine) != set(naive):
-            raise AssertionError(f"naive baseline keys differ: {sorted(set(mine) ^ set(naive))}")
-        diff = max(abs(mine[k] - naive[k]) / max(abs(naive[k]), 1e-12) for k in mine)
-        print(f"{b:>5}x{t:<6} {med['naive'] * 1e3:>9.2f} {med['ours'] * 1e3:>11.2f} {med['naive'] / med['ours']:>9.1f} "
-              f"{len(mine):>5} {diff:>14.1e}", flush=True)
+            med = interleaved({"naive": lambda: naive_default_keys(x), "ours": ours}, repeats)  # noqa: B023
+            mine, naive = ours(), naive_default_keys(x)
+            if set(mine) != set(naive):
+                raise AssertionError(f"naive baseline keys differ: {sorted(set(mine) ^ set(naive))}")
+            diff = max(abs(mine[k] - naive[k]) / max(abs(naive[k]), 1e-12) for k in mine)
+            parts = step_parts(metrics, x, repeats)
+            print(f"{b:>5}x{t:<6} {mode:>9} {med['naive'] * 1e3:>9.2f} {med['ours'] * 1e3:>11.2f} "
+                  f"{med['naive'] / med['ours']:>9.1f} {len(mine):>5} {diff:>14.1e} "
+                  + " ".join(f"{parts[k] * 1e3:>{w}.2f}" for k, w in (("update", 8), ("compute", 8), ("read", 6),
+                                                                     ("reset", 6))), flush=True)
+
+
+def step_parts(metrics: OPBCCollection, x: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median seconds of each part of a step (update, compute, host_floats of the values, reset), each timed
+    alone (synchronized on CUDA after each part)."""
+    times: dict[str, list[float]] = {"update": [], "compute": [], "read": [], "reset": []}
+    for i in range(repeats + 2):
+        t0 = CLOCK()
+        metrics.update(x)
+        SYNC()
+        t1 = CLOCK()
+        values = metrics.compute()
+        SYNC()
+        t2 = CLOCK()
+        host_floats(values)
+        t3 = CLOCK()
+        metrics.reset()
+        SYNC()
+        t4 = CLOCK()
+        if i >= 2:  # warm-up
+            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                times[k].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench_sync(repeats: int) -> None:
@@ -286,7 +317,7 @@ def main() -> None:
     if "update" in only:
         bench_update(shapes, repeats, compiled=not args.no_compile)
     if "naive" in only:
-        bench_naive(shapes, repeats)
+        bench_naive(shapes, repeats, compiled=DEVICE.type == "cuda" and not args.no_compile)
     if "sync" in only:
         bench_sync(5 if args.quick else 30)
     if "memory" in only and DEVICE.type == "cpu":  # host memory
