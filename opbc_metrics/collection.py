@@ -5,24 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 from torchmetrics import MetricCollection
 
 from opbc_metrics.agent import agent_section
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, _scalar, as_view
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view, stacked_scalars
 from opbc_metrics.endpoint import endpoint_section
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
-from opbc_metrics.metric import (
-    OPBCMetric,
-    forget_presence,
-    plot_values,
-    quiet_compute,
-    read_presence,
-    reset_states,
-    restore_states,
-    states_to_host,
-)
+from opbc_metrics.metric import OPBCMetric, forget_presence, plot_values, quiet_compute, read_presence, reset_states
 from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
 from opbc_metrics.per_round import per_round_section
@@ -60,26 +50,14 @@ SECTIONS["training"] = training_section
 DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round", "agent", "endpoint")
 
 
-def _own_copies(values: dict[str, Tensor], targets: Mapping[str, torch.device]) -> dict[str, Tensor]:
-    """``values`` in storage of their own, as torchmetrics' compute gives them (a value may be a state itself),
-    each on its device in ``targets`` (values computed from host copies of states go back to the states' device):
+def _own_copies(values: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``values`` in storage of their own, as torchmetrics' compute gives them (a value may be a state itself):
     the single-element ones squeezed to 0-dim and copied in one stack per device and dtype (views of it), the
     others cloned. torchmetrics clones each value: ~80 copies per compute of the default collection, a kernel
     launch each on a GPU."""
-    out: dict[str, Tensor] = {}
-    scalars: dict[tuple[torch.device, torch.dtype, torch.device], list[str]] = {}
-    for key, v in values.items():
-        if not isinstance(v, Tensor):
-            continue
-        to = targets.get(key, v.device)
-        if v.numel() == 1:
-            scalars.setdefault((v.device, v.dtype, to), []).append(key)
-        else:
-            out[key] = v.clone() if v.device == to else v.to(to, non_blocking=True)
-    for (device, _, to), keys in scalars.items():
-        stacked = torch.stack([_scalar(values[k]) for k in keys])
-        # non-blocking from pageable host memory: staged at once, no wait for the queued kernels
-        out.update(zip(keys, (stacked if to == device else stacked.to(to, non_blocking=True)).unbind(0), strict=True))
+    out = {key: v.clone() for key, v in values.items() if isinstance(v, Tensor) and v.numel() != 1}
+    for keys, stacked in stacked_scalars(values):
+        out.update(zip(keys, stacked.unbind(0), strict=True))
     return {key: out.get(key, values[key]) for key in values}
 
 
@@ -236,29 +214,20 @@ class OPBCCollection(MetricCollection):
         members = self.members()
         synced = packed_sync(members)
         out: dict[str, Tensor] = {}
-        swapped: list[tuple[Any, dict[str, Tensor]]] = []
         try:
             # States are synced here, so every rank leaves out the same members (no data anywhere). Which members
             # saw data: one host read for all of them (those that still sync in their own compute read their own).
             ready = [m for m in members if not (m._to_sync and distributed(m))]
-            direct = [m for m in ready if m._computed is None]
-            direct_ids = {id(m) for m in direct}  # not `m in direct`: a Metric's == builds a CompositionalMetric
-            # On an accelerator those compute from host copies of their states, their values copied back below.
-            swapped = states_to_host(direct)
-            home = {id(m): next(iter(states.values())).device for m, states in swapped}
             read_presence(ready)
-            targets: dict[str, torch.device] = {}
+            direct = {id(m) for m in ready if m._computed is None}
             with quiet_compute():
                 for m in members:
                     # Members whose states need no further sync compute directly, their values copied below all at
                     # once; the others (and cached results) through torchmetrics' wrapper, which copies each value.
-                    value = m.as_dict(m._checked_compute() if id(m) in direct_ids else m._compute_or_none())
-                    if id(m) in home:
-                        targets.update(dict.fromkeys(value, home[id(m)]))
-                    out.update(value)
-            out = _own_copies(out, targets)
+                    value = m._checked_compute() if id(m) in direct else m._compute_or_none()
+                    out.update(m.as_dict(value))
+            out = _own_copies(out)
         finally:
-            restore_states(swapped)
             forget_presence(members)
             restore_local_states(synced)
         return self._named(out)

@@ -335,44 +335,6 @@ def test_collection_reset_refills_states_with_one_multi_tensor_copy(monkeypatch)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
-def test_compute_from_host_copies_of_the_states(monkeypatch):
-    """On an accelerator, compute() runs the members' computes on host copies of their states (one copy per
-    device and dtype) and puts the states back. Forced here on the CPU: the values equal the usual compute's
-    exactly, every state is its own tensor again afterwards (also when a compute raises), and the values own
-    their storage."""
-    import opbc_metrics.metric as metric_module
-
-    accelerator_only = metric_module.computes_on_host
-    assert not any(accelerator_only(m) for m in OPBCCollection().members())  # CPU states stay where they are
-    batch = make_batch(batch=4, seq=40, seed=3, dtype=torch.float32)
-    metrics = OPBCCollection()
-    metrics.update(batch)
-    want = metrics.compute()
-    states = {(id(m), name): getattr(m, name) for m in metrics.members() for name in m._defaults}
-    swaps = []
-
-    def on_host(m):
-        return isinstance(m, metric_module.OPBCMetric)
-
-    original = metric_module.states_to_host
-    monkeypatch.setattr(metric_module, "computes_on_host", on_host)
-    monkeypatch.setattr("opbc_metrics.collection.states_to_host",
-                        lambda ms: swaps.append(original(ms)) or swaps[-1])
-    got = metrics.compute()
-    assert len(swaps) == 1 and len(swaps[0]) == len(metrics.members())
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
-    for (mid, name), state in states.items():
-        assert next(getattr(m, name) for m in metrics.members() if id(m) == mid) is state
-    host_storages = {v.untyped_storage().data_ptr() for _, saved in swaps[0] for v in saved.values()}
-    assert not any(v.untyped_storage().data_ptr() in host_storages for v in got.values())
-    member = metrics.members()[0]
-    monkeypatch.setattr(member, "_checked_compute", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
-    with pytest.raises(RuntimeError, match="boom"):
-        metrics.compute()
-    for (mid, name), state in states.items():
-        assert next(getattr(m, name) for m in metrics.members() if id(m) == mid) is state
-
-
 def _chunks(section, batch, n_chunks, dim):
     if dim == 1:  # along time: every field of rank >= 2 is cut at the same columns
         cols = torch.arange(batch["response_mask"].shape[1])
