@@ -125,9 +125,9 @@ def main() -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     ok = check(device) if args.check else None
-    timings(device, [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
-    if args.profile:
+    if args.profile:  # first: eager only, quick (the timings compile a graph per shape)
         profile(device)
+    timings(device, [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")])
     if ok is not None:
         print("\ncompiled per-round sums:", "right" if ok else "WRONG somewhere (see above)")
 
