@@ -15,6 +15,7 @@ from opbc_metrics import functional as F
 from opbc_metrics.functional.mismatch import sketch_relative_error_bound
 from tests.data import concat_batches, logprob_batches, logprobs_numpy, make_batch, metric_values
 from tests.reference import DESIGN_KEYS, mismatch_reference
+from tests.support import compiled_graphs
 
 # The sketch's documented bound for the default 8192 bins and C = 20.
 SKETCH_RTOL = sketch_relative_error_bound()
@@ -320,5 +321,12 @@ def test_clip_and_veto_thresholds_are_strict():
     assert F.clipped_fraction(trainer, rollout, clamp=20.0).item() == want_clipped
     assert F.veto_fraction(trainer, rollout, veto=30.0).item() == want_veto
     out = OPBCCollection(sections=["mismatch"])({"trainer_logprobs": trainer, "rollout_logprobs": rollout})
+    assert out["opbc/is/clipped_fraction"].item() == want_clipped
+    assert out["opbc/is/veto_fraction"].item() == want_veto
+    # The compiled kernel compares on its own (the fused pass): the same thresholds, a graph compiled for them.
+    graphs = compiled_graphs()
+    compiled = OPBCCollection(sections=["mismatch"], compiled=True)
+    out = compiled({"trainer_logprobs": trainer, "rollout_logprobs": rollout})
+    assert compiled_graphs() > graphs
     assert out["opbc/is/clipped_fraction"].item() == want_clipped
     assert out["opbc/is/veto_fraction"].item() == want_veto
