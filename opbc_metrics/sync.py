@@ -149,13 +149,14 @@ def packed_sync(metrics: Iterable[Metric]) -> list[Metric]:
     Returns the metrics synced (none outside torch.distributed, or with a custom ``dist_sync_fn``, which
     keep torchmetrics' own per-state path); give them to :func:`restore_local_states` after computing.
     """
-    to_pack = [
-        m
-        for m in metrics
-        if m._to_sync and m.dist_sync_fn in (None, gather_all_tensors) and packable(m) and not m._is_synced
+    candidates = [
+        m for m in metrics if m._to_sync and m.dist_sync_fn in (None, gather_all_tensors) and not m._is_synced
     ]
-    if not to_pack or not distributed(to_pack[0]):
+    # Outside torch.distributed (the common case) only the first packable candidate is inspected.
+    first = next((m for m in candidates if packable(m)), None)
+    if first is None or not distributed(first):
         return []
+    to_pack = [m for m in candidates if packable(m)]
     for m in to_pack:
         m._cache = m._copy_state_dict()
     all_reduce_states(to_pack, group=to_pack[0].process_group)
