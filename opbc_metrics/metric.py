@@ -729,4 +729,3 @@ def reset_states(metrics: Iterable[Metric]) -> None:
         m._is_synced = False
     if fresh:
         torch._foreach_copy_(fresh, defaults)
-
