@@ -9,7 +9,10 @@ mismatch-only kernel call (``token_statistics(trainer, rollout, mask, clamp, vet
 hist=True)``, no per-round sums; ``--rounds 16``: with the default collection's per-round sums; compiled:
 ``compiled_token_statistics()``); fresh workers per shape, drift and mode, so every shape has its own static
 graph (``--dynamic``: each worker first calls bench.py's six shapes, so that, as in bench.py, the compiled
-graphs are dynamic-shape ones). The drift is the std of the inputs' per-token log-ratio:
+graphs are dynamic-shape ones). ``--call update`` / ``--call step`` time the default collection instead
+(``OPBCCollection(compiled=...)``) on ``naive_baseline.step_batch`` (every default section's fields): its
+``update()`` (reset every 50 calls), or one whole step (update, compute, ``host_floats`` of the values, reset).
+The drift is the std of the inputs' per-token log-ratio:
 0.05 (the default) spreads the tokens over the histogram's bins, 1e-3 (bf16 against fp32 engines) puts most
 of them in one or two.
 Times are each worker's process CPU time per call, so the neighbours' load on a shared machine moves both
@@ -36,6 +39,30 @@ CLAMP, VETO, BINS = 20.0, 30.0, 8192
 SAMPLE_SECONDS = 0.05
 
 
+def collection_call(b: int, t: int, mode: str, call: str) -> tuple[object, tuple[object, ...]]:
+    """A no-argument function running the default collection's ``update`` or whole step on a step batch."""
+    from naive_baseline import step_batch
+
+    from opbc_metrics import OPBCCollection
+    from opbc_metrics.batch import host_floats
+
+    metrics, x = OPBCCollection(compiled=mode == "compiled"), step_batch(b, t)
+    calls = [0]
+
+    def update() -> None:
+        metrics.update(x)
+        calls[0] += 1
+        if calls[0] % 50 == 0:  # (bounded states' values; the state size is fixed either way)
+            metrics.reset()
+
+    def step() -> None:
+        metrics.update(x)
+        host_floats(metrics.compute())
+        metrics.reset()
+
+    return (update if call == "update" else step), ()
+
+
 def worker(tree: str) -> None:
     """Serve timing requests on stdin/stdout for the opbc_metrics package under ``tree``."""
     sys.path.insert(0, tree)
@@ -58,6 +85,15 @@ def worker(tree: str) -> None:
             # seconds per call
             b, t, mode, drift, rounds, dynamic = int(rest[0]), int(rest[1]), rest[2], float(rest[3]), int(rest[4]), \
                 rest[5] == "1"
+            call = rest[6]
+            if call != "kernel":
+                fn, args = collection_call(b, t, mode, call)
+                for _ in range(3):
+                    fn()
+                t0 = time.process_time()
+                fn()
+                print(time.process_time() - t0, flush=True)
+                continue
             if mode == "compiled":
                 fn = mismatch.compiled_token_statistics()
             else:
@@ -134,6 +170,8 @@ def main() -> None:
                         help="per-round capacity of the call (16: the default collection's); 0: mismatch only")
     parser.add_argument("--dynamic", action="store_true",
                         help="each worker first calls bench.py's shapes, so that the graphs are dynamic-shape ones")
+    parser.add_argument("--call", default="kernel", choices=("kernel", "update", "step"),
+                        help="what is timed: the kernel call (default), the default collection's update(), or its step")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -141,7 +179,10 @@ def main() -> None:
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     what = f"rounds={args.rounds}" if args.rounds else "mismatch only"
-    print(f"# A/B of token_statistics ({what}{', dynamic shapes' if args.dynamic else ''}): new={args.new} /"
+    if args.call != "kernel":
+        what = f"the default collection's {args.call}, naive_baseline.step_batch"
+    timed = "token_statistics" if args.call == "kernel" else "OPBCCollection"
+    print(f"# A/B of {timed} ({what}{', dynamic shapes' if args.dynamic else ''}): new={args.new} /"
           f" old={args.old}; process CPU time per call,"
           f" 1 thread, {args.reps} interleaved paired samples of ~{SAMPLE_SECONDS * 1e3:.0f} ms each")
     print(f"{'mode':>8} {'drift':>6} {'shape':>10} {'old ms':>8} {'new ms':>8} {'new/old':>8}"
@@ -153,7 +194,7 @@ def main() -> None:
             # before it (measured: up to 1.5x at 256 x 8192 compiled against a fresh process).
             old, new = Worker(trees[0]), Worker(trees[1])
             try:
-                setup = f"setup {b} {t} {mode} {drift} {args.rounds} {int(args.dynamic)}"
+                setup = f"setup {b} {t} {mode} {drift} {args.rounds} {int(args.dynamic)} {args.call}"
                 per_call = max(old.ask(setup), new.ask(setup))
                 n = max(1, round(SAMPLE_SECONDS / max(per_call, 1e-6)))
                 times: dict[str, list[float]] = {"old": [], "new": []}

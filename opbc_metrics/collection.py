@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 from torchmetrics import MetricCollection
 
@@ -12,7 +13,15 @@ from opbc_metrics.agent import agent_section
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view, stacked_scalars
 from opbc_metrics.endpoint import endpoint_section
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
-from opbc_metrics.metric import OPBCMetric, forget_presence, plot_values, quiet_compute, read_presence, reset_states
+from opbc_metrics.metric import (
+    OPBCMetric,
+    fold_statistics,
+    forget_presence,
+    plot_values,
+    quiet_compute,
+    read_presence,
+    reset_states,
+)
 from opbc_metrics.mismatch import MISMATCH_METRICS
 from opbc_metrics.moe import moe_section
 from opbc_metrics.per_round import per_round_section
@@ -198,8 +207,19 @@ class OPBCCollection(MetricCollection):
     def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]
         """Accumulate one batch (a mapping, dataclass, or keyword fields with the batch-schema names)."""
         view = as_view(batch, **fields).check_fields()
-        for m in self._active(view):
-            m.update(view)
+        folded: list[OPBCMetric] = []
+        triples: list[tuple[Tensor, Tensor, Callable]] = []
+        with torch.no_grad():  # (torchmetrics' update runs without gradients unless a metric asks for them)
+            for m in self._active(view):
+                if m.folds_statistics():
+                    triples += m.checked_statistics(m.statistics(view))
+                    folded.append(m)
+                else:
+                    m.update(view)
+            # Every member's statistics into the states at once: a few multi-tensor ops, not one op per state.
+            fold_statistics(triples)
+        for m in folded:
+            m._fold_done()
 
     def forward(self, batch: Any = None, **fields: Any) -> dict[str, Tensor]:  # type: ignore[override]
         """Accumulate one batch and return that batch's own values (local, not synced)."""

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.utilities.data import dim_zero_max, dim_zero_sum
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from opbc_metrics.batch import BatchView, as_view
@@ -258,8 +258,12 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
         accelerator than the states raise a ``ValueError``: moving them would be a hidden device-to-host
         copy (a sync), and adding them in place would fail inside torch (or, on ``meta``, do nothing).
         """
-        # Runs once per metric per batch, 15+ times per collection update: one pass over the states,
-        # checked before any is touched (no partial update on refusal), then folded in.
+        fold_statistics(self.checked_statistics(stats))
+
+    def checked_statistics(self, stats: Mapping[str, Tensor]) -> list[tuple[Tensor, Tensor, Callable]]:
+        """``(state, statistic, reduction)`` for one batch's ``stats``, each statistic on its state's device and
+        dtype, for :func:`fold_statistics`: every statistic checked before any state is touched (no partial update
+        on refusal). Raises the ``ValueError`` s described in :meth:`accumulate`."""
         reductions = self._reductions
         unknown = [name for name in stats if name not in reductions]
         if unknown:
@@ -267,24 +271,30 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
                 f"{type(self).__name__}: the batch statistics {unknown} are not states of the metric "
                 f"(its states: {list(reductions)}); the kernel and the state table disagree"
             )
-        pairs = [(getattr(self, name), value, reductions[name]) for name, value in stats.items()]
-        for state, value, _ in pairs:
+        triples = [(getattr(self, name), value, reductions[name]) for name, value in stats.items()]
+        for state, value, _ in triples:
             if value.device != state.device and value.device.type != "cpu":
                 fields = ", ".join(f"`{f}`" for f in self.required_fields) or "the batch"
                 raise ValueError(
                     f"batch field(s) {fields} are on {value.device} but the states of {type(self).__name__} "
                     f"are on {state.device}; move the metric to the batch's device (metric.to(device))"
                 )
-        for state, value, fx in pairs:
-            if value.dtype != state.dtype or value.device != state.device:
-                # from the host: non-blocking, as a blocking copy waits for every kernel queued before it
-                value = value.to(device=state.device, dtype=state.dtype, non_blocking=True)
-            if fx is dim_zero_sum:
-                state.add_(value)
-            elif fx is dim_zero_max:
-                torch.maximum(state, value, out=state)
-            else:
-                torch.minimum(state, value, out=state)
+        for i, (state, value, fx) in enumerate(triples):
+            if value.dtype != state.dtype:  # (on the host for host statistics: fold_statistics moves them)
+                triples[i] = (state, value.to(state.dtype), fx)
+        return triples
+
+    def folds_statistics(self) -> bool:
+        """Whether a collection may update this metric by folding its :meth:`statistics` into its states with the
+        other members' (:func:`fold_statistics`) instead of calling :meth:`update`: true where the update is
+        ``statistics`` + ``accumulate`` (the base ``_update_view``), false for a subclass outside this library that
+        overrides ``update`` and for torchmetrics' ``_enable_grad`` / ``compute_on_cpu`` options."""
+        return type(self)._update_view is OPBCMetric._update_view and library_update(self)
+
+    def _fold_done(self) -> None:
+        """What torchmetrics' update wrapper records after an update, for a member updated by a collection's fold."""
+        self._computed = None
+        self._update_count += 1
 
     # torchmetrics sets these plain attributes on every update and reset, and sets every state on reset (a new
     # tensor each); nn.Module's __setattr__ (parameter/buffer/module bookkeeping) costs ~3 us each: 30 calls per
@@ -689,6 +699,67 @@ def _first_difference(own: Any, other: Any, path: str) -> str | None:
     if own != other:
         return f"{path} differs: incoming {_short(other)}, expected {_short(own)}"
     return None
+
+
+_LIBRARY_UPDATE: dict[type, bool] = {}
+
+
+def library_update(metric: OPBCMetric) -> bool:
+    """Whether ``metric`` updates as this library wrote it: no ``update`` / ``_update_view`` override from outside
+    the library in its class hierarchy (the library's own ``update`` overrides only document their fields), and
+    neither of torchmetrics' ``_enable_grad`` / ``compute_on_cpu`` options (which its update wrapper applies)."""
+    cls = type(metric)
+    if cls not in _LIBRARY_UPDATE:
+        _LIBRARY_UPDATE[cls] = all(
+            k.__module__.startswith("opbc_metrics.") for k in cls.__mro__
+            if issubclass(k, OPBCMetric) and ("update" in vars(k) or "_update_view" in vars(k))
+        )
+    return _LIBRARY_UPDATE[cls] and not metric._enable_grad and not metric.compute_on_cpu
+
+
+def fold_statistics(triples: Iterable[tuple[Tensor, Tensor, Callable]]) -> None:
+    """Fold ``(state, statistic, reduction)`` triples (:meth:`OPBCMetric.checked_statistics`) into their states in
+    place: one multi-tensor op per reduction kind (``_foreach_add_`` / ``_maximum_`` / ``_minimum_``), where one op
+    per state cost ~1 us each on the CPU and a kernel launch each on a GPU (~90 per default-collection update).
+
+    Example:
+        >>> from opbc_metrics import ClippedFraction
+        >>> m = ClippedFraction()
+        >>> fold_statistics(m.checked_statistics({"hits": torch.tensor(2.0), "count": torch.tensor(5.0)}))
+        >>> m.hits, m.count
+        (tensor(2., dtype=torch.float64), tensor(5., dtype=torch.float64))
+    """
+    triples = _to_state_devices(list(triples))
+    groups: dict[Callable, tuple[list[Tensor], list[Tensor]]] = {}
+    for state, value, fx in triples:
+        states, values = groups.setdefault(fx, ([], []))
+        states.append(state)
+        values.append(value)
+    for fx, (states, values) in groups.items():
+        if fx is dim_zero_sum:
+            torch._foreach_add_(states, values)
+        elif fx is dim_zero_max:
+            torch._foreach_maximum_(states, values)
+        elif fx is dim_zero_min:
+            torch._foreach_minimum_(states, values)
+        else:  # a list state (cat): its metric appends in its own _update_view
+            raise ValueError(f"fold_statistics: a state reduced by {fx} cannot take batch statistics in place")
+
+
+def _to_state_devices(triples: list[tuple[Tensor, Tensor, Callable]]) -> list[tuple[Tensor, Tensor, Callable]]:
+    """Statistics built on the host, for states on an accelerator, moved there in one copy per device and dtype (a
+    collection's agent and endpoint sections build ~25 on the host): non-blocking, as a blocking copy waits for
+    every kernel queued before it."""
+    moves: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (state, value, _) in enumerate(triples):
+        if value.device != state.device:
+            moves.setdefault((state.device, value.dtype), []).append(i)
+    for (device, _), rows in moves.items():
+        values = [triples[i][1] for i in rows]
+        moved = torch.cat([v.reshape(-1) for v in values]).to(device, non_blocking=True)
+        for i, v, part in zip(rows, values, moved.split([v.numel() for v in values]), strict=True):
+            triples[i] = (triples[i][0], part.view(v.shape), triples[i][2])
+    return triples
 
 
 def reset_states(metrics: Iterable[Metric]) -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from opbc_metrics import OPBCCollection
 from opbc_metrics import functional as F
-from opbc_metrics.batch import PER_SEQUENCE_FIELDS
+from opbc_metrics.batch import PER_SEQUENCE_FIELDS, as_view
 from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import concat_batches, make_batch
@@ -335,6 +335,57 @@ def test_collection_reset_refills_states_with_one_multi_tensor_copy(monkeypatch)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
+def test_collection_update_folds_every_members_statistics_in_one_multi_tensor_op_per_reduction(monkeypatch):
+    """The collection's update() computes every member's statistics, then folds them into the states with one
+    torch._foreach_add_ / _maximum_ / _minimum_ each (one launch each on a GPU, where one add_ per state was ~90),
+    with the values a member updated on its own would hold. It records the update as torchmetrics' wrapper does (a
+    member's cached compute() is dropped), and a subclass with its own update() still runs it."""
+    from opbc_metrics import ClippedFraction, ImportanceSamplingESS
+
+    class OwnUpdate(ClippedFraction):
+        updates = 0
+
+        def update(self, batch=None, **fields):
+            type(self).updates += 1
+            super().update(batch, **fields)
+
+    batch = make_batch(batch=4, seq=24, seed=7, dtype=torch.float64)
+    metrics = OPBCCollection()
+    metrics.add_metrics({"own_update": OwnUpdate()})
+    calls: dict[str, list[int]] = {"_foreach_add_": [], "_foreach_maximum_": [], "_foreach_minimum_": []}
+
+    def counted(op, log):
+        return lambda dst, src: (log.append(len(dst)), op(dst, src))
+
+    for name, log in calls.items():
+        monkeypatch.setattr(torch, name, counted(getattr(torch, name), log))
+    metrics.update(batch)
+    assert OwnUpdate.updates == 1
+    # OwnUpdate's own accumulate (its two sums) during the loop, then one fold per reduction kind, the sums of
+    # every other member in one call (the default collection has states of all three kinds)
+    assert [len(v) for v in calls.values()] == [2, 1, 1] and calls["_foreach_add_"][0] == 2, calls
+    assert sum(n for v in calls.values() for n in v[-1:]) > 60, calls  # the batch statistics of ~60 states
+    view = as_view(batch)
+    active = [m for m in metrics.members() if m.accepts(view)]
+    assert len(active) >= 15 and all(m._update_count == 0 for m in metrics.members() if m not in active)
+    for m in active:
+        alone = m.clone()
+        alone.reset()
+        alone.update(batch)  # on its own: torchmetrics' update wrapper, its own accumulate
+        for name in m._defaults:  # (alone, the kernel computes only the member's own statistics: other rounding)
+            got, want = getattr(m, name), getattr(alone, name)
+            assert torch.allclose(got, want, rtol=1e-9, atol=1e-12, equal_nan=True), (type(m).__name__, name)
+        assert m._update_count == 1, type(m).__name__
+    # a member's own compute() caches its value; the next collection update drops the cache
+    member = next(m for m in metrics.members() if type(m) is ImportanceSamplingESS)
+    before = member.compute()
+    metrics.update(make_batch(batch=4, seq=24, seed=8, dtype=torch.float64))
+    fresh = ImportanceSamplingESS()
+    fresh.update(batch)
+    fresh.update(make_batch(batch=4, seq=24, seed=8, dtype=torch.float64))
+    assert torch.equal(member.compute(), fresh.compute()) and not torch.equal(member.compute(), before)
+
+
 def _chunks(section, batch, n_chunks, dim):
     if dim == 1:  # along time: every field of rank >= 2 is cut at the same columns
         cols = torch.arange(batch["response_mask"].shape[1])
@@ -456,3 +507,25 @@ def test_ddp_global_values_not_means_of_rank_values_and_rollout_specifics(ddp_re
         assert result["chart_ranges"]["rollout/reward/max"] == pytest.approx((0.0, rewards.max().item()))
         assert result["deferred_error"] is not None and "response_lengths" in result["deferred_error"]
     assert ddp_results[0]["chart_ranges"] == ddp_results[1]["chart_ranges"]
+
+
+def test_host_statistics_reach_accelerator_states_in_one_copy_per_dtype():
+    """Statistics built on the host (the agent and endpoint sections' counts) for states on another device are
+    moved in one copy per device and dtype, each keeping its shape ("meta" stands in for an accelerator here)."""
+    from torchmetrics.utilities.data import dim_zero_sum
+
+    from opbc_metrics.metric import _to_state_devices
+
+    states = [torch.zeros(3, dtype=torch.float64, device="meta"), torch.zeros((), dtype=torch.float64, device="meta"),
+              torch.zeros(2, 2, dtype=torch.float64, device="meta"),
+              torch.zeros((), dtype=torch.float32, device="meta"), torch.zeros(2)]
+    values = [torch.arange(3.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64),
+              torch.ones(2, 2, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float32),
+              torch.tensor([5.0, 6.0])]
+    moved = _to_state_devices([(s, v, dim_zero_sum) for s, v in zip(states, values, strict=True)])
+    got = [v for _, v, _ in moved]
+    assert [v.device.type for v in got] == ["meta"] * 4 + ["cpu"]
+    assert [v.shape for v in got] == [v.shape for v in values]
+    assert got[4] is values[4]  # already on its state's device: untouched
+    # float64 (three statistics) in one copy, float32 in another
+    assert got[0]._base is got[1]._base is got[2]._base and got[3]._base is not got[0]._base

@@ -144,8 +144,12 @@ def _answer_match(a: Trajectory, b: Trajectory) -> bool:
 
 
 def _soft_answer_match(a: Trajectory, b: Trajectory) -> float:
-    tokens_a = normalize_text(a.final_answer).split()
-    tokens_b = normalize_text(b.final_answer).split()
+    return _token_f1(normalize_text(a.final_answer).split(), normalize_text(b.final_answer).split())
+
+
+def _token_f1(tokens_a: list[str], tokens_b: list[str]) -> float:
+    if tokens_a == tokens_b:  # (the common case, without two Counters)
+        return 1.0 if tokens_a else 0.0
     common = sum((Counter(tokens_a) & Counter(tokens_b)).values())
     if common == 0:
         return 0.0
@@ -269,21 +273,29 @@ def trajectory_pairs(value: Any) -> list[tuple[Trajectory, Trajectory]]:
 
 
 def _pair_stats(pairs: Sequence[tuple[Trajectory, Trajectory]]) -> Stats:
-    kinds = tuple(f"kind_{k}" for k in DIVERGENCE_KINDS)
-    s = dict.fromkeys(("pairs", "jaccard_sum", "diverged", "step_sum", *kinds, "matches", "soft_sum", "rollout_steps",
-                       "reference_steps", "disagree", "tool_steps"), 0.0)
-    s["step_min"] = float("inf")
+    s = dict.fromkeys(("pairs", "jaccard_sum", "diverged", "step_sum", *(f"kind_{k}" for k in DIVERGENCE_KINDS),
+                       "matches", "soft_sum", "rollout_steps", "reference_steps", "disagree", "tool_steps"), 0.0)
+    step_min = float("inf")
+    # (per pair: each final answer normalised once, for the exact and the soft match)
+    jaccard = matches = soft = rollout_steps = reference_steps = disagree = tool_steps = 0.0
     for a, b in pairs:
-        disagree, either = _tool_choice(a, b)
-        seen = {"pairs": 1, "jaccard_sum": _jaccard(a, b), "matches": _answer_match(a, b),
-                "soft_sum": _soft_answer_match(a, b), "rollout_steps": len(a.steps), "reference_steps": len(b.steps),
-                "disagree": disagree, "tool_steps": either}
+        pair_disagree, either = _tool_choice(a, b)
+        disagree += pair_disagree
+        tool_steps += either
+        jaccard += _jaccard(a, b)
+        answer_a, answer_b = normalize_text(a.final_answer), normalize_text(b.final_answer)
+        matches += answer_a != "" and answer_a == answer_b
+        soft += _token_f1(answer_a.split(), answer_b.split())
+        rollout_steps += len(a.steps)
+        reference_steps += len(b.steps)
         div = _divergence(a, b)
         if div is not None:
-            seen.update({"diverged": 1, "step_sum": div.step, f"kind_{div.kind}": 1})
-            s["step_min"] = min(s["step_min"], float(div.step))
-        for name, value in seen.items():
-            s[name] += value
+            s["diverged"] += 1
+            s["step_sum"] += div.step
+            s[f"kind_{div.kind}"] += 1
+            step_min = min(step_min, float(div.step))
+    s.update(pairs=float(len(pairs)), jaccard_sum=jaccard, matches=matches, soft_sum=soft, rollout_steps=rollout_steps,
+             reference_steps=reference_steps, disagree=disagree, tool_steps=tool_steps, step_min=step_min)
     return {k: torch.tensor(v, dtype=torch.float64) for k, v in s.items()}
 
 

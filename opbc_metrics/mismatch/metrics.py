@@ -66,7 +66,7 @@ from opbc_metrics.functional.mismatch import (
     settings_need,
     sketch_relative_error_bound,
 )
-from opbc_metrics.metric import CAT, MAX, MIN, SUM, GlossaryEntry, OPBCMetric, State, table
+from opbc_metrics.metric import CAT, MAX, MIN, SUM, GlossaryEntry, OPBCMetric, State, library_update, table
 
 _TOKEN_FIELDS = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
 _TOKENS = "valid response tokens (response_mask = 1, finite logprobs), summed over the window and all ranks"
@@ -337,12 +337,18 @@ class TopGradientMass(_Fraction):
         """Relative error bound of the sketch (0 in exact mode)."""
         return 0.0 if self.exact else sketch_relative_error_bound(self.clamp, self.bins)
 
+    def statistics(self, view: BatchView) -> Stats:
+        return _top_mass_sketch_update(self._stats(view))  # (the sketch; exact mode appends in _update_view)
+
+    def folds_statistics(self) -> bool:
+        return not self.exact and library_update(self)
+
     def _update_view(self, view: BatchView) -> None:
         if self.exact:
             self.accumulate(count=view.num_valid)  # first: it refuses a batch on another device
             self.weights.append(view.weights(self.clamp).reshape(-1).to(torch.float64))
         else:
-            self.accumulate(**_top_mass_sketch_update(self._stats(view)))
+            super()._update_view(view)
 
     def compute(self) -> Tensor:
         if self.exact:
