@@ -705,14 +705,15 @@ _LIBRARY_UPDATE: dict[type, bool] = {}
 
 
 def library_update(metric: OPBCMetric) -> bool:
-    """Whether ``metric`` updates as this library wrote it: no ``update`` / ``_update_view`` override from outside
-    the library in its class hierarchy (the library's own ``update`` overrides only document their fields), and
-    neither of torchmetrics' ``_enable_grad`` / ``compute_on_cpu`` options (which its update wrapper applies)."""
+    """Whether ``metric`` updates as this library wrote it: no ``update`` / ``_update_view`` / ``accumulate``
+    override from outside the library in its class hierarchy (the library's own ``update`` overrides only document
+    their fields), and neither of torchmetrics' ``_enable_grad`` / ``compute_on_cpu`` options (which its update
+    wrapper applies)."""
     cls = type(metric)
     if cls not in _LIBRARY_UPDATE:
         _LIBRARY_UPDATE[cls] = all(
             k.__module__.startswith("opbc_metrics.") for k in cls.__mro__
-            if issubclass(k, OPBCMetric) and ("update" in vars(k) or "_update_view" in vars(k))
+            if issubclass(k, OPBCMetric) and any(name in vars(k) for name in ("update", "_update_view", "accumulate"))
         )
     return _LIBRARY_UPDATE[cls] and not metric._enable_grad and not metric.compute_on_cpu
 

@@ -339,7 +339,7 @@ def test_collection_update_folds_every_members_statistics_in_one_multi_tensor_op
     """The collection's update() computes every member's statistics, then folds them into the states with one
     torch._foreach_add_ / _maximum_ / _minimum_ each (one launch each on a GPU, where one add_ per state was ~90),
     with the values a member updated on its own would hold. It records the update as torchmetrics' wrapper does (a
-    member's cached compute() is dropped), and a subclass with its own update() still runs it."""
+    member's cached compute() is dropped), and a subclass with its own update() or accumulate() still runs it."""
     from opbc_metrics import ClippedFraction, ImportanceSamplingESS
 
     class OwnUpdate(ClippedFraction):
@@ -349,9 +349,18 @@ def test_collection_update_folds_every_members_statistics_in_one_multi_tensor_op
             type(self).updates += 1
             super().update(batch, **fields)
 
+    class OwnAccumulate(ClippedFraction):
+        folds = 0
+
+        def accumulate(self, **stats):
+            type(self).folds += 1
+            super().accumulate(**stats)
+
     batch = make_batch(batch=4, seq=24, seed=7, dtype=torch.float64)
     metrics = OPBCCollection()
-    metrics.add_metrics({"own_update": OwnUpdate()})
+    # (and a member with torchmetrics' compute_on_cpu, which its update wrapper applies after each update)
+    metrics.add_metrics({"own_update": OwnUpdate(), "own_accumulate": OwnAccumulate(),
+                         "on_cpu": ClippedFraction(compute_on_cpu=True)})
     calls: dict[str, list[int]] = {"_foreach_add_": [], "_foreach_maximum_": [], "_foreach_minimum_": []}
 
     def counted(op, log):
@@ -360,10 +369,10 @@ def test_collection_update_folds_every_members_statistics_in_one_multi_tensor_op
     for name, log in calls.items():
         monkeypatch.setattr(torch, name, counted(getattr(torch, name), log))
     metrics.update(batch)
-    assert OwnUpdate.updates == 1
-    # OwnUpdate's own accumulate (its two sums) during the loop, then one fold per reduction kind, the sums of
-    # every other member in one call (the default collection has states of all three kinds)
-    assert [len(v) for v in calls.values()] == [2, 1, 1] and calls["_foreach_add_"][0] == 2, calls
+    assert OwnUpdate.updates == 1 and OwnAccumulate.folds == 1
+    # the three members' own accumulates (two sums each) during the loop, then one fold per reduction
+    # kind, the sums of every other member in one call (the default collection has states of all three kinds)
+    assert [len(v) for v in calls.values()] == [4, 1, 1] and calls["_foreach_add_"][:3] == [2, 2, 2], calls
     assert sum(n for v in calls.values() for n in v[-1:]) > 60, calls  # the batch statistics of ~60 states
     view = as_view(batch)
     active = [m for m in metrics.members() if m.accepts(view)]
