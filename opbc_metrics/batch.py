@@ -23,6 +23,8 @@ log ratios (clipped and vetoed); sequence sums of log ratios accumulate in float
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import warnings
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -37,7 +39,7 @@ GROUP_IDS = "group_ids"
 DEFAULT_CLAMP = 20.0
 DEFAULT_VETO = 30.0
 
-# A side whose valid values all lie in [0, 1], some above this, holds probabilities, not logprobs.
+# A logprob side whose valid values reach above this holds probabilities, logits or the like, not logprobs.
 PROBABILITY_TOLERANCE = 0.01
 
 _TRL = "opbc_metrics.integrations.trl.trl_to_batch"
@@ -54,6 +56,7 @@ FRAMEWORK_FIELDS: dict[str, tuple[str, str]] = {
     "old_log_prob": (TRAINER_LOGPROBS, _VERL),
     "rollout_log_probs": (ROLLOUT_LOGPROBS, _VERL),
     "action_mask": (RESPONSE_MASK, "a mapping onto the schema names"),
+    "mask": (RESPONSE_MASK, "a mapping onto the schema names"),
     "logprobs": (TRAINER_LOGPROBS, "a mapping onto the schema names"),
 }
 
@@ -70,6 +73,27 @@ PER_SEQUENCE_FIELDS: tuple[str, ...] = (
     "discard_reasons",
     "policy_lag",
 )
+
+
+class _TrackedFields(dict):
+    """A batch's fields that remember every name looked up (``get``, ``[]``, ``in``), so that the owner of a view
+    can tell which fields no metric read (:meth:`BatchView.check_unread`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.looked_up: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.looked_up.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.looked_up.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.looked_up.add(key)
+        return super().__contains__(key)
 
 
 def _detached(value: Any) -> Any:
@@ -128,6 +152,11 @@ def as_mapping(batch: Any) -> dict[str, Any]:
     """Turn a mapping, a dataclass or an object with attributes into a plain ``dict`` (shallow)."""
     if batch is None:
         return {}
+    if isinstance(batch, Tensor):
+        raise TypeError(
+            "a batch must be a mapping or a dataclass of tensors, got a Tensor: pass the fields by name, e.g. "
+            "update(trainer_logprobs=..., rollout_logprobs=..., response_mask=...)"
+        )
     if isinstance(batch, Mapping):
         return dict(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
@@ -219,24 +248,39 @@ def valid_tokens(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return mask & ((log_ratio - log_ratio) == 0)
 
 
-def raise_if_probabilities(low: Tensor, high: Tensor) -> None:
-    """The deferred error for a logprob field whose values all lay in ``[0, 1]`` (``low``/``high``: the
-    ``[2]`` min/max of the valid trainer and rollout values over the window; read at compute only).
+def raise_if_not_logprobs(low: Tensor, high: Tensor) -> None:
+    """The deferred error for a logprob field that holds positive values: probabilities (all values in ``[0, 1]``)
+    or logits, rewards and the like (``low``/``high``: the ``[2]`` min/max of the valid trainer and rollout values
+    seen in the window; read at compute only). Log-probabilities are <= 0; up to :data:`PROBABILITY_TOLERANCE`
+    above 0 passes as rounding.
 
     Example:
-        >>> raise_if_probabilities(torch.tensor([-3.0, -2.5]), torch.tensor([0.0, -0.1]))
-        >>> raise_if_probabilities(torch.tensor([0.0, -2.5]), torch.tensor([0.9, -0.1]))
+        >>> raise_if_not_logprobs(torch.tensor([-3.0, -2.5]), torch.tensor([0.0, -0.1]))
+        >>> raise_if_not_logprobs(torch.tensor([0.0, -2.5]), torch.tensor([0.9, -0.1]))
         Traceback (most recent call last):
         ...
-        ValueError: batch field `trainer_logprobs` holds values in [0, 1] only (0 to 0.9): ...
+        ValueError: batch field `trainer_logprobs` holds values in [0, 1] only (0 to 0.9): probabilities, ...
+        >>> raise_if_not_logprobs(torch.tensor([-3.0, -2.5]), torch.tensor([0.0, 4.5]))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `rollout_logprobs` holds positive values (up to 4.5): log-probabilities are <= 0 ...
     """
+    adapters = (
+        "map a framework batch with its adapter (opbc_metrics.integrations.trl.trl_to_batch, "
+        "opbc_metrics.integrations.verl.verl_to_batch)"
+    )
     for name, lo, hi in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), low.tolist(), high.tolist(), strict=True):
-        if lo >= 0.0 and PROBABILITY_TOLERANCE < hi <= 1.0:
+        if hi <= PROBABILITY_TOLERANCE:
+            continue
+        if lo >= 0.0 and hi <= 1.0:
             raise ValueError(
                 f"batch field `{name}` holds values in [0, 1] only ({lo:g} to {hi:g}): probabilities, not logprobs "
-                "(log-probabilities are <= 0); pass torch.log(p), or map a framework batch with its adapter "
-                "(opbc_metrics.integrations.trl.trl_to_batch, opbc_metrics.integrations.verl.verl_to_batch)"
+                f"(log-probabilities are <= 0); pass torch.log(p), or {adapters}"
             )
+        raise ValueError(
+            f"batch field `{name}` holds positive values (up to {hi:g}): log-probabilities are <= 0 (logits, "
+            f"rewards or scores are not logprobs); pass the log-probability of each sampled token, or {adapters}"
+        )
 
 
 def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
@@ -303,7 +347,7 @@ class BatchView:
     def __init__(self, batch: Any = None, **fields: Any) -> None:
         data = as_mapping(batch)
         data.update(fields)
-        self.data = {k: _detached(v) for k, v in data.items()}
+        self.data = _TrackedFields((k, _detached(v)) for k, v in data.items())
         self._cache: dict[Any, Any] = {}
         self._requests: dict[str, set[Hashable]] = {}
         # Shared pre-computations run under torch.compile (an OPBCCollection sets it from its `compiled` option).
@@ -316,6 +360,42 @@ class BatchView:
             self._cache["fields_checked"] = True
         return self
 
+    def check_unread(self) -> None:
+        """Refuse or report the fields that no metric read, once every metric has read the view (its owner calls it:
+        the collection, the metric or the controller that made the view from the user's batch).
+
+        A field named like a field that was looked up and is absent (``respons_mask``, ``reward``) is a misspelling
+        that would silently change the result (a mask defaults to all ones): ``ValueError``. Any other unread field
+        (``input_ids``, or ``rewards`` given to metrics that do not read it) is ignored with a warning naming it.
+
+        Example:
+            >>> view = BatchView(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.zeros(1, 2),
+            ...                  respons_mask=torch.ones(1, 2))
+            >>> _ = view.token_inputs  # what a mismatch metric reads
+            >>> view.check_unread()
+            Traceback (most recent call last):
+            ...
+            ValueError: batch field `respons_mask` is not read by opbc-metrics: did you mean `response_mask`? ...
+        """
+        looked_up = self.data.looked_up
+        unread = [k for k, v in self.data.items() if v is not None and k not in looked_up]
+        if not unread:
+            return
+        absent = sorted(k for k in looked_up if isinstance(k, str) and self.data.get(k) is None)
+        for name in unread:
+            close = difflib.get_close_matches(str(name), absent, n=1, cutoff=0.8)
+            if close:
+                raise ValueError(
+                    f"batch field `{name}` is not read by opbc-metrics: did you mean `{close[0]}`? "
+                    "(rename it; a misspelt field would be ignored and change the result)"
+                )
+        names = ", ".join(f"`{k}`" for k in unread)
+        warnings.warn(
+            f"batch field(s) {names} not read by any metric here: ignored (the batch-schema names are in the README)",
+            UserWarning,
+            stacklevel=3,
+        )
+
     # -- access and validation ---------------------------------------------------------------
     def has(self, *names: str) -> bool:
         """Whether every named field is present (and not ``None``)."""
@@ -326,7 +406,13 @@ class BatchView:
         value = self.data.get(name)
         if value is None:
             present = ", ".join(sorted(k for k, v in self.data.items() if v is not None)) or "none"
-            raise ValueError(f"batch field `{name}` is required but missing (present: {present})")
+            hint = ""
+            close = difflib.get_close_matches(name, [k for k in self.data if isinstance(k, str)], n=1, cutoff=0.8)
+            if close:
+                hint = f"; is it the field given as `{close[0]}`?"
+            elif {"batch", "non_tensor_batch"} <= self.data.keys():  # a verl DataProto passed as it is
+                hint = f"; a verl DataProto maps onto the schema with {_VERL}"
+            raise ValueError(f"batch field `{name}` is required but missing (present: {present}){hint}")
         return value
 
     def tensor(self, name: str) -> Tensor:
@@ -419,14 +505,31 @@ class BatchView:
         return self.shared("num_valid", lambda: self.valid_f.sum())
 
     @property
-    def logprob_range(self) -> tuple[Tensor, Tensor]:
-        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs on a fixed sample of at most ~128
-        token columns (0 stands in for invalid tokens): a side with min >= 0 holds probabilities (see
-        :func:`raise_if_probabilities`).
+    def mask_other_values(self) -> Tensor:
+        """How many ``response_mask`` entries are neither 0 nor 1 (0-dim, compute dtype; 0 for a bool or absent
+        mask). Such a mask (a label tensor with -100, weights) would count every non-zero entry as a response
+        token; :class:`~opbc_metrics.mismatch.metrics.InputHealth` refuses it at compute."""
 
-        Probabilities passed as logprobs lie in [0, 1] on every token, so a strided sample of the columns
-        finds them as surely as the whole batch, at ~1/64 of the cost of a full pass (the full pass doubled
-        a collection's update at 1M tokens). Rows shorter than 128 tokens are read whole.
+        def make() -> Tensor:
+            _, _, mask = self.token_inputs
+            raw = self.data.get(RESPONSE_MASK)
+            if raw is None or raw.dtype == torch.bool:
+                return torch.zeros((), dtype=self.dtype, device=self.device)
+            return torch.count_nonzero(mask & (raw != 1)).to(self.dtype)
+
+        return self.shared("mask_other_values", make)
+
+    @property
+    def logprob_range(self) -> tuple[Tensor, Tensor]:
+        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs on a fixed sample of at most ~64
+        tokens per row (0 stands in for invalid tokens): a side above 0 holds probabilities or logits (see
+        :func:`raise_if_not_logprobs`).
+
+        Probabilities or logits passed as logprobs are above 0 on most tokens, so a sample finds them as surely as
+        the whole batch, at ~1/64 of the cost of a full pass (the full pass doubled a collection's update at 1M
+        tokens). Each row reads every ``T // 64``-th column from an offset of its own (37 x row, modulo the
+        stride), so that responses confined to a few columns of a long padded batch still fall in the sample of
+        some rows. Rows shorter than 128 tokens are read whole.
         """
 
         def make() -> tuple[Tensor, Tensor]:
@@ -434,8 +537,12 @@ class BatchView:
             zero = torch.zeros((), dtype=self.dtype, device=self.device)
             if self.numel == 0:
                 return zero.expand(2), zero.expand(2)
-            stride = max(1, trainer.shape[-1] // 64)
-            trainer, rollout, mask = trainer[:, ::stride], rollout[:, ::stride], mask[:, ::stride]
+            rows, columns = trainer.shape
+            stride = max(1, columns // 64)
+            if stride > 1:
+                offsets = torch.arange(rows, device=self.device) * 37 % stride
+                index = offsets[:, None] + torch.arange(columns // stride, device=self.device) * stride
+                trainer, rollout, mask = (x.gather(1, index) for x in (trainer, rollout, mask))
             valid = valid_tokens(trainer - rollout, mask)  # on the sample
             ranges = [torch.aminmax(torch.where(valid, x, zero)) for x in (trainer, rollout)]
             return torch.stack([r.min for r in ranges]), torch.stack([r.max for r in ranges])

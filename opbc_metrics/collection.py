@@ -207,6 +207,7 @@ class OPBCCollection(MetricCollection):
     def update(self, batch: Any = None, **fields: Any) -> None:  # type: ignore[override]
         """Accumulate one batch (a mapping, dataclass, or keyword fields with the batch-schema names)."""
         view = as_view(batch, **fields).check_fields()
+        own_view = view is not batch
         folded: list[OPBCMetric] = []
         triples: list[tuple[Tensor, Tensor, Callable]] = []
         with torch.no_grad():  # (torchmetrics' update runs without gradients unless a metric asks for them)
@@ -216,6 +217,8 @@ class OPBCCollection(MetricCollection):
                     folded.append(m)
                 else:
                     m.update(view)
+            if own_view:
+                view.check_unread()  # every member has read the batch; nothing is folded yet
             # Every member's statistics into the states at once: a few multi-tensor ops, not one op per state.
             fold_statistics(triples)
         for m in folded:
@@ -227,6 +230,8 @@ class OPBCCollection(MetricCollection):
         out: dict[str, Tensor] = {}
         for m in self._active(view):
             out.update(m.as_dict(m(view)))
+        if view is not batch:
+            view.check_unread()
         return self._named(out)
 
     def compute(self) -> dict[str, Tensor]:

@@ -331,7 +331,16 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     # -- update / compute -----------------------------------------------------------------
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate one batch (a mapping, a dataclass, keyword fields or a shared BatchView)."""
-        self._update_view(as_view(batch, **fields).check_fields())
+        view = as_view(batch, **fields).check_fields()
+        if view is batch:  # a shared view: whoever made it checks what was read
+            self._update_view(view)
+        elif type(self)._update_view is OPBCMetric._update_view:
+            stats = self.statistics(view)
+            view.check_unread()  # before any state moves
+            self.accumulate(**stats)
+        else:
+            self._update_view(view)
+            view.check_unread()
 
     def _update_view(self, view: BatchView) -> None:
         self.accumulate(**self.statistics(view))

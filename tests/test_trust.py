@@ -4,6 +4,7 @@ results, inputs that require grad, refused bad inputs, prefix/postfix, key index
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -258,11 +259,28 @@ def test_probabilities_passed_as_logprobs_are_refused_at_compute():
     one_side.update({**batch, "rollout_logprobs": batch["rollout_logprobs"].exp()})
     with pytest.raises(ValueError, match=r"`rollout_logprobs` holds values in \[0, 1\] only"):
         one_side.compute()
-    sentinel = OPBCCollection()  # a positive sentinel among real logprobs is a value, not probabilities
+    rounding = OPBCCollection()  # a logprob a hair above 0 is rounding, not probabilities
     b = make_batch(batch=3, seq=6, seed=5)
-    b["trainer_logprobs"][0, 0] = 1e4
+    b["trainer_logprobs"][0, 0] = 1e-6
+    rounding.update(b)
+    assert "opbc/is/ess" in rounding.compute()
+
+
+@pytest.mark.parametrize("side", ["trainer_logprobs", "rollout_logprobs"])
+def test_positive_logprobs_such_as_logits_are_refused_at_compute(side: str):
+    batch = make_batch(batch=3, seq=300, seed=5)
+    logits = batch[side] + 6.0  # mostly positive, some not: neither logprobs nor probabilities
+    metrics = OPBCCollection()
+    with assert_no_host_sync():
+        metrics.update({**batch, side: logits})
+    with pytest.raises(ValueError, match=rf"`{side}` holds positive values \(up to .*\): log-probabilities are <= 0"):
+        metrics.compute()
+    sentinel = OPBCCollection()  # a positive sentinel on a row short enough to be read whole
+    b = make_batch(batch=3, seq=6, seed=5)
+    b[side][0, 0] = 1e4
     sentinel.update(b)
-    assert "opbc/is/ess" in sentinel.compute()
+    with pytest.raises(ValueError, match=rf"`{side}` holds positive values \(up to 10000\)"):
+        sentinel.compute()
 
 
 @pytest.mark.parametrize("seq", [127, 128, 4096, 8193])
@@ -281,6 +299,19 @@ def test_probabilities_in_long_rows_are_found_on_the_column_sample(seq: int):
     assert "opbc/is/ess" in real.compute()
 
 
+@pytest.mark.parametrize("columns", [(1, 40), (100, 110)])
+def test_probabilities_on_a_few_columns_of_a_long_padded_batch_are_found(columns: tuple[int, int]):
+    """Short responses in a long batch can miss every column of a plain strided sample; each row samples from an
+    offset of its own, so some rows see them."""
+    batch = make_batch(batch=4, seq=4096, seed=6)
+    batch["response_mask"] = torch.zeros(4, 4096, dtype=torch.bool)
+    batch["response_mask"][:, columns[0] : columns[1]] = True
+    probs = OPBCCollection()
+    probs.update({**batch, "rollout_logprobs": batch["rollout_logprobs"].exp()})
+    with pytest.raises(ValueError, match=r"`rollout_logprobs` holds values in \[0, 1\] only"):
+        probs.compute()
+
+
 @pytest.mark.parametrize(
     ("field", "schema", "adapter"),
     [("completion_mask", "response_mask", "trl_to_batch"), ("old_per_token_logps", "trainer_logprobs", "trl_to_batch"),
@@ -297,6 +328,61 @@ def test_framework_field_names_are_refused(field, schema, adapter):
     batch[field] = batch.pop(schema)
     with pytest.raises(ValueError, match=rf"`{field}` is not read.*`{schema}`.*{adapter}"):
         OPBCCollection().update(batch)
+
+
+@pytest.mark.parametrize(("field", "meant"), [("respons_mask", "response_mask"), ("response_masks", "response_mask"),
+                                             ("reward", "rewards"), ("group_id", "group_ids"),
+                                             ("rollout_logprob", "rollout_logprobs")])
+def test_a_misspelt_field_is_refused_before_any_state_moves(field: str, meant: str):
+    batch = {**make_batch(batch=4, seq=5, seed=7), "rewards": torch.ones(4)}
+    batch[field] = batch.pop(meant)
+    for metrics in (OPBCCollection(sections=ALL_SECTIONS), ImportanceSamplingESS()):
+        before = {k: v.clone() for k, v in metrics.state_dict().items() if isinstance(v, torch.Tensor)}
+        # (a required field is named as missing first, with the field that looks like it)
+        with pytest.raises(ValueError, match=rf"`{field}` is not read by opbc-metrics: did you mean `{meant}`"
+                                             rf"|`{meant}` is required but missing.*given as `{field}`\?"):
+            metrics.update(batch)
+        after = metrics.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items())  # refused before the fold
+    with pytest.raises(ValueError, match=rf"`{field}` is not read|given as `{field}`"):
+        OPBCCollection()(batch)  # forward too
+
+
+def test_a_field_no_metric_reads_is_ignored_with_a_warning_naming_it():
+    batch = make_batch(batch=4, seq=5, seed=7)
+    with pytest.warns(UserWarning, match=r"`input_ids` not read by any metric here: ignored"):
+        OPBCCollection().update({**batch, "input_ids": torch.ones(4, 5)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every field read: no warning
+        OPBCCollection(sections=ALL_SECTIONS).update({**batch, "rewards": torch.ones(4)})
+
+
+def test_mask_values_other_than_0_and_1_are_refused_at_compute():
+    batch = make_batch(batch=4, seq=5, seed=7)
+    for bad in (2, -100, 0.5, float("nan")):
+        mask = batch["response_mask"].to(torch.float64)
+        mask[0, 0], mask[1, 0] = bad, bad
+        metrics = OPBCCollection()
+        with assert_no_host_sync():
+            metrics.update({**batch, "response_mask": mask})
+        with pytest.raises(ValueError, match=r"`response_mask` held 2 value\(s\) other than 0 and 1"):
+            metrics.compute()
+    for fine in (batch["response_mask"], batch["response_mask"].float(), batch["response_mask"].bool()):
+        metrics = OPBCCollection()
+        metrics.update({**batch, "response_mask": fine})
+        assert "opbc/is/ess" in metrics.compute()
+
+
+def test_a_tensor_or_a_verl_data_proto_as_the_batch_gets_a_hint():
+    with pytest.raises(TypeError, match="got a Tensor: pass the fields by name"):
+        OPBCCollection().update(torch.zeros(2, 3))
+
+    class DataProto:  # the attributes of verl's DataProto
+        def __init__(self):
+            self.batch, self.non_tensor_batch, self.meta_info = {}, {}, {}
+
+    with pytest.raises(ValueError, match=r"`trainer_logprobs` is required but missing.*verl_to_batch"):
+        ImportanceSamplingESS().update(DataProto())
 
 
 @pytest.mark.parametrize("field", ["rewards", "group_ids", "advantages", "response_lengths"])

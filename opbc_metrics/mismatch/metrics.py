@@ -13,11 +13,12 @@ from torchmetrics.utilities.data import dim_zero_cat
 from opbc_metrics.batch import (
     DEFAULT_CLAMP,
     DEFAULT_VETO,
+    RESPONSE_MASK,
     ROLLOUT_LOGPROBS,
     TRAINER_LOGPROBS,
     BatchView,
     check_positive,
-    raise_if_probabilities,
+    raise_if_not_logprobs,
 )
 from opbc_metrics.functional.mismatch import (
     CHI2_KEYS,
@@ -630,7 +631,10 @@ class InputHealth(_MismatchMetric):
 
     Response tokens with a NaN or infinite logprob (rollout engines return -inf outside top-p) are
     excluded from every mismatch statistic and counted here instead; ``num_tokens`` and
-    ``num_sequences`` are the valid tokens and sequences the other metrics averaged over.
+    ``num_sequences`` are the valid tokens and sequences the other metrics averaged over. Its compute refuses
+    (``ValueError`` naming the field) a window whose logprobs held positive values (probabilities, logits;
+    found on a sample of each row, :attr:`~opbc_metrics.batch.BatchView.logprob_range`) or whose
+    ``response_mask`` held values other than 0 and 1.
 
     Example:
         >>> import torch
@@ -644,8 +648,9 @@ class InputHealth(_MismatchMetric):
     keys = INPUT_KEYS
     higher_is_better = False
     data_counts = ()  # input accounting reports its zero counts too
-    # logprob_min/max: trainer, rollout; a side within [0, 1] holds probabilities.
-    states = table("nonfinite", "tokens", "sequences", logprob_min=MIN.of(2), logprob_max=MAX.of(2))
+    # logprob_min/max: trainer, rollout (on a sample); a side above 0 holds probabilities or logits.
+    # mask_other: response_mask entries other than 0/1 (refused at compute).
+    states = table("nonfinite", "tokens", "sequences", "mask_other", logprob_min=MIN.of(2), logprob_max=MAX.of(2))
     glossary = GlossaryEntry(
         name="input",
         what="Input accounting: response tokens with non-finite logprobs (excluded from every other "
@@ -658,10 +663,16 @@ class InputHealth(_MismatchMetric):
 
     def statistics(self, view: BatchView) -> Stats:
         low, high = view.logprob_range
-        return {**_input_update(self._stats(view)), "logprob_min": low, "logprob_max": high}
+        return {**_input_update(self._stats(view)), "mask_other": view.mask_other_values,
+                "logprob_min": low, "logprob_max": high}
 
     def compute(self) -> dict[str, Tensor]:
-        raise_if_probabilities(self.logprob_min, self.logprob_max)
+        raise_if_not_logprobs(self.logprob_min, self.logprob_max)
+        if self.mask_other:
+            raise ValueError(
+                f"batch field `{RESPONSE_MASK}` held {int(self.mask_other)} value(s) other than 0 and 1 in this "
+                "window: a response mask is 1 on policy tokens and 0 elsewhere (pass e.g. `labels != -100`)"
+            )
         return _input_compute(self.nonfinite, self.tokens, self.sequences)
 
 
