@@ -11,7 +11,9 @@ A dashboard needs less:
   ``-opbc/logprob/diff_mean``). :func:`resolve_alias` and the glossary table name the keys to read instead.
 * **Single-round runs** (:data:`PER_ROUND`): while no sequence has had more than one round
   (``per_round/total_rounds`` <= 1), the per-round keys repeat the whole-sequence ones (round 0 is the
-  whole response); they are written from the first window with a multi-round sequence on.
+  whole response, :func:`single_round_value`); they are written from the first window with a multi-round
+  sequence on, and a key that differs from its value by that rule (round 0's token count counts
+  non-finite tokens, ``opbc/input/num_tokens`` does not) from the first window it differs.
 * **Quiet keys** (:data:`SPARSE_PATTERNS`): counts and shares of events that are zero in a healthy run
   (overflows beyond the configured capacity, controller decisions other than ``train`` and their
   reasons, clipped, vetoed or non-finite tokens, rollouts discarded as too stale, the smallest policy lag).
@@ -33,7 +35,7 @@ from typing import Any
 
 from opbc_metrics.batch import host_floats
 
-__all__ = ["ALIASES", "PER_ROUND", "SPARSE_PATTERNS", "Alias", "KeyFilter", "resolve_alias"]
+__all__ = ["ALIASES", "PER_ROUND", "SPARSE_PATTERNS", "Alias", "KeyFilter", "resolve_alias", "single_round_value"]
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,38 @@ def resolve_alias(key: str) -> Alias | None:
     return None
 
 
+# Round 0's mean and the whole response's mean accumulate in different orders: float rounding differs.
+ROUND_REL_TOL = 1e-9
+# Per-round keys of a single-round window and the whole-sequence key each repeats (round 0 is the whole response).
+_ROUND_SOURCES = {
+    "round_0_abs_diff_mean": "opbc/logprob/abs_diff_mean",
+    "max_diff_value": "opbc/logprob/abs_diff_mean",
+    "round_0_token_count": "opbc/input/num_tokens",
+}
+
+
+def single_round_value(key: str, get: Callable[[str], float | None]) -> float | None:
+    """The value a per-round key has when every sequence had one round, from the whole-sequence keys
+    (``get(key)``, ``None`` when missing; a collection prefix carries over): ``total_rounds`` 1, round 0's
+    mean and the worst round's value the whole response's mean, round 0's token count the valid tokens,
+    the worst round's index 0. ``None`` for a key that is not per-round or a missing source.
+
+    Example:
+        >>> whole = {"opbc/logprob/abs_diff_mean": 0.1, "opbc/input/num_tokens": 37.0}
+        >>> [single_round_value(f"per_round/{k}", whole.get) for k in ("total_rounds", "max_diff_value",
+        ...                                                            "round_0_token_count", "max_round_diff")]
+        [1.0, 0.1, 37.0, 0.0]
+    """
+    at = key.find(PER_ROUND[0])
+    if at < 0:
+        return None
+    head, name = key[:at], key[at + len(PER_ROUND[0]) :]
+    if name == "total_rounds":
+        return 1.0
+    source = _ROUND_SOURCES.get(name)
+    return 0.0 if source is None else get(head + source)
+
+
 def _float(value: Any) -> float | None:
     try:
         if hasattr(value, "numel") and value.numel() != 1:
@@ -219,8 +253,8 @@ class KeyFilter:
         return out
 
     def _single_round(self, key: str, values: Mapping[str, Any]) -> bool:
-        """Whether ``key`` is a per-round key of a run whose sequences all had one round so far, with the
-        whole-sequence keys it repeats present."""
+        """Whether ``key`` is a per-round key of a run whose sequences all had one round so far, equal to
+        its value from the whole-sequence keys (:func:`single_round_value`)."""
         section, total_key = PER_ROUND
         at = key.find(section)
         if at < 0:
@@ -229,10 +263,17 @@ class KeyFilter:
         if head in self.multi_round:
             return False
         total = _float(values.get(head + total_key))
-        if total is None or f"{head}opbc/logprob/abs_diff_mean" not in values:
+        if total is None or f"{head}opbc/logprob/abs_diff_mean" not in values:  # nothing it repeats
             return False
         if total > 1.0:
             self.multi_round.add(head)
+            return False
+        derived = single_round_value(key, lambda k: _float(values.get(k)))
+        mine = _float(values[key])
+        if derived is None or mine is None or not math.isclose(mine, derived, rel_tol=ROUND_REL_TOL, abs_tol=1e-15):
+            # not what the rule gives (a source key missing, or e.g. non-finite tokens, which count in a
+            # round's tokens but not in opbc/input/num_tokens): written, from now on, like an alias
+            self.written.add(key)
             return False
         return True
 

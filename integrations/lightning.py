@@ -20,7 +20,9 @@ How it logs, and why:
   writes them; see :mod:`opbc_metrics.integrations.dashboard`). Window values are also logged, every
   key, with ``pl_module.log(..., on_step=True, on_epoch=False, sync_dist=False, logger=False)`` so that
   they appear in ``trainer.callback_metrics`` (for ``ModelCheckpoint``/``EarlyStopping`` monitors and
-  the progress bar) with identical values on every rank.
+  the progress bar) with identical values on every rank. A key the window did not compute (a metric
+  with no data in it) is taken out of ``callback_metrics`` and the progress bar, not left at an
+  earlier window's value; keys you log yourself are never touched.
 * Windows: after each interval log the window is folded into the epoch's accumulator
   (``Metric.merge_state``: sums add, maxima max) and reset. At the end of each training epoch the
   epoch's values (every batch of the epoch, all ranks) are kept in :attr:`OPBCCallback.epoch_values`;
@@ -65,6 +67,7 @@ By hand::
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -78,6 +81,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 from opbc_metrics.batch import host_floats
 from opbc_metrics.collection import OPBCCollection
+from opbc_metrics.integrations._common import OPBCIntegrationWarning
 from opbc_metrics.integrations.dashboard import KeyFilter
 
 __all__ = ["OPBCCallback"]
@@ -104,7 +108,10 @@ class OPBCCallback(Callback):
             from the callback.
         log_all: write every key to ``trainer.loggers``, aliases and event counts that stayed zero included.
         skip_missing: skip batches where ``source`` (or ``source[key]``) is ``None`` or absent, instead
-            of raising.
+            of raising. A ``source`` that is there but lacks ``key`` (e.g. ``training_step`` returned the
+            fields under another name, or only the loss) is most likely a wrong ``key``: the first such
+            batch warns (:class:`~opbc_metrics.integrations._common.OPBCIntegrationWarning`), naming the
+            key and the keys it had (once; the batches are still skipped).
 
     Example:
         >>> callback = OPBCCallback(key="opbc", log_every_n_steps=10)
@@ -149,6 +156,8 @@ class OPBCCallback(Callback):
         self.skip_missing = skip_missing
         self.batches_seen = 0
         self.window_batches = 0
+        self._warned_key = False
+        self._reported: set[str] = set()  # names this callback put in trainer.callback_metrics
         self.last_values: dict[str, Tensor] = {}
         self.epoch_values: dict[str, Tensor] = {}
         self._pending_state: dict[str, Any] | None = None
@@ -186,15 +195,28 @@ class OPBCCallback(Callback):
     # -- per batch ---------------------------------------------------------------------------------
     def _select(self, outputs: Any, batch: Any) -> Any:
         obj = outputs if self.source == "outputs" else batch
+        lacks_key = None
         if obj is not None and self.key is not None:
             if isinstance(obj, Mapping) and self.key in obj:
                 obj = obj[self.key]
             elif hasattr(obj, self.key) and not isinstance(obj, Mapping):
                 obj = getattr(obj, self.key)
             else:
-                obj = None
+                lacks_key, obj = obj, None
         if obj is None:
             if self.skip_missing:
+                if lacks_key is not None and not self._warned_key:
+                    # silent skipping would log only zero input counts for the whole run
+                    self._warned_key = True
+                    had = (f"keys {sorted(map(str, lacks_key))}" if isinstance(lacks_key, Mapping)
+                           else f"a {type(lacks_key).__name__}")
+                    warnings.warn(
+                        f"OPBCCallback: the training step's {self.source} has no `{self.key}` (it has {had}); "
+                        f"skipping such batches. Pass `key=` the name your {self.source} holds the batch fields "
+                        "under (`key=None` for the top level), or `skip_missing=False` to raise instead.",
+                        OPBCIntegrationWarning,
+                        stacklevel=2,
+                    )
                 return None
             where = f"{self.source}[{self.key!r}]" if self.key is not None else self.source
             raise ValueError(f"OPBCCallback: no batch fields in the training step's {where}")
@@ -254,7 +276,9 @@ class OPBCCallback(Callback):
     ) -> None:
         step = _logger_step(trainer)
         scalars = {f"{k}{suffix}": v for k, v in values.items() if isinstance(v, Tensor) and v.numel() == 1}
-        if step_hook and scalars:
+        if step_hook:
+            self._forget(trainer, pl_module, self._reported - scalars.keys())
+            self._reported = set(scalars)
             for name, value in scalars.items():
                 pl_module.log(
                     name,
@@ -277,6 +301,26 @@ class OPBCCallback(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(floats, step=step)
                 logger.save()
+
+    def _forget(self, trainer: Trainer, pl_module: LightningModule, names: set[str]) -> None:
+        """Take keys an earlier window put in ``trainer.callback_metrics`` and the progress bar, which this
+        window did not compute, out of both: a monitor must not read an older window's value as this one's.
+
+        Lightning keeps what ``log`` recorded (``trainer._results``, one entry per hook and name) and
+        copies it into those dicts after each batch; both are cleared, for names this callback logged only.
+        """
+        if not names:
+            return
+        results = getattr(trainer, "_results", None)
+        fx = getattr(pl_module, "_current_fx_name", None) or "on_train_batch_end"
+        if results is not None:
+            mine = [k for k, v in results.items() if getattr(v, "meta", None) is not None
+                    and v.meta.name in names and v.meta.fx.split(".")[0] == fx]
+            for k in mine:
+                del results[k]
+        for name in names:
+            trainer.callback_metrics.pop(name, None)
+            trainer.progress_bar_metrics.pop(name, None)
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

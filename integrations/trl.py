@@ -63,6 +63,26 @@ importance-sampling ratio in the loss (``importance_sampling_ratio``, so TRL's p
 ``use_vllm=True, vllm_importance_sampling_correction=True`` is required for the weights, not for the mask),
 its loss mask removes replayed, quarantined and rejected groups from the loss (through ``tool_mask``), and
 its budget keys (``opbc/decision/*``) are logged. Off by default.
+
+**Tokens vLLM could not score differ from TRL's convention under the controller.** TRL maps a token
+whose sampling logprob vLLM returned as ``None`` to NaN in ``sampling_per_token_logps`` and then sets its
+log-ratio to 0 (``nan_to_num``): importance ratio exactly 1, and the row still trains. Without the
+controller this adapter only measures: such tokens count in ``opbc/input/nonfinite_count`` and stay out
+of the means, and TRL's loss is untouched. With ``opbc_controller=`` they are a contract failure (the
+controller's first rule, non-finite logprobs): every group holding one is rejected (reason
+``non_finite``, ``opbc/decision/reason_count/non_finite``) and leaves the loss, where TRL would have
+trained it. To keep TRL's convention instead, fill them in a subclass before the metrics read the batch
+(the non-finite count then no longer sees them)::
+
+    class FillUnscored(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            rollout, trainer = out.get("sampling_per_token_logps"), out.get("old_per_token_logps")
+            if rollout is not None and trainer is not None:  # r = 0 where vLLM gave no logprob, as TRL
+                out["sampling_per_token_logps"] = torch.where(rollout.isnan(), trainer, rollout)
+            return out
+
+    trainer = with_opbc(FillUnscored)(..., opbc_controller="truncated_is")
 """
 
 from __future__ import annotations

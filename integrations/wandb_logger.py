@@ -739,6 +739,11 @@ class OPBCWandbLogger:
                 hists[key] = vector_histogram(value)
             else:
                 warnings.warn(f"OPBCWandbLogger: skipping `{key}`: not a scalar or a 1-D vector", stacklevel=2)
+        # A quiet key charted for the first time: W&B keeps only the last value of a key whose summary was
+        # set by hand (the 0 below), which would lose its worst value; defining it again restores `max,last`.
+        revived = self._zero_summaries & data.keys()
+        self._defined -= revived
+        self._zero_summaries -= revived
         wandb = _import_wandb() if hists else None
         for key, (heights, edges) in hists.items():
             data[key] = wandb.Histogram(np_histogram=(np.asarray(heights), np.asarray(edges)))

@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_only  # noqa: E402
 
 from opbc_metrics import OPBCCollection  # noqa: E402
+from opbc_metrics.integrations._common import OPBCIntegrationWarning  # noqa: E402
 from opbc_metrics.integrations.lightning import OPBCCallback  # noqa: E402
 from opbc_metrics.integrations.verl import verl_to_batch  # noqa: E402
 from tests.data import make_batch  # noqa: E402
@@ -170,10 +171,11 @@ def test_transform_maps_a_frameworks_names_and_epoch_only_logging():
 def test_skip_missing_and_clear_errors():
     samples = make_samples(4, seed=6)
     logger = MemoryLogger()
-    # training_step returns a bare loss: nothing to read, the batches are skipped.
+    # training_step returns a bare loss: nothing to read, the batches are skipped, and the key is reported once.
     callback = OPBCCallback(key="opbc", log_every_n_steps=1)
-    make_trainer(callback, logger).fit(TinyModule(return_fields=False), loader(samples))
-    assert callback.batches_seen == 2
+    with pytest.warns(OPBCIntegrationWarning, match=r"outputs has no `opbc` \(it has keys \['loss'\]\)") as seen:
+        make_trainer(callback, logger).fit(TinyModule(return_fields=False), loader(samples))
+    assert callback.batches_seen == 2 and sum(isinstance(w.message, OPBCIntegrationWarning) for w in seen) == 1
     assert all(m._update_count == 0 for m in callback.metrics.members())
 
     strict = OPBCCallback(key="opbc", log_every_n_steps=1, skip_missing=False)
@@ -185,6 +187,57 @@ def test_skip_missing_and_clear_errors():
         OPBCCallback(source="outputs_and_batch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="log_every_n_steps"):
         OPBCCallback(log_every_n_steps=-1)
+
+
+class _RenamedFields(TinyModule):
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out["loss"], "fields": out["opbc"]}
+
+
+def test_a_wrong_key_is_reported_once_naming_the_keys_the_output_had():
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2)
+    with pytest.warns(OPBCIntegrationWarning, match=r"no `opbc` \(it has keys \['fields', 'loss'\]\).*`key=`") as seen:
+        make_trainer(callback, MemoryLogger()).fit(_RenamedFields(), loader(make_samples(8, seed=6)))
+    assert sum(isinstance(w.message, OPBCIntegrationWarning) for w in seen) == 1
+    right = OPBCCallback(key="fields", log_every_n_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OPBCIntegrationWarning)
+        make_trainer(right, MemoryLogger()).fit(_RenamedFields(), loader(make_samples(8, seed=6)))
+    assert right.last_values["opbc/input/num_tokens"] > 0
+
+
+class _UserLogs(TinyModule):
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        self.log("user/value", float(batch_idx), on_step=True, on_epoch=False, prog_bar=True)
+        return super().training_step(batch, batch_idx)
+
+
+class _CallbackMetrics(L.Callback):
+    """``trainer.callback_metrics`` and the progress bar after each batch's hooks and Lightning's own update."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[set[str], set[str]]] = []
+
+    def on_train_batch_start(self, trainer: Any, *args: Any) -> None:  # what the previous batch left
+        self.seen.append((set(trainer.callback_metrics), set(trainer.progress_bar_metrics)))
+
+
+def test_callback_metrics_hold_only_the_keys_the_last_window_computed():
+    samples = make_samples(12, seed=7)
+    for s in samples[4:8]:
+        s["response_mask"] = torch.zeros_like(s["response_mask"])  # window 2 (batches 2, 3): no valid token
+    callback = OPBCCallback(key="opbc", log_every_n_steps=2, prog_bar=["opbc/is/ess", "opbc/input/num_tokens"])
+    spy = _CallbackMetrics()
+    trainer = make_trainer([callback, spy], MemoryLogger())
+    trainer.fit(_UserLogs(), loader(samples))
+    after = [*spy.seen[1:], (set(trainer.callback_metrics), set(trainer.progress_bar_metrics))]  # after batch i
+    computed_1, computed_3 = after[1][0], after[3][0]
+    assert "opbc/is/ess" in computed_1 and "opbc/is/ess" in after[2][0]  # window 1's values until window 2
+    assert not any(k.startswith(("opbc/is/", "opbc/kl/")) for k in computed_3)  # window 2 had no data for them
+    assert {"opbc/input/num_tokens", "user/value"} <= computed_3 and "opbc/is/ess" not in after[3][1]
+    assert after[3][1] >= {"opbc/input/num_tokens", "user/value"}
+    assert "opbc/is/ess" in after[5][0] and "opbc/is/ess" in after[5][1]  # window 3 has data again
 
 
 class _Snapshot(L.Callback):

@@ -219,6 +219,29 @@ def test_one_key_per_quantity_missing_keys_stay_missing_and_log_all(tmp_path: Pa
         assert {k for k in rows[1] if not k.startswith("_") and k != "opbc/step"} == set(partial) - dropped
 
 
+def test_a_quiet_count_keeps_its_worst_value_in_the_summary(tmp_path: Path):
+    # 0 in the summary while it stays zero; once a window vetoes a token, W&B's max survives later clean windows
+    metrics = OPBCCollection(sections=("mismatch",))
+    logger = OPBCWandbLogger(collection=metrics, mode="offline", dir=str(tmp_path), log_glossary=False)
+    keys = ("opbc/is/veto_fraction", "opbc/is/clipped_fraction", "opbc/input/nonfinite_count")
+    computed = []
+    for step in range(4):
+        b = make_batch(batch=4, seq=10, seed=step, dtype=torch.float64)
+        if step == 1:
+            b["rollout_logprobs"][1, 0] = b["trainer_logprobs"][1, 0] - 40.0  # vetoed (and clipped)
+            b["trainer_logprobs"][0, 0] = float("nan")
+        metrics.update(b)
+        values = metrics.compute()
+        computed.append({k: float(values[k]) for k in keys})
+        logger.log(values, step=step)
+        metrics.reset()
+    logger.finish()
+    summary = read_offline_run(tmp_path)["summary"]
+    assert all(computed[1][k] > 0 for k in keys) and all(computed[-1][k] == 0 for k in keys), computed
+    for k in keys:
+        assert summary[k] == {"max": max(c[k] for c in computed), "last": computed[-1][k]}, (k, summary[k])
+
+
 def test_an_alias_is_written_from_the_first_step_it_differs_and_overflow_from_its_first_nonzero_value():
     f = KeyFilter()
     same = {"opbc/logprob/diff_mean": -0.5, "opbc/kl/k1": 0.5}
@@ -276,6 +299,25 @@ def test_per_round_keys_start_with_the_first_multi_round_window():
                                                                 sorted(single)]
     alone = {"per_round/total_rounds": 1.0, "per_round/round_0_abs_diff_mean": 0.2}  # nothing it repeats
     assert KeyFilter()(alone) == alone
+
+
+def test_a_single_round_key_that_differs_from_the_whole_response_is_written():
+    # non-finite tokens count in round 0's tokens, not in opbc/input/num_tokens: the rule cannot give that count
+    metrics = OPBCCollection(sections=("mismatch", "per_round"))
+    b = make_batch(batch=4, seq=10, seed=1, dtype=torch.float64)
+    b["response_mask"][:] = 1
+    b["trainer_logprobs"][0, :3] = float("nan")
+    metrics.update(b)
+    values = {k: float(v) for k, v in metrics.compute().items()}
+    assert values["per_round/total_rounds"] == 1.0
+    assert values["per_round/round_0_token_count"] != values["opbc/input/num_tokens"]
+    f = KeyFilter()
+    row = f(values)
+    assert row["per_round/round_0_token_count"] == values["per_round/round_0_token_count"]
+    assert "per_round/round_0_abs_diff_mean" not in row  # still the whole response's mean
+    assert_logged(row, values)  # every key left out reads back as computed
+    clean = {**values, "per_round/round_0_token_count": values["opbc/input/num_tokens"]}
+    assert "per_round/round_0_token_count" in f(clean)  # written from then on, like an alias
 
 
 def test_step_metric_and_batch_distributions(tmp_path: Path):

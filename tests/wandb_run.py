@@ -98,7 +98,7 @@ def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
     """``(value, relative tolerance)`` of a computed key in a logged row: the logged value, or the value the
     rule that left the key out gives (an alias from its sources, a quiet event count that stayed zero, a
     per-round key of a single-round window). Raises ``KeyError`` for a key that is missing without a rule."""
-    from opbc_metrics.integrations.dashboard import SPARSE_PATTERNS, resolve_alias
+    from opbc_metrics.integrations.dashboard import ROUND_REL_TOL, SPARSE_PATTERNS, resolve_alias, single_round_value
 
     if key in row:
         return row[key], 1e-12
@@ -107,13 +107,9 @@ def read_back(row: dict[str, Any], key: str) -> tuple[float, float]:
         return alias.value(lambda k: read_back(row, k)[0]), 1e-12
     if any(p.search(key) for p in SPARSE_PATTERNS):
         return 0.0, 0.0
-    at = key.find("per_round/")
-    if at >= 0:  # round 0 is the whole response (accumulated in another order: float rounding differs)
-        head, name = key[:at], key[at + len("per_round/") :]
-        whole = row[head + "opbc/logprob/abs_diff_mean"]
-        derived = {"total_rounds": 1.0, "round_0_abs_diff_mean": whole, "max_diff_value": whole,
-                   "round_0_token_count": row[head + "opbc/input/num_tokens"]}
-        return derived.get(name, 0.0), 1e-9
+    derived = single_round_value(key, row.get)  # round 0 is the whole response (the logger's own rule)
+    if derived is not None:
+        return derived, ROUND_REL_TOL
     raise KeyError(f"{key} was not logged")
 
 
