@@ -46,6 +46,21 @@ workload, ``timing_s/*``, ``perf/*``). The values are merged into verl's own ``m
 tracker logs them; a key verl already set keeps verl's value (the glossary's ``critic/value/*`` is logged
 under its own name next to verl's ``critic/values/*``, see :data:`VERL_KEY_ALIASES`).
 
+**Where the values differ from verl's own rollout-vs-trainer metrics** (``compute_offpolicy_metrics`` in
+``rollout_corr_helper.py``), by design (the library's formulas, DESIGN.md):
+
+* ``log_ppl_diff``, ``log_ppl_abs_diff``, ``ppl_ratio`` and ``chi2_seq``: verl averages the per-sequence
+  values over all ``B`` rows, so an empty or aborted response (no valid token) counts as ``d = 0``
+  (ratio 1) and ``rho^2 = 1``; ``opbc/ppl/*`` and ``opbc/kl/chi2_seq`` average over the sequences with at
+  least one valid token (with two aborted rows of twelve: ``ppl_ratio`` 0.973 in verl, 0.967 here);
+* ``kl`` and ``k3_kl``: verl uses the raw log-ratio ``r``; ``opbc/kl/k1`` and ``opbc/kl/k3`` clamp it to
+  ``[-C, C]`` (``C = 20``) as the importance weights are, so a single token with ``|r| > 20`` moves verl's
+  ``k3_kl`` by orders of magnitude more (``exp(25)`` against ``exp(20)``).
+
+Every other key both compute agrees with verl's function on the same batch (``tests/test_verl_real.py``).
+Timing keys exist only for the stages of ``timing_raw``; ``timing_per_token_ms/*`` is left out of a step
+without tokens, where verl reports 0.0.
+
 **Bypass mode** (``algorithm.rollout_correction.bypass_mode=True``) uses the rollout's logprobs as
 ``old_log_probs``: the two tensors are the same (or equal), so the mismatch cannot be measured. The
 integration says so once and logs no mismatch keys, instead of a perfect on-policy 0 drift.
@@ -197,6 +212,15 @@ def verl_to_batch(
     """
     tensors, non_tensors = split_dataproto(data)
     out = passthrough(tensors, non_tensors)
+    for schema, key, arg in (("trainer_logprobs", trainer_key, "trainer_key"),
+                             ("rollout_logprobs", rollout_key, "rollout_key")):
+        # Two tensors for one field: neither may be dropped silently.
+        explicit, mapped = out.get(schema), lookup(tensors, key)
+        if key != schema and explicit is not None and mapped is not None and explicit is not mapped:
+            raise ValueError(
+                f"verl batch has both `{schema}` and `{key}`, which the adapter maps to `{schema}`; drop one, or "
+                f"pass {arg}={schema!r} to read `{schema}`"
+            )
 
     missing = (
         f"verl batch has no `{trainer_key}` (the actor's recomputed logprobs of the response tokens); call the "
@@ -232,10 +256,13 @@ def verl_to_batch(
         except ValueError as err:
             raise ValueError(f"verl field `{group_key}`: {err}") from None
 
-    scores = lookup(tensors, "token_level_scores")
+    scores_name = "token_level_scores"
+    scores = lookup(tensors, scores_name)
     if scores is None:
-        scores = lookup(tensors, "rm_scores")  # V1's name for the same tensor
+        scores_name, scores = "rm_scores", lookup(tensors, "rm_scores")  # V1's name for the same tensor
     token_rewards = lookup(tensors, "token_level_rewards")
+    for name, value in ((scores_name, scores), ("token_level_rewards", token_rewards)):
+        _check_token_width(name, value, width if width is not None else _response_width(None, mask))
     if "rewards" not in out and (token_rewards is not None or scores is not None):
         out["rewards"] = _per_sequence(token_rewards if token_rewards is not None else scores)
     if "scores" not in out and scores is not None:
@@ -263,6 +290,15 @@ def _per_sequence(token_values: Any) -> Any:
         dtype = torch.float64 if token_values.is_floating_point() else None
         return token_values.sum(dim=-1, dtype=dtype)
     return token_values
+
+
+def _check_token_width(name: str, value: Any, width: int | None) -> None:
+    """A per-token reward tensor is summed over its columns: they must be the response's, one per token."""
+    if isinstance(value, Tensor) and value.ndim == 2 and width is not None and value.shape[1] != width:
+        raise ValueError(
+            f"verl field `{name}` has {value.shape[1]} columns but the response width is {width} (`responses`, "
+            f"or the logprobs): pass it as [B, T_resp], one column per response token"
+        )
 
 
 def _response_width(responses: Any, *candidates: Any) -> int | None:
@@ -565,7 +601,9 @@ class OPBCRayPPOTrainerMixin(_OPBCTrainer):
     """For verl's legacy ``RayPPOTrainer``: the logprobs are read right after ``_compute_old_log_prob``
     (before rollout correction); the final batch, ``timing_raw`` and the merge go through verl's own
     ``compute_timing_metrics`` call, whose result ``fit()`` adds to its ``metrics`` (wrapped for the
-    duration of ``fit()`` only)."""
+    duration of ``fit()`` only). That result leaves out verl's data keys and every key verl's
+    ``_balance_batch`` step had set by then (``global_seqlen/*``, from the batch before it was re-balanced),
+    so they keep verl's values."""
 
     def _compute_old_log_prob(self, batch: Any) -> Any:
         out = super()._compute_old_log_prob(batch)
@@ -577,6 +615,14 @@ class OPBCRayPPOTrainerMixin(_OPBCTrainer):
             self.opbc.report(err)
         return out
 
+    def _balance_batch(self, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
+        # verl logs global_seqlen/* here, from the batch as dispatched before it reorders it; fit() adds the
+        # compute_timing_metrics result to `metrics` later, so the keys verl set by then are remembered and
+        # left out of ours (ours would describe the reordered batch).
+        out = super()._balance_batch(batch, metrics, *args, **kwargs)
+        self.__dict__["_opbc_step_metrics"] = metrics
+        return out
+
     def fit(self) -> Any:
         from verl.trainer.ppo import ray_trainer
 
@@ -586,7 +632,8 @@ class OPBCRayPPOTrainerMixin(_OPBCTrainer):
             out = original(batch=batch, timing_raw=timing_raw)
             self.opbc.observe_step(batch, timing_raw)
             ours = self.opbc.compute()
-            return {**{k: v for k, v in ours.items() if k not in _VERL_DATA_KEYS}, **out}
+            verl_set = self.__dict__.pop("_opbc_step_metrics", None) or {}
+            return {**{k: v for k, v in ours.items() if k not in _VERL_DATA_KEYS and k not in verl_set}, **out}
 
         with _patched(ray_trainer, "compute_timing_metrics", timing_metrics):
             _ = self.opbc

@@ -96,6 +96,38 @@ class _TrackedFields(dict):
         return super().__contains__(key)
 
 
+# Fields metrics read when present, which no metric requires (the required ones come from the metric classes).
+OPTIONAL_FIELDS: tuple[str, ...] = (
+    "rollout_router_logits", "trainer_router_logits", "rollout_token_ids", "trainer_token_ids", "endpoint_requests",
+    "timing_s", "rank_ids", "logits", "loss_tokens", "agent_tool_calls_s", "val_mask",
+)
+_KNOWN_FIELDS: tuple[int, frozenset[str]] = (-1, frozenset())
+
+
+def known_field_names() -> frozenset[str]:
+    """The batch fields some metric of the library reads: the core schema, the per-sequence fields and every
+    registered metric's ``required_fields`` (the frameworks' own names are not among them)."""
+    global _KNOWN_FIELDS
+    from opbc_metrics.metric import registered_metrics  # (metric imports this module)
+
+    classes = registered_metrics()
+    if _KNOWN_FIELDS[0] != len(classes):
+        names = {TRAINER_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK, *PER_SEQUENCE_FIELDS, *OPTIONAL_FIELDS}
+        for cls in classes:
+            names.update(f for f in cls.required_fields if isinstance(f, str))
+        _KNOWN_FIELDS = (len(classes), frozenset(names - FRAMEWORK_FIELDS.keys()))
+    return _KNOWN_FIELDS[1]
+
+
+def _read_by(name: str) -> str:
+    """`` (read by the rollout section)`` for a field the metrics of other sections read, else ``""``."""
+    from opbc_metrics.metric import registered_metrics
+
+    sections = sorted({cls.__module__.split(".")[1] for cls in registered_metrics()
+                       if cls.__module__.startswith("opbc_metrics.") and name in cls.required_fields})
+    return f" (read by the {', '.join(sections)} section{'s' * (len(sections) > 1)})" if sections else ""
+
+
 def _detached(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach() if value.requires_grad else value
@@ -356,7 +388,7 @@ class BatchView:
     def check_fields(self) -> BatchView:
         """:func:`check_field_names` on this batch, once (metrics call it; the controller rejects instead)."""
         if "fields_checked" not in self._cache:
-            check_field_names(self.data)
+            check_field_names(dict(self.data))  # (a copy: these lookups are not reads by a metric)
             self._cache["fields_checked"] = True
         return self
 
@@ -381,15 +413,19 @@ class BatchView:
         unread = [k for k, v in self.data.items() if v is not None and k not in looked_up]
         if not unread:
             return
-        absent = sorted(k for k in looked_up if isinstance(k, str) and self.data.get(k) is None)
+        known = known_field_names()
+        present = {k for k, v in self.data.items() if v is not None}
+        meant = sorted(k for k in looked_up | known if isinstance(k, str) and k not in present)
         for name in unread:
-            close = difflib.get_close_matches(str(name), absent, n=1, cutoff=0.8)
+            if name in known:  # a field of metrics that are not here: ignored, with the warning below
+                continue
+            close = difflib.get_close_matches(str(name), meant, n=1, cutoff=0.8)
             if close:
                 raise ValueError(
                     f"batch field `{name}` is not read by opbc-metrics: did you mean `{close[0]}`? "
                     "(rename it; a misspelt field would be ignored and change the result)"
                 )
-        names = ", ".join(f"`{k}`" for k in unread)
+        names = ", ".join(f"`{k}`{_read_by(k)}" for k in unread)
         warnings.warn(
             f"batch field(s) {names} not read by any metric here: ignored (the batch-schema names are in the README)",
             UserWarning,

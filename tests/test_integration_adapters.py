@@ -97,6 +97,35 @@ def test_verl_clear_errors():
         verl_to_batch(42)
 
 
+@pytest.mark.parametrize("field", ["token_level_scores", "token_level_rewards", "rm_scores"])
+def test_verl_per_token_rewards_of_another_width_are_refused(field):
+    case = make_verl_case(seed=9)
+    b = case.data.batch
+    scores = b["token_level_scores"]
+    wide = torch.cat([scores, torch.ones(scores.shape[0], 1)], dim=1)  # T_resp + 1: a prompt/EOS column too
+    if field == "rm_scores":  # V1's name, read when token_level_scores is absent
+        del b["token_level_scores"]
+    b[field] = wide
+    with pytest.raises(ValueError, match=rf"`{field}` has {wide.shape[1]} columns but the response width is "
+                                         rf"{scores.shape[1]}"):
+        verl_to_batch(case.data)
+
+
+def test_verl_explicit_schema_logprobs_and_verls_names_together_are_refused():
+    case = make_verl_case(seed=10)
+    b = case.data.batch
+    b["trainer_logprobs"] = b["old_log_probs"] + 0.5  # a second tensor for the same field
+    with pytest.raises(ValueError, match=r"both `trainer_logprobs` and `old_log_probs`.*trainer_key"):
+        verl_to_batch(case.data)
+    out = verl_to_batch(case.data, trainer_key="trainer_logprobs")  # the way to read the schema field
+    assert out["trainer_logprobs"] is b["trainer_logprobs"]
+    b["trainer_logprobs"] = b["old_log_probs"]  # the same tensor under both names: nothing is lost
+    assert verl_to_batch(case.data)["trainer_logprobs"] is b["old_log_probs"]
+    b["rollout_logprobs"] = b["rollout_log_probs"].clone()
+    with pytest.raises(ValueError, match=r"both `rollout_logprobs` and `rollout_log_probs`"):
+        verl_to_batch(case.data)
+
+
 # -- TRL fixture ---------------------------------------------------------------------------------
 def make_trl_inputs(b: int = 6, prompt_width: int = 4, completion_width: int = 6, tools: bool = False, seed: int = 0):
     """The dict GRPOTrainer._generate_and_score_completions returns (vLLM with IS correction on)."""

@@ -144,11 +144,27 @@ def test_sequence_level_advantages_broadcast_over_tokens():
 def test_explained_variance_of_constant_and_offset_data():
     r = torch.tensor([[2.0, 2.0, 2.0]])
     assert FT.explained_variance(r, r).item() == 1.0
-    assert FT.explained_variance(r + torch.tensor([[0.0, 1.0, 0.0]]), r).item() == 0.0
+    # Var(R) = 0: verl's epsilon is the whole denominator, 1 - Var(R - V) / 1e-5 (sample variance: 1/3)
+    assert FT.explained_variance(r + torch.tensor([[0.0, 1.0, 0.0]]), r).item() == pytest.approx(1 - (1 / 3) / 1e-5)
     # a large common offset: raw moments in float64 still give the right answer
     v, ret = ALL["values"] + 1e4, ALL["returns"] + 1e4
     got = FT.explained_variance(v, ret, ALL["response_mask"]).item()
     assert got == pytest.approx(TR.ref_explained_var(_np(v), _np(ret), _np(ALL["response_mask"])), rel=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-2, 3e-3, 1e-4])
+def test_explained_variance_is_verls_formula_with_its_epsilon(scale):
+    """verl's compute_data_metrics: 1 - torch.var(R - V) / (torch.var(R) + 1e-5) (sample variances), which the
+    epsilon pulls toward 1 when Var(R) is near or under 1e-5."""
+    g = torch.Generator().manual_seed(int(1 / scale))
+    ret = 1.0 + scale * torch.randn(8, 6, generator=g, dtype=torch.float64)
+    val = ret + 0.5 * scale * torch.randn(8, 6, generator=g, dtype=torch.float64)
+    verl = 1.0 - torch.var(ret - val) / (torch.var(ret) + 1e-5)
+    metric = M.ExplainedVariance()
+    metric.update(values=val[:4], returns=ret[:4])
+    metric.update(values=val[4:], returns=ret[4:])
+    assert metric.compute().item() == pytest.approx(verl.item(), rel=1e-9, abs=1e-9)
+    assert FT.explained_variance(val, ret).item() == pytest.approx(verl.item(), rel=1e-9, abs=1e-9)
 
 
 # --- DPO / RM ---------------------------------------------------------------------------------------
@@ -166,6 +182,27 @@ def test_validation_unknown_source_raises_or_goes_to_other():
     m.update(b)
     out = m.compute()
     assert out["val-core/gsm8k/acc/mean@1"] == 1.0 and out["val-core/other/acc/mean@1"] == 0.0
+
+
+def test_validation_source_without_prompts_has_no_keys():
+    """A declared source no prompt of the window came from is not 0% accurate: it has no keys (nor has an @k
+    that no prompt had k valid samples for)."""
+    for metric in (M.ValidationAccuracy(["gsm8k", "math"], n_samples=2, ks=[1, 2]),
+                   M.ValidationReward(["gsm8k", "math"], n_samples=2, ks=[1, 2])):
+        field = "val_acc" if isinstance(metric, M.ValidationAccuracy) else "val_rewards"
+        metric.update({field: torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "data_sources": ["gsm8k", "math"],
+                       "val_mask": torch.tensor([[True, True], [True, False]])})  # math: one valid sample
+        metric.update({field: torch.tensor([[0.0, 0.0]]), "data_sources": "gsm8k"})
+        keys = set(metric.compute())
+        kind = "acc" if field == "val_acc" else "reward"
+        at = "pass" if kind == "acc" else "best"
+        assert {k for k in keys if "/math/" in k} == {f"val-{'core' if kind == 'acc' else 'aux'}/math/{kind}/mean@2",
+                                                      f"val-aux/math/{kind}/{at}@1"}, keys
+        assert f"val-aux/gsm8k/{kind}/{at}@2" in keys
+    c = OPBCCollection(sections=["training"], section_options={"training": {"data_sources": ["gsm8k", "math"]}})
+    c.update(val_acc=torch.tensor([[1.0], [0.0]]), data_sources="gsm8k")
+    out = c.compute()
+    assert out["val-core/gsm8k/acc/mean@1"] == 0.5 and not [k for k in out if "/math/" in k]
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 200])
@@ -290,6 +327,58 @@ def test_stage_timer_measures_and_feeds_the_metric():
         timer.record("gen", -1.0)
 
 
+def _values(metric):
+    return {k: v.item() for k, v in metric.compute_dict().items()}
+
+
+def test_stages_not_timed_in_the_window_have_no_keys():
+    """verl's compute_timing_metrics reports the stages of timing_raw only: a stage no step timed is not a
+    0-second stage, and a figure per token needs tokens."""
+    lengths = {"prompt_lengths": torch.tensor([10, 20]), "response_lengths": torch.tensor([30, 40])}
+    timing, throughput = M.StageTiming(), M.Throughput(num_gpus=1)
+    mfu = M.ModelFlopsUtilization(P.TransformerFlops(1e9, 2, 64), peak_flops=1e15)
+    for m in (timing, throughput, mfu):
+        m.update(timing_s={"gen": 1.5})
+    assert _values(timing) == {"timing_s/gen": 1.5}  # no tokens: no timing_per_token_ms
+    assert _values(throughput) == {} and _values(mfu) == {}  # no step time, no tokens
+    for m in (timing, throughput, mfu):
+        m.update(timing_s={"gen": 2.5, "update_actor": 1.0}, **lengths)  # a second step, with its sequences
+    assert _values(timing) == pytest.approx({"timing_s/gen": 2.0, "timing_s/update_actor": 1.0,
+                                             "timing_per_token_ms/gen": 2000.0 / 35.0,
+                                             "timing_per_token_ms/update_actor": 1000.0 / 50.0})
+    assert _values(throughput) == {"perf/total_num_tokens": 50.0}  # per step over 2 steps; no step time
+    assert set(_values(mfu)) == {"perf/mfu/actor"}  # old_log_prob (actor_infer) never timed
+    throughput.update(timing_s={"step": 4.0})
+    assert _values(throughput) == pytest.approx({"perf/total_num_tokens": 100.0 / 3, "perf/time_per_step": 4.0,
+                                                 "perf/throughput": 100.0 / 3 / 4.0})
+
+
+def test_stage_timing_decides_on_the_synced_states_of_all_ranks(monkeypatch):
+    """A stage one rank timed is reported by every rank, with that rank's time; the other rank's steps
+    without it do not count as 0 s (merge_state folds a rank's states like the sync's sum does)."""
+    import opbc_metrics.training._base as base
+
+    ranks = [M.StageTiming(stages=("gen", "ref"), world_size=2) for _ in range(2)]
+    for rank, (m, timing) in enumerate(zip(ranks, ({"gen": 1.0}, {"gen": 3.0, "ref": 0.5}), strict=True)):
+        monkeypatch.setattr(base, "dist_rank_world", lambda group=None, rank=rank: (rank, 2))
+        m.update(timing_s=timing)
+        m.update(timing_s={"gen": 1.0})
+    ranks[0].merge_state(ranks[1])
+    assert _values(ranks[0]) == {"timing_s/gen": 2.0, "timing_s/ref": 0.5}
+
+
+def test_global_seqlen_of_a_batch_without_sequences_has_no_keys():
+    empty = {"prompt_lengths": torch.zeros(0, dtype=torch.long), "response_lengths": torch.zeros(0, dtype=torch.long)}
+    m = M.GlobalSeqlen(world_size=2)
+    m.update(empty)
+    assert m.compute_dict() == {}
+    c = OPBCCollection(sections=["training"])
+    c.update(empty)
+    assert not [k for k in c.compute() if k.startswith("global_seqlen/")]
+    m.update(prompt_lengths=torch.tensor([5]), response_lengths=torch.tensor([0]))  # data, even a 0 workload rank
+    assert _values(m)["global_seqlen/min"] == 0.0 and _values(m)["global_seqlen/max"] == 5.0
+
+
 # --- agent loop slowest, LR scheduler, huge values ---
 FIELDS = ("agent_generate_s", "agent_tool_calls_s", "prompt_lengths", "response_lengths")
 
@@ -396,7 +485,9 @@ def _full_batch(seed=0):
     b = make_training_batch(seed=seed, batch=4, seq=9)
     b.update(make_scalars(2, seed))
     b.update(make_validation_batch(4, n=6, seed=seed), val_mask=torch.ones(4, 6, dtype=torch.bool))
-    b["timing_s"] = {"gen": 1.0, "update_actor": 0.5, "old_log_prob": 0.2, "step": 2.0}
+    # every default stage timed (a stage no step timed has no key)
+    b["timing_s"] = {**dict.fromkeys(P.DEFAULT_STAGES, 0.1), "gen": 1.0, "update_actor": 0.5, "old_log_prob": 0.2,
+                     "step": 2.0}
     b["rank_ids"] = torch.zeros(4, dtype=torch.long)
     return b
 

@@ -125,8 +125,10 @@ def test_explained_variance_at_most_one_and_shift_invariant(returns, shift):
     second = max(sum((x + c) ** 2 for x in returns) / n for c in (0.0, shift, 1.0 + shift))
     assume(var_r > 1e-9 * max(second, 1.0))
     assert math.isclose(ev, ev_shift, rel_tol=1e-6, abs_tol=1e-6 + 1e-14 * max(second, 1.0) / var_r)
-    # 1 - Var(r - v) / Var(r), population variances, in plain Python
+    # verl's 1 - Var(r - v) / (Var(r) + 1e-5), sample variances (n - 1; one value: 0), in plain Python
     d = [x - y for x, y in zip(returns, values, strict=True)]
-    var_d = sum((x - sum(d) / n) ** 2 for x in d) / n
+    ddof = 1 if n > 1 else 0
+    var_d = sum((x - sum(d) / n) ** 2 for x in d) / (n - ddof)
+    var_r_sample = var_r * n / (n - ddof)
     scale = max(second, max(y * y for y in values), 1.0) / var_r
-    assert math.isclose(ev, 1.0 - var_d / var_r, rel_tol=1e-6, abs_tol=1e-6 + 1e-13 * scale)
+    assert math.isclose(ev, 1.0 - var_d / (var_r_sample + 1e-5), rel_tol=1e-6, abs_tol=1e-6 + 1e-13 * scale)

@@ -95,13 +95,13 @@ def ref_sequence_stats(x, mask=None):
 
 
 def ref_explained_var(values, returns, mask=None):
+    """verl's compute_data_metrics: 1 - Var(R - V) / (Var(R) + 1e-5), sample variances (one token: Var = 0)."""
     r, v = _token_select(returns, mask), _token_select(values, mask)
     if not r.size:
         return 0.0
-    var_r, var_d = r.var(), (r - v).var()
-    if var_r == 0:
-        return 1.0 if var_d == 0 else 0.0
-    return float(1 - var_d / var_r)
+    ddof = 1 if r.size > 1 else 0
+    var_r, var_d = r.var(ddof=ddof), (r - v).var(ddof=ddof)
+    return float(1 - var_d / (var_r + 1e-5))
 
 
 def ref_lengths(lengths, max_length=None):
@@ -178,7 +178,7 @@ def ref_validation(rows, sources, n_samples, ks, kind):
                     at_k[k].append(ref_pass_at_k(len(vals), sum(xi >= 0.5 for xi in vals), k))
                 else:
                     at_k[k].append(ref_best_at_k(vals, k))
-        avg = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        avg = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731  (no prompt: no key)
         mean_key, at_key = ((f"val-core/{s}/acc/mean@", f"val-aux/{s}/acc/pass@") if kind == "acc" else
                             (f"val-aux/{s}/reward/mean@", f"val-aux/{s}/reward/best@"))
         out[f"{mean_key}{n_samples}"] = avg(means)
@@ -332,12 +332,16 @@ def validation_reference(b, sources, n_samples, ks):
 
 def steps_reference(ranks, stages, flops, peak):
     """Per-step metrics after a sync over ``len(ranks)`` ranks, from each rank's steps (a step: ``timing_s``,
-    ``prompt_lengths``, ``response_lengths``): each stage's time is the slowest rank's mean per step, token
-    counts are all ranks' per step (steps: the most any rank ran), workloads are per rank."""
+    ``prompt_lengths``, ``response_lengths``): each stage's time is the slowest rank's mean over the steps that
+    timed it (a stage no step timed has no key), token counts are all ranks' per step (steps: the most any rank
+    ran), workloads are per rank."""
     world = len(ranks)
     n_steps = max(len(steps) for steps in ranks)
-    seconds = {s: max(sum(st["timing_s"].get(s, 0.0) for st in steps) / len(steps) for steps in ranks if steps)
-               for s in stages}
+    seconds = {}
+    for s in stages:
+        timed = [[st["timing_s"][s] for st in steps if s in st["timing_s"]] for steps in ranks]
+        if any(timed):
+            seconds[s] = max(sum(t) / len(t) for t in timed if t)
     seqs = [(int(p), int(r)) for steps in ranks for st in steps
             for p, r in zip(st["prompt_lengths"].tolist(), st["response_lengths"].tolist())]
     tokens = sum(p + r for p, r in seqs) / n_steps

@@ -343,15 +343,19 @@ DEFAULT_RESPONSE_TOKEN_STAGES = ("gen",)
 
 
 def slowest_rank_per_step(time: Tensor, steps: Tensor) -> Tensor:
-    """``[S]``: over ranks, the largest mean seconds per step (``time`` ``[W, S]``, ``steps`` ``[W]``).
+    """``[S]``: over ranks, the largest mean seconds per step (``time`` ``[W, S]``; ``steps`` ``[W]``, or
+    ``[W, S]``: the steps that timed each stage).
 
-    Ranks that recorded no step are ignored; 0 when none did.
+    Ranks that recorded no step (of a stage) are ignored; 0 when none did (the metrics leave such a stage out).
 
     Example:
         >>> import torch
         >>> slowest_rank_per_step(torch.tensor([[4.0, 1.0], [3.0, 3.0]]), torch.tensor([2.0, 1.0]))
         tensor([3., 3.])
+        >>> slowest_rank_per_step(torch.tensor([[4.0, 1.0], [3.0, 0.0]]), torch.tensor([[2.0, 1.0], [1.0, 0.0]]))
+        tensor([3., 1.])
     """
-    per_step = time / steps.clamp_min(1.0)[:, None]
-    per_step = torch.where(steps[:, None] > 0, per_step, torch.zeros_like(per_step))
+    steps = steps[:, None].expand_as(time) if steps.ndim == 1 else steps
+    per_step = time / steps.clamp_min(1.0)
+    per_step = torch.where(steps > 0, per_step, torch.zeros_like(per_step))
     return per_step.amax(dim=0) if per_step.shape[0] else torch.zeros(time.shape[1:], dtype=time.dtype)

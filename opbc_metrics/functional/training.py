@@ -496,6 +496,11 @@ def critic_stats(name: str, values: Tensor, response_mask: Tensor | None = None)
     return _one_batch(_critic_stats_compute, stats, name, "non-finite values", name)
 
 
+#: The epsilon verl adds to ``Var(R)`` in ``critic/vf_explained_var`` (``compute_data_metrics``:
+#: ``1 - Var(R - V) / (Var(R) + 1e-5)``, with ``torch.var``'s sample variances); kept so the key agrees with verl's.
+EXPLAINED_VAR_EPS = 1e-5
+
+
 def _explained_var_update(view: BatchView) -> Stats:
     device = tensor_device(view, RESPONSE_MASK, RETURNS, VALUES)
     r, valid_r, bad_r = _token_values(view, RETURNS, device)
@@ -516,22 +521,28 @@ def _explained_var_compute(sum_r: Tensor, sum_r2: Tensor, sum_d: Tensor, sum_d2:
                            sum_r_hi: Tensor, sum_r2_hi: Tensor, sum_d_hi: Tensor, sum_d2_hi: Tensor,
                            nonfinite: Tensor | None = None) -> Tensor:
     # Both variances on one scale: the scaled sums when any plain sum overflowed (the ratio is scale-free).
+    # Sample variances (n - 1) and verl's epsilon, as verl's compute_data_metrics computes the key.
     big = ~torch.isfinite(torch.stack([sum_r, sum_r2, sum_d, sum_d2])).all()
-    var_r = torch.where(big, variance(sum_r_hi, sum_r2_hi, count), variance(sum_r, sum_r2, count))
-    var_d = torch.where(big, variance(sum_d_hi, sum_d2_hi, count), variance(sum_d, sum_d2, count))
-    ev = 1.0 - var_d / var_r.clamp_min(torch.finfo(F64).tiny)
-    # Var(returns) = 0: 1 if the values are exact too, else 0 (scikit-learn's force_finite convention).
+    var_r = torch.where(big, variance(sum_r_hi, sum_r2_hi, count, 1), variance(sum_r, sum_r2, count, 1))
+    var_d = torch.where(big, variance(sum_d_hi, sum_d2_hi, count, 1), variance(sum_d, sum_d2, count, 1))
+    # On the 2^-1200-scaled variances (returns past ~1e154) the epsilon is far below their rounding: left out.
+    denominator = var_r + torch.where(big, torch.zeros_like(var_r), torch.full_like(var_r, EXPLAINED_VAR_EPS))
+    ev = 1.0 - var_d / denominator.clamp_min(torch.finfo(F64).tiny)
+    # Only there can the denominator be 0 (constant huge returns): 1 if the values are exact too, else 0
+    # (scikit-learn's force_finite convention).
     degenerate = torch.where(var_d > 0, torch.zeros_like(ev), torch.ones_like(ev))
-    ev = torch.where(var_r > 0, ev, degenerate)
+    ev = torch.where(denominator > 0, ev, degenerate)
     return torch.where(count > 0, ev, torch.zeros_like(ev))
 
 
 def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor | None = None) -> Tensor:
-    r"""``critic/vf_explained_var`` = :math:`1 - \mathrm{Var}(R - V) / \mathrm{Var}(R)` over valid tokens.
+    r"""``critic/vf_explained_var`` = :math:`1 - \mathrm{Var}(R - V) / (\mathrm{Var}(R) + 10^{-5})` over valid tokens.
 
-    Population variances from mergeable raw moments in float64 (relative rounding about
-    ``1e-16 * mean^2 / variance``). verl adds 1e-5 to the denominator; this does not. When
-    ``Var(R) = 0`` the value is 1 if ``Var(R - V) = 0`` too, else 0 (scikit-learn's convention).
+    verl's formula (``compute_data_metrics``): sample variances (``n - 1``, as ``torch.var``) and its
+    epsilon :data:`EXPLAINED_VAR_EPS` in the denominator, so for returns of small variance the value is
+    pulled toward 1 as verl's is (``Var(R) = 0`` gives ``1 - Var(R - V) / 1e-5``). From mergeable raw moments
+    in float64 (relative rounding about ``1e-16 * mean^2 / variance``). One token: 1 (``Var(R - V)`` is 0;
+    verl's ``torch.var`` gives NaN there).
 
     Example:
         >>> import torch

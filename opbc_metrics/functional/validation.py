@@ -19,7 +19,8 @@ Per data source ``s`` (averaged over that source's prompts, each prompt weighing
   bootstrap; for 0/1 rewards it equals pass@k).
 
 Prompts with fewer than ``k`` valid samples (a ragged ``val_mask``) are left out of the ``@k`` averages;
-prompts without any valid sample are left out of everything. Empty windows report 0. Non-finite values
+prompts without any valid sample are left out of everything. A source without a valid prompt in the window
+has no keys, and a ``@k`` key no prompt had ``k`` valid samples for is left out (no made-up 0). Non-finite values
 on unmasked samples are refused: at once for host inputs, and for tensors (which cannot be read in
 ``update()`` without a sync) left out, counted, and raised as a ``ValueError`` naming the field at
 ``compute()``.
@@ -276,11 +277,18 @@ def _validation_compute(prompts: Tensor, sum_mean: Tensor, sum_at_k: Tensor, pro
     keys = iter(validation_keys(sources, n_samples, ks, mode))
     means = safe_div(sum_mean, prompts, 0.0)
     at_k = safe_div(sum_at_k, prompts_at_k, 0.0)
+    # No made-up values: a source no prompt of the window came from (or an @k no prompt had k samples for) has
+    # no key, rather than 0% accuracy. One host read of the (synced) counts, at compute time.
+    seen = (torch.cat([prompts[:, None], prompts_at_k], dim=1) > 0).tolist()
     out: dict[str, Tensor] = {}
     for i in range(len(sources)):
-        out[next(keys)] = means[i]
+        key = next(keys)
+        if seen[i][0]:
+            out[key] = means[i]
         for j in range(len(ks)):
-            out[next(keys)] = at_k[i, j]
+            key = next(keys)
+            if seen[i][j + 1]:
+                out[key] = at_k[i, j]
     return out
 
 

@@ -145,11 +145,12 @@ class ScoreStats(_FieldStats, field=SCORES, bad="scores", per_sequence=True):
 
 
 class ExplainedVariance(_TrainingMetric):
-    r"""``critic/vf_explained_var`` = :math:`1 - \mathrm{Var}(R - V) / \mathrm{Var}(R)` over response tokens.
+    r"""``critic/vf_explained_var`` = :math:`1 - \mathrm{Var}(R - V) / (\mathrm{Var}(R) + 10^{-5})` on response tokens.
 
-    From mergeable sums of :math:`R`, :math:`R^2`, :math:`R - V`, :math:`(R - V)^2` (population
-    variances); 1 = the critic explains the returns, 0 = no better than their mean, negative = worse.
-    When ``Var(R) = 0`` it is 1 if the values are exact, else 0; no data in the window: no key.
+    From mergeable sums of :math:`R`, :math:`R^2`, :math:`R - V`, :math:`(R - V)^2`; 1 = the critic explains
+    the returns, 0 = no better than their mean, negative = worse. verl's formula exactly (its key): sample
+    variances (``n - 1``) and verl's epsilon (:data:`~opbc_metrics.functional.training.EXPLAINED_VAR_EPS`),
+    which dominates when ``Var(R)`` is below about 1e-5. No data in the window: no key.
 
     Example:
         >>> import torch

@@ -11,8 +11,10 @@ what :meth:`StageTimer.pop` returns (and what verl's ``timing_raw`` already is).
 carries ``timing_s`` is one step of this rank; token counts come from every update that carries both
 ``prompt_lengths`` and ``response_lengths`` (pass each sequence's lengths once per step, as for the length
 metrics). Over a window of several steps, ``timing_s/<stage>`` is
-the largest over ranks of a rank's mean seconds per step, and token counts are per step (window total /
-steps); for a window of one step (compute and reset every step) these are verl's per-step values.
+the largest over ranks of a rank's mean seconds per step that timed the stage (a stage missing from a
+step's ``timing_s`` was not run, not run in 0 s; a stage no rank timed has no key), and token counts are
+per step (window total / steps); for a window of one step (compute and reset every step) these are verl's
+per-step values.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class GlobalSeqlen(_PerRank):
                    overflow_count=SUM, overflow_sum=SUM, invalid=SUM, bad_rank=SUM)
     _deferred = (("invalid", required_fields, "negative or non-finite prompt/response lengths"),
                  ("bad_rank", RANK_IDS, "rank ids outside [0, world_size)"))
+    data_counts = ("active", "invalid", "bad_rank")  # ranks that received sequences, and bad-value counts
     glossary = diagnostic("global_seqlen", aliases=("global_seqlen/minmax_diff",),
         what="Total token workload per GPU (data-parallel rank), not the length of any one sequence: the lightest and "
         "heaviest rank, their difference (the most important: large means fast GPUs wait for slow ones), the mean, "
@@ -149,7 +152,8 @@ class GlobalSeqlen(_PerRank):
         else:
             rank = self.current_rank()
             workload = self.one_hot_row(rank, lengths.sum().reshape(()))
-            active = self.one_hot_row(rank, torch.ones((), dtype=F64, device=device))
+            # A batch without sequences is no data (numel is shape metadata: no sync).
+            active = self.one_hot_row(rank, torch.full((), float(lengths.numel() > 0), dtype=F64, device=device))
             bad_rank = torch.zeros((), dtype=F64, device=device)
         over = lengths > self.max_seqlen
         idx = lengths.round().clamp(0, self.max_seqlen).long()
@@ -247,16 +251,21 @@ class StageTimer:
 
 
 # timing_s/*, timing_per_token_ms/*, perf/*
-def _timings(view: BatchView, stages: tuple[str, ...], strict: bool) -> list[float]:
+def _timings(view: BatchView, stages: tuple[str, ...], strict: bool) -> tuple[list[float], list[float]]:
+    """``(seconds, timed)`` per stage of ``stages``: a stage missing from ``timing_s`` was not timed (0, 0)."""
     value = view.field(TIMING_S)
     if not isinstance(value, Mapping):
         raise ValueError(f"batch field `{TIMING_S}` must be a dict {{stage: seconds}}, got {type(value).__name__}")
     unknown = [s for s in value if s not in stages]
     if strict and unknown:
         raise ValueError(f"batch field `{TIMING_S}` has undeclared stages {unknown}; declared: {list(stages)}")
-    row = []
+    row, timed = [], []
     for s in stages:
-        v = value.get(s, 0.0)
+        if s not in value:
+            row.append(0.0)
+            timed.append(0.0)
+            continue
+        v = value[s]
         if isinstance(v, Tensor):
             raise ValueError(f"batch field `{TIMING_S}` must hold Python floats (host times), got a tensor for {s!r}")
         try:
@@ -266,23 +275,29 @@ def _timings(view: BatchView, stages: tuple[str, ...], strict: bool) -> list[flo
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"batch field `{TIMING_S}` has an invalid time for {s!r}: {v}")
         row.append(v)
-    return row
+        timed.append(1.0)
+    return row, timed
 
 
 class _StageClock(_PerRank):
-    """Per-rank stage seconds ``[slots, S]`` and steps ``[slots]``, plus the token counts of the window.
+    """Per-rank stage seconds and timed steps ``[slots, S]`` and steps ``[slots]``, plus the token and
+    sequence counts of the window.
 
-    Every ``update`` may carry ``timing_s`` (one step of this rank: adds its stage times) and/or both
-    ``prompt_lengths`` and ``response_lengths`` (adds the sequences' tokens), so in a collection the
-    step's lengths can arrive with the micro-batches and the timings once at the end of the step.
-    Subclasses set ``clock_stages`` (the stages timed) in their constructor.
+    Every ``update`` may carry ``timing_s`` (one step of this rank: adds its stage times, and counts the
+    stages it holds as timed) and/or both ``prompt_lengths`` and ``response_lengths`` (adds the sequences'
+    tokens), so in a collection the step's lengths can arrive with the micro-batches and the timings once
+    at the end of the step. A stage's seconds per step are over the steps that timed it; a stage no rank
+    timed in the window has no keys (verl's ``compute_timing_metrics`` reports only the stages of
+    ``timing_raw``), and figures per token need tokens. Subclasses set ``clock_stages`` (the stages timed)
+    in their constructor.
     """
 
     strict_stages = False
     required_fields = ()  # timing_s and the lengths are each optional; see statistics
     _deferred = (("invalid", (PROMPT_LENGTHS, RESPONSE_LENGTHS), "negative or non-finite prompt/response lengths"),)
-    states = table(time=SUM.of("slots", "clock_stages"), steps=SUM.of("slots"), tokens_response=SUM,
-                   tokens_all=SUM, sum_sq=SUM, invalid=SUM)
+    states = table(time=SUM.of("slots", "clock_stages"), timed=SUM.of("slots", "clock_stages"), steps=SUM.of("slots"),
+                   tokens_response=SUM, tokens_all=SUM, sum_sq=SUM, sequences=SUM, invalid=SUM)
+    data_counts = ("timed", "invalid")  # a window in which no stage was timed has no keys
 
     def accepts(self, view: BatchView) -> bool:
         """A collection updates this metric with batches carrying ``timing_s`` or both length fields."""
@@ -292,19 +307,23 @@ class _StageClock(_PerRank):
         stats: dict[str, Tensor] = {}
         if view.has(TIMING_S):
             rank = self.current_rank()
-            row = torch.tensor(_timings(view, self.clock_stages, self.strict_stages), dtype=F64)
-            stats["time"] = self.one_hot_row(rank, row)
+            row, timed = _timings(view, self.clock_stages, self.strict_stages)
+            stats["time"] = self.one_hot_row(rank, torch.tensor(row, dtype=F64))
+            stats["timed"] = self.one_hot_row(rank, torch.tensor(timed, dtype=F64))
             stats["steps"] = self.one_hot_row(rank, torch.ones((), dtype=F64))
         if view.has(PROMPT_LENGTHS, RESPONSE_LENGTHS):
             lengths, invalid = _workload(view)
             r, _ = nonnegative_field(view, RESPONSE_LENGTHS)
             stats.update(tokens_response=r.sum(), tokens_all=lengths.sum(), sum_sq=(lengths * lengths).sum(),
+                         sequences=torch.full((), float(lengths.numel()), dtype=F64, device=lengths.device),
                          invalid=invalid)
         return stats
 
-    def per_step(self) -> tuple[Tensor, Tensor]:
-        """``(seconds per step of the slowest rank [S], steps of the window)``."""
-        return P.slowest_rank_per_step(self.time, self.steps), self.steps.max()
+    def per_step(self) -> tuple[Tensor, Tensor, list[bool]]:
+        """``(seconds per timed step of the slowest rank [S], steps of the window, whether each stage was
+        timed)``; the last is read to the host (compute time, synced states: every rank agrees)."""
+        seconds = P.slowest_rank_per_step(self.time, self.timed)
+        return seconds, self.steps.max(), (self.timed.sum(dim=0) > 0).tolist()
 
     def num_ranks(self) -> int:
         return self.resolved_world_size(self.steps > 0)
@@ -314,11 +333,14 @@ class StageTiming(_StageClock):
     """``timing_s/<stage>`` (seconds per step, slowest rank) and ``timing_per_token_ms/<stage>``.
 
     Batch fields: ``timing_s`` (``{stage: seconds}`` of this rank's step, e.g. :meth:`StageTimer.pop`;
-    stages missing from it count 0) and, for the per-token figures, ``prompt_lengths`` and
-    ``response_lengths`` [B] of the step's sequences on this rank (in the same or any other update of the
-    window). ``timing_per_token_ms/<stage>`` =
+    a stage missing from it was not timed in that step) and, for the per-token figures, ``prompt_lengths``
+    and ``response_lengths`` [B] of the step's sequences on this rank (in the same or any other update of
+    the window). ``timing_s/<stage>`` is the mean over the steps that timed the stage; a stage no rank
+    timed in the window has no keys (as verl's ``compute_timing_metrics`` reports only the stages of
+    ``timing_raw``). ``timing_per_token_ms/<stage>`` =
     1000 x stage seconds / tokens of the step over all ranks: response tokens for ``gen``, prompt + response
-    tokens for the other stages (verl's ``compute_timing_metrics``).
+    tokens for the other stages (verl's ``compute_timing_metrics``); no key without tokens (verl reports 0.0
+    there).
 
     Args:
         stages: the stage names (fixed: one state slot each); default verl's ``gen, reward, old_log_prob,
@@ -366,11 +388,14 @@ class StageTiming(_StageClock):
         self.clock_stages = self.stages
 
     def compute(self) -> dict[str, Tensor]:
-        seconds, n = self.per_step()
-        out = {f"timing_s/{s}": seconds[i] for i, s in enumerate(self.stages)}
+        seconds, n, timed = self.per_step()
+        out = {f"timing_s/{s}": seconds[i] for i, s in enumerate(self.stages) if timed[i]}
+        has_tokens = (torch.stack([self.tokens_response, self.tokens_all]) > 0).tolist()
         for s in self.per_token_stages:
-            tokens = safe_div(self.tokens_response if s in self.response_token_stages else self.tokens_all, n, 0.0)
-            out[f"timing_per_token_ms/{s}"] = safe_div(1000.0 * seconds[self.stages.index(s)], tokens, 0.0)
+            i, response = self.stages.index(s), s in self.response_token_stages
+            if timed[i] and has_tokens[0 if response else 1]:
+                tokens = (self.tokens_response if response else self.tokens_all) / n
+                out[f"timing_per_token_ms/{s}"] = 1000.0 * seconds[i] / tokens
         return out
 
 
@@ -382,6 +407,8 @@ class Throughput(_StageClock):
     ``response_lengths`` [B] of this rank's sequences (same or other updates). ``total_num_tokens`` =
     prompt + response tokens of the step over all ranks; ``time_per_step`` = the slowest rank's step time;
     ``throughput`` = ``total_num_tokens / (time_per_step * num_gpus)`` (verl's ``compute_throughout_metrics``).
+    Each key needs its inputs in the window: ``total_num_tokens`` sequence lengths, ``time_per_step`` a
+    timed ``step`` stage, ``throughput`` both and a non-zero step time; no made-up 0s.
 
     Args:
         step_stage: the stage that times a whole step ("step").
@@ -411,11 +438,21 @@ class Throughput(_StageClock):
         self.num_gpus = check_count("num_gpus", num_gpus)
         self.clock_stages = (self.step_stage,)
 
+    data_counts = ("steps", "invalid")  # tokens per step need steps; each key checks its own inputs below
+
     def compute(self) -> dict[str, Tensor]:
-        seconds, n = self.per_step()
+        seconds, n, (timed,) = self.per_step()
+        has_sequences, has_time = (torch.stack([self.sequences, seconds[0]]) > 0).tolist()
         tokens = safe_div(self.tokens_all, n, 0.0)
         gpus = self.num_gpus or self.num_ranks()
-        return {self.keys[0]: tokens, self.keys[1]: seconds[0], self.keys[2]: safe_div(tokens, seconds[0] * gpus, 0.0)}
+        out = {}
+        if has_sequences:
+            out[self.keys[0]] = tokens
+        if timed:
+            out[self.keys[1]] = seconds[0]
+        if has_sequences and has_time:
+            out[self.keys[2]] = tokens / (seconds[0] * gpus)
+        return out
 
 
 # MFU name -> (timing stage, FLOPs mode). verl's perf/mfu/actor is measured in the actor update,
@@ -434,7 +471,8 @@ class ModelFlopsUtilization(_StageClock):
     (``2 N_active`` per token plus the attention term :math:`4 d L \sum s_i^2`), times 3 for a training
     stage (forward + backward) or 1 for a forward-only stage; the peak is the accelerator's dense bf16
     figure from :data:`~opbc_metrics.functional.perf.PEAK_FLOPS`, or ``peak_flops``. Stage seconds are the
-    slowest rank's. Batch fields as :class:`Throughput`.
+    slowest rank's. Batch fields as :class:`Throughput`. A name whose stage was not timed (or took 0 s) in
+    the window, or a window without sequence lengths, has no key.
 
     Args:
         flops: the model's FLOPs estimate.
@@ -482,13 +520,17 @@ class ModelFlopsUtilization(_StageClock):
         self.clock_stages = timing
 
     def compute(self) -> dict[str, Tensor]:
-        seconds, n = self.per_step()
+        seconds, n, _ = self.per_step()
+        if not float(self.sequences):
+            return {}  # no FLOPs known: no made-up 0% utilisation
         steps = max(float(n), 1.0)
         tokens, sum_sq = float(self.tokens_all) / steps, float(self.sum_sq) / steps
         gpus = self.num_gpus or self.num_ranks()
         out = {}
         for name, (stage, mult) in self.mfu_stages.items():
             sec = float(seconds[self.clock_stages.index(stage)])
+            if sec <= 0:
+                continue  # not timed in the window (or 0 s): no utilisation to report
             value = P.mfu(mult * self.flops.forward_flops(tokens, sum_sq), sec, gpus, self.peak)
             out[f"perf/mfu/{name}"] = torch.tensor(value, dtype=F64, device=self.time.device)
         return out

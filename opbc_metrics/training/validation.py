@@ -33,6 +33,7 @@ class _PerSource(_TrainingMetric):
     higher_is_better = True
     kernel = (V._validation_update, V._validation_compute)
     update_args = ("field", "data_sources", "allow_other", "n_samples", "ks", "mode")
+    data_counts = ("prompts", "nonfinite")  # a source without prompts in the window has no keys (see compute)
     states = table(prompts=SUM.of("data_sources"), sum_mean=SUM.of("data_sources"),
                    sum_at_k=SUM.of("data_sources", "ks"), prompts_at_k=SUM.of("data_sources", "ks"), nonfinite=SUM)
 
@@ -61,6 +62,7 @@ class ValidationAccuracy(_PerSource, field=V.VAL_ACC, mode="pass"):
     one string for the batch), optional ``val_mask`` [P, n] for ragged sample counts. ``mean@n`` averages
     the accuracy of each prompt's samples, then over prompts; ``pass@k`` is the unbiased estimator
     :math:`1 - \binom{n-c}{k}/\binom{n}{k}` (Chen et al. 2021) with ``c`` the samples with ``acc >= 0.5``.
+    A declared source that no prompt of the window came from has no keys (not 0% accuracy).
 
     Args:
         data_sources: every data source the batches may name (fixed: states have one slot per source).
