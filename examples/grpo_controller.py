@@ -100,7 +100,8 @@ def main(steps: int = 40, seed: int = 0, verbose: bool = True) -> dict[str, floa
         # -- the trainer scores the samples; the controller decides every group at once --------------
         with torch.no_grad():
             batch["trainer_logprobs"] = token_logprobs(policy(batch["prompts"]), batch["tokens"])
-        out = controller.step(batch)
+        # (prompts and tokens are this loop's own fields: passing them would warn that nothing reads them)
+        out = controller.step({k: v for k, v in batch.items() if k not in ("prompts", "tokens")})
         replay = [out.select(batch, "replay")] if out.rows("replay").numel() else []
         replay = [{k: v for k, v in r.items() if k != "trainer_logprobs"} for r in replay]
 

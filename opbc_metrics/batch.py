@@ -101,31 +101,17 @@ OPTIONAL_FIELDS: tuple[str, ...] = (
     "rollout_router_logits", "trainer_router_logits", "rollout_token_ids", "trainer_token_ids", "endpoint_requests",
     "timing_s", "rank_ids", "logits", "loss_tokens", "agent_tool_calls_s", "val_mask",
 )
-_KNOWN_FIELDS: tuple[int, frozenset[str]] = (-1, frozenset())
+# Every concrete metric class, in definition order (opbc_metrics.metric registers them; read here for their fields).
+METRIC_CLASSES: list[type] = []
 
 
 def known_field_names() -> frozenset[str]:
     """The batch fields some metric of the library reads: the core schema, the per-sequence fields and every
-    registered metric's ``required_fields`` (the frameworks' own names are not among them)."""
-    global _KNOWN_FIELDS
-    from opbc_metrics.metric import registered_metrics  # (metric imports this module)
-
-    classes = registered_metrics()
-    if _KNOWN_FIELDS[0] != len(classes):
-        names = {TRAINER_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK, *PER_SEQUENCE_FIELDS, *OPTIONAL_FIELDS}
-        for cls in classes:
-            names.update(f for f in cls.required_fields if isinstance(f, str))
-        _KNOWN_FIELDS = (len(classes), frozenset(names - FRAMEWORK_FIELDS.keys()))
-    return _KNOWN_FIELDS[1]
-
-
-def _read_by(name: str) -> str:
-    """`` (read by the rollout section)`` for a field the metrics of other sections read, else ``""``."""
-    from opbc_metrics.metric import registered_metrics
-
-    sections = sorted({cls.__module__.split(".")[1] for cls in registered_metrics()
-                       if cls.__module__.startswith("opbc_metrics.") and name in cls.required_fields})
-    return f" (read by the {', '.join(sections)} section{'s' * (len(sections) > 1)})" if sections else ""
+    metric class's ``required_fields`` (the frameworks' own names are not among them)."""
+    names = {TRAINER_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK, *PER_SEQUENCE_FIELDS, *OPTIONAL_FIELDS}
+    for cls in METRIC_CLASSES:
+        names.update(f for f in cls.required_fields if isinstance(f, str))
+    return frozenset(names - FRAMEWORK_FIELDS.keys())
 
 
 def _detached(value: Any) -> Any:
@@ -386,7 +372,7 @@ class BatchView:
         self.compiled = False
 
     def check_fields(self) -> BatchView:
-        """:func:`check_field_names` on this batch, once (metrics call it; the controller rejects instead)."""
+        """:func:`check_field_names` on this batch, once (metrics and the controller call it)."""
         if "fields_checked" not in self._cache:
             check_field_names(dict(self.data))  # (a copy: these lookups are not reads by a metric)
             self._cache["fields_checked"] = True
@@ -396,9 +382,11 @@ class BatchView:
         """Refuse or report the fields that no metric read, once every metric has read the view (its owner calls it:
         the collection, the metric or the controller that made the view from the user's batch).
 
-        A field named like a field that was looked up and is absent (``respons_mask``, ``reward``) is a misspelling
-        that would silently change the result (a mask defaults to all ones): ``ValueError``. Any other unread field
-        (``input_ids``, or ``rewards`` given to metrics that do not read it) is ignored with a warning naming it.
+        A field that no metric of the library reads and that is named like a field that was looked up and is absent
+        or like another schema field (``respons_mask``, ``reward``) is a misspelling that would silently change the
+        result (a mask defaults to all ones): ``ValueError``. Any other such field (``input_ids``) is ignored with a
+        warning naming it. Fields that metrics of other sections read (``rewards`` given to the mismatch section
+        alone) are theirs: ignored without a warning (adapters map every field they find).
 
         Example:
             >>> view = BatchView(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.zeros(1, 2),
@@ -416,21 +404,22 @@ class BatchView:
         known = known_field_names()
         present = {k for k, v in self.data.items() if v is not None}
         meant = sorted(k for k in looked_up | known if isinstance(k, str) and k not in present)
-        for name in unread:
-            if name in known:  # a field of metrics that are not here: ignored, with the warning below
-                continue
+        # A field that metrics of other sections read is for them (adapters map every field they find): no warning.
+        unknown = [k for k in unread if k not in known]
+        for name in unknown:
             close = difflib.get_close_matches(str(name), meant, n=1, cutoff=0.8)
             if close:
                 raise ValueError(
                     f"batch field `{name}` is not read by opbc-metrics: did you mean `{close[0]}`? "
                     "(rename it; a misspelt field would be ignored and change the result)"
                 )
-        names = ", ".join(f"`{k}`{_read_by(k)}" for k in unread)
-        warnings.warn(
-            f"batch field(s) {names} not read by any metric here: ignored (the batch-schema names are in the README)",
-            UserWarning,
-            stacklevel=3,
-        )
+        if unknown:
+            names = ", ".join(f"`{k}`" for k in unknown)
+            warnings.warn(
+                f"batch field(s) {names} not read by opbc-metrics: ignored (the batch-schema names are in the README)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     # -- access and validation ---------------------------------------------------------------
     def has(self, *names: str) -> bool:

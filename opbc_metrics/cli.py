@@ -5,7 +5,7 @@ Usage::
     opbc-metrics analyze FILE [FILE ...] [--out DIR] [--clamp C] [--veto V] [--batch-size N]
                          [--on-error skip|fail] [--max-bad-fraction F]
     opbc-metrics glossary [--format md|json]
-    python -m opbc_metrics.cli ...
+    python -m opbc_metrics ...        (or python -m opbc_metrics.cli ...)
 
 ``analyze`` streams each rollout dump (JSONL, one sample per line, or a JSON array, either gzipped or
 not, a file or ``-`` for standard input; or a ``.pt`` dict of tensors loaded with
@@ -29,7 +29,8 @@ The JSON result::
      "controller": {available, note, policy, decision_mix: {decision: groups},
                     groups: [{group, decision, reasons, batches, step, stats: {ess, clipped_fraction, ...}}]}}
 
-A key missing from ``metrics`` or from a step's ``metrics`` was not measured (no data for it).
+A key missing from ``metrics`` or from a step's ``metrics`` was not measured (no data for it); a group's
+statistic is ``null`` when the group had no data for it (no ESS for a group without a valid token).
 
 Input problems (malformed JSON on line N, a cut last line, wrong types, invalid values such as a NaN
 reward, trainer/rollout lengths that differ) are reported with their line numbers on stderr and in

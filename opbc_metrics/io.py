@@ -6,8 +6,9 @@ Both readers turn a file into batches in the batch schema of :mod:`opbc_metrics.
 problem becomes an :class:`InputIssue` with the line (JSONL) or record/row range (``.pt``) it came
 from, and the caller decides whether to skip it or stop.
 
-Text dumps are JSONL (``.jsonl``, ``.ndjson``, ``.jsonlines``: one JSON object per line) or a JSON array of
-objects (``.json``, or any text dump whose first character is ``[``), optionally gzip-compressed
+Text dumps are JSONL (``.jsonl``, ``.ndjson``, ``.jsonlines``: one JSON object per line, always read line by
+line) or a JSON array of objects (a ``.json`` file or standard input whose first character is ``[``; a
+``.json`` file of one object per line is read as JSONL), optionally gzip-compressed
 (``.gz``, or recognised by its first bytes), read from a file or from standard input (``-`` or
 ``/dev/stdin``). Every sample is reported by the line it starts on.
 
@@ -128,6 +129,9 @@ GROUP_SLACK = 4
 
 # Messages quoted from a torch.load failure are cut to this many characters.
 _MAX_QUOTE = 200
+_INT64_MAX = 2**63 - 1
+# The first bytes of what torch.save writes: a zip archive, or (legacy format) a pickle of protocol >= 2.
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
 class InputFormatError(Exception):
@@ -346,6 +350,9 @@ def _scalars(obj: Mapping[str, Any]) -> dict[str, Any]:
                 raise SampleError(f"`{key}` must be one of {', '.join(map(repr, DISCARD_REASONS))}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SampleError(f"`{key}` must be a number, got {_type_name(value)}")
+        elif isinstance(value, int) and not -_INT64_MAX <= value <= _INT64_MAX:
+            # JSON integers are unbounded; the batch tensors are int64 / float64
+            raise SampleError(f"`{key}` is too large ({len(str(abs(value)))} digits): at most 2**63 - 1")
         elif kind == "float" and not math.isfinite(value):
             raise SampleError(f"`{key}` must be a finite number, got {value!r}")
         elif kind == "count" and (not isinstance(value, int) or value < 0):
@@ -583,11 +590,20 @@ def _array_items(source: str, text: str) -> Iterator[tuple[int, Any]]:
         pos = _WHITESPACE.match(text, pos + 1).end()
 
 
+def _is_jsonl_name(path: str) -> bool:
+    """A file named as JSONL (``.jsonl``, ``.ndjson``, ``.jsonlines``, plain or ``.gz``): one value per line."""
+    lower = path.lower()
+    return not is_stdin(path) and lower.removesuffix(GZIP_SUFFIX).endswith(JSONL_SUFFIXES)
+
+
 def read_jsonl(
     path: str, batch_size: int, groups: GroupLabels | None = None, limit: int | None = None
 ) -> Iterator[Batch | InputIssue]:
     """Stream a text dump (JSONL or a JSON array, plain or gzip, a file or ``-``) as :class:`Batch` es of about
     ``batch_size`` samples, and :class:`InputIssue` s.
+
+    A file named as JSONL is read line by line whatever its first character (a line holding an array is an
+    issue of that line); a ``.json`` file or standard input starting with ``[`` is read as one JSON array.
 
     A batch is extended past ``batch_size`` (up to ``GROUP_SLACK`` times it) rather than split a run of
     consecutive samples of one group, so that the controller sees whole groups. Consecutive samples
@@ -611,7 +627,7 @@ def read_jsonl(
         with open_text_dump(path) as (stream, consumed):
             records: Iterator[tuple[int, Any]]
             first = stream.peek(64).lstrip()[:1] if hasattr(stream, "peek") else b""
-            if first == b"[":
+            if first == b"[" and not _is_jsonl_name(path):
                 try:
                     text = stream.read().decode("utf-8-sig")
                 except UnicodeDecodeError as e:
@@ -666,6 +682,11 @@ def load_pt(path: str) -> Any:
         text = str(e)
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
         what = f" (it references `{found.group(1)}`)" if found else ""
+        if not _looks_like_torch_file(path):
+            # torch's weights-only unpickler reads any bytes as a pickle: its "needs pickle" text would mislead
+            raise InputFormatError(
+                f"{path}: not a readable torch file (it does not start like a file written by torch.save)"
+            ) from None
         if "Weights only load failed" in text or found:
             raise InputFormatError(
                 f"{path}: refused: this .pt file needs pickle to load{what}, which can run arbitrary code. "
@@ -675,6 +696,17 @@ def load_pt(path: str) -> Any:
         raise InputFormatError(f"{path}: not a readable torch file ({_short(e)})") from None
     except Exception as e:  # torch raises RuntimeError, KeyError, EOFError... for corrupt archives
         raise InputFormatError(f"{path}: not a readable torch file ({_short(e)})") from None
+
+
+def _looks_like_torch_file(path: str) -> bool:
+    """Whether the file starts as ``torch.save`` output does (so a weights-only failure means it needs pickle,
+    not that it is some other file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head.startswith(_TORCH_MAGIC)
 
 
 def _short(e: BaseException) -> str:

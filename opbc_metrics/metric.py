@@ -19,7 +19,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from opbc_metrics.batch import BatchView, as_view
+from opbc_metrics.batch import METRIC_CLASSES, BatchView, as_view
 from opbc_metrics.sync import all_reduce_states, packable
 
 
@@ -51,7 +51,7 @@ LIGHTNING_LOG_ADVICE = (
     "values yourself: `self.log_dict(self.{attr}.compute(), sync_dist=False)`, then `self.{attr}.reset()`."
 )
 
-_REGISTRY: list[type[OPBCMetric]] = []
+_REGISTRY: list[type[OPBCMetric]] = METRIC_CLASSES  # (batch.py reads it to know every metric's fields)
 
 
 def registered_metrics() -> list[type[OPBCMetric]]:

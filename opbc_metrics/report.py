@@ -129,9 +129,14 @@ class FixedHistogram:
 def fmt(value: Any) -> str:
     """A compact human-readable number: 4 significant digits, integers as integers.
 
+    A value that is not an integer never prints as a plain integer: it keeps the digits that tell it apart
+    (an ESS of 0.99996 is not "1", which would read as exactly on-policy).
+
     Example:
         >>> fmt(0.123456), fmt(3.0), fmt(1.5e-7), fmt(float("inf")), fmt(None)
         ('0.1235', '3', '1.5e-07', 'inf', '-')
+        >>> fmt(0.99996), fmt(1.0000004), fmt(2.99999999)
+        ('0.99996', '1.0000004', '2.99999999')
     """
     if value is None:
         return "-"
@@ -146,7 +151,12 @@ def fmt(value: Any) -> str:
         return "inf" if value > 0 else "-inf"
     if value == int(value) and abs(value) < 1e7:
         return str(int(value))
-    return f"{value:.4g}"
+    text = f"{value:.4g}"
+    digits = 4
+    while "e" not in text and float(text).is_integer() and not value.is_integer() and digits < 17:
+        digits += 1  # rounded to a plain whole number: more digits until it no longer reads as one
+        text = f"{value:.{digits}g}"
+    return text
 
 
 def _esc(text: Any) -> str:

@@ -423,7 +423,8 @@ def make_validation_batch(prompts: int = 4, n: int = 4, seed: int = 0, sources=(
 
 def make_steps(steps: int = 1, seed: int = 0, rows: int = 4) -> dict:
     """``{"steps": [...]}``: per-step updates of one rank (stage times and the step's sequence lengths); every
-    second step has no ``old_log_prob`` time (a stage a step did not run counts 0)."""
+    second step has no ``old_log_prob`` time (a stage a step did not run is not timed: its mean is over the steps
+    that ran it)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(steps):

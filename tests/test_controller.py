@@ -184,8 +184,10 @@ def test_functional_group_statistics_and_empty_groups():
     mask = torch.tensor([[1, 1], [1, 0], [0, 0]])
     ids, stats = FC.group_statistics(t, r, torch.tensor([2, 2, 5]), response_mask=mask)
     assert ids.tolist() == [2, 5]
-    # group 5 has no valid token: the core's empty-window values
-    assert stats["ess"][1] == 1.0 and stats["top_1pct_gradient_mass"][1] == 0.0 and stats["num_tokens"][1] == 0
+    # group 5 has no valid token: no value (NaN), not the core's empty-window values (ESS 1, fractions 0)
+    counts = ("num_sequences", "num_response_tokens", "num_tokens", "nonfinite_count", "num_valid_sequences")
+    assert stats["num_tokens"][1] == 0 and stats["num_valid_sequences"][1] == 0
+    assert all(math.isnan(v[1]) for k, v in stats.items() if k not in counts), stats
     w = [1.0, math.e, 1.0]
     assert stats["ess"][0].item() == pytest.approx(sum(w) ** 2 / (3 * sum(x * x for x in w)))
     assert math.isnan(stats["router_flip_rate"][0]) and math.isnan(stats["policy_lag"][0])

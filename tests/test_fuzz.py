@@ -432,8 +432,12 @@ def _controller_run(case: S.Case) -> Callable[[dict[str, Any]], dict[str, torch.
             for d in decisions:
                 if d.group_id in bad_groups:
                     assert d.action is Action.REJECT and "non_finite" in [r.value for r in d.reasons], d
-                for name in _REPORT_FLOATS:
-                    assert math.isfinite(getattr(d.report, name)), (name, d.report)
+                for name in _REPORT_FLOATS:  # None exactly when the group had nothing to measure it on
+                    value = getattr(d.report, name)
+                    seq = name.startswith(("seq_", "geo_"))
+                    measured = d.report.num_valid_sequences if seq else d.report.num_tokens
+                    assert (value is None) == (measured == 0), (name, d.report)
+                    assert value is None or math.isfinite(value), (name, d.report)
                 flip = d.report.router_flip_rate
                 assert flip is None or 0.0 <= flip <= 1.0, d.report
                 lag = d.report.policy_lag

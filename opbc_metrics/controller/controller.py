@@ -16,7 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import GROUP_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, as_view
+from opbc_metrics.batch import (
+    GROUP_IDS,
+    PER_SEQUENCE_FIELDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOGPROBS,
+    TRAINER_LOGPROBS,
+    BatchView,
+    as_view,
+    check_field_names,
+)
 from opbc_metrics.collection import OPBCCollection
 from opbc_metrics.controller.budget import DECISIONS_FIELD, budget_metrics
 from opbc_metrics.controller.decisions import GroupDecision, GroupReport, dump_decisions
@@ -26,6 +35,8 @@ from opbc_metrics.policy import Action, OPBCPolicy, Reason
 POLICY_LAG = "policy_lag"
 ROLLOUT_EXPERTS = "rollout_experts"
 TRAINER_EXPERTS = "trainer_experts"
+ROLLOUT_ROUTER_LOGITS = "rollout_router_logits"
+TRAINER_ROUTER_LOGITS = "trainer_router_logits"
 ROLLOUT_TOKEN_IDS = "rollout_token_ids"
 TRAINER_TOKEN_IDS = "trainer_token_ids"
 
@@ -169,13 +180,15 @@ class OPBCController:
     The batch holds ``trainer_logprobs``, ``rollout_logprobs`` ``[B, T]``, ``group_ids`` ``[B]`` (any
     integers), an optional ``response_mask``, and optionally ``policy_lag`` (``[B]`` tensor in trainer steps,
     a number for the whole batch, or a ``{group_id: lag}`` mapping, which reads the ids to the host),
-    ``rollout_experts`` / ``trainer_experts`` ``[B, T, L, K]`` (router flip rate) and ``rollout_token_ids`` /
-    ``trainer_token_ids`` ``[B, T]``.
+    ``rollout_experts`` / ``trainer_experts`` ``[B, T, L, K]`` (router flip rate; a side without expert ids
+    may give ``rollout_router_logits`` / ``trainer_router_logits`` ``[B, T, L, E]``, whose top-1 expert is the
+    argmax over E) and ``rollout_token_ids`` / ``trainer_token_ids`` ``[B, T]``.
 
     A batch that breaks the contract as a whole (a logprob field absent, shapes that disagree) rejects
     every group with ``logprobs_missing`` / ``shape_mismatch`` instead of raising; inputs that cannot be
     data (``group_ids`` missing or not a 1-D integer tensor, a non-float logprob tensor, one of a pair of
-    fields without the other) raise a ``ValueError`` naming the field.
+    fields without the other, a framework's field name such as TRL's ``completion_mask`` without the
+    schema's, see :func:`~opbc_metrics.batch.check_field_names`) raise a ``ValueError`` naming the field.
 
     Args:
         policy: an :class:`OPBCPolicy` or a preset name (``"default"``).
@@ -314,6 +327,32 @@ def _pair(view: BatchView, first: str, second: str) -> tuple[Tensor, Tensor] | N
     return _require_tensor(first, a), _require_tensor(second, b)
 
 
+_ROUTER_LOGITS = (ROLLOUT_ROUTER_LOGITS, TRAINER_ROUTER_LOGITS)
+
+
+def _router_pair(view: BatchView) -> tuple[tuple[Tensor, Tensor] | None, tuple[str, str]]:
+    """Each side's expert ids, or its router logits when the ids are absent (as the moe section reads them),
+    and the fields they came from; ``None`` when neither side has any."""
+    sides = []
+    for ids_name, logits_name in ((ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS), (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS)):
+        name = ids_name if view.data.get(ids_name) is not None else logits_name
+        sides.append((name, view.data.get(name)))
+    (r_name, rollout), (t_name, trainer) = sides
+    names = (r_name, t_name)
+    if rollout is None and trainer is None:
+        return None, names
+    if rollout is None or trainer is None:
+        missing, given = (ROLLOUT_EXPERTS, t_name) if rollout is None else (TRAINER_EXPERTS, r_name)
+        also = ROLLOUT_ROUTER_LOGITS if rollout is None else TRAINER_ROUTER_LOGITS
+        raise ValueError(f"batch field `{missing}` (or `{also}`) is required when `{given}` is given")
+    for name, value in zip(names, (rollout, trainer)):
+        _require_tensor(name, value)
+        if name in _ROUTER_LOGITS and not value.is_floating_point():
+            raise ValueError(f"batch field `{name}` must be floating-point router logits [B, T, L, E], "
+                             f"got {value.dtype}")
+    return (rollout, trainer), names
+
+
 def _lag_rows(value: Any, group_ids: Tensor) -> Tensor | None:
     b, device = group_ids.shape[0], group_ids.device
     if value is None:
@@ -347,6 +386,10 @@ def _prepare(
 ) -> tuple[BatchView, FC.GroupIndex, list[str], Tensor | None, Tensor | None, tuple[Tensor, Tensor] | None]:
     """Validate the batch as a whole; return the view to compute on, the group index, batch-wide contract
     failures (every group is rejected), router flips, per-row lags and the token-id pair."""
+    # Framework names (TRL's `completion_mask`, verl's `old_log_probs` without the schema's) are refused as the
+    # collection refuses them: read as absent, they would give an all-ones mask or reject every group. Rows that
+    # disagree (`group_ids` vs the logprobs) are a contract failure here (shape_mismatch), not an error.
+    check_field_names({k: v for k, v in view.data.items() if k not in PER_SEQUENCE_FIELDS})
     group_ids = view.tensor(GROUP_IDS)
     if group_ids.ndim != 1 or group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
         raise ValueError(
@@ -381,21 +424,25 @@ def _prepare(
         if mask.ndim != 2 or mask.shape[0] != b or (shape is not None and tuple(mask.shape) != shape):
             reasons.append("shape_mismatch")
         shape = shape or (tuple(mask.shape) if mask.ndim == 2 and mask.shape[0] == b else None)
-    experts = _pair(view, ROLLOUT_EXPERTS, TRAINER_EXPERTS)
+    experts, expert_names = _router_pair(view)
     token_ids = _pair(view, ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)
-    pairs = ((experts, (ROLLOUT_EXPERTS, TRAINER_EXPERTS)), (token_ids, (ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)))
+    pairs = ((experts, expert_names), (token_ids, (ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)))
     for pair, names in pairs:
         for name, t in zip(names, pair or ()):
             if t.device != device:
                 raise ValueError(f"batch field `{name}` is on {t.device} but `{GROUP_IDS}` is on {device}")
     if shape is not None:
+        # Expert ids [B, T, L, K] or router logits [B, T, L, E] per side: the same B, T, L; the same K for ids.
         if experts is not None and (
-            experts[0].ndim != 4 or tuple(experts[0].shape[:2]) != shape or experts[0].shape != experts[1].shape
+            any(x.ndim != 4 or tuple(x.shape[:2]) != shape for x in experts)
+            or experts[0].shape[2] != experts[1].shape[2]
+            or (expert_names == (ROLLOUT_EXPERTS, TRAINER_EXPERTS) and experts[0].shape != experts[1].shape)
         ):
             reasons.append("shape_mismatch")
         if token_ids is not None and any(tuple(x.shape) != shape for x in token_ids):
             reasons.append("shape_mismatch")
     lag_rows = _lag_rows(data.get(POLICY_LAG), group_ids)
+    view.check_unread()  # every field the controller reads has been looked up
     index = FC.group_index(group_ids)
     reasons = list(dict.fromkeys(reasons))
     if reasons:
@@ -410,7 +457,14 @@ def _prepare(
     view.token_inputs  # noqa: B018  (BatchView's own validation, cached for every later use)
     flips = None
     if experts is not None:
-        from opbc_metrics.functional.moe import router_top1_flips
+        from opbc_metrics.functional.moe import _check_logits, router_top1_flips, router_topk
 
-        flips = router_top1_flips(experts[0], experts[1])
+        # Router logits give their top-1 expert (argmax over E, [B, T, L, 1]) as the moe section takes its top-K.
+        ids = []
+        for x, name in zip(experts, expert_names):
+            if name in _ROUTER_LOGITS:
+                _check_logits(x, name, 1)  # at least one layer and one expert, named by its field
+                x = router_topk(x, 1)
+            ids.append(x)
+        flips = router_top1_flips(ids[0], ids[1])
     return view, index, [], flips, lag_rows, token_ids

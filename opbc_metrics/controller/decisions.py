@@ -12,14 +12,25 @@ from typing import Any
 from opbc_metrics.policy import Action, Reason, decode_float, encode_float
 
 _COUNTS = ("num_sequences", "num_response_tokens", "num_tokens", "nonfinite_count", "num_valid_sequences")
-_OPTIONAL = ("router_flip_rate", "policy_lag")
 
 
 @dataclass(frozen=True)
 class GroupReport:
     """The statistics of one group (definitions in :mod:`opbc_metrics.functional.controller`).
 
-    Counts are ints; ``router_flip_rate`` and ``policy_lag`` are ``None`` when their inputs were not given.
+    Counts are ints. A statistic is ``None`` (``null`` in JSON) when the group has no data for it: the token
+    statistics (``ess``, ``second_moment``, ``weight_mean``, the fractions, ``max_abs_log_ratio``,
+    ``top_1pct_gradient_mass``) without a valid token, the sequence statistics without a valid sequence,
+    ``router_flip_rate`` without expert ids or response tokens, ``policy_lag`` without lags.
+
+    Example:
+        >>> import torch
+        >>> from opbc_metrics.controller import OPBCController
+        >>> t = torch.full((2, 3), -1.0)
+        >>> out = OPBCController(track_budget=False).step(trainer_logprobs=t, rollout_logprobs=t - 0.1,
+        ...     group_ids=torch.tensor([0, 1]), response_mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
+        >>> [(d.action.value, d.report.ess) for d in out.decisions]    # group 1 has no token: no ESS
+        [('train', 1.0), ('reject', None)]
     """
 
     group_id: int
@@ -27,25 +38,25 @@ class GroupReport:
     num_response_tokens: int
     num_tokens: int
     nonfinite_count: int
-    ess: float
-    seq_ess: float
-    second_moment: float
-    weight_mean: float
-    clipped_fraction: float
-    veto_fraction: float
-    max_abs_log_ratio: float
-    seq_log_ratio_mean: float
-    seq_log_ratio_abs_mean: float
-    seq_log_ratio_max_abs: float
-    geo_log_ratio_mean: float
+    ess: float | None
+    seq_ess: float | None
+    second_moment: float | None
+    weight_mean: float | None
+    clipped_fraction: float | None
+    veto_fraction: float | None
+    max_abs_log_ratio: float | None
+    seq_log_ratio_mean: float | None
+    seq_log_ratio_abs_mean: float | None
+    seq_log_ratio_max_abs: float | None
+    geo_log_ratio_mean: float | None
     num_valid_sequences: int
-    top_1pct_gradient_mass: float
+    top_1pct_gradient_mass: float | None
     router_flip_rate: float | None = None
     policy_lag: float | None = None
 
     @classmethod
     def from_values(cls, group_id: int, values: dict[str, float]) -> GroupReport:
-        """Build from raw floats (NaN for a statistic that was not given)."""
+        """Build from raw floats (NaN for a statistic without data or not given: ``None``)."""
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name == "group_id":
@@ -53,10 +64,8 @@ class GroupReport:
             v = values[f.name]
             if f.name in _COUNTS:
                 kwargs[f.name] = round(v)
-            elif f.name in _OPTIONAL:
-                kwargs[f.name] = None if math.isnan(v) else v
             else:
-                kwargs[f.name] = v
+                kwargs[f.name] = None if math.isnan(v) else v
         return cls(group_id=int(group_id), **kwargs)
 
     def to_dict(self) -> dict[str, Any]:

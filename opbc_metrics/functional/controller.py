@@ -26,8 +26,8 @@ valid tokens. Per group g, over its valid tokens (``N_g`` of them) and its seque
   128 rows: 8 MiB at most), within a relative error of ``e^{C/bins} - 1`` (0.25% at 8192 bins), as the
   core sketch (the controller takes such a batch in one fused sweep, :func:`fused_pass`: on the CPU the
   same values, bit for bit);
-* ``router_flip_rate`` = top-1 expert flips / (response tokens x layers), when expert ids are given (as
-  ``moe/router/flip_rate``: routing does not depend on the logprobs being finite);
+* ``router_flip_rate`` = top-1 expert flips / (response tokens x layers), when expert ids (or router logits,
+  top-1 = argmax) are given (as ``moe/router/flip_rate``: routing does not depend on the logprobs being finite);
 * ``policy_lag`` = the largest lag of the group's sequences, in trainer steps, when given.
 
 The weight statistics come from centred sums, of ``u = w - 1 = expm1(clamp(r, -C, C))`` and ``u^2`` (per
@@ -35,9 +35,12 @@ sequence of ``expm1(clamp(s_i, -C, C))``), as the mismatch kernel's: near on-pol
 ``second_moment - 1`` and ``weight_mean - 1`` keep their relative precision from float32 inputs.
 
 Each is computed by the same ``_x_compute`` function the stateful metrics use, applied elementwise to the
-per-group sufficient statistics, so a group's value equals the core metric on that group's rows alone. Over
-an empty group (no valid token) the values are the core's empty-window values (ESS 1, fractions 0, ...).
-Statistics that were not given (router flips, lag) are NaN here and ``None`` in a host report.
+per-group sufficient statistics, so a group's value equals the core metric on that group's rows alone. A
+statistic without data in its group is NaN here and ``None`` in a host report: the token statistics of a
+group with no valid token (it is rejected, ``no_response_tokens`` or ``non_finite``), the sequence
+statistics (``seq_ess``, ``seq_log_ratio_*``, ``geo_log_ratio_mean``) of a group with no valid sequence, the
+flip rate of a group with no response token, and the statistics whose inputs were not given (router flips,
+lag). NaN compares false, so no rule fires on a missing statistic.
 """
 
 from __future__ import annotations
@@ -637,27 +640,40 @@ def _group_compute(stats: Stats) -> Stats:
     seq = M._sequence_compute(
         stats["sum_s"], stats["sum_abs_s"], stats["max_abs_s"], stats["sum_geo"], stats["seq_count"]
     )
-    flip_rate = torch.where(
-        torch.isnan(stats["flip_den"]), stats["flip_den"], M._safe_div(stats["flips"], stats["flip_den"], 0.0)
-    )
+    # No made-up values: a statistic of a group that has none of its data (no valid token, no valid sequence,
+    # no response token for the flips) is NaN, not the core's empty-window value (ESS 1, fractions 0). NaN
+    # compares false, so no rule fires on it: such a group is rejected by its contract flags alone.
+    nan = torch.full_like(count, float("nan"))
+    tokens, sequences = count > 0, stats["seq_count"] > 0
+
+    def of_tokens(value: Tensor) -> Tensor:
+        return torch.where(tokens, value, nan)
+
+    def of_sequences(value: Tensor) -> Tensor:
+        return torch.where(sequences, value, nan)
+
+    flip_den = stats["flip_den"]  # NaN without expert ids, 0 for a group without response tokens
+    flip_rate = torch.where(flip_den > 0, M._safe_div(stats["flips"], flip_den, 0.0), nan)
     return {
         "num_sequences": stats["num_sequences"],
         "num_response_tokens": stats["num_response_tokens"],
         "num_tokens": count,
         "nonfinite_count": stats["nonfinite"],
-        "ess": M._centred_ess_compute(stats["sum_u"], stats["sum_u2"], count),
-        "seq_ess": M._centred_ess_compute(stats["sum_us"], stats["sum_us2"], stats["seq_count"]),
-        "second_moment": M._centred_second_moment_compute(stats["sum_u"], stats["sum_u2"], count),
-        "weight_mean": M._centred_weight_mean_compute(stats["sum_u"], count),
-        "clipped_fraction": M._fraction_compute(stats["clipped"], count),
-        "veto_fraction": M._fraction_compute(stats["vetoed"], count),
-        "max_abs_log_ratio": torch.where(count > 0, stats["max_abs"], torch.zeros_like(count)),
-        "seq_log_ratio_mean": seq[M.SEQUENCE_KEYS[0]],
-        "seq_log_ratio_abs_mean": seq[M.SEQUENCE_KEYS[1]],
-        "seq_log_ratio_max_abs": seq[M.SEQUENCE_KEYS[2]],
-        "geo_log_ratio_mean": seq[M.SEQUENCE_KEYS[3]],
+        "ess": of_tokens(M._centred_ess_compute(stats["sum_u"], stats["sum_u2"], count)),
+        "seq_ess": of_sequences(M._centred_ess_compute(stats["sum_us"], stats["sum_us2"], stats["seq_count"])),
+        "second_moment": of_tokens(M._centred_second_moment_compute(stats["sum_u"], stats["sum_u2"], count)),
+        "weight_mean": of_tokens(M._centred_weight_mean_compute(stats["sum_u"], count)),
+        "clipped_fraction": of_tokens(M._fraction_compute(stats["clipped"], count)),
+        "veto_fraction": of_tokens(M._fraction_compute(stats["vetoed"], count)),
+        "max_abs_log_ratio": of_tokens(stats["max_abs"]),
+        "seq_log_ratio_mean": of_sequences(seq[M.SEQUENCE_KEYS[0]]),
+        "seq_log_ratio_abs_mean": of_sequences(seq[M.SEQUENCE_KEYS[1]]),
+        "seq_log_ratio_max_abs": of_sequences(seq[M.SEQUENCE_KEYS[2]]),
+        "geo_log_ratio_mean": of_sequences(seq[M.SEQUENCE_KEYS[3]]),
         "num_valid_sequences": stats["seq_count"],
-        "top_1pct_gradient_mass": M._safe_div(stats["top_sum"], count + stats["sum_u"], 0.0).clamp(0.0, 1.0),
+        "top_1pct_gradient_mass": of_tokens(
+            M._safe_div(stats["top_sum"], count + stats["sum_u"], 0.0).clamp(0.0, 1.0)
+        ),
         "router_flip_rate": flip_rate,
         "policy_lag": stats["lag"],
     }

@@ -1,0 +1,115 @@
+"""CLI and report regressions: lines that overflow, .jsonl files starting with '[', ``python -m opbc_metrics``,
+non-torch .pt files, groups without an ESS, and ESS values that printed as "1"."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opbc_metrics.cli import main
+from opbc_metrics.report import MISSING, fmt, render_html, worst_groups
+from tests.support import ROOT
+
+GOOD = {"trainer_logprobs": [-1.0, -0.5, -2.0], "rollout_logprobs": [-1.1, -0.5, -1.9]}
+
+
+def _analyze(path: Path, out: Path, *options: str) -> tuple[int, dict | None, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        status = main(["analyze", str(path), "--out", str(out), "--no-html", *options])
+    result = out / "result.json"
+    return status, json.loads(result.read_text()) if result.exists() else None, err.getvalue()
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [("response_length", 10**30, "`response_length` is too large (31 digits)"),
+     ("prompt_length", 2**63, "`prompt_length` is too large"),
+     ("reward", -(10**400), "`reward` is too large"),
+     ("policy_lag", 10**400, "`policy_lag` is too large")],
+)
+def test_an_integer_too_large_is_an_issue_of_its_line(tmp_path, key, value, fragment):
+    """It aborted the whole run ("unexpected ValueError: Overflow when unpacking long long")."""
+    lines = [json.dumps(GOOD)] * 3 + [json.dumps({**GOOD, key: value})] + [json.dumps(GOOD)] * 30
+    status, result, err = _analyze(_write(tmp_path / "big.jsonl", lines), tmp_path / "out")
+    assert status == 0, err
+    assert f"big.jsonl line 4: {fragment}" in err, err
+    assert result is not None and result["input"]["samples"] == 33 and result["input"]["issues_total"] == 1
+    assert result["input"]["issues"][0]["line"] == 4
+
+
+def test_a_jsonl_file_starting_with_a_bracket_is_read_line_by_line(tmp_path):
+    """The file was read as one JSON array: every later line was lost ("extra data after the JSON array")."""
+    for first in ("[1]", json.dumps([GOOD])):
+        path = _write(tmp_path / "arr.jsonl", [first] + [json.dumps(GOOD)] * 30)
+        status, result, err = _analyze(path, tmp_path / f"out{len(first)}")
+        assert status == 0, err
+        assert "arr.jsonl line 1: expected a JSON object, got array" in err, err
+        assert result is not None and result["input"]["samples"] == 30 and result["input"]["issues_total"] == 1
+    # a JSON array is a .json file (and stays one, whatever its layout)
+    path = tmp_path / "arr.json"
+    path.write_text(json.dumps([GOOD] * 3))
+    status, result, err = _analyze(path, tmp_path / "json")
+    assert status == 0 and result is not None and result["input"]["samples"] == 3, err
+
+
+def test_python_dash_m_opbc_metrics_runs_the_cli(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "opbc_metrics", "glossary", "--format", "md"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "# opbc-metrics glossary"
+    proc = subprocess.run([sys.executable, "-m", "opbc_metrics"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=env)
+    assert proc.returncode == 2 and "opbc-metrics" in proc.stderr
+
+
+def test_a_pt_file_of_other_bytes_is_not_a_readable_torch_file(tmp_path):
+    """Garbage bytes were refused as "needs pickle to load", which points at the wrong problem."""
+    path = tmp_path / "notpt.pt"
+    path.write_bytes(b"garbage")
+    status, result, err = _analyze(path, tmp_path / "out")
+    assert status == 1 and result is None
+    assert "notpt.pt: not a readable torch file" in err and "pickle" not in err, err
+
+
+def test_groups_without_tokens_have_no_ess_in_the_result_and_come_first_in_the_report(tmp_path):
+    """They were reported with ESS 1 (sorted last among the worst groups, shown as "1")."""
+    lines = []
+    for g in range(25):
+        mask = [0, 0, 0] if g % 5 == 4 else [1, 1, 1]  # 5 groups without a response token
+        lines += [json.dumps({**GOOD, "group_id": f"g{g}", "response_mask": mask})] * 2
+    status, result, err = _analyze(_write(tmp_path / "mixed.jsonl", lines), tmp_path / "out")
+    assert status == 0 and result is not None, err
+    groups = result["controller"]["groups"]
+    empty = [g for g in groups if g["stats"]["num_response_tokens"] == 0]
+    assert len(empty) == 5 and all(g["decision"] == "reject" for g in empty)
+    for name in ("ess", "clipped_fraction", "veto_fraction", "max_abs_log_ratio"):
+        assert all(g["stats"][name] is None for g in empty), name
+        assert all(isinstance(g["stats"][name], float) for g in groups if g not in empty), name
+    assert {g["group"] for g in worst_groups(groups, limit=5)} == {g["group"] for g in empty}
+    html = render_html({**result, "metrics": {}})
+    table = html[html.index('id="groups-table"'):]
+    rows = table.split("</tr>")[1:21]
+    assert all("<td>no_response_tokens</td>" in r for r in rows[:5]) and MISSING in rows[0]
+    assert ">1<" not in table and ">1.0<" not in table
+
+
+@pytest.mark.parametrize("value", [0.99996, 0.9999999, 1 - 2**-52, 1.00004, 2.99995])
+def test_a_value_that_is_not_an_integer_never_prints_as_one(value):
+    """fmt(0.99996) was "1": an ESS that reads as exactly on-policy."""
+    text = fmt(value)
+    assert not float(text).is_integer() and float(text) == pytest.approx(value, rel=1e-4), text
+    assert fmt(0.123456) == "0.1235" and fmt(1.0) == "1"  # the compact form is kept otherwise
