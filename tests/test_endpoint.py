@@ -189,3 +189,11 @@ def test_bad_input_names_the_field(responses, requests, field):
         with pytest.raises(ValueError, match=field):
             metric.update(endpoint_responses=responses, endpoint_requests=requests)
 
+
+
+def test_requests_without_their_responses_are_refused_in_a_collection():
+    """Requests alone used to be skipped silently by the default collection (the section needs the responses)."""
+    from opbc_metrics import OPBCCollection
+
+    with pytest.raises(ValueError, match="`endpoint_responses` is required but missing"):
+        OPBCCollection(sections=["endpoint"]).update(endpoint_requests=[{"model": "m", "seed": 1}])

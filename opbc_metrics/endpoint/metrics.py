@@ -17,6 +17,7 @@ from torch import Tensor
 
 from opbc_metrics.batch import BatchView
 from opbc_metrics.functional.endpoint import (
+    ENDPOINT_REQUESTS,
     ENDPOINT_RESPONSES,
     NUM_RESPONSES_KEY,
     _coverage_compute,
@@ -53,6 +54,11 @@ class _CoverageMetric(OPBCMetric):
             cls.keys = tuple(map(capability_key, cls.flags))
             cls.states = table("responses", *cls.flags)
         super().__init_subclass__(**kwargs)
+
+    def accepts(self, view: BatchView) -> bool:
+        """Whether a collection updates the metric: a batch with ``endpoint_responses`` or ``endpoint_requests``
+        (requests without their responses then raise, naming the missing field, rather than being skipped)."""
+        return view.has(ENDPOINT_RESPONSES) or view.has(ENDPOINT_REQUESTS)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate ``endpoint_responses`` (a list of responses) and the optional ``endpoint_requests``
