@@ -162,6 +162,8 @@ class Analysis:
     issues: list[InputIssue] = field(default_factory=list)
     issues_total: int = 0
     bad_samples: int = 0
+    # Keys outside the input schema that the analysed samples carried (ignored): key -> samples.
+    ignored_keys: dict[str, int] = field(default_factory=dict)
     step_axis: str = "batch"
     step_points: list[dict[str, Any]] = field(default_factory=list)
     _window: int | None = None
@@ -241,6 +243,8 @@ class Analysis:
         self.seq_hist.update(view.seq_log_ratio, view.seq_valid)
         self.samples += len(batch.group_labels)
         self.batches += 1
+        for key, count in batch.ignored_keys.items():
+            self.ignored_keys[key] = self.ignored_keys.get(key, 0) + count
         self.group_ids_seen.update(batch.tensors["group_ids"].tolist())
         mask = view.token_inputs[2]
         if mask.shape[1]:
@@ -392,6 +396,7 @@ def analyze_file(
             "bad_samples": analysis.bad_samples,
             "bad_fraction": analysis.bad_samples / (analysis.bad_samples + analysis.samples),
             "issues": [i.as_dict() for i in analysis.issues],
+            "ignored_keys": dict(sorted(analysis.ignored_keys.items(), key=lambda kv: (-kv[1], kv[0]))),
         },
         "settings": {
             "clamp": clamp,

@@ -20,7 +20,8 @@ report comparing them (``<name>``: the file name without extensions).
 The JSON result::
 
     {"version", "input": {path, format, samples, batches, groups, rounds_seen, layers_seen,
-                          issues_total, bad_samples, bad_fraction, issues: [{where, line, message}, ...]},
+                          issues_total, bad_samples, bad_fraction, issues: [{where, line, message}, ...],
+                          ignored_keys: {key: samples carrying it}},
      "settings": {clamp, veto, batch_size, on_error, sections, preset, limit},
      "metrics": {key: number | list | "inf" | "-inf" | "nan"},   # float(value) always works
      "not_computed": {key: "needs <fields>" | "no data in the input"},
@@ -29,11 +30,16 @@ The JSON result::
      "controller": {available, note, policy, decision_mix: {decision: groups},
                     groups: [{group, decision, reasons, batches, step, stats: {ess, clipped_fraction, ...}}]}}
 
+A key of the input outside the schema (``prompt``, ``uid``) is ignored and listed, with the number of samples that
+carried it, in ``ignored_keys`` and in the summary; one that looks meant for a schema key (``mask``,
+``respons_mask``, the batch name ``rewards`` in a JSONL sample) is an input issue instead, since ignoring it would
+change the result.
+
 A key missing from ``metrics`` or from a step's ``metrics`` was not measured (no data for it); a group's
 statistic is ``null`` when the group had no data for it (no ESS for a group without a valid token).
 
 Input problems (malformed JSON on line N, a cut last line, wrong types, invalid values such as a NaN
-reward, trainer/rollout lengths that differ) are reported with their line numbers on stderr and in
+reward, trainer/rollout lengths that differ, a misspelt key) are reported with their line numbers on stderr and in
 the result, then skipped (``--on-error skip``, the default) or fatal (``--on-error fail``). Exit
 status: 0 success; 1 the input could not be analysed (refused or unreadable file, no valid sample, an
 issue under ``--on-error fail``) or more than ``--max-bad-fraction`` (0.1) of the samples were bad
@@ -73,8 +79,10 @@ DEFAULT_MAX_BAD_FRACTION = 0.1
 
 SCHEMA_HELP = """\
 input schema
-  JSONL (.jsonl, .ndjson): one JSON object per line, blank lines ignored, unknown keys ignored; or a JSON
-  array of such objects (.json); either may be gzipped (.gz); - reads standard input.
+  JSONL (.jsonl, .ndjson): one JSON object per line, blank lines ignored; or a JSON array of such objects
+  (.json); either may be gzipped (.gz); - reads standard input. Other keys are ignored and listed in the
+  summary, except one that looks like a misspelt schema key (mask, respons_mask, rewards): that sample is
+  an input issue.
     trainer_logprobs   list[float] (T)     log pi_trainer per token                      required
     rollout_logprobs   list[float] (T)     log pi_rollout per token (same length)        required
     response_mask      list[0/1] (T)       1 = policy token; runs of 1s are rounds        default all 1
@@ -90,8 +98,8 @@ input schema
     Logprobs may be NaN/Infinity/-Infinity or null (missing): counted in opbc/input/nonfinite_count.
   .pt (.pt, .pth): torch.load(weights_only=True) only, files needing pickle are refused. A dict of
     tensors in the batch schema (trainer_logprobs [B,T], rollout_logprobs [B,T], response_mask [B,T],
-    group_ids [B], rollout_experts/trainer_experts [B,T,L,K], policy_lag/rewards/... [B]) or a list of
-    such dicts.
+    group_ids [B], rollout_experts/trainer_experts [B,T,L,K], policy_lag/rewards/... [B], step int) or a
+    list of such dicts; other keys are treated as in JSONL (reward, group_id, mask: an issue of the record).
   Fields of verl (old_log_probs, ...) or TRL (old_per_token_logps, ...) batches: convert them with
     opbc_metrics.integrations.verl.verl_to_batch / opbc_metrics.integrations.trl.trl_to_batch first.
 
@@ -120,6 +128,11 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"opbc-metrics analyze {inp['path']}",
         f"  input     {inp['format']}: {inp['samples']} samples in {inp['batches']} batches, {inp['groups']} groups"
         + (f", {inp['issues_total']} issue(s) skipped" if inp["issues_total"] else ""),
+    ]
+    if inp.get("ignored_keys"):  # said once, so that no key of the input is ignored silently
+        ignored = ", ".join(f"{k} ({n} samples)" for k, n in inp["ignored_keys"].items())
+        lines.append(f"  ignored   keys outside the schema: {ignored}")
+    lines += [
         f"  settings  clamp C = {fmt(settings['clamp'])} nats, veto = {fmt(settings['veto'])} nats, "
         f"batch size {settings['batch_size']}",
         "",

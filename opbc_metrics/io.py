@@ -12,7 +12,7 @@ line) or a JSON array of objects (a ``.json`` file or standard input whose first
 (``.gz``, or recognised by its first bytes), read from a file or from standard input (``-`` or
 ``/dev/stdin``). Every sample is reported by the line it starts on.
 
-Sample schema (one JSON object per sample; blank lines are ignored; unknown keys are ignored):
+Sample schema (one JSON object per sample; blank lines are ignored; other keys are ignored, see below):
 
 ==================  ==============================  =====================================================
 key                 type                            meaning
@@ -46,13 +46,21 @@ its line number. A last line cut mid-record (a file still being written) is repo
 sample that carries verl's or TRL's field names instead of this schema's gets a hint naming the
 adapter that converts them.
 
+A key outside the schema that looks meant for one of its keys, which the sample lacks, is an issue of its
+line, since ignoring it would change the result: ``mask`` (or another framework's name of the mask), a
+misspelling (``respons_mask``, difflib ratio >= 0.8 as in :meth:`opbc_metrics.batch.BatchView.check_unread`) or
+the batch-field name of a sample key (``rewards``, ``group_ids``, ``response_lengths``). Any other key
+(``prompt``, ``uid``) is ignored, and counted in :attr:`Batch.ignored_keys` (the CLI lists them).
+
 ``.pt`` files are read with ``torch.load(path, weights_only=True)`` only: a file that needs pickle to
 load (arbitrary Python objects, hence arbitrary code) is refused. The file holds one dict of tensors in
 the batch schema (``trainer_logprobs`` [B, T] float, ``rollout_logprobs`` [B, T], optional
 ``response_mask`` [B, T], ``group_ids`` [B] int (or a list of int/str), ``rollout_experts`` and
 ``trainer_experts`` [B, T, L, K] int, ``policy_lag``, ``rewards``, ``advantages``, ``prompt_lengths``,
 ``response_lengths`` [B], ``stop_reasons``, ``discard_reasons`` [B] int or list[str], and ``step`` an int),
-or a list of such dicts (one per step: without ``step``, a record's step is its index). Rows are
+or a list of such dicts (one per step: without ``step``, a record's step is its index). Other batch fields
+that metrics read (``values``, ``rollout_router_logits``...) are passed on; other keys are treated as in text
+dumps (``reward``, ``group_id``, ``mask``: an issue of the record; ``uid``: ignored and counted). Rows are
 streamed in slices of the batch size, extended to keep a run of one group's rows together (as for
 JSONL).
 
@@ -75,6 +83,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import gzip
 import io
 import json
@@ -84,12 +93,15 @@ import pickle
 import re
 import sys
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
+
+from opbc_metrics.batch import FRAMEWORK_FIELDS, known_field_names
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 JSON_SUFFIXES = (".json",)
@@ -110,6 +122,9 @@ SCALAR_FIELDS: dict[str, tuple[str, str]] = {
 }
 # Fields of the sample schema (the keys a JSONL sample may carry, besides unknown ones).
 SAMPLE_KEYS = ("trainer_logprobs", "rollout_logprobs", "response_mask", "group_id", "step", *SCALAR_FIELDS)
+# Sample key -> its batch-schema name where they differ (`rewards` in a sample means `reward`; `reward` in a .pt
+# dict means `rewards`).
+BATCH_NAMES = {"group_id": "group_ids", **{k: name for k, (name, _) in SCALAR_FIELDS.items() if name != k}}
 DISCARD_REASONS = ("kept", "max_async", "zero_advantage")
 PER_ROW_PT_FIELDS = (
     "group_ids",
@@ -123,6 +138,10 @@ PER_ROW_PT_FIELDS = (
 )
 TOKEN_PT_FIELDS = ("trainer_logprobs", "rollout_logprobs", "response_mask")
 EXPERT_FIELDS = ("rollout_experts", "trainer_experts")
+# Unknown keys this close (difflib ratio) to an absent schema key are misspellings, as in BatchView.check_unread.
+CLOSE_MATCH_CUTOFF = 0.8
+_SAMPLE_SCHEMA = frozenset((*SAMPLE_KEYS, *EXPERT_FIELDS))
+_SAMPLE_ALIASES = {batch: key for key, batch in BATCH_NAMES.items()}
 
 # A batch grows up to this many times the batch size to keep a run of one group's samples together.
 GROUP_SLACK = 4
@@ -171,6 +190,7 @@ class Batch:
         where: the lines or rows it came from, for messages.
         num_bytes: bytes of the file consumed so far (text dumps) or rows done (``.pt``), for progress.
         step: the training step of every row (``step`` field), or ``None`` when the input has none.
+        ignored_keys: keys outside the schema that the rows carried, ignored: key -> rows carrying it.
     """
 
     tensors: dict[str, Any]
@@ -178,6 +198,7 @@ class Batch:
     where: str
     num_bytes: int = 0
     step: int | None = None
+    ignored_keys: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -244,6 +265,7 @@ class Sample:
     experts: tuple[Tensor, Tensor] | None
     scalars: dict[str, Any]
     step: int | None = None
+    ignored: tuple[str, ...] = ()
 
     @property
     def signature(self) -> tuple[Any, ...]:
@@ -369,7 +391,56 @@ def _step(obj: Mapping[str, Any]) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SampleError(f"`step` must be a non-negative int, got {value!r}")
+    if value > _INT64_MAX:  # JSON integers are unbounded; steps are int64 (and chart coordinates)
+        raise SampleError(f"`step` is too large ({len(str(value))} digits): at most 2**63 - 1")
     return value
+
+
+def unknown_keys(
+    obj: Mapping[Any, Any], accepted: Iterable[str], aliases: Mapping[str, str], alias_kind: str = "another name"
+) -> list[str]:
+    """The keys of ``obj`` (with a value) outside ``accepted``, which the readers ignore; :class:`SampleError` for one
+    that looks meant for a schema key the record lacks, since ignoring it would silently change the result (a mask
+    defaults to all ones, rewards to none, groups to one per sample).
+
+    Such a key is a framework name (``mask``, ``completion_mask``) of an absent schema field, or a close misspelling
+    (difflib, as :meth:`opbc_metrics.batch.BatchView.check_unread`) of an absent key of ``accepted`` or of ``aliases``
+    (other names of a key, ``alias_kind``: the batch-field name ``rewards`` of the sample key ``reward``).
+
+    Example:
+        >>> unknown_keys({"trainer_logprobs": [], "prompt": "hi"}, SAMPLE_KEYS, {})
+        ['prompt']
+        >>> unknown_keys({"trainer_logprobs": [], "respons_mask": [1]}, SAMPLE_KEYS, {})
+        Traceback (most recent call last):
+        ...
+        opbc_metrics.io.SampleError: unknown key `respons_mask`: did you mean `response_mask`? (rename it: ...)
+    """
+    accepted = frozenset(accepted)
+    if all(k in accepted or v is None for k, v in obj.items()):  # the common case: nothing to look at
+        return []
+    present = {str(k) for k, v in obj.items() if v is not None}
+    names = {**{k: k for k in accepted}, **aliases}  # a name -> the key it stands for
+    meant = {name: key for name, key in names.items() if key not in present}
+    ignored, misnamed = [], []
+    for key in obj:
+        name = str(key)
+        if obj[key] is None or name in accepted:
+            continue
+        framework = FRAMEWORK_FIELDS.get(name)
+        if framework is not None and framework[0] in accepted and framework[0] not in present:
+            close = [framework[0]]
+        else:
+            close = [meant[c] for c in difflib.get_close_matches(name, list(meant), n=1, cutoff=CLOSE_MATCH_CUTOFF)]
+        if close:
+            other = f" (`{name}` is its {alias_kind})" if aliases.get(name) == close[0] else ""
+            misnamed.append(f"unknown key `{name}`: did you mean `{close[0]}`?{other}")
+        else:
+            ignored.append(name)
+    if misnamed:  # all of them at once, so that one pass over the file fixes them
+        what = "it" if len(misnamed) == 1 else "them"
+        raise SampleError(f"{'; '.join(misnamed)} (rename {what}: an unknown key is ignored, which would change the "
+                          "result)")
+    return ignored
 
 
 def framework_hint(keys: Iterable[str]) -> str | None:
@@ -417,6 +488,7 @@ def parse_sample(obj: Any) -> Sample:
         if hint is not None:
             missing = "`trainer_logprobs`" if "trainer_logprobs" not in obj else "`rollout_logprobs`"
             raise SampleError(f"{missing} is required but missing; {hint}")
+    ignored = unknown_keys(obj, _SAMPLE_SCHEMA, _SAMPLE_ALIASES, "batch-field name")
     trainer = _logprob_list(obj, "trainer_logprobs")
     rollout = _logprob_list(obj, "rollout_logprobs")
     if len(rollout) != len(trainer):
@@ -431,6 +503,7 @@ def parse_sample(obj: Any) -> Sample:
         experts=_experts(obj, len(trainer)),
         scalars=_scalars(obj),
         step=_step(obj),
+        ignored=tuple(ignored),
     )
 
 
@@ -620,8 +693,9 @@ def read_jsonl(
         nonlocal pending
         fields, labels = collate(pending, groups, taken - len(pending))
         where = f"line {first_line}" if first_line == last_line else f"lines {first_line}-{last_line}"
+        ignored = Counter(key for s in pending for key in s.ignored)
         step, pending = pending[0].step, []
-        return Batch(fields, labels, where, consumed, step)
+        return Batch(fields, labels, where, consumed, step, dict(ignored))
 
     try:
         with open_text_dump(path) as (stream, consumed):
@@ -723,17 +797,27 @@ def _rows(value: Any) -> int | None:
     return None
 
 
-def _check_pt_record(record: Any) -> tuple[dict[str, Any], int]:
-    """Validate the structure of one ``.pt`` record (values are validated by the batch view)."""
+def pt_keys() -> frozenset[str]:
+    """The keys a ``.pt`` record may carry: the documented ones and any other batch field a metric reads."""
+    return frozenset({*TOKEN_PT_FIELDS, *EXPERT_FIELDS, *PER_ROW_PT_FIELDS, "step"} | known_field_names())
+
+
+def _check_pt_record(record: Any) -> tuple[dict[str, Any], int, list[str]]:
+    """Validate the structure of one ``.pt`` record (values are validated by the batch view); returns its fields,
+    its rows and the keys outside the schema, ignored (dropped from the fields)."""
     if not isinstance(record, Mapping):
         raise SampleError(f"expected a dict of tensors in the batch schema, got {type(record).__name__}")
     out = {k: v for k, v in record.items() if isinstance(k, str) and v is not None}
+    present = ", ".join(sorted(out)) or "none"
+    for key in ("trainer_logprobs", "rollout_logprobs"):
+        hint = framework_hint(out) if key not in out else None
+        if hint is not None:
+            raise SampleError(f"`{key}` is required but missing; {hint}")
+    ignored = unknown_keys(record, pt_keys(), BATCH_NAMES, "JSONL sample key")
+    out = {k: v for k, v in out.items() if k not in ignored}
     for key in ("trainer_logprobs", "rollout_logprobs"):
         if key not in out:
-            hint = framework_hint(out)
-            if hint is not None:
-                raise SampleError(f"`{key}` is required but missing; {hint}")
-            raise SampleError(f"`{key}` is required but missing (present: {', '.join(sorted(out)) or 'none'})")
+            raise SampleError(f"`{key}` is required but missing (present: {present})")
     for key in (*TOKEN_PT_FIELDS, *EXPERT_FIELDS):
         if key in out and not isinstance(out[key], Tensor):
             raise SampleError(f"`{key}` must be a tensor, got {type(out[key]).__name__}")
@@ -762,7 +846,7 @@ def _check_pt_record(record: Any) -> tuple[dict[str, Any], int]:
         if key in out and not isinstance(out[key], Tensor):
             if any(not isinstance(s, str) and s is not None for s in out[key]):
                 raise SampleError(f"`{key}` must be an int tensor [B] or a list of str")
-    return out, rows
+    return out, rows, ignored
 
 
 def read_pt(
@@ -780,7 +864,7 @@ def read_pt(
     for r, record in enumerate(records):
         name = f"record {r}" if multi else "file"
         try:
-            fields, rows = _check_pt_record(record)
+            fields, rows, ignored = _check_pt_record(record)
         except SampleError as e:
             yield InputIssue(path, name, str(e))
             continue
@@ -789,6 +873,9 @@ def read_pt(
             step = int(step)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             yield InputIssue(path, name, f"`step` must be a non-negative int, got {step!r}")
+            continue
+        if step is not None and step > _INT64_MAX:  # a Python int in the file is unbounded
+            yield InputIssue(path, name, f"`step` is too large ({len(str(step))} digits): at most 2**63 - 1")
             continue
         gids = fields.get("group_ids")
         if gids is None:
@@ -810,8 +897,9 @@ def read_pt(
                     sliced[key] = list(sliced[key])
             where = f"{name} rows {start}-{stop - 1}" if multi else f"rows {start}-{stop - 1}"
             taken += stop - start
+            ignored_rows = dict.fromkeys(ignored, stop - start)
             start = stop
-            yield Batch(sliced, labels, where, taken, step)
+            yield Batch(sliced, labels, where, taken, step, ignored_rows)
             if limit is not None and taken >= limit:
                 return
 

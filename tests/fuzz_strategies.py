@@ -203,8 +203,18 @@ def negative_in(value: Any) -> bool:
     return _holds(value, lambda t: t.dtype != torch.bool and bool((t < 0).any()), lambda x: x < 0)
 
 
+# Per-token logprob fields (the schema's and the frameworks'): log-probabilities are <= 0.
+TOKEN_LOGPROB_FIELDS = frozenset({"trainer_logprobs", "rollout_logprobs", "old_log_probs", "rollout_log_probs",
+                                  "old_per_token_logps", "sampling_per_token_logps"})
+
+
 def out_of_range(name: str, value: Any) -> bool:
-    """Codes outside a field's declared range (``rank_ids`` for 2 ranks, ``discard_reasons`` 0..2)."""
+    """Codes outside a field's declared range (``rank_ids`` for 2 ranks, ``discard_reasons`` 0..2), and positive
+    values in a per-token logprob field (a special such as 1e4: no log-probability)."""
+    if name in TOKEN_LOGPROB_FIELDS:
+        return isinstance(value, torch.Tensor) and value.is_floating_point() and bool((value > 0.01).any())
+    if name == "stop_reasons" and isinstance(value, torch.Tensor) and value.dtype != torch.bool:
+        return bool(((value < 0) | (value > 2)).any())  # int codes: STOP_REASON_CODES 0..2
     limit = {"rank_ids": 2, "discard_reasons": 3}.get(name)
     return limit is not None and isinstance(value, torch.Tensor) and bool((value >= limit).any())
 

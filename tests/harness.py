@@ -215,7 +215,7 @@ MISMATCH = Section(
 
 MOE = Section(
     "moe",
-    members={"RouterFlipRate": lambda: M.RouterFlipRate(num_layers=4),
+    members={"RouterFlipRate": lambda: M.RouterFlipRate(num_layers=8),
              "RouterSetDisagreement": M.RouterSetDisagreement},
     batches=lambda: [D.make_router_batch(batch=5, seq=12, layers=6, seed=11),
                      D.make_router_batch(batch=3, seq=30, layers=6, seed=12, swap=0.5),
@@ -223,9 +223,9 @@ MOE = Section(
                      D.make_router_batch(batch=4, seq=16, layers=6, seed=14)],
     strategy=D.router_batches(),
     reference=lambda b: R.router_reference(*(b[k].numpy() for k in ("rollout_experts", "trainer_experts",
-                                                                    "response_mask")), num_layers=4),
+                                                                    "response_mask")), num_layers=8),
     functional=lambda b: {
-        **F.router_flip_rate(b["rollout_experts"], b["trainer_experts"], b["response_mask"], num_layers=4),
+        **F.router_flip_rate(b["rollout_experts"], b["trainer_experts"], b["response_mask"], num_layers=8),
         R.SET: F.router_topk_disagreement_rate(b["rollout_experts"], b["trainer_experts"], b["response_mask"]),
     },
     blank=masked_out,

@@ -56,7 +56,9 @@ def mismatch_reference(trainer, rollout, mask=None, clamp=20.0, veto=30.0) -> di
         out["opbc/prob/abs_diff_max"] = np.abs(p - q).max()
         # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|; 0 for a single token.
         out["opbc/prob/diff_std"] = float(np.abs(p - q).std(ddof=1)) if n > 1 else 0.0
-        if p.std() > 0 and q.std() > 0:
+        if n < 2:  # a correlation needs two tokens: no key
+            pass
+        elif p.std() > 0 and q.std() > 0:
             out["opbc/prob/pearson"] = float(np.corrcoef(p, q)[0, 1])
         else:
             out["opbc/prob/pearson"] = 1.0 if np.all(p == q) else 0.0
@@ -111,9 +113,10 @@ WORST = "moe/router/worst_layer"
 WORST_RATE = "moe/router/worst_layer_flip_rate"
 
 
-def router_reference(rollout, trainer, mask=None, num_layers=None, configured=True) -> dict[str, float]:
-    """Loops over tokens and layers; Python sets for the top-K comparison. ``configured=False``: the
-    capacity ``num_layers`` is the default one, not the model's, so only observed layers get a key."""
+def router_reference(rollout, trainer, mask=None, num_layers=None) -> dict[str, float]:
+    """Loops over tokens and layers; Python sets for the top-K comparison. ``num_layers``: the capacity, layers
+    beyond it pooled (the metric's default capacity; a configured one raises instead). Only layers that saw a
+    valid token get a key."""
     rollout, trainer = np.asarray(rollout), np.asarray(trainer)
     b, t, n_layers, _ = rollout.shape
     mask = np.ones((b, t), dtype=bool) if mask is None else np.asarray(mask) != 0
@@ -145,8 +148,8 @@ def router_reference(rollout, trainer, mask=None, num_layers=None, configured=Tr
             worst, worst_rate = k, rates[k]
     out[WORST] = float(worst)
     out[WORST_RATE] = worst_rate
-    for k in range(cap):  # layers that exist: configured, or seen with a valid token
-        if (configured and num_layers is not None and k < num_layers) or pairs[k]:
+    for k in range(cap):  # layers seen with a valid token: a layer without data has no rate
+        if pairs[k]:
             out[f"moe/router/layer_{k}/flip_rate"] = rates[k]
     if pairs[cap]:  # something overflowed the capacity
         out["moe/router/layer_overflow/flip_rate"] = rates[cap]
@@ -193,14 +196,16 @@ def per_round_reference(trainer, rollout, mask=None, capacity=DEFAULT_ROUND_CAPA
         values = diffs.get(i, [])
         means[i] = sum(values) / len(values) if values else 0.0
         name = f"round_{i}" if i < capacity else "overflow"
-        out[P + f"{name}_abs_diff_mean"] = means[i]
+        if values:  # a round without a finite token has no mean (its token count stays)
+            out[P + f"{name}_abs_diff_mean"] = means[i]
         out[P + f"{name}_token_count"] = float(counts.get(i, 0))
     best, best_value = -1, -1.0
     for i in range(capacity + 1):  # verl's strict ">" scan in round order
         if diffs.get(i) and means[i] > best_value:
             best, best_value = i, means[i]
-    out[P + "max_round_diff"] = float(best)
-    out[P + "max_diff_value"] = best_value if best >= 0 else 0.0
+    if best >= 0:  # no round with a finite token: no worst round (as verl)
+        out[P + "max_round_diff"] = float(best)
+        out[P + "max_diff_value"] = best_value
     return out
 
 
@@ -302,25 +307,30 @@ def ref_token_f1(a, b):
 
 
 def agent_reference(pairs):
+    """Every agent key with a value: a ratio whose denominator is 0 (no pair, no diverged pair, no tool-calling
+    step) has none and is left out; ``num_pairs`` is always there."""
     rows = [ref_pair(a, b) for a, b in pairs]
     n = len(rows)
     diverged = [r[1] for r in rows if r[1] is not None]
     steps = [d[0] for d in diverged]
     either = sum(r[4] for r in rows)
-    out = {
-        "agent/trajectory/tool_call_jaccard": sum(r[0] for r in rows) / n if n else 1.0,
-        "agent/trajectory/first_divergence_step_mean": sum(steps) / len(steps) if steps else -1.0,
-        "agent/trajectory/first_divergence_step_min": min(steps) if steps else -1.0,
-        "agent/trajectory/diverged_fraction": len(diverged) / n if n else 0.0,
-        "agent/trajectory/num_pairs": float(n),
-        "agent/answer/match_rate": sum(r[2] for r in rows) / n if n else 1.0,
-        "agent/steps/tool_choice_disagreement_rate": sum(r[3] for r in rows) / either if either else 0.0,
-        "agent/answer/soft_match_mean": sum(r[5] for r in rows) / n if n else 1.0,
-        "agent/steps/rollout_mean": sum(r[6] for r in rows) / n if n else 0.0,
-        "agent/steps/reference_mean": sum(r[7] for r in rows) / n if n else 0.0,
-    }
-    for kind in KINDS:
-        out[f"agent/trajectory/divergence_kind/{kind}"] = sum(d[1] == kind for d in diverged) / n if n else 0.0
+    out = {"agent/trajectory/num_pairs": float(n)}
+    if n:
+        out.update({
+            "agent/trajectory/tool_call_jaccard": sum(r[0] for r in rows) / n,
+            "agent/trajectory/diverged_fraction": len(diverged) / n,
+            "agent/answer/match_rate": sum(r[2] for r in rows) / n,
+            "agent/answer/soft_match_mean": sum(r[5] for r in rows) / n,
+            "agent/steps/rollout_mean": sum(r[6] for r in rows) / n,
+            "agent/steps/reference_mean": sum(r[7] for r in rows) / n,
+        })
+        for kind in KINDS:
+            out[f"agent/trajectory/divergence_kind/{kind}"] = sum(d[1] == kind for d in diverged) / n
+    if steps:
+        out["agent/trajectory/first_divergence_step_mean"] = sum(steps) / len(steps)
+        out["agent/trajectory/first_divergence_step_min"] = min(steps)
+    if either:
+        out["agent/steps/tool_choice_disagreement_rate"] = sum(r[3] for r in rows) / either
     return out
 
 
@@ -450,12 +460,8 @@ def per_sample(values, mask, how):
     xs, keep = [], []
     for row, mrow in zip(v, m):
         sel = row[mrow]
-        if how == "sum":
-            xs.append(sel.sum())
-            keep.append(True)
-        else:
-            xs.append(sel.mean() if sel.size else 0.0)
-            keep.append(sel.size > 0)
+        xs.append(sel.sum() if how == "sum" else (sel.mean() if sel.size else 0.0))
+        keep.append(sel.size > 0)  # a sample without response tokens has no value
     return np.array(xs), np.array(keep, dtype=bool)
 
 
@@ -465,10 +471,11 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
     mask = batch.get("response_mask")
     gid = [g.item() if hasattr(g, "item") else g for g in batch["group_ids"]] if "group_ids" in batch else None
     if "rewards" in batch:
-        r, _ = per_sample(batch["rewards"], mask, "sum")
-        out.update({f"rollout/reward/{k}": v for k, v in describe(r).items()})
-        if gid is not None:
-            out["rollout/reward/group_gini_mean"] = group_gini_mean(gid, r)
+        r, keep = per_sample(batch["rewards"], mask, "sum")
+        if keep.any():  # no sample with a response token: no reward keys
+            out.update({f"rollout/reward/{k}": v for k, v in describe(r[keep]).items()})
+            if gid is not None:
+                out["rollout/reward/group_gini_mean"] = group_gini_mean([g for g, k in zip(gid, keep) if k], r[keep])
     if "advantages" in batch:
         a, keep = per_sample(batch["advantages"], mask, "mean")
         out.update({f"rollout/advantage/{k}": v for k, v in describe(a[keep]).items()})
@@ -500,8 +507,8 @@ def rollout_reference(batch: dict, sample_names=()) -> dict[str, float]:
             out["rollout/discarded/max_async_pct"] = 100.0 * n_async / (n_async + n_zero)
             out["rollout/discarded/zero_advantage_pct"] = 100.0 * n_zero / (n_async + n_zero)
         if "rewards" in batch:
-            r, _ = per_sample(batch["rewards"], mask, "sum")
-            zr = [float(x) for x, code in zip(r, codes) if code == 2]
+            r, keep = per_sample(batch["rewards"], mask, "sum")
+            zr = [float(x) for x, code, k in zip(r, codes, keep) if code == 2 and k]
             out["rollout/discarded/zero_advantage_all_zero"] = float(sum(x == 0 for x in zr))
             out["rollout/discarded/zero_advantage_all_positive"] = float(sum(x > 0 for x in zr))
             if zr:

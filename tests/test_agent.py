@@ -21,20 +21,22 @@ from hypothesis import strategies as st
 from opbc_metrics import OPBCCollection
 from opbc_metrics import agent as A
 from opbc_metrics.functional import agent as FA
+from opbc_metrics.metric import NoDataError
 from tests.data import message_lists, pair_lists, random_pairs
 from tests.reference import AGENT_KEYS, KINDS, agent_reference, ref_norm, ref_pair, ref_parse
 
 
-def assert_window(out, expected, rel=1e-12, keys=AGENT_KEYS):
-    assert set(out) == set(keys)
-    for key in keys:
+def assert_window(out, expected, rel=1e-12):
+    """``out`` has exactly the reference's keys (a key without a value is left out by both), each close."""
+    assert set(out) == set(expected) and set(out) <= set(AGENT_KEYS), set(out) ^ set(expected)
+    for key in expected:
         assert out[key].dtype == torch.float64
         assert math.isclose(out[key].item(), expected[key], rel_tol=rel, abs_tol=1e-15), (key, out[key], expected[key])
 
 
 # --- against the reference -------------------------------------------------------------------------
 @given(pair_lists())
-@example([])  # no pair: the functional API's documented values
+@example([])  # no pair: num_pairs 0 only
 def test_functional_matches_reference_and_bounds(pairs):
     window = FA.agent_metrics(pairs)
     assert_window(window, agent_reference(pairs))
@@ -48,9 +50,13 @@ def test_functional_matches_reference_and_bounds(pairs):
     out = {k: v.item() for k, v in window.items()}
     for key in ("agent/trajectory/tool_call_jaccard", "agent/trajectory/diverged_fraction", "agent/answer/match_rate",
                 "agent/answer/soft_match_mean", "agent/steps/tool_choice_disagreement_rate"):
-        assert 0.0 <= out[key] <= 1.0, key
+        assert 0.0 <= out.get(key, 0.0) <= 1.0, key
+    if not pairs:
+        assert out == {"agent/trajectory/num_pairs": 0.0}
+        return
     kinds = sum(out[f"agent/trajectory/divergence_kind/{k}"] for k in KINDS)
     assert kinds == pytest.approx(out["agent/trajectory/diverged_fraction"], abs=1e-12)
+    assert ("agent/trajectory/first_divergence_step_mean" in out) == (out["agent/trajectory/diverged_fraction"] > 0)
     if out["agent/trajectory/diverged_fraction"] > 0:
         lo, mean = out["agent/trajectory/first_divergence_step_min"], out["agent/trajectory/first_divergence_step_mean"]
         assert 0 <= lo <= mean
@@ -201,14 +207,37 @@ def test_identical_trajectories_agree_completely(trajs):
     out = FA.agent_metrics([(t, copy.deepcopy(t)) for t in trajs])
     assert out["agent/trajectory/tool_call_jaccard"] == 1.0
     assert out["agent/trajectory/diverged_fraction"] == 0.0
-    assert out["agent/trajectory/first_divergence_step_mean"] == -1.0
+    assert "agent/trajectory/first_divergence_step_mean" not in out  # no pair diverged: no step (not -1)
     answered = [ref_norm(ref_parse(t)[1]) != "" for t in trajs]  # a trajectory without an answer matches none
     assert out["agent/answer/match_rate"] == pytest.approx(sum(answered) / len(trajs))
     assert out["agent/answer/soft_match_mean"] == pytest.approx(sum(answered) / len(trajs))
-    assert out["agent/steps/tool_choice_disagreement_rate"] == 0.0
+    tools = any(step.tool_calls for t in trajs for step in A.Trajectory.from_messages(t).steps)
+    assert out.get("agent/steps/tool_choice_disagreement_rate") == (0.0 if tools else None)  # 0/0: no key
     assert out["agent/steps/rollout_mean"] == out["agent/steps/reference_mean"]
     for t in trajs:
         assert FA.first_divergence(t, t) is None
+
+
+def test_keys_without_a_denominator_are_left_out_in_the_window():
+    """The audit's case: pairs that never diverge and never call a tool give no divergence step (not -1) and no
+    tool-choice rate (not 0/0 = 0); a later pair that diverges at a tool call brings both back."""
+    quiet = A.Trajectory([A.Step("x"), A.Step("y")])
+    metrics = OPBCCollection(sections=["agent"])
+    metrics.update(trajectory_pairs=[(quiet, quiet)])
+    out = metrics.compute()
+    for key in ("agent/trajectory/first_divergence_step_mean", "agent/trajectory/first_divergence_step_min",
+                "agent/steps/tool_choice_disagreement_rate"):
+        assert key not in out, key
+    assert out["agent/trajectory/diverged_fraction"].item() == 0.0 and out["agent/trajectory/num_pairs"].item() == 1
+    with pytest.raises(NoDataError):
+        one = A.ToolChoiceDisagreementRate()
+        one.update(trajectory_pairs=[(quiet, quiet)])
+        one.compute()
+    tool = A.Trajectory([A.Step("x"), A.Step(tool_calls=[("search", "{}")])])
+    metrics.update(trajectory_pairs=[(tool, quiet)])
+    out = metrics.compute()
+    assert out["agent/trajectory/first_divergence_step_min"].item() == 1.0
+    assert out["agent/steps/tool_choice_disagreement_rate"].item() == 1.0
 
 
 # --- contracts -------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from opbc_metrics.cli import main
 from opbc_metrics.report import MISSING, fmt, render_html, worst_groups
@@ -113,3 +114,115 @@ def test_a_value_that_is_not_an_integer_never_prints_as_one(value):
     text = fmt(value)
     assert not float(text).is_integer() and float(text) == pytest.approx(value, rel=1e-4), text
     assert fmt(0.123456) == "0.1235" and fmt(1.0) == "1"  # the compact form is kept otherwise
+
+
+# -- Keys outside the input schema ------------------------------------------------------------------------
+# A key meant for a schema field that the reader would ignore: the mask defaulted to all ones, the rewards to
+# none, each sample to its own group, silently.
+MISNAMED = [("mask", "response_mask"), ("respons_mask", "response_mask"), ("completion_mask", "response_mask"),
+            ("rewards", "reward"), ("group_ids", "group_id"), ("response_lengths", "response_length"),
+            ("rollout_expert", "rollout_experts"), ("stepp", "step")]
+
+
+def _value_for(meant: str):
+    return {"response_mask": [1, 1, 0], "reward": 1.0, "group_id": 0, "response_length": 3, "step": 1,
+            "rollout_experts": [[[0, 1]]] * 3}[meant]
+
+
+@pytest.mark.parametrize("key,meant", MISNAMED)
+def test_a_jsonl_key_that_looks_like_a_schema_key_is_an_issue_of_its_line(tmp_path, key, meant):
+    lines = [json.dumps(GOOD)] * 3 + [json.dumps({**GOOD, key: _value_for(meant)})] + [json.dumps(GOOD)] * 30
+    for name in ("typo.jsonl", "typo.json"):
+        path = _write(tmp_path / name, lines) if name.endswith("l") else tmp_path / name
+        if name.endswith(".json"):  # a JSON array, one element per line: the same line numbers
+            path.write_text("[" + ",\n".join(lines) + "]\n")
+        status, result, err = _analyze(path, tmp_path / name.replace(".", "_"))
+        assert status == 0, err
+        assert f"{name} line 4: unknown key `{key}`: did you mean `{meant}`?" in err, err
+        assert result is not None and result["input"]["samples"] == 33 and result["input"]["issues_total"] == 1
+        assert result["input"]["issues"][0]["line"] == 4 and result["input"]["ignored_keys"] == {}
+
+
+def test_every_misnamed_key_of_a_sample_is_named_at_once(tmp_path):
+    """The auditors' typo.jsonl: `mask`, `group_ids` and `rewards` gave ESS 0.333 and three groups instead of one."""
+    sample = {"trainer_logprobs": [-1.0, -0.5, -9.0], "rollout_logprobs": [-1.1, -0.5, -60.0], "mask": [1, 1, 0],
+              "group_ids": 0, "rewards": 1.0}
+    status, result, err = _analyze(_write(tmp_path / "typo.jsonl", [json.dumps(sample)] * 3), tmp_path / "out")
+    assert status == 1 and result is None and "no valid sample (3 issue(s)" in err, err
+    line = next(x for x in err.splitlines() if "line 1:" in x)
+    for key, meant in (("mask", "response_mask"), ("group_ids", "group_id"), ("rewards", "reward")):
+        assert f"unknown key `{key}`: did you mean `{meant}`?" in line, line
+
+
+def test_other_unknown_keys_are_ignored_and_listed_once_with_their_counts(tmp_path):
+    lines = ([json.dumps({**GOOD, "prompt": "2+2?", "uid": f"u{i}"}) for i in range(5)]
+             + [json.dumps({**GOOD, "uid": "u9", "text": None})] * 2 + [json.dumps(GOOD)] * 3
+             # a framework name is ignored when its schema field is given: it is not meant for it
+             + [json.dumps({**GOOD, "response_mask": [1, 1, 1], "mask": [1, 1, 0]})])
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["analyze", str(_write(tmp_path / "extra.jsonl", lines)), "--out", str(tmp_path / "o"),
+                       "--no-html"])
+    assert status == 0 and "skipped" not in err.getvalue(), err.getvalue()
+    result = json.loads((tmp_path / "o" / "result.json").read_text())
+    assert result["input"]["samples"] == 11 and result["input"]["issues_total"] == 0
+    assert result["input"]["ignored_keys"] == {"uid": 7, "prompt": 5, "mask": 1}  # a null value carries nothing
+    summary = [x for x in out.getvalue().splitlines() if "outside the schema" in x]
+    assert summary == ["  ignored   keys outside the schema: uid (7 samples), prompt (5 samples), mask (1 samples)"]
+    # the same metrics as the file without those keys
+    plain = [json.dumps({k: v for k, v in json.loads(x).items() if k not in ("prompt", "uid", "text", "mask")})
+             for x in lines]
+    status, clean, err2 = _analyze(_write(tmp_path / "plain.jsonl", plain), tmp_path / "p")
+    assert status == 0 and clean is not None and clean["metrics"] == result["metrics"], err2
+    assert clean["input"]["ignored_keys"] == {}
+    assert not [x for x in summary_text(clean) if "outside the schema" in x]
+
+
+def summary_text(result: dict) -> list[str]:
+    from opbc_metrics.cli import summary_lines
+
+    return summary_lines(result)
+
+
+def _pt_batch(rows: int = 4) -> dict:
+    t = torch.tensor([[-1.0, -0.5, -2.0]] * rows)
+    return {"trainer_logprobs": t, "rollout_logprobs": t - 0.1, "group_ids": torch.zeros(rows, dtype=torch.int64)}
+
+
+@pytest.mark.parametrize("key,meant,value", [
+    ("respons_mask", "response_mask", torch.ones(4, 3)), ("mask", "response_mask", torch.ones(4, 3)),
+    ("reward", "rewards", torch.ones(4)), ("group_id", "group_ids", torch.zeros(4, dtype=torch.int64)),
+])
+def test_a_pt_key_that_looks_like_a_schema_key_is_an_issue_of_its_record(tmp_path, key, meant, value):
+    batch = _pt_batch()
+    if key == "group_id":
+        del batch["group_ids"]
+    path = tmp_path / "steps.pt"
+    torch.save([_pt_batch(), {**batch, key: value}, _pt_batch()], path)
+    status, result, err = _analyze(path, tmp_path / "out", "--max-bad-fraction", "1")
+    assert status == 0, err
+    assert f"steps.pt record 1: unknown key `{key}`: did you mean `{meant}`?" in err, err
+    assert result is not None and result["input"]["samples"] == 8 and result["input"]["issues_total"] == 1
+
+
+def test_other_pt_keys_are_ignored_and_listed(tmp_path):
+    path = tmp_path / "extra.pt"
+    torch.save({**_pt_batch(), "uid": ["a", "b", "c", "d"], "meta": torch.zeros(2)}, path)
+    status, result, err = _analyze(path, tmp_path / "out", "--batch-size", "3")
+    assert status == 0 and result is not None, err
+    assert result["input"]["ignored_keys"] == {"meta": 4, "uid": 4}  # samples (rows) of the record
+
+
+def test_a_step_too_large_is_an_issue_of_its_line_or_record(tmp_path):
+    """`"step": 10**30` was accepted (then matplotlib warned while drawing the charts)."""
+    lines = [json.dumps({**GOOD, "step": 1})] * 3 + [json.dumps({**GOOD, "step": 10**30})] + [json.dumps(GOOD)] * 30
+    status, result, err = _analyze(_write(tmp_path / "big.jsonl", lines), tmp_path / "out")
+    assert status == 0, err
+    assert "big.jsonl line 4: `step` is too large (31 digits): at most 2**63 - 1" in err, err
+    assert result is not None and result["input"]["samples"] == 33 and result["input"]["issues_total"] == 1
+    path = tmp_path / "steps.pt"
+    torch.save([{**_pt_batch(), "step": 2**63}, {**_pt_batch(), "step": 2**63 - 1}], path)
+    status, result, err = _analyze(path, tmp_path / "pt", "--max-bad-fraction", "1")
+    assert status == 0, err
+    assert "steps.pt record 0: `step` is too large (19 digits)" in err, err
+    assert result is not None and result["input"]["samples"] == 4 and result["input"]["issues_total"] == 1

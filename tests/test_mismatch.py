@@ -310,10 +310,53 @@ def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
     assert metric_values(ProbabilityDiff(), one)["opbc/prob/diff_std"] == 0.0
 
 
+def test_one_token_window_has_no_pearson_and_a_zero_diff_std():
+    """The audit's case: one valid token gave pearson 0.98878 and diff_std 1.03e-05 (rounding noise of the raw
+    moments). Pearson needs two tokens (no key); diff_std is 0 as documented. Two tokens over two updates (or
+    ranks) bring pearson back."""
+    one = {"trainer_logprobs": torch.tensor([[-1.0]]), "rollout_logprobs": torch.tensor([[-1.2]])}
+    for out in (metric_values(ProbabilityDiff(), one), {k: v.item() for k, v in F.probability_diff(
+            one["trainer_logprobs"], one["rollout_logprobs"]).items()}):
+        assert "opbc/prob/pearson" not in out and out["opbc/prob/diff_std"] == 0.0
+        assert out["opbc/prob/abs_diff_mean"] == pytest.approx(math.exp(-1.0) - math.exp(-1.2), rel=1e-6)
+    metrics = OPBCCollection(sections=["mismatch"])
+    metrics.update(one)
+    assert "opbc/prob/pearson" not in metrics.compute()
+    metrics.update({"trainer_logprobs": torch.tensor([[-3.0]]), "rollout_logprobs": torch.tensor([[-2.5]])})
+    assert metrics.compute()["opbc/prob/pearson"].item() == pytest.approx(1.0)  # two points: a line
+
+
+@pytest.mark.parametrize("fn", [F.importance_ess, F.sequence_ess, F.importance_weight_mean,
+                                F.importance_weight_second_moment, F.importance_weight_std, F.clipped_fraction,
+                                F.veto_fraction, F.top_gradient_mass, F.logprob_diff, F.log_ratio_range,
+                                F.sequence_log_ratio, F.kl_estimators, F.chi_square, F.perplexity_gap,
+                                F.probability_diff])
+def test_functional_entry_points_refuse_a_batch_without_a_valid_token(fn):
+    """An all-zero mask or all-NaN logprobs gave ESS 1.0 (a made-up on-policy value): every public function of the
+    section raises a ValueError saying there is no valid token."""
+    t = torch.full((2, 4), -1.0)
+    r = t - 0.5
+    for args in ((t, r, torch.zeros(2, 4)), (torch.full((2, 4), float("nan")), r, None)):
+        with pytest.raises(ValueError, match=r"no valid (token|sequence)"):
+            fn(*args)
+    fn(t, r, torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0]]))  # one valid token (and sequence): a value
+
+
+def test_sequence_functions_need_a_valid_sequence():
+    t = torch.full((2, 3), -1.0)
+    t[:, 1] = float("nan")  # valid tokens, but every sequence has a non-finite one
+    r = t - 0.5
+    assert F.importance_ess(t, r).item() == pytest.approx(1.0)  # token-level: the four valid tokens, equal weights
+    for fn in (F.sequence_ess, F.sequence_log_ratio, F.perplexity_gap):
+        with pytest.raises(ValueError, match="no valid sequence"):
+            fn(t, r)
+    assert set(F.chi_square(t, r)) == {"opbc/kl/chi2_token"}  # chi2_seq has no sequence: left out, as in the metric
+
+
 def test_clip_and_veto_thresholds_are_strict():
     """DESIGN: clipped is |r| > C, vetoed |r| > veto. Tokens at exactly C and exactly the veto (either sign) are
     neither; just above, they are (r exact in float64: differences of small integers and halves)."""
-    rollout = torch.tensor([[-1.0] * 8], dtype=torch.float64)
+    rollout = torch.tensor([[-40.0] * 8], dtype=torch.float64)  # trainer = rollout + r stays <= 0
     r = torch.tensor([[0.0, 20.0, -20.0, 20.5, 30.0, -30.0, 30.5, -30.5]], dtype=torch.float64)
     trainer = rollout + r
     assert torch.equal(trainer - rollout, r)

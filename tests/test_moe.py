@@ -16,14 +16,18 @@ from opbc_metrics import functional as F
 from opbc_metrics.batch import BatchView
 from opbc_metrics.collection import DEFAULT_SECTIONS
 from opbc_metrics.functional import moe as FM
-from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys
+from opbc_metrics.functional.moe import DEFAULT_MOE_LAYERS, flip_rate_keys, layer_key
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import concat_batches, make_batch, make_router_batch, metric_values, router_batches
-from tests.reference import FLIP, SET, WORST, router_reference
+from tests.reference import FLIP, SET, WORST, WORST_RATE, router_reference
 
 
 def _numpy(batch):
     return batch["rollout_experts"].numpy(), batch["trainer_experts"].numpy(), batch["response_mask"].numpy()
+
+
+def _numpy_free(batch):
+    return batch["rollout_experts"], batch["trainer_experts"], batch["response_mask"]
 
 
 def _router_metrics(num_layers, top_k=None):
@@ -41,16 +45,20 @@ def _assert_close(got, want, tol=1e-12):
 
 
 # --- reference comparisons --------------------------------------------------------------------------
-@pytest.mark.parametrize("layers,num_layers", [(3, 3), (3, 8), (6, 4)])
+@pytest.mark.parametrize("layers,num_layers", [(3, 3), (3, 8), (66, None)])  # 66 > the default capacity: pooled
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_matches_reference(layers, num_layers, k):
-    batches = [make_router_batch(layers=layers, k=k, seed=s, swap=0.3, replace=0.2 + 0.1 * s) for s in range(3)]
+    batches = [make_router_batch(batch=2, seq=5, layers=layers, k=k, seed=s, swap=0.3, replace=0.2 + 0.1 * s)
+               for s in range(3)]
     got = _values(_router_metrics(num_layers), *batches)
-    want = router_reference(*_numpy(concat_batches(batches)), num_layers=num_layers)
+    capacity = num_layers or DEFAULT_MOE_LAYERS
+    want = router_reference(*_numpy(concat_batches(batches)), num_layers=capacity)
     assert want[FLIP] > 0 and want[SET] > 0
     _assert_close(got, want)
-    overflow = set() if layers > num_layers else {"moe/router/layer_overflow/flip_rate"}
-    assert set(got) == {*flip_rate_keys(num_layers), SET} - overflow
+    # keys of the layers that saw data only: none for configured layers the batches lack (3 of 8)
+    seen = {layer_key(i) for i in range(min(layers, capacity))}
+    overflow = {"moe/router/layer_overflow/flip_rate"} if layers > capacity else set()
+    assert set(got) == {FLIP, WORST, WORST_RATE, SET, *seen, *overflow}
 
 
 def test_per_layer_keys_only_for_layers_that_exist():
@@ -59,12 +67,25 @@ def test_per_layer_keys_only_for_layers_that_exist():
     default.update(b)
     layers = [k for k in default.compute_dict() if k.startswith("moe/router/layer_")]
     assert layers == [f"moe/router/layer_{i}/flip_rate" for i in range(48)]  # nothing overflowed
-    configured = RouterFlipRate(num_layers=50)  # configured: every layer of the model
+    configured = RouterFlipRate(num_layers=50)  # layers 48, 49 saw no token: no keys (not a made-up 0)
     configured.update(b)
-    assert sum(k.startswith("moe/router/layer_") for k in configured.compute_dict()) == 50
-    small = RouterFlipRate(num_layers=40)
-    small.update(b)
-    assert "moe/router/layer_overflow/flip_rate" in small.compute_dict()
+    assert [k for k in configured.compute_dict() if k.startswith("moe/router/layer_")] == layers
+    small = RouterFlipRate(num_layers=40)  # the model has more layers than configured: an error, not a pool
+    with pytest.raises(ValueError, match=r"L = 48 .*num_layers = 40"):
+        small.update(b)
+
+
+def test_layer_keys_decided_on_the_window_counts():
+    """A layer's key is there once any batch of the window gave it a valid token, and gone after a reset."""
+    m = RouterFlipRate(num_layers=8)
+    m.update(make_router_batch(layers=3, seed=3))
+    assert sorted(k for k in m.compute_dict() if k.startswith("moe/router/layer_")) == [layer_key(i) for i in range(3)]
+    m.update(make_router_batch(layers=5, seed=4))
+    assert sorted(k for k in m.compute_dict() if k.startswith("moe/router/layer_")) == [layer_key(i) for i in range(5)]
+    out = F.router_flip_rate(*_numpy_free(make_router_batch(layers=2, seed=5)), num_layers=8)
+    assert sorted(k for k in out if k.startswith("moe/router/layer_")) == [layer_key(0), layer_key(1)]
+    with pytest.raises(ValueError, match="num_layers"):
+        F.router_flip_rate(*_numpy_free(make_router_batch(layers=3, seed=5)), num_layers=2)
 
 
 def test_repeated_ids_in_a_row_count_once():
@@ -76,12 +97,12 @@ def test_repeated_ids_in_a_row_count_once():
 
 
 def test_overflow_layers_pool_and_can_be_the_worst():
-    b = make_router_batch(layers=6, k=2, seed=1, swap=0.0, replace=0.0)
-    b["trainer_experts"][:, :, 5, 0] += 100  # every valid token flips in layer 5, pooled with layer 4
-    got = _values(_router_metrics(4), b)
-    want = router_reference(*_numpy(b), num_layers=4)
+    b = make_router_batch(batch=2, seq=4, layers=DEFAULT_MOE_LAYERS + 2, k=2, seed=1, swap=0.0, replace=0.0)
+    b["trainer_experts"][:, :, -1, 0] += 100  # every valid token flips in the last layer, pooled with layer 64
+    got = _values(_router_metrics(None), b)  # the default capacity pools the layers >= 64
+    want = router_reference(*_numpy(b), num_layers=DEFAULT_MOE_LAYERS)
     _assert_close(got, want)
-    assert got[WORST] == 4.0 and got["moe/router/layer_overflow/flip_rate"] == 0.5
+    assert got[WORST] == DEFAULT_MOE_LAYERS and got["moe/router/layer_overflow/flip_rate"] == 0.5
 
 
 def test_worst_layer_is_the_first_on_ties_and_minus_one_when_empty():
@@ -139,9 +160,7 @@ def test_functional_equals_class_after_one_update():
     for key, v in func.items():
         assert v.item() == got[key], key
     assert F.router_topk_disagreement_rate(*args).item() == got[SET]
-    assert F.router_flip_rate(*args, num_layers=2)["moe/router/layer_overflow/flip_rate"].item() == pytest.approx(
-        router_reference(*_numpy(b), num_layers=2)["moe/router/layer_overflow/flip_rate"], abs=1e-15
-    )
+    assert set(F.router_flip_rate(*args, num_layers=7)) == set(func)  # layers 5, 6 saw nothing: no keys
 
 
 def test_public_token_helpers():
@@ -175,7 +194,7 @@ def test_default_collection_includes_router_members_with_optional_inputs():
     metrics.update(both)
     metrics.update(logprobs_only)
     want = router_reference(router["rollout_experts"].numpy(), router["trainer_experts"].numpy(),
-                            logprobs_only["response_mask"].numpy(), num_layers=DEFAULT_MOE_LAYERS, configured=False)
+                            logprobs_only["response_mask"].numpy(), num_layers=DEFAULT_MOE_LAYERS)
     _assert_close({k: v.item() for k, v in metrics.compute().items()}, want)
 
 
@@ -185,11 +204,49 @@ def test_custom_collection_with_logits_member():
     batch = {"rollout_router_logits": logits, "trainer_router_logits": logits.flip(-1)}
     metrics = OPBCCollection([RouterFlipRate(num_layers=3, top_k=2), RouterSetDisagreement(top_k=2)])
     metrics.update(batch)
-    metrics.update({"rollout_experts": torch.zeros(1, 1, 3, 2, dtype=torch.long)})  # skipped: no logits
     want = router_reference(torch.topk(logits, 2).indices.numpy(), torch.topk(logits.flip(-1), 2).indices.numpy())
     _assert_close({k: v.item() for k, v in metrics.compute().items()}, want)
     assert RouterFlipRate(top_k=2).accepts(BatchView(rollout_experts=1, trainer_router_logits=2))
-    assert not RouterFlipRate().accepts(BatchView(rollout_experts=1, trainer_router_logits=2))
+    assert not RouterFlipRate().accepts(BatchView(trainer_logprobs=1))  # a dense model's batch: skipped
+
+
+def test_collection_raises_on_a_partial_routing_batch():
+    """A batch with some routing fields is never skipped silently: one side missing, or router logits without
+    ``top_k``, raise naming the field or the option (as the standalone metric does)."""
+    lp = make_batch(batch=2, seq=4, seed=1)
+    ids = make_router_batch(batch=2, seq=4, layers=3, seed=1)
+    logits = {"rollout_router_logits": torch.randn(2, 4, 3, 5), "trainer_router_logits": torch.randn(2, 4, 3, 5)}
+    for batch, match in [
+        (dict(lp, rollout_experts=ids["rollout_experts"]), "trainer_experts"),
+        (dict(lp, trainer_experts=ids["trainer_experts"]), "rollout_experts"),
+        (dict(lp, **logits), "top_k"),
+        (dict(lp, rollout_experts=ids["rollout_experts"], trainer_router_logits=logits["trainer_router_logits"]),
+         "top_k"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            OPBCCollection().update(batch)
+    with pytest.raises(ValueError, match="trainer_experts"):
+        OPBCCollection([RouterFlipRate(num_layers=3, top_k=2)]).update(rollout_experts=ids["rollout_experts"])
+
+
+def test_expert_shapes_checked_against_the_logprobs_without_a_mask():
+    lp = {k: v for k, v in make_batch(batch=4, seq=8, seed=2).items() if k != "response_mask"}
+    ids = make_router_batch(batch=3, seq=6, layers=2, seed=2)
+    batch = dict(lp, rollout_experts=ids["rollout_experts"], trainer_experts=ids["trainer_experts"])
+    for metric in (OPBCCollection(), RouterFlipRate(), RouterSetDisagreement()):
+        with pytest.raises(ValueError, match=r"rollout_experts.*trainer_logprobs"):
+            metric.update(batch)
+
+
+def test_out_of_range_message_names_the_given_num_experts():
+    ids = make_router_batch(batch=2, seq=4, layers=2, seed=3)
+    bad = ids["rollout_experts"].clone()
+    bad[0, 0, 0, 0] = 100
+    m = RouterSetDisagreement(num_experts=8)
+    m.update(rollout_experts=bad, trainer_experts=ids["trainer_experts"], response_mask=ids["response_mask"])
+    with pytest.raises(ValueError, match=r"out of range for num_experts=8") as info:
+        m.compute()
+    assert "pass the model's number of experts" not in str(info.value)  # it was passed
 
 
 # --- properties -------------------------------------------------------------------------------------
@@ -197,16 +254,16 @@ def test_custom_collection_with_logits_member():
 
 @given(router_batches())
 def test_property_matches_reference_bounded_and_side_symmetric(batch):
-    got = _values(_router_metrics(2), batch)
+    got = _values(_router_metrics(3), batch)
     swapped = dict(batch, rollout_experts=batch["trainer_experts"], trainer_experts=batch["rollout_experts"])
-    assert _values(_router_metrics(2), swapped) == got
+    assert _values(_router_metrics(3), swapped) == got
     same = _values(_router_metrics(3), dict(batch, trainer_experts=batch["rollout_experts"].clone()))
     assert all(v == 0.0 for k, v in same.items() if k != WORST)  # identical routing: zero flips
     assert same.get(WORST) == (0.0 if batch["response_mask"].any() else None)
     if not batch["response_mask"].any():  # no valid token: no keys
         assert got == {}
         return
-    _assert_close(got, router_reference(*_numpy(batch), num_layers=2))
+    _assert_close(got, router_reference(*_numpy(batch), num_layers=3))
     for key, value in got.items():
         if key != WORST:
             assert 0.0 <= value <= 1.0, key
@@ -256,7 +313,7 @@ def test_update_never_syncs_host_and_device():
     for metric, batch in [
         (OPBCCollection(), full),
         (OPBCCollection(), make_batch(seed=9)),
-        (RouterFlipRate(num_layers=2, top_k=2), logits),
+        (RouterFlipRate(num_layers=3, top_k=2), logits),
         (RouterSetDisagreement(top_k=2), mixed),
     ]:
         with assert_no_host_sync():
@@ -376,7 +433,7 @@ def test_bitmask_path_raises_at_compute_on_ids_outside_the_experts():
         metric = RouterSetDisagreement(num_experts=64)
         with assert_no_host_sync():
             metric.update(rollout_experts=r, trainer_experts=trainer, response_mask=torch.ones_like(mask))
-        with pytest.raises(ValueError, match=r"outside \[0, num_experts\) = \[0, 64\) in 1 valid tokens"):
+        with pytest.raises(ValueError, match=r"num_experts=64 \(outside \[0, 64\)\) in 1 valid tokens"):
             metric.compute()
         with pytest.raises(ValueError, match="num_experts"):
             F.router_topk_disagreement_rate(r, trainer, num_experts=64)

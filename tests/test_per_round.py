@@ -82,15 +82,39 @@ def test_all_nonfinite_round_does_not_compete():
     trainer = torch.tensor([[-1.0, -1.0, 0.0, float("nan")]], dtype=torch.float64)
     rollout = torch.tensor([[-1.5, -1.0, 0.0, -1.0]], dtype=torch.float64)
     out = {k: v.item() for k, v in F.per_round_mismatch(trainer, rollout, mask, capacity=2).items()}
-    assert out[P + "round_1_token_count"] == 1 and out[P + "round_1_abs_diff_mean"] == 0
+    assert out[P + "round_1_token_count"] == 1 and P + "round_1_abs_diff_mean" not in out  # no mean, not a 0
     assert out[P + "max_round_diff"] == 0 and out[P + "max_diff_value"] == 0.25
     # The round without a valid token first, the only round with one at mean 0: that round is the max, not round 0.
     mask = torch.tensor([[1, 0, 1, 1]])
     trainer = torch.tensor([[float("nan"), 0.0, -1.0, -2.0]], dtype=torch.float64)
     rollout = torch.tensor([[-1.0, 0.0, -1.0, -2.0]], dtype=torch.float64)
     out = {k: v.item() for k, v in F.per_round_mismatch(trainer, rollout, mask, capacity=2).items()}
-    assert out[P + "round_0_token_count"] == 1 and out[P + "round_1_abs_diff_mean"] == 0
+    assert out[P + "round_0_token_count"] == 1 and P + "round_0_abs_diff_mean" not in out
+    assert out[P + "round_1_abs_diff_mean"] == 0
     assert out[P + "max_round_diff"] == 1 and out[P + "max_diff_value"] == 0
+
+
+def test_round_without_a_finite_token_in_the_window_has_no_mean():
+    """The audit's case: round 1 all NaN has a token count but no mean key (a 0 would be made up), in the metric
+    and in a collection; a later batch that gives the round a finite token brings its mean back."""
+    mask = torch.tensor([[1, 0, 1]])
+    trainer = torch.tensor([[-1.0, -1.0, float("nan")]], dtype=torch.float64)
+    rollout = torch.tensor([[-1.5, -1.0, -1.0]], dtype=torch.float64)
+    batch = {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask}
+    m = PerRoundMismatch(capacity=4)
+    m.update(batch)
+    out = {k: v.item() for k, v in m.compute().items()}
+    assert out[P + "round_1_token_count"] == 1 and P + "round_1_abs_diff_mean" not in out
+    assert out[P + "round_0_abs_diff_mean"] == 0.5 and out[P + "max_round_diff"] == 0
+    c = OPBCCollection()
+    c.update(batch)
+    assert P + "round_1_abs_diff_mean" not in c.compute() and c.compute()[P + "round_1_token_count"] == 1
+    m.update(dict(batch, trainer_logprobs=torch.tensor([[-1.0, -1.0, -3.0]], dtype=torch.float64)))
+    out = {k: v.item() for k, v in m.compute().items()}
+    assert out[P + "round_1_abs_diff_mean"] == 2.0 and out[P + "max_round_diff"] == 1
+    # every token non-finite: no mean and no worst round in the functional either (the metric has no keys)
+    nan = F.per_round_mismatch(trainer.fill_(float("nan")), rollout, mask)
+    assert set(nan) == {P + "total_rounds", P + "round_0_token_count", P + "round_1_token_count"}
 
 
 def test_missing_mask_and_empty_time_dim():  # no valid token / no update: the harness's no-data contract

@@ -53,8 +53,8 @@ def test_token_level_fields_are_reduced_per_sample():
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0], [5.0, 5.0, 5.0]])
     adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, 4.0, 100.0], [7.0, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
-    r = R.reward_stats(rewards, mask)
-    assert [v.item() for v in r.values()] == pytest.approx([1.0, 1.0, 0.0, 2.0])  # sums 1, 2, 0; sample std
+    r = R.reward_stats(rewards, mask)  # sums 1, 2; the third row has no response token: no reward, not 0
+    assert [v.item() for v in r.values()] == pytest.approx([1.5, 2**-0.5, 1.0, 2.0])
     a = R.advantage_stats(adv, mask)  # means 1, 1; the empty third row is left out
     assert [v.item() for v in a.values()] == [1.0, 0.0, 1.0, 1.0]
     # without a mask every token counts
@@ -183,13 +183,55 @@ def test_zero_advantage_mask_and_discard_reasons():
 def test_stop_reason_encodings():
     assert R.stop_reason_length_pct(torch.tensor([True, False, False, False])).item() == 25.0
     assert R.stop_reason_length_pct(torch.tensor([3, 3, 1, 0]), length_code=3).item() == 50.0
-    assert R.stop_reason_length_pct(["length", None, "tool_calls", "LENGTH"]).item() == 25.0
+    assert R.stop_reason_length_pct(["length", None, "tool_calls", "completed"]).item() == 25.0  # verl: completed
     assert R.stop_reason_length_pct(np.array(["length", "stop"])).item() == 50.0
     assert R.stop_reason_length_pct([]).item() == 0.0
     metric = M.StopReasonLengthPct(length_code=7)
     metric.update(stop_reasons=torch.tensor([7, 1]))
     metric.update(stop_reasons=["length", "length", "stop"])  # strings: "length" maps to length_code
     assert metric.compute().item() == pytest.approx(300 / 5)
+
+
+def test_unknown_stop_reasons_raise_naming_the_field_and_accepted_values():
+    """Unknown strings raise in update (a host list); unknown int codes are counted without a sync and raise at
+    compute, in the collection and in DiscardedRolloutStats; the functional names the codes at once."""
+    for bad in (["LENGTH", "stop"], ["max_tokens"]):
+        with pytest.raises(ValueError, match=r"stop_reasons.*unknown reason '(LENGTH|max_tokens)'.*'length'"):
+            R.stop_reason_length_pct(bad)
+        with pytest.raises(ValueError, match="stop_reasons"):
+            collection().update(stop_reasons=bad)
+    with pytest.raises(ValueError, match=r"stop_reasons.*\[-1, 7\]; accepted: \[0, 1, 2\]"):
+        R.stop_reason_length_pct(torch.tensor([7, -1, 1]))
+    assert R.stop_reason_length_pct(torch.tensor([3, 0, 1, 2]), length_code=3).item() == 25.0  # 1: a known code
+    metrics = collection()
+    with assert_no_host_sync():
+        metrics.update(stop_reasons=torch.tensor([7, -1]))
+    with pytest.raises(ValueError, match=r"stop_reasons.*2 invalid.*\[0, 1, 2\]"):
+        metrics.compute()
+    discarded = M.DiscardedRolloutStats()
+    discarded.update(discard_reasons=torch.tensor([1, 0]), response_lengths=torch.tensor([3, 4]),
+                     stop_reasons=torch.tensor([1, 5]))
+    with pytest.raises(ValueError, match=r"stop_reasons.*1 invalid"):
+        discarded.compute()
+    with pytest.raises(ValueError, match="stop_reasons"):
+        R.discarded_rollout_stats(torch.tensor([1, 0]), torch.tensor([3, 4]), stop_reasons=torch.tensor([1, 5]))
+
+
+def test_zero_dim_and_token_level_rewards_without_response_tokens():
+    t = torch.full((2, 4), -1.0)
+    metrics = OPBCCollection(sections=["mismatch", "rollout"])
+    with pytest.raises(ValueError, match=r"`rewards` must have shape \[B\] or \[B, T\], got \(\)"):
+        metrics.update(trainer_logprobs=t, rollout_logprobs=t, rewards=torch.tensor(1.0))
+    metrics = collection()  # [B, T] rewards, no response token: no reward keys (as for advantages)
+    metrics.update(rewards=torch.rand(4, 6) + 1.0, advantages=torch.rand(4, 6), response_mask=torch.zeros(4, 6))
+    assert not [k for k in metrics.compute() if k.startswith(("rollout/reward/", "rollout/advantage/"))]
+    mask = torch.zeros(4, 6)
+    mask[1, 2:4] = 1
+    rewards = torch.rand(4, 6) + 1.0
+    metrics.update(rewards=rewards, response_mask=mask)  # one sample with tokens: its reward alone
+    out = metrics.compute()
+    assert out["rollout/reward/min"].item() == out["rollout/reward/max"].item() == pytest.approx(
+        rewards[1, 2:4].sum().item())
 
 
 # --- properties -----------------------------------------------------------------------------------

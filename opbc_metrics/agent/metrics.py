@@ -101,9 +101,9 @@ class FirstDivergenceStep(_AgentMetric):
 
     Per pair, the first assistant step (0-based) where the tool choice, then the tool arguments,
     then the normalised content differ; a trajectory that ends early diverges at its end (kind
-    ``length``). The step mean and min are over the diverged pairs (-1 when none diverged); the
-    fractions are over all pairs, and the four ``divergence_kind`` fractions sum to
-    ``diverged_fraction``. No data in the window: no keys.
+    ``length``). The step mean and min are over the diverged pairs (left out while no pair in the
+    window diverged: no value, not -1); the fractions are over all pairs, and the four
+    ``divergence_kind`` fractions sum to ``diverged_fraction``. No data in the window: no keys.
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory
@@ -121,12 +121,13 @@ class FirstDivergenceStep(_AgentMetric):
 
     keys, higher_is_better = DIVERGENCE_KEYS, None
     states = table("pairs", "diverged", "step_sum", *(f"kind_{k}" for k in DIVERGENCE_KINDS), step_min=MIN)
+    key_counts = ((DIVERGENCE_KEYS[0], "diverged"), (DIVERGENCE_KEYS[1], "diverged"))
     glossary = _entry(
         "first_divergence_step",
         "First assistant step (0-based) where the rollout and reference trajectories took a different "
         "action: tool choice compared first, then tool arguments, then normalised content; a trajectory "
-        "that ends early diverges at its end. Reported as the mean and min over diverged pairs (-1 when "
-        "none diverged), the share of diverged pairs, and the share by kind (tool_choice, "
+        "that ends early diverges at its end. Reported as the mean and min over diverged pairs (left out "
+        "when none diverged), the share of diverged pairs, and the share by kind (tool_choice, "
         "tool_arguments, content, length). The lower the step, the earlier the rollout rolled off-policy.",
         aliases=("diverged_fraction", "divergence_kind"),
     )
@@ -220,7 +221,8 @@ class ToolChoiceDisagreementRate(_AgentMetric):
 
     Steps whose ordered tool-name lists differ, over steps where either side calls a tool; steps
     are aligned by index and a side without step ``i`` has no tool calls there. Sums over all
-    pairs (a pooled rate, not a mean of per-pair rates). No pair in the window: no key (pairs without tool calls: 0).
+    pairs (a pooled rate, not a mean of per-pair rates). No step of the window calls a tool (or no pair): no
+    key (0 / 0 has no value).
 
     Example:
         >>> from opbc_metrics.agent import Step, Trajectory
@@ -242,9 +244,8 @@ class ToolChoiceDisagreementRate(_AgentMetric):
         unit="assistant steps (aligned by index) where either side calls a tool, summed over pairs, the "
         "window and all ranks",
     )
-    # ``pairs`` is not needed for the rate; it marks that the window saw pairs, so a collection reports the
-    # key (0) for pairs without any tool call instead of leaving it out as "no data".
-    states = table("disagree", "tool_steps", "pairs")
+    # The rate's data are the steps where either side calls a tool: pairs without any tool call give no value.
+    states, data_counts = table("disagree", "tool_steps"), ("tool_steps",)
 
 
 AGENT_METRICS: tuple[type[_AgentMetric], ...] = (

@@ -28,28 +28,29 @@ or an OpenAI-style chat message list (converted with ``Trajectory.from_messages`
   that step has an empty tool list), ``(steps whose tool-name lists differ, steps where either side
   calls a tool)``.
 
-The window values (keys ``agent/...``) are ratios of sums over all pairs and ranks:
+The window values (keys ``agent/...``) are ratios of sums over all pairs and ranks. A key whose
+denominator is zero in the window has no value and is left out (no made-up -1 or 0): the stateful
+classes decide it on the synced counts, :func:`agent_metrics` on its batch.
 
 ================================================  ==================================================
-key                                               value (empty window)
+key                                               value (left out when)
 ================================================  ==================================================
-agent/trajectory/tool_call_jaccard                mean per-pair Jaccard (1.0)
-agent/trajectory/first_divergence_step_mean       mean first-divergence step of diverged pairs (-1)
-agent/trajectory/first_divergence_step_min        earliest first-divergence step (-1)
-agent/trajectory/diverged_fraction                diverged pairs / pairs (0)
-agent/trajectory/divergence_kind/<kind>           pairs diverging by <kind> / pairs (0); the four
+agent/trajectory/tool_call_jaccard                mean per-pair Jaccard (no pair)
+agent/trajectory/first_divergence_step_mean       mean first-divergence step of diverged pairs (no
+                                                  pair diverged)
+agent/trajectory/first_divergence_step_min        earliest first-divergence step (no pair diverged)
+agent/trajectory/diverged_fraction                diverged pairs / pairs (no pair)
+agent/trajectory/divergence_kind/<kind>           pairs diverging by <kind> / pairs (no pair); the four
                                                   kinds sum to diverged_fraction
-agent/trajectory/num_pairs                        pairs compared (0)
-agent/answer/match_rate                           pairs whose answers match / pairs (1.0)
-agent/answer/soft_match_mean                      mean per-pair token-overlap F1 of the answers (1.0)
-agent/steps/rollout_mean                          mean assistant steps of the rollout sides (0)
-agent/steps/reference_mean                        mean assistant steps of the reference sides (0)
+agent/trajectory/num_pairs                        pairs compared (no pair: 0 in the functional; the
+                                                  classes report nothing without pairs)
+agent/answer/match_rate                           pairs whose answers match / pairs (no pair)
+agent/answer/soft_match_mean                      mean per-pair token-overlap F1 of the answers (no pair)
+agent/steps/rollout_mean                          mean assistant steps of the rollout sides (no pair)
+agent/steps/reference_mean                        mean assistant steps of the reference sides (no pair)
 agent/steps/tool_choice_disagreement_rate         sum of disagreeing steps / sum of steps where either
-                                                  side calls a tool (0)
+                                                  side calls a tool (no step calls a tool)
 ================================================  ==================================================
-
-The empty-window values are those identical trajectories would give, except the divergence step,
-which is -1 ("no divergence") rather than NaN.
 
 The per-pair work is plain Python over small host structures; the sufficient statistics are float64
 tensors (sums, and a min for the earliest step), so the stateful classes in
@@ -87,7 +88,8 @@ STEP_COUNT_KEYS = ("agent/steps/rollout_mean", "agent/steps/reference_mean")
 TOOL_CHOICE_KEY = "agent/steps/tool_choice_disagreement_rate"
 AGENT_KEYS = (JACCARD_KEY, *DIVERGENCE_KEYS, ANSWER_KEY, SOFT_ANSWER_KEY, TOOL_CHOICE_KEY, *STEP_COUNT_KEYS)
 
-# The divergence step reported when no pair diverged.
+# The divergence step's placeholder inside _divergence_compute when no pair diverged; never reported: the keys
+# are left out then (FirstDivergenceStep.key_counts, agent_metrics).
 NO_DIVERGENCE = -1.0
 
 AnyTrajectory = Any  # a Trajectory or a list of chat messages
@@ -331,11 +333,18 @@ def _divergence_compute(pairs: Tensor, diverged: Tensor, step_sum: Tensor, step_
     }
 
 
+#: Keys counted by another state than ``pairs``: left out while it is zero (``OPBCMetric.key_counts``).
+COUNTED_KEYS = {DIVERGENCE_KEYS[0]: "diverged", DIVERGENCE_KEYS[1]: "diverged", TOOL_CHOICE_KEY: "tool_steps"}
+
+
 def _all_compute(s: Stats) -> dict[str, Tensor]:
+    """Every key with a value: keys over pairs when there was a pair, :data:`COUNTED_KEYS` when their count is
+    non-zero, ``num_pairs`` always (host reads: the statistics are host tensors)."""
     kinds = {f"kind_{k}": s[f"kind_{k}"] for k in DIVERGENCE_KINDS}
     out = {**_ratio_compute(RATIOS, s), **_divergence_compute(s["pairs"], s["diverged"], s["step_sum"], s["step_min"],
                                                               **kinds)}
-    return {key: out[key] for key in AGENT_KEYS}
+    counts = {key: COUNTED_KEYS.get(key, "pairs") for key in AGENT_KEYS if key != DIVERGENCE_KEYS[7]}
+    return {key: out[key] for key in AGENT_KEYS if key not in counts or bool(s[counts[key]] > 0)}
 
 
 def agent_metrics(pairs: Sequence[tuple[AnyTrajectory, AnyTrajectory]]) -> dict[str, Tensor]:

@@ -24,9 +24,13 @@ Each metric then comes as a pair ``_x_update(stats) -> dict of its statistics`` 
 max/min) the statistics over updates and ranks and call the same ``_x_compute``, so the functional
 value of one batch equals the class value after one update.
 
-Over an empty window (no valid token, or no valid sequence) every metric returns its on-policy
-value, the value identical logprobs would give: ESS, weight mean, second moment, perplexity ratio
-and Pearson 1; differences, fractions, KL and chi-square terms 0.
+The ``_x_compute`` steps return their on-policy value over an empty window (no valid token, or no valid
+sequence): ESS, weight mean, second moment, perplexity ratio and Pearson 1; differences, fractions, KL
+and chi-square terms 0. Nothing reports it: the stateful classes have no keys then (``data_counts``), and
+the public functions below raise a ``ValueError`` on a batch without a valid token (the sequence-level
+ones, ``sequence_ess``, ``sequence_log_ratio`` and ``perplexity_gap``, without a valid sequence;
+``chi_square`` leaves ``chi2_seq`` out then). ``pearson`` needs two valid tokens: with one its key is
+left out.
 """
 
 from __future__ import annotations
@@ -1044,6 +1048,23 @@ def _centred_ess_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor
     return (1.0 - _safe_div(spread, count * (count + 2.0 * sum_u + sum_u2), 0.0)).clamp(0.0, 1.0)
 
 
+_NEEDS = {
+    "n": "valid token (response_mask = 1 and both logprobs finite)",
+    "num_seqs": "valid sequence (one with a valid token and no non-finite response token)",
+}
+
+
+def _raise_if_empty(count: Tensor, need: str = "n") -> None:
+    """The public functions' guard: one batch without a valid token (or sequence) has no value. One host read: a
+    functional call may read a count; a metric's ``update()`` never does (its ``compute`` leaves the keys out)."""
+    if not bool(count > 0):
+        raise ValueError(
+            f"no {_NEEDS[need]} in the batch: every response token is masked out by `response_mask` or has a "
+            "non-finite `trainer_logprobs` / `rollout_logprobs` value, so the metric has no value (the on-policy "
+            "value would be made up); check the mask and the logprob fields"
+        )
+
+
 def _stats(
     trainer_logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -1051,8 +1072,13 @@ def _stats(
     clamp: float = DEFAULT_CLAMP,
     veto: float = DEFAULT_VETO,
     bins: int = DEFAULT_TOP_MASS_BINS,
+    need: str = "n",
 ) -> Stats:
-    return batch_statistics(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp, veto, bins)
+    """The batch statistics of a public function; ``ValueError`` when the batch has no valid token (``need="n"``)
+    or no valid sequence (``need="num_seqs"``, the sequence-level functions)."""
+    stats = batch_statistics(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp, veto, bins)
+    _raise_if_empty(stats[need], need)
+    return stats
 
 
 def importance_ess(
@@ -1100,7 +1126,8 @@ def sequence_ess(
         >>> sequence_ess(t, t - torch.tensor([[1.0, 0.0], [0.0, 0.0]])).round(decimals=4)
         tensor(0.8240, dtype=torch.float64)
     """
-    return _centred_ess_compute(**_seq_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp, need="num_seqs")
+    return _centred_ess_compute(**_seq_ess_update(stats))
 
 
 def _weight_moments_update(stats: Stats) -> Stats:
@@ -1166,7 +1193,7 @@ def importance_weight_std(
 
     .. math:: \sigma_w = \sqrt{\tfrac{1}{N}\sum_t (w_t - 1)^2 - \big(\tfrac{1}{N}\sum_t (w_t - 1)\big)^2}
 
-    (divisor N; 0 over no tokens), from the mergeable sums of ``w - 1`` and ``(w - 1)^2``.
+    (divisor N; a batch without a valid token raises), from the mergeable sums of ``w - 1`` and ``(w - 1)^2``.
 
     Example:
         >>> import torch
@@ -1298,6 +1325,7 @@ def top_gradient_mass(
         tensor(0.4754, dtype=torch.float64)
     """
     view = _view(trainer_logprobs, rollout_logprobs, response_mask)
+    _raise_if_empty(view.num_valid)
     if bins is None:
         return _top_mass_exact_compute(view.weights(clamp), view.num_valid, fraction)
     stats = batch_statistics(view, clamp, DEFAULT_VETO, bins)
@@ -1414,7 +1442,8 @@ def sequence_log_ratio(
         >>> [round(v.item(), 3) for v in out.values()]
         [0.75, 1.25, 2.0, 0.375]
     """
-    return _sequence_compute(**_sequence_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, need="num_seqs")
+    return _sequence_compute(**_sequence_update(stats))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1496,7 +1525,11 @@ def chi_square(
         >>> [round(v.item(), 4) for v in out.values()]
         [3.1945, 6.3891]
     """
-    return _chi2_compute(**_chi2_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
+    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    out = _chi2_compute(**_chi2_update(stats))
+    if not bool(stats["num_seqs"] > 0):  # valid tokens, but every sequence has a non-finite one: as the metric
+        del out[CHI2_KEYS[1]]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1534,7 +1567,7 @@ def perplexity_gap(
         >>> [round(v.item(), 4) for v in out.values()]
         [0.5, 0.5, 1.6487]
     """
-    return _ppl_compute(**_ppl_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
+    return _ppl_compute(**_ppl_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, need="num_seqs")))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1570,14 +1603,18 @@ def _prob_compute(
     # Zero variance leaves Pearson undefined: report 1 when the probabilities are identical, else 0.
     degenerate = torch.where(sum_abs_pq > 0, torch.zeros_like(den), torch.ones_like(den))
     pearson = torch.where(den > 0, (cov / den.clamp_min(1e-300)).clamp(-1.0, 1.0), degenerate)
-    # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|, whose squares are those of p - q.
+    # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|, whose squares are those of p - q. One token:
+    # exactly 0 (sum_dp2 and sum_abs_pq^2 round differently, and their difference is noise, not a spread).
     diff_m2 = (sum_dp2 - sum_abs_pq * sum_abs_pq / m).clamp_min(0.0)
-    return {
+    out = {
         PROB_KEYS[0]: _safe_div(sum_abs_pq, n, 0.0),
         PROB_KEYS[1]: torch.where(n > 0, max_abs_pq.clamp_min(0.0), torch.zeros_like(max_abs_pq)),
         PROB_KEYS[2]: torch.where(n > 0, pearson, torch.ones_like(pearson)),
-        PROB_KEYS[3]: torch.sqrt(diff_m2 / (n - 1.0).clamp_min(1.0)),
+        PROB_KEYS[3]: torch.where(n > 1, torch.sqrt(diff_m2 / (n - 1.0).clamp_min(1.0)), torch.zeros_like(diff_m2)),
     }
+    if not bool(n > 1):  # one host read: a correlation needs two tokens (one token's "pearson" is rounding noise)
+        del out[PROB_KEYS[2]]
+    return out
 
 
 def probability_diff(
@@ -1588,7 +1625,8 @@ def probability_diff(
     Mean, max and standard deviation of :math:`|p_{train} - p_{roll}|` and Pearson's correlation of the two
     probability vectors over valid tokens. ``diff_std`` is verl's ``probs_diff_std`` (its rollout-vs-trainer
     debug metrics): ``torch.std`` of the absolute differences, divisor N - 1 (0 with fewer than two tokens).
-    Pearson with zero variance is 1 if the probabilities are identical, else 0. Logprobs above 0 (invalid)
+    Pearson needs two tokens: with fewer, its key is left out; with zero variance it is 1 if the probabilities
+    are identical, else 0. Logprobs above 0 (invalid)
     are read as 0 and below -80 as -80 (``e^-80 ~ 1.8e-35``: immaterial to every sum, and it keeps CPU exp off
     its slow path). Everything comes from mergeable moments of q and of ``p - q`` (partial sums in the input
     dtype over a sequence or a block of at most 32K tokens, accumulated in float64): the spread of the

@@ -30,14 +30,14 @@ are not in the tensor).
   ``compute()`` raise the same way (pass ``num_experts``); for K <= 2 any integer ids compare exactly.
   Compiled (the metric's ``compiled=True`` or a compiled collection, on CPU for K > 2), one ``torch.compile``
   loop compares the int64 ids themselves (no narrowing) and flags the same out-of-range ids.
-* ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l`` for ``l < num_layers`` (a fixed
-  capacity, so that the state has a fixed size); layers ``l >= num_layers`` are pooled into
-  ``moe/router/layer_overflow/flip_rate``. The stateful metric reports a layer's key only for layers
-  that exist: configured (``num_layers`` given) or observed (the layer saw a valid token in the
-  window); the overflow key only when layers beyond the capacity were observed.
+* ``moe/router/layer_{l}/flip_rate``: the flip rate of layer ``l``, for the layers that saw a valid token
+  in the window (decided on the synced counts; a layer without data has no key). ``num_layers`` (the
+  model's number of MoE layers) sizes the state; a batch with more layers (``L > num_layers``) raises a
+  ``ValueError``. Unset, the capacity is 64 layers and deeper layers ``l >= 64`` are pooled into
+  ``moe/router/layer_overflow/flip_rate`` (that key only when such layers were seen).
 * ``moe/router/worst_layer`` / ``worst_layer_flip_rate``: the layer with the highest flip rate among
   the layers that saw a valid token (the first one on ties), and its rate. The pooled overflow bucket
-  competes as index ``num_layers``, read "a layer >= num_layers": raise ``num_layers`` to resolve it.
+  competes as index 64, read "a layer >= 64": pass ``num_layers`` to resolve it.
 
 Over an empty window (no valid token) the rates are 0 (what identical routing gives) and
 ``worst_layer`` is -1.
@@ -50,7 +50,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import RESPONSE_MASK, BatchView, as_bool_mask, check_count
+from opbc_metrics.batch import (
+    RESPONSE_MASK,
+    ROLLOUT_LOGPROBS,
+    TRAINER_LOGPROBS,
+    BatchView,
+    as_bool_mask,
+    check_count,
+)
 from opbc_metrics.functional.mismatch import _RECOMPILE_LIMIT
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
@@ -195,6 +202,14 @@ def _resolve(view: BatchView, top_k: int | None) -> tuple[Tensor, Tensor, Tensor
     if trainer.device != rollout.device:
         raise ValueError(f"batch field `{t_name}` is on {trainer.device} but `{r_name}` is on {rollout.device}")
     b, t = rollout.shape[:2]
+    for name in (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS):
+        # Peek without marking the field read: a logprob field no metric reads is still reported as unread.
+        logprobs = dict.get(view.data, name)
+        if isinstance(logprobs, Tensor) and tuple(logprobs.shape) != (b, t):
+            raise ValueError(
+                f"batch field `{r_name}` has [B, T] = {(b, t)} but `{name}` has shape {tuple(logprobs.shape)}: "
+                "expert ids (or router logits) must cover the same sequences and tokens as the logprobs"
+            )
     if view.has(RESPONSE_MASK):
         mask = view.tensor(RESPONSE_MASK)
         if tuple(mask.shape) != (b, t):
@@ -550,9 +565,15 @@ def router_set_disagreement(rollout_experts: Tensor, trainer_experts: Tensor) ->
 # ---------------------------------------------------------------------------------------------
 # moe/router/flip_rate, per layer and worst layer
 # ---------------------------------------------------------------------------------------------
-def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None) -> Stats:
+def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None, configured: bool = False) -> Stats:
     rollout, trainer, mask = router_inputs(view, top_k)
     n_layers = rollout.shape[2]
+    if configured and n_layers > num_layers:  # host metadata: a model deeper than the user said, not pooled
+        raise ValueError(
+            f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` (or the router logits) have L = {n_layers} MoE "
+            f"layers, more than num_layers = {num_layers}: set `num_layers` to the model's number of MoE layers "
+            "(or leave it unset to key the layers seen)"
+        )
     flips = _top1_flips(rollout, trainer) & mask.unsqueeze(-1)
     per_layer = flips.sum(dim=(0, 1)).to(torch.float64)  # [L], exact integer counts
     tokens = mask.sum().to(torch.float64)
@@ -565,9 +586,9 @@ def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None
     return {"layer_flips": layer_flips, "layer_pairs": layer_pairs}
 
 
-def _flip_rate_compute(layer_flips: Tensor, layer_pairs: Tensor, configured_layers: int = 0) -> dict[str, Tensor]:
-    """The flip-rate keys: of the layers below ``configured_layers`` and of the layers observed (one host
-    read); the overflow key when layers beyond the capacity were observed."""
+def _flip_rate_compute(layer_flips: Tensor, layer_pairs: Tensor) -> dict[str, Tensor]:
+    """The flip-rate keys of the layers that saw a valid token in the window (one host read of the synced
+    counts: a layer without data has no rate); the overflow key when layers beyond the capacity were seen."""
     num_layers = layer_flips.shape[0] - 1
     rates = _safe_div(layer_flips, layer_pairs, 0.0)
     observed = layer_pairs > 0
@@ -579,11 +600,10 @@ def _flip_rate_compute(layer_flips: Tensor, layer_pairs: Tensor, configured_laye
         WORST_LAYER_RATE_KEY: torch.where(any_observed, rates[worst], torch.zeros_like(rates[0])),
     }
     seen = observed.tolist()
-    shown = [i < configured_layers or seen[i] for i in range(num_layers)] + [seen[num_layers]]
     for i in range(num_layers):
-        if shown[i]:
+        if seen[i]:
             out[layer_key(i)] = rates[i]
-    if shown[num_layers]:
+    if seen[num_layers]:
         out[LAYER_OVERFLOW_KEY] = rates[num_layers]
     return out
 
@@ -616,8 +636,8 @@ def router_flip_rate(
         rollout: rollout expert ids ``[B, T, L, K]`` (integer) or router logits ``[B, T, L, E]`` (float).
         trainer: the trainer's, in either form.
         response_mask: ``[B, T]``; all ones when absent.
-        num_layers: per-layer keys for layers ``0 .. num_layers - 1``; deeper layers pool into
-            ``layer_overflow`` (default: ``L``, a key for every layer that saw a valid token).
+        num_layers: the model's number of MoE layers; ``L > num_layers`` raises a ``ValueError``
+            (default: ``L``). A layer's key is there when the layer saw a valid token.
         top_k: K for router logits (required with logits).
 
     Example:
@@ -635,7 +655,7 @@ def router_flip_rate(
     top_k = check_top_k(top_k)
     configured = 0 if num_layers is None else check_count("num_layers", num_layers, optional=False)
     capacity = configured or router_inputs(view, top_k)[0].shape[2]
-    return _flip_rate_compute(**_flip_rate_update(view, capacity, top_k), configured_layers=configured)
+    return _flip_rate_compute(**_flip_rate_update(view, capacity, top_k, configured=bool(configured)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,9 +699,9 @@ def _set_disagreement_compute(
                 "are compared as int16; pass the model's number of experts as `num_experts`"
             )
         raise ValueError(
-            f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` held expert ids outside [0, num_experts) = "
-            f"[0, {num_experts}) in {int(out_of_range)} valid tokens: pass the model's number of experts as "
-            "`num_experts`"
+            f"batch fields `{ROLLOUT_EXPERTS}` / `{TRAINER_EXPERTS}` held expert ids out of range for "
+            f"num_experts={num_experts} (outside [0, {num_experts})) in {int(out_of_range)} valid tokens: check that "
+            "`num_experts` is the model's number of routed experts and that the ids are expert indices"
         )
     return _safe_div(disagreements, tokens, 0.0)
 

@@ -16,9 +16,9 @@ The keys and their meaning follow verl's per-round debug metrics (verl PR #5229,
   value a verl user reads as "how many turns the longest trajectory had", and the number of
   ``round_{i}`` entries that carry data.
 * ``per_round/max_round_diff``: the round ``i`` with the largest ``round_{i}_abs_diff_mean`` among the
-  rounds with at least one valid token, the first one on ties (as verl's strict ``>`` scan); -1 when
-  no round has one. ``per_round/max_diff_value``: that mean; 0 when there is none (verl leaves the key
-  out then; a fixed key set needs a value).
+  rounds with at least one valid token, the first one on ties (as verl's strict ``>`` scan).
+  ``per_round/max_diff_value``: that mean. Both are left out when no round has a valid token (as verl
+  leaves them out).
 
 Rounds are found in the mismatch kernel's sweep over the tokens (:func:`opbc_metrics.functional.mismatch.
 _round_sums`): a round starts where the mask is 1 and the previous token's is 0; its sums are differences of
@@ -32,7 +32,8 @@ no host sync, a fixed state size.
 Round boundaries come from ``response_mask`` alone. A response token whose trainer or rollout logprob
 is non-finite stays in its round (it neither splits nor ends it) and in ``token_count``, but is left
 out of the mean, as everywhere in this library (see :mod:`opbc_metrics.batch`); a round whose tokens
-are all non-finite has mean 0 and does not compete for ``max_round_diff``.
+are all non-finite has no ``abs_diff_mean`` key (no value; its ``token_count`` stays) and does not compete
+for ``max_round_diff``.
 """
 
 from __future__ import annotations
@@ -147,14 +148,22 @@ def _per_round_compute(
     return out
 
 
-def _occurred(out: dict[str, Tensor], capacity: int) -> dict[str, Tensor]:
+def _occurred(out: dict[str, Tensor], capacity: int, valid_count: Tensor) -> dict[str, Tensor]:
     """``out`` without the keys of rounds that no sequence reached, and without the overflow keys unless
-    a sequence had more than ``capacity`` rounds (single-turn data gets round 0 only). Which keys exist
-    depends on the data, so this reads one number on the host: for ``compute``, never ``update``."""
-    rounds = int(out[TOTAL_ROUNDS_KEY].item())
+    a sequence had more than ``capacity`` rounds (single-turn data gets round 0 only); without the mean of a
+    round that had no finite token (``valid_count`` 0: no mean, not a made-up 0; its token count stays), and
+    without ``max_round_diff`` / ``max_diff_value`` when no round had one. Which keys exist depends on the
+    data, so this reads the counts on the host: for ``compute``, never ``update``."""
+    read = torch.cat([out[TOTAL_ROUNDS_KEY].reshape(1), (valid_count > 0).to(valid_count.dtype)]).tolist()  # one read
+    rounds, has_mean = int(read[0]), [bool(x) for x in read[1:]]
     absent = {k for i in range(min(rounds, capacity), capacity) for k in (round_mean_key(i), round_count_key(i))}
     if rounds <= capacity:
         absent |= {OVERFLOW_MEAN_KEY, OVERFLOW_COUNT_KEY}
+    absent |= {round_mean_key(i) for i in range(capacity) if not has_mean[i]}
+    if not has_mean[capacity]:
+        absent.add(OVERFLOW_MEAN_KEY)
+    if not any(has_mean):
+        absent |= {MAX_ROUND_KEY, MAX_VALUE_KEY}
     return {k: v for k, v in out.items() if k not in absent}
 
 
@@ -189,4 +198,5 @@ def per_round_mismatch(
     """
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
     capacity = check_count("capacity", capacity, optional=False)
-    return _occurred(_per_round_compute(**_per_round_update(view, capacity)), capacity)
+    stats = _per_round_update(view, capacity)
+    return _occurred(_per_round_compute(**stats), capacity, stats["valid_count"])

@@ -10,8 +10,9 @@ on one batch equals the class value after one update.
 reduced per sample over its response tokens (``response_mask`` = 1; every token when the mask is
 absent): rewards are **summed** (verl's sequence score: token-level rewards are 0 except on the last
 token), advantages are **averaged** (GRPO broadcasts one advantage over the sequence, so the mean is
-that value; for GAE it is the sequence's mean advantage). A sample without response tokens has reward
-0 and no advantage (it is left out of the advantage statistics). ``prompt_lengths`` and
+that value; for GAE it is the sequence's mean advantage). A sample without response tokens has no
+reward and no advantage (it is left out of their statistics and of the reward Gini; a window where no
+sample had one gives no keys). ``prompt_lengths`` and
 ``response_lengths`` are ``[B]`` token counts; total tokens are their sum.
 
 **Statistics per step.** "Per step" is the window since the last ``reset()``: all updates, all ranks.
@@ -88,9 +89,15 @@ DISCARD_REASONS = "discard_reasons"
 SAMPLE_METRICS = "sample_metrics"
 
 #: Int codes of ``stop_reasons`` (vLLM / SGLang / OpenAI finish reasons). Only ``length`` matters here;
-#: the metric takes another code for it as ``length_code``. Any other code is "not truncated".
+#: the metric takes another code for it as ``length_code``. Any other int code raises (at ``compute()``).
 STOP_REASON_CODES: dict[str, int] = {"stop": 0, "length": 1, "abort": 2}
 LENGTH_CODE = STOP_REASON_CODES["length"]
+#: Finish-reason strings accepted in a list of ``stop_reasons`` (``"length"`` marks truncation; None is "not
+#: truncated"): vLLM and SGLang (stop, length, abort), OpenAI (also tool_calls, content_filter, function_call),
+#: verl's ``AgentLoopOutput.stop_reason`` (completed, aborted, length). Any other string raises.
+STOP_REASON_STRINGS: tuple[str, ...] = (
+    "stop", "length", "abort", "tool_calls", "content_filter", "function_call", "completed", "aborted",
+)
 #: Int codes of ``discard_reasons``: 0 kept (trained on), 1 max_async, 2 zero_advantage.
 DISCARD_REASON_CODES: dict[str, int] = {"kept": 0, "max_async": 1, "zero_advantage": 2}
 
@@ -195,18 +202,17 @@ def _per_sample(view: BatchView, name: str, reduce: str) -> tuple[Tensor, Tensor
 
     def make() -> tuple[Tensor, Tensor]:
         t = _real_tensor(view, name)
+        if t.ndim not in (1, 2):  # before the batch-size check, which reads shape[0] (a 0-dim tensor has none)
+            raise ValueError(f"batch field `{name}` must have shape [B] or [B, T], got {tuple(t.shape)}")
         _check_batch_size(view, name, t)
         if t.ndim == 1:
             x = t.to(F64)
             return x, torch.ones_like(x)
-        if t.ndim == 2:
-            mask = _token_mask(view, name, t)
-            x = torch.where(mask, t.to(F64), 0.0).sum(dim=1)
-            if reduce == "sum":
-                return x, torch.ones_like(x)
-            n = mask.sum(dim=1).to(F64)
-            return x / n.clamp_min(1.0), (n > 0).to(F64)
-        raise ValueError(f"batch field `{name}` must have shape [B] or [B, T], got {tuple(t.shape)}")
+        mask = _token_mask(view, name, t)
+        x = torch.where(mask, t.to(F64), 0.0).sum(dim=1)
+        n = mask.sum(dim=1).to(F64)
+        # A sample without response tokens has no value (not a made-up reward 0): weight 0.
+        return (x if reduce == "sum" else x / n.clamp_min(1.0)), (n > 0).to(F64)
 
     return view.shared(("rollout/per_sample", name, reduce), make)
 
@@ -765,13 +771,30 @@ def _code_tensor(view: BatchView, name: str, table: dict[str, int], none_code: i
 
 
 def _stop_update(view: BatchView, length_code: int, device: torch.device | str = "cpu") -> Stats:
-    # Strings: "length" is truncation; None and every other string (stop, abort, tool_calls, ...) are not.
-    not_length = length_code - 1  # any code other than length_code
-    codes = _code_tensor(view, STOP_REASONS, {"length": length_code}, not_length, not_length, device,
-                         allow_bool=True)
-    hit = codes if codes.dtype == torch.bool else codes == length_code
+    """Truncated and total counts, the per-sample hits, and ``invalid``: int codes other than those of
+    :data:`STOP_REASON_CODES` and ``length_code``, counted (a tensor's values cannot be read without a sync)."""
+    # Strings: "length" is truncation; None and the other known finish reasons are not; unknown strings raise
+    # here (a host list: no sync). They map onto a known code that is not length_code.
+    not_length = next(c for c in STOP_REASON_CODES.values() if c != length_code)
+    table = {**dict.fromkeys(STOP_REASON_STRINGS, not_length), "length": length_code}
+    codes = _code_tensor(view, STOP_REASONS, table, not_length, None, device, allow_bool=True)
+    if codes.dtype == torch.bool:
+        hit, invalid = codes, torch.zeros((), dtype=F64, device=codes.device)
+    else:
+        hit = codes == length_code
+        known = hit.clone()
+        for code in STOP_REASON_CODES.values():
+            known |= codes == code
+        invalid = (~known).to(F64).sum()
     return {"length": hit.to(F64).sum(), "count": torch.full((), float(hit.shape[0]), dtype=F64, device=hit.device),
-            "hits": hit}
+            "hits": hit, "invalid": invalid}
+
+
+def stop_codes_what(length_code: int) -> str:
+    """What a deferred ``stop_reasons`` error says the accepted int codes are."""
+    known = sorted({*STOP_REASON_CODES.values(), length_code})
+    return (f"int codes other than {known} (STOP_REASON_CODES {STOP_REASON_CODES}, length_code {length_code}); "
+            f"strings may be any of {list(STOP_REASON_STRINGS)}")
 
 
 def _stop_compute(length: Tensor, count: Tensor) -> Tensor:
@@ -783,7 +806,8 @@ def stop_reason_length_pct(stop_reasons: Any, length_code: int = LENGTH_CODE) ->
 
     ``stop_reasons`` is a ``[B]`` int tensor of :data:`STOP_REASON_CODES` (``length_code``, 1 by
     default, marks truncation), a ``[B]`` bool tensor (True = truncated), or a list of finish-reason
-    strings in which ``"length"`` marks truncation (None and any other string: not truncated).
+    strings of :data:`STOP_REASON_STRINGS` in which ``"length"`` marks truncation (None: not truncated).
+    Other int codes or strings raise a ``ValueError`` naming them and the accepted values.
 
     Example:
         >>> import torch
@@ -791,8 +815,22 @@ def stop_reason_length_pct(stop_reasons: Any, length_code: int = LENGTH_CODE) ->
         tensor(50., dtype=torch.float64)
         >>> stop_reason_length_pct(torch.tensor([0, 1, 2, 0]))
         tensor(25., dtype=torch.float64)
+        >>> stop_reason_length_pct(torch.tensor([0, 7]))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `stop_reasons` holds int code(s) [7]; accepted: [0, 1, 2] ...
     """
-    stats = _stop_update(BatchView(stop_reasons=stop_reasons), length_code)
+    view = BatchView(stop_reasons=stop_reasons)
+    stats = _stop_update(view, length_code)
+    if bool(stats["invalid"] > 0):  # a functional call may read to the host; the metric defers this to compute()
+        codes = _code_tensor(view, STOP_REASONS, {}, 0, 0, "cpu", allow_bool=True)
+        known = torch.tensor(sorted({*STOP_REASON_CODES.values(), length_code}), device=codes.device)
+        bad = torch.unique(codes[~torch.isin(codes, known)]).tolist()
+        raise ValueError(
+            f"batch field `{STOP_REASONS}` holds int code(s) {bad}; accepted: {known.tolist()} "
+            f"(STOP_REASON_CODES {STOP_REASON_CODES}, length_code {length_code}) or the strings "
+            f"{list(STOP_REASON_STRINGS)}"
+        )
     return _stop_compute(stats["length"], stats["count"])
 
 
@@ -885,7 +923,8 @@ def _discarded_stats_update(view: BatchView, length_code: int, device: torch.dev
         stop = _stop_update(view, length_code, device)
         hit = stop["hits"]
         _check_same_batch(STOP_REASONS, hit, DISCARD_REASONS, codes)
-        stats.update(stop_length=(hit & gone).to(F64).sum(), stop_count=gone.to(F64).sum())
+        stats.update(stop_length=(hit & gone).to(F64).sum(), stop_count=gone.to(F64).sum(),
+                     stop_invalid=stop["invalid"])
     return stats
 
 
@@ -928,6 +967,7 @@ def discarded_rollout_stats(
                      stop_reasons=stop_reasons)
     stats = _discarded_stats_update(view, length_code)
     raise_if_invalid(RESPONSE_LENGTHS, stats.pop("invalid"), BAD_COUNTS + " or discard codes outside {0, 1, 2}")
+    raise_if_invalid(STOP_REASONS, stats.pop("stop_invalid", torch.zeros(())), stop_codes_what(length_code))
     zero = torch.zeros((), dtype=F64)
     for name in ("gini_sum", "gini_groups", "ratio_sum", "ratio_groups", "stop_length", "stop_count"):
         stats.setdefault(name, zero)

@@ -592,7 +592,9 @@ class ProbabilityDiff(_MismatchMetric):
     On :math:`p = e^{\log p}`: mean and max :math:`|p_{train} - p_{roll}|`, Pearson's correlation
     (1 for identical constant probabilities, 0 for other zero-variance cases) and ``diff_std``, verl's
     ``probs_diff_std``: the standard deviation of :math:`|p_{train} - p_{roll}|` with divisor N - 1 as
-    ``torch.std`` takes it (0 with fewer than two tokens).
+    ``torch.std`` takes it (0 with fewer than two tokens). Pearson needs two valid tokens in the window: with
+    one, its key is left out. Logprobs above 0 (the rounding that :class:`InputHealth` lets through) are read
+    as 0, probability 1; below -80 as -80.
 
     Example:
         >>> import torch

@@ -12,11 +12,7 @@ from opbc_metrics.functional.moe import (
     DEFAULT_MOE_LAYERS,
     EXPERT_FIELDS,
     LOGIT_FIELDS,
-    ROLLOUT_EXPERTS,
-    ROLLOUT_ROUTER_LOGITS,
     TOPK_DISAGREEMENT_KEY,
-    TRAINER_EXPERTS,
-    TRAINER_ROUTER_LOGITS,
     _flip_rate_compute,
     _flip_rate_update,
     _set_disagreement_compute,
@@ -36,11 +32,12 @@ class _RouterMetric(OPBCMetric):
     """Base of the router metrics: reads expert ids (or router logits) of both engines and the mask.
 
     ``optional_inputs``: inside an :class:`~opbc_metrics.collection.OPBCCollection` the member skips
-    batches that lack its ``required_fields`` (dense models, logprob-only batches) instead of raising.
-    ``required_fields`` are the expert-id fields, or the router-logit fields when ``top_k`` is given.
-    Called directly, the metric reads each side from its expert ids if present, else from its router
-    logits, so mixed batches (replayed rollout ids, trainer logits) work; :meth:`accepts` says whether
-    a batch can be read.
+    batches that carry none of the four routing fields (dense models, logprob-only batches); a batch with
+    any of them updates it, so one side without the other, or router logits without ``top_k``, raise a
+    ``ValueError`` naming the missing field or option (:meth:`accepts`). ``required_fields`` are the
+    expert-id fields, or the router-logit fields when ``top_k`` is given. The metric reads each side from
+    its expert ids if present, else from its router logits, so mixed batches (replayed rollout ids,
+    trainer logits) work.
     """
 
     higher_is_better = False  # rates of disagreement, in [0, 1]
@@ -55,9 +52,9 @@ class _RouterMetric(OPBCMetric):
         self.top_k = check_top_k(top_k)
 
     def accepts(self, view: BatchView) -> bool:
-        """Whether each side of the batch carries expert ids, or router logits with ``top_k`` set."""
-        sides = ((ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS), (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS))
-        return all(view.has(ids) or (self.top_k is not None and view.has(logits)) for ids, logits in sides)
+        """Whether the batch carries any routing field (expert ids or router logits, either side): then the
+        metric updates, and raises on a missing side or on logits without ``top_k``, never skips them silently."""
+        return any(view.has(name) for name in (*EXPERT_FIELDS, *LOGIT_FIELDS))
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``rollout_experts`` / ``trainer_experts`` ``[B, T, L, K]`` (or
@@ -77,19 +74,20 @@ class RouterFlipRate(_RouterMetric):
     so DDP sync is exact and the size does not depend on the model. Keys:
 
     * ``moe/router/flip_rate``: over all layers (the overflow included).
-    * ``moe/router/layer_{l}/flip_rate`` for the layers that exist: ``l < num_layers`` when
-      ``num_layers`` is given, else the layers that saw a valid token in the window (a 48-layer model
-      gets 48 keys). ``moe/router/layer_overflow/flip_rate`` for the pooled layers ``>= num_layers``,
-      only when such layers were seen.
+    * ``moe/router/layer_{l}/flip_rate`` for the layers that saw a valid token in the window (a 48-layer
+      model gets 48 keys; a layer without data has no key, on the synced counts). Without ``num_layers``,
+      layers ``>= 64`` are pooled into ``moe/router/layer_overflow/flip_rate``, only when such layers were
+      seen.
     * ``moe/router/worst_layer``: the layer with the highest rate among the layers that saw a valid
-      token, the first one on ties; ``num_layers`` stands for the pooled overflow bucket ("some layer
-      >= num_layers"). ``moe/router/worst_layer_flip_rate``: its rate.
+      token, the first one on ties; 64 stands for the pooled overflow bucket ("some layer >= 64").
+      ``moe/router/worst_layer_flip_rate``: its rate.
 
     No valid token in the window: no keys.
 
     Args:
-        num_layers: the model's number of MoE layers: one key per layer, always (the per-layer
-            capacity). ``None`` (the default): a capacity of 64 and keys for the observed layers.
+        num_layers: the model's number of MoE layers (the per-layer capacity): a batch with more layers
+            raises a ``ValueError`` in ``update``. ``None`` (the default): a capacity of 64, deeper layers
+            pooled.
         top_k: the number of routed experts, needed to read router logits (top-1 uses the first).
         kwargs: torchmetrics ``Metric`` arguments.
 
@@ -115,7 +113,7 @@ class RouterFlipRate(_RouterMetric):
         what="Fraction of (token, layer) pairs where the MoE top-1 routed expert differs between rollout and "
         "trainer: top-1 stability under quantization or precision changes. Low values (< 5%) suggest the "
         "dominant expert is robust. Also per MoE layer (layer_{l}/flip_rate, layers beyond the capacity "
-        "pooled in layer_overflow) and the worst layer with its rate.",
+        "pooled in layer_overflow without num_layers) and the worst layer with its rate.",
         unit=_PAIRS,
         cap="flip_rate > max_flip (0.15)",
         action="the OPBC quarantines the group: its routing no longer matches the trainer's, so the trainer's "
@@ -130,10 +128,10 @@ class RouterFlipRate(_RouterMetric):
         self.num_layers = self.configured_layers or DEFAULT_MOE_LAYERS
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
-        return _flip_rate_update(view, self.num_layers, self.top_k)
+        return _flip_rate_update(view, self.num_layers, self.top_k, configured=bool(self.configured_layers))
 
     def compute(self) -> dict[str, Tensor]:
-        return _flip_rate_compute(**self.state_values(), configured_layers=self.configured_layers)
+        return _flip_rate_compute(**self.state_values())
 
 
 class RouterSetDisagreement(_RouterMetric):

@@ -34,10 +34,10 @@ class PerRoundMismatch(OPBCMetric):
     Keys: ``per_round/total_rounds`` (the most rounds of any one sequence), ``per_round/round_{i}_abs_diff_mean``
     and ``per_round/round_{i}_token_count`` for ``i < capacity``, ``per_round/overflow_abs_diff_mean`` and
     ``per_round/overflow_token_count`` pooling rounds ``>= capacity``, ``per_round/max_round_diff`` (the
-    round with the largest mean, first on ties; ``capacity`` stands for the overflow bucket; -1 when no
-    round has a valid token) and ``per_round/max_diff_value`` (its mean; 0 then). Only rounds some sequence
-    reached have keys (single-turn data: round 0 only), and the overflow keys appear only when a sequence
-    had more than ``capacity`` rounds.
+    round with the largest mean, first on ties; ``capacity`` stands for the overflow bucket) and
+    ``per_round/max_diff_value`` (its mean). Only rounds some sequence reached have keys (single-turn data:
+    round 0 only), and the overflow keys appear only when a sequence had more than ``capacity`` rounds; a
+    round without a finite token in the window has its ``token_count`` but no ``abs_diff_mean``.
 
     States: per-bucket sums of ``|r|``, valid-token counts and response-token counts
     (``capacity + 1`` each) and the running max of rounds per sequence; the max round is found in
@@ -105,7 +105,7 @@ class PerRoundMismatch(OPBCMetric):
 
     def compute(self) -> dict[str, Tensor]:
         out = _per_round_compute(**self.state_values())
-        return _occurred(out, self.capacity)
+        return _occurred(out, self.capacity, self.valid_count)
 
 
 PER_ROUND_METRICS: tuple[type[PerRoundMismatch], ...] = (PerRoundMismatch,)

@@ -66,6 +66,7 @@ from opbc_metrics.functional.rollout import (
     _total_token_stats_update,
     check_sample_metric_names,
     sample_metric_keys,
+    stop_codes_what,
 )
 from opbc_metrics.functional.statistics import Stats, raise_if_invalid
 from opbc_metrics.metric import MAX, MIN, BySettings, GlossaryEntry, OPBCMetric, State, table
@@ -204,9 +205,10 @@ class RolloutRewardStats(_MomentStats):
     Over the samples of the window: mean, sample std (divide by n - 1, as Telescope; no std key for a
     single sample), min and max of the total
     reward per sample. ``rewards`` is ``[B]``, or ``[B, T]`` token-level rewards summed per sample over
-    the response tokens. ``reward_min`` / ``reward_max`` are the environment's declared reward range:
-    metadata for the charts (:meth:`chart_ranges`), never used in the values; an undeclared bound is
-    the run's observed one. Non-finite rewards raise a ``ValueError`` naming ``rewards`` at ``compute()``.
+    the response tokens (a sample without response tokens has no reward and is left out). ``reward_min`` /
+    ``reward_max`` are the environment's declared reward range: metadata for the charts (:meth:`chart_ranges`),
+    never used in the values; an undeclared bound is the run's observed one. Non-finite rewards raise a
+    ``ValueError`` naming ``rewards`` at ``compute()``.
     No data in the window: no keys.
 
     Args:
@@ -473,7 +475,10 @@ class StopReasonLengthPct(_RolloutMetric):
     Key ``rollout/stop_reason/length_pct``. ``stop_reasons`` is a ``[B]`` int tensor of codes (see
     :data:`~opbc_metrics.functional.rollout.STOP_REASON_CODES`: 0 stop, 1 length, 2 abort; the code of
     truncation is ``length_code``), a ``[B]`` bool tensor (True = truncated), or a list of finish-reason
-    strings where ``"length"`` marks truncation (vLLM / SGLang / OpenAI ``finish_reason``). No data: no key.
+    strings where ``"length"`` marks truncation (vLLM / SGLang / OpenAI ``finish_reason``, verl's
+    ``stop_reason``: :data:`~opbc_metrics.functional.rollout.STOP_REASON_STRINGS`). An unknown string raises a
+    ``ValueError`` in ``update``; an int code other than 0, 1, 2 and ``length_code`` is counted there (no
+    host sync) and makes ``compute()`` raise one naming ``stop_reasons``. No data: no key.
 
     Args:
         length_code: the int code that marks truncation (1).
@@ -488,7 +493,7 @@ class StopReasonLengthPct(_RolloutMetric):
     """
 
     keys, required_fields, higher_is_better = (STOP_LENGTH_PCT_KEY,), (STOP_REASONS,), False
-    states = table("length", "count")
+    states = table("length", "count", "invalid")
     plot_lower_bound, plot_upper_bound = 0.0, 100.0
     glossary = _entry("stop_reason_length_pct", "Percentage of samples that hit the token length limit (finish "
                       "reason 'length').", action="no OPBC action; a high value may indicate that max_token_len "
@@ -498,11 +503,16 @@ class StopReasonLengthPct(_RolloutMetric):
         super().__init__(**kwargs)
         self.length_code = _check_length_code(length_code)
 
+    @property
+    def invalid_what(self) -> str:  # type: ignore[override]
+        return stop_codes_what(self.length_code)
+
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         stats = _stop_update(view, self.length_code, self.device)
-        return {"length": stats["length"], "count": stats["count"]}  # not the per-sample hits
+        return {"length": stats["length"], "count": stats["count"], "invalid": stats["invalid"]}  # not the hits
 
     def compute(self) -> Tensor:
+        self._raise_if_invalid()  # int codes outside the known ones, counted by update (no sync there)
         return _stop_compute(self.length, self.count)
 
 
@@ -600,7 +610,8 @@ class DiscardedRolloutStats(_RolloutMetric):
         unit="discarded rollouts (and their prompt groups), over the window and all ranks",
     )
     states = table("count", "total", "total_sq", "total_hi", "total_sq_hi", "invalid", "gini_sum", "gini_groups",
-                   "ratio_sum", "ratio_groups", "stop_length", "stop_count", min=MIN, max=MAX)
+                   "ratio_sum", "ratio_groups", "stop_length", "stop_count", "stop_invalid", min=MIN, max=MAX)
+    data_counts = (*_RolloutMetric.data_counts, "stop_invalid")  # compute() raises on them
 
     def __init__(self, length_code: int = LENGTH_CODE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -611,7 +622,8 @@ class DiscardedRolloutStats(_RolloutMetric):
 
     def compute(self) -> dict[str, Tensor]:
         self._raise_if_invalid()
-        return _discarded_stats_compute(**self.state_values(exclude=("invalid",)))
+        raise_if_invalid(STOP_REASONS, self.stop_invalid, stop_codes_what(self.length_code))
+        return _discarded_stats_compute(**self.state_values(exclude=("invalid", "stop_invalid")))
 
 
 _SAMPLE_FIELDS = (SAMPLE_METRICS, GROUP_IDS)
