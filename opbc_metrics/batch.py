@@ -39,6 +39,11 @@ GROUP_IDS = "group_ids"
 DEFAULT_CLAMP = 20.0
 DEFAULT_VETO = 30.0
 
+# How alike (difflib's ratio) an unread field's name and a schema name must be for the field to be taken as a
+# misspelling (refused) rather than a field of the user's own (ignored with a warning): `respons_mask` 0.96,
+# `reward` 0.92 pass; verl's `responses` (0.82 to `response_mask`) and `turns` (0.83 to `returns`) do not.
+CLOSE_MATCH_CUTOFF = 0.85
+
 # A logprob side whose valid values reach above this holds probabilities, logits or the like, not logprobs.
 PROBABILITY_TOLERANCE = 0.01
 
@@ -407,7 +412,7 @@ class BatchView:
         # A field that metrics of other sections read is for them (adapters map every field they find): no warning.
         unknown = [k for k in unread if k not in known]
         for name in unknown:
-            close = difflib.get_close_matches(str(name), meant, n=1, cutoff=0.8)
+            close = difflib.get_close_matches(str(name), meant, n=1, cutoff=CLOSE_MATCH_CUTOFF)
             if close:
                 raise ValueError(
                     f"batch field `{name}` is not read by opbc-metrics: did you mean `{close[0]}`? "
@@ -432,7 +437,8 @@ class BatchView:
         if value is None:
             present = ", ".join(sorted(k for k, v in self.data.items() if v is not None)) or "none"
             hint = ""
-            close = difflib.get_close_matches(name, [k for k in self.data if isinstance(k, str)], n=1, cutoff=0.8)
+            close = difflib.get_close_matches(name, [k for k in self.data if isinstance(k, str)], n=1,
+                                              cutoff=CLOSE_MATCH_CUTOFF)
             if close:
                 hint = f"; is it the field given as `{close[0]}`?"
             elif {"batch", "non_tensor_batch"} <= self.data.keys():  # a verl DataProto passed as it is

@@ -101,7 +101,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import FRAMEWORK_FIELDS, known_field_names
+from opbc_metrics.batch import CLOSE_MATCH_CUTOFF, FRAMEWORK_FIELDS, known_field_names
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 JSON_SUFFIXES = (".json",)
@@ -138,8 +138,6 @@ PER_ROW_PT_FIELDS = (
 )
 TOKEN_PT_FIELDS = ("trainer_logprobs", "rollout_logprobs", "response_mask")
 EXPERT_FIELDS = ("rollout_experts", "trainer_experts")
-# Unknown keys this close (difflib ratio) to an absent schema key are misspellings, as in BatchView.check_unread.
-CLOSE_MATCH_CUTOFF = 0.8
 _SAMPLE_SCHEMA = frozenset((*SAMPLE_KEYS, *EXPERT_FIELDS))
 _SAMPLE_ALIASES = {batch: key for key, batch in BATCH_NAMES.items()}
 
@@ -413,7 +411,7 @@ def unknown_keys(
         >>> unknown_keys({"trainer_logprobs": [], "respons_mask": [1]}, SAMPLE_KEYS, {})
         Traceback (most recent call last):
         ...
-        opbc_metrics.io.SampleError: unknown key `respons_mask`: did you mean `response_mask`? (rename it: ...)
+        opbc_metrics.io.SampleError: unknown key `respons_mask`: did you mean `response_mask`? (rename it, ...)
     """
     accepted = frozenset(accepted)
     if all(k in accepted or v is None for k, v in obj.items()):  # the common case: nothing to look at
@@ -430,7 +428,8 @@ def unknown_keys(
         if framework is not None and framework[0] in accepted and framework[0] not in present:
             close = [framework[0]]
         else:
-            close = [meant[c] for c in difflib.get_close_matches(name, list(meant), n=1, cutoff=CLOSE_MATCH_CUTOFF)]
+            matches = difflib.get_close_matches(name, list(meant), n=1, cutoff=CLOSE_MATCH_CUTOFF)  # as check_unread
+            close = [meant[c] for c in matches]
         if close:
             other = f" (`{name}` is its {alias_kind})" if aliases.get(name) == close[0] else ""
             misnamed.append(f"unknown key `{name}`: did you mean `{close[0]}`?{other}")
@@ -438,8 +437,8 @@ def unknown_keys(
             ignored.append(name)
     if misnamed:  # all of them at once, so that one pass over the file fixes them
         what = "it" if len(misnamed) == 1 else "them"
-        raise SampleError(f"{'; '.join(misnamed)} (rename {what}: an unknown key is ignored, which would change the "
-                          "result)")
+        raise SampleError(f"{'; '.join(misnamed)} (rename {what}, or remove {what} if meant otherwise: an unknown key "
+                          "is ignored, which would change the result)")
     return ignored
 
 

@@ -497,3 +497,14 @@ def test_range_check_holds_for_ids_beyond_int32():
     assert differs.tolist() == [[False, True]] and outside.tolist() == [[False, False]]
     rollout[0, 1, 0, 0] = -1
     assert FM._set_differs_tokens(rollout, trainer, 2**41)[1].tolist() == [[False, True]]
+
+
+def test_functional_rates_refuse_a_batch_without_response_tokens():
+    """The public functions returned rate 0 (worst layer -1) for an all-zero mask: a made-up on-policy value."""
+    from opbc_metrics.functional.moe import router_flip_rate, router_topk_disagreement_rate
+
+    ids = torch.zeros(2, 3, 2, 2, dtype=torch.long)
+    for fn in (router_flip_rate, router_topk_disagreement_rate):
+        with pytest.raises(ValueError, match="no response token in the batch"):
+            fn(ids, ids, torch.zeros(2, 3))
+        assert fn(ids, ids, torch.ones(2, 3)) is not None

@@ -486,3 +486,11 @@ def test_sample_metric_no_sample_reported_has_no_keys():
     out = metric.compute()
     assert {k.split("/")[1] for k in out} == {"a"}
     assert out["sample_metrics/a/mean"].item() == 2.0 and out["sample_metrics/a/std"].item() == math.sqrt(2.0)
+
+
+def test_functional_length_share_refuses_no_stop_reason():
+    from opbc_metrics.functional.rollout import stop_reason_length_pct
+
+    with pytest.raises(ValueError, match="`stop_reasons` is empty"):
+        stop_reason_length_pct([])
+    assert float(stop_reason_length_pct(["length", "stop"])) == 50.0

@@ -655,7 +655,19 @@ def router_flip_rate(
     top_k = check_top_k(top_k)
     configured = 0 if num_layers is None else check_count("num_layers", num_layers, optional=False)
     capacity = configured or router_inputs(view, top_k)[0].shape[2]
-    return _flip_rate_compute(**_flip_rate_update(view, capacity, top_k, configured=bool(configured)))
+    stats = _flip_rate_update(view, capacity, top_k, configured=bool(configured))
+    _require_tokens(stats["layer_pairs"].sum())
+    return _flip_rate_compute(**stats)
+
+
+def _require_tokens(count: Tensor) -> None:
+    """A public function's ``ValueError`` for a batch without a response token (one host read: a function may;
+    a metric's update may not): its rates would be made-up zeros."""
+    if not bool(count > 0):
+        raise ValueError(
+            "no response token in the batch (`response_mask` all 0, or an empty batch): the router rates are "
+            "undefined"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,4 +755,5 @@ def router_topk_disagreement_rate(
     view = _view_of(rollout, trainer, response_mask)
     num_experts = check_count("num_experts", num_experts)
     stats = _set_disagreement_update(view, check_top_k(top_k), num_experts)
+    _require_tokens(stats["tokens"])
     return _set_disagreement_compute(**stats, num_experts=num_experts)

@@ -831,6 +831,8 @@ def stop_reason_length_pct(stop_reasons: Any, length_code: int = LENGTH_CODE) ->
             f"(STOP_REASON_CODES {STOP_REASON_CODES}, length_code {length_code}) or the strings "
             f"{list(STOP_REASON_STRINGS)}"
         )
+    if not bool(stats["count"] > 0):
+        raise ValueError(f"batch field `{STOP_REASONS}` is empty: the truncation share is undefined")
     return _stop_compute(stats["length"], stats["count"])
 
 
