@@ -271,7 +271,7 @@ def valid_tokens(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return mask & ((log_ratio - log_ratio) == 0)
 
 
-def raise_if_not_logprobs(low: Tensor, high: Tensor) -> None:
+def raise_if_not_logprobs(low: Tensor | list[float], high: Tensor | list[float]) -> None:
     """The deferred error for a logprob field that holds positive values: probabilities (all values in ``[0, 1]``)
     or logits, rewards and the like (``low``/``high``: the ``[2]`` min/max of the valid trainer and rollout values
     seen in the window; read at compute only). Log-probabilities are <= 0; up to :data:`PROBABILITY_TOLERANCE`
@@ -292,7 +292,8 @@ def raise_if_not_logprobs(low: Tensor, high: Tensor) -> None:
         "map a framework batch with its adapter (opbc_metrics.integrations.trl.trl_to_batch, "
         "opbc_metrics.integrations.verl.verl_to_batch)"
     )
-    for name, lo, hi in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), low.tolist(), high.tolist(), strict=True):
+    low, high = (x.tolist() if isinstance(x, Tensor) else x for x in (low, high))
+    for name, lo, hi in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), low, high, strict=True):
         if hi <= PROBABILITY_TOLERANCE:
             continue
         if lo >= 0.0 and hi <= 1.0:

@@ -177,7 +177,8 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     skipped, so a base class can list its subclasses' counts. ``()`` means it always reports (input
     accounting); ``None`` (undeclared) means "some state moved off its default". ``key_counts`` pairs a
     key counted by another state (``chi2_seq``: sequences, where the metric counts tokens) to that state:
-    the key is left out while it is zero.
+    the key is left out while it is zero (or, with a third entry ``at_least``, while it is below that:
+    ``pearson`` needs two tokens).
 
     **Checkpoints and merges are checked.** :meth:`config` (class, settings, state layout) travels in
     the state dict as extra state (``<name>._extra_state``); :meth:`load_state_dict` and
@@ -194,7 +195,7 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     required_fields: ClassVar[tuple[str, ...]] = ()
     optional_inputs: ClassVar[bool] = False
     data_counts: ClassVar[tuple[str, ...] | None] = None
-    key_counts: ClassVar[tuple[tuple[str, str], ...]] = ()
+    key_counts: ClassVar[tuple[tuple[str, str] | tuple[str, str, int], ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -395,8 +396,8 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
             value = compute(*args, **kwargs)
             if self.key_counts and isinstance(value, dict):
                 if known is None:
-                    empty = {key for key, state in self.key_counts
-                             if not bool(torch.count_nonzero(getattr(self, state)))}
+                    empty = {key for key, *count in self.key_counts
+                             if not bool(torch.count_nonzero(_reached(self, *count)))}
                 else:
                     empty = known[1]
                 value = {k: v for k, v in value.items() if k not in empty}
@@ -652,7 +653,7 @@ def read_presence(metrics: Iterable[OPBCMetric]) -> None:
         counts = [getattr(m, name) for name in m.data_counts if name in m._defaults]
         if m.data_counts and not counts:
             continue  # saw_data() raises its TypeError
-        keyed = [getattr(m, state) for _, state in m.key_counts]
+        keyed = [_reached(m, *count) for _, *count in m.key_counts]
         parts = [*counts, *keyed]
         if not parts:  # data_counts = (): it always has a value
             m.__dict__["_presence"] = (True, set())
@@ -667,11 +668,17 @@ def read_presence(metrics: Iterable[OPBCMetric]) -> None:
             saw = any(nonzero[at : at + n]) if m.data_counts else True
             at += n
             empty = set()
-            for (key, _), size in zip(m.key_counts, key_sizes, strict=True):
+            for (key, *_), size in zip(m.key_counts, key_sizes, strict=True):
                 if not any(nonzero[at : at + size]):
                     empty.add(key)
                 at += size
             m.__dict__["_presence"] = (saw, empty)
+
+
+def _reached(metric: OPBCMetric, state: str, at_least: int = 1) -> Tensor:
+    """A ``key_counts`` count state, non-zero exactly where it reaches ``at_least`` (the state itself for 1)."""
+    count = getattr(metric, state)
+    return count if at_least == 1 else (count >= at_least).to(count.dtype)
 
 
 def forget_presence(metrics: Iterable[OPBCMetric]) -> None:

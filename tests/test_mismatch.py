@@ -373,3 +373,16 @@ def test_clip_and_veto_thresholds_are_strict():
     assert compiled_graphs() > graphs
     assert out["opbc/is/clipped_fraction"].item() == want_clipped
     assert out["opbc/is/veto_fraction"].item() == want_veto
+
+
+def test_pearson_needs_two_tokens_in_the_window_without_a_read_of_its_own():
+    """Pearson's "fewer than two tokens" is a key_counts threshold (read with every member's presence), not a
+    host read in compute; over two windows it comes and goes with the token count."""
+    one = {"trainer_logprobs": torch.tensor([[-1.0, -2.0]]), "rollout_logprobs": torch.tensor([[-1.1, -2.0]]),
+           "response_mask": torch.tensor([[1, 0]])}
+    single, collection = ProbabilityDiff(), OPBCCollection(sections=["mismatch"])
+    for metric, values in ((single, single.compute_dict), (collection, collection.compute)):
+        metric.update(one)
+        assert "opbc/prob/pearson" not in values()
+        metric.update(one)  # two tokens now
+        assert "opbc/prob/pearson" in values()

@@ -1612,8 +1612,6 @@ def _prob_compute(
         PROB_KEYS[2]: torch.where(n > 0, pearson, torch.ones_like(pearson)),
         PROB_KEYS[3]: torch.where(n > 1, torch.sqrt(diff_m2 / (n - 1.0).clamp_min(1.0)), torch.zeros_like(diff_m2)),
     }
-    if not bool(n > 1):  # one host read: a correlation needs two tokens (one token's "pearson" is rounding noise)
-        del out[PROB_KEYS[2]]
     return out
 
 
@@ -1640,7 +1638,11 @@ def probability_diff(
         >>> [round(v.item(), 4) for v in out.values()]
         [0.0117, 0.035, 0.9991, 0.0202]
     """
-    return _prob_compute(**_prob_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
+    stats = _prob_update(_stats(trainer_logprobs, rollout_logprobs, response_mask))
+    out = _prob_compute(**stats)
+    if not bool(stats["n"] > 1):  # a correlation needs two tokens (one token's "pearson" is rounding noise)
+        del out[PROB_KEYS[2]]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

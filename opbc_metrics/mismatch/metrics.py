@@ -610,6 +610,7 @@ class ProbabilityDiff(_MismatchMetric):
     # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
     states = table("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n", max_abs_pq=MAX)
     from_kernel, formula = staticmethod(_prob_update), staticmethod(_prob_compute)
+    key_counts = ((PROB_KEYS[2], "n", 2),)  # a correlation needs two tokens (with one, rounding noise)
     glossary = GlossaryEntry(
         name="prob",
         what="Disagreement in probability space rather than log space: mean, max and standard deviation of "
@@ -669,10 +670,12 @@ class InputHealth(_MismatchMetric):
                 "logprob_min": low, "logprob_max": high}
 
     def compute(self) -> dict[str, Tensor]:
-        raise_if_not_logprobs(self.logprob_min, self.logprob_max)
-        if self.mask_other:
+        # One host read for both checks (each read is a sync on a GPU).
+        *sides, mask_other = torch.cat([self.logprob_min, self.logprob_max, self.mask_other.reshape(1)]).tolist()
+        raise_if_not_logprobs(sides[:2], sides[2:])
+        if mask_other:
             raise ValueError(
-                f"batch field `{RESPONSE_MASK}` held {int(self.mask_other)} value(s) other than 0 and 1 in this "
+                f"batch field `{RESPONSE_MASK}` held {int(mask_other)} value(s) other than 0 and 1 in this "
                 "window: a response mask is 1 on policy tokens and 0 elsewhere (pass e.g. `labels != -100`)"
             )
         return _input_compute(self.nonfinite, self.tokens, self.sequences)
