@@ -185,7 +185,6 @@ def test_stop_reason_encodings():
     assert R.stop_reason_length_pct(torch.tensor([3, 3, 1, 0]), length_code=3).item() == 50.0
     assert R.stop_reason_length_pct(["length", None, "tool_calls", "completed"]).item() == 25.0  # verl: completed
     assert R.stop_reason_length_pct(np.array(["length", "stop"])).item() == 50.0
-    assert R.stop_reason_length_pct([]).item() == 0.0
     metric = M.StopReasonLengthPct(length_code=7)
     metric.update(stop_reasons=torch.tensor([7, 1]))
     metric.update(stop_reasons=["length", "length", "stop"])  # strings: "length" maps to length_code
