@@ -220,6 +220,9 @@ class OPBCCallback(Callback):
                 return None
             where = f"{self.source}[{self.key!r}]" if self.key is not None else self.source
             raise ValueError(f"OPBCCallback: no batch fields in the training step's {where}")
+        if self.key is None and self.source == "outputs" and isinstance(obj, Mapping) and "loss" in obj:
+            # Lightning's own entry of a training step's output: not a batch field (it would warn as unread).
+            obj = {k: v for k, v in obj.items() if k != "loss"}
         return self.transform(obj) if self.transform is not None else obj
 
     def on_train_batch_end(

@@ -41,8 +41,9 @@ DEFAULT_VETO = 30.0
 
 # How alike (difflib's ratio) an unread field's name and a schema name must be for the field to be taken as a
 # misspelling (refused) rather than a field of the user's own (ignored with a warning): `respons_mask` 0.96,
-# `reward` 0.92 pass; verl's `responses` (0.82 to `response_mask`) and `turns` (0.83 to `returns`) do not.
-CLOSE_MATCH_CUTOFF = 0.85
+# `reward` 0.92 pass; verl's `responses` (0.82 to `response_mask`), `turns` (0.83 to `returns`) and `grad_norm`
+# (0.857 to `rm_grad_norm`) do not.
+CLOSE_MATCH_CUTOFF = 0.86
 
 # A logprob side whose valid values reach above this holds probabilities, logits or the like, not logprobs.
 PROBABILITY_TOLERANCE = 0.01
@@ -388,9 +389,9 @@ class BatchView:
         """Refuse or report the fields that no metric read, once every metric has read the view (its owner calls it:
         the collection, the metric or the controller that made the view from the user's batch).
 
-        A field that no metric of the library reads and that is named like a field that was looked up and is absent
-        or like another schema field (``respons_mask``, ``reward``) is a misspelling that would silently change the
-        result (a mask defaults to all ones): ``ValueError``. Any other such field (``input_ids``) is ignored with a
+        A field that no metric of the library reads and that is named like a field these metrics looked up and did
+        not find (``respons_mask``, ``reward``) is a misspelling that would silently change the result (a mask
+        defaults to all ones): ``ValueError``. Any other such field (``input_ids``) is ignored with a
         warning naming it. Fields that metrics of other sections read (``rewards`` given to the mismatch section
         alone) are theirs: ignored without a warning (adapters map every field they find).
 
@@ -409,7 +410,9 @@ class BatchView:
             return
         known = known_field_names()
         present = {k for k, v in self.data.items() if v is not None}
-        meant = sorted(k for k in looked_up | known if isinstance(k, str) and k not in present)
+        # Only the names these metrics looked for matter: a misspelling of a field no metric here reads changes
+        # nothing (and `grad_norm` is not a misspelt `rm_grad_norm` of a section that is not here).
+        meant = sorted(k for k in looked_up if isinstance(k, str) and k not in present)
         # A field that metrics of other sections read is for them (adapters map every field they find): no warning.
         unknown = [k for k in unread if k not in known]
         for name in unknown:
@@ -554,8 +557,8 @@ class BatchView:
     @property
     def logprob_range(self) -> tuple[Tensor, Tensor]:
         """``([2] min, [2] max)`` of the valid trainer and rollout logprobs on a fixed sample of at most ~64
-        tokens per row (0 stands in for invalid tokens): a side above 0 holds probabilities or logits (see
-        :func:`raise_if_not_logprobs`).
+        tokens per row, plus its first and last 16 (0 stands in for invalid tokens): a side above 0 holds
+        probabilities or logits (see :func:`raise_if_not_logprobs`).
 
         Probabilities or logits passed as logprobs are above 0 on most tokens, so a sample finds them as surely as
         the whole batch, at ~1/64 of the cost of a full pass (the full pass doubled a collection's update at 1M
@@ -574,6 +577,10 @@ class BatchView:
             if stride > 1:
                 offsets = torch.arange(rows, device=self.device) * 37 % stride
                 index = offsets[:, None] + torch.arange(columns // stride, device=self.device) * stride
+                # and the first and last 16 columns of every row (short right- or left-padded responses)
+                ends = torch.cat([torch.arange(16, device=self.device), torch.arange(columns - 16, columns,
+                                                                                     device=self.device)])
+                index = torch.cat([index, ends.expand(rows, -1)], dim=1)
                 trainer, rollout, mask = (x.gather(1, index) for x in (trainer, rollout, mask))
             valid = valid_tokens(trainer - rollout, mask)  # on the sample
             ranges = [torch.aminmax(torch.where(valid, x, zero)) for x in (trainer, rollout)]

@@ -394,13 +394,16 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
             if not (self.saw_data() if known is None else known[0]):
                 return None
             value = compute(*args, **kwargs)
-            if self.key_counts and isinstance(value, dict):
+            if self.key_counts:
                 if known is None:
                     empty = {key for key, *count in self.key_counts
                              if not bool(torch.count_nonzero(_reached(self, *count)))}
                 else:
                     empty = known[1]
-                value = {k: v for k, v in value.items() if k not in empty}
+                if isinstance(value, dict):
+                    value = {k: v for k, v in value.items() if k not in empty}
+                elif len(self.keys) == 1 and self.keys[0] in empty:
+                    return None  # a one-key metric whose key has too little data: no value
             return value
 
         # The compute without torchmetrics' wrapper (no sync, cache or clone of each value), for a collection that

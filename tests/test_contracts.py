@@ -215,8 +215,8 @@ def test_collection_update_never_syncs_host_and_device(name):
 def test_collection_compute_decides_which_members_saw_data_in_one_host_read(monkeypatch):
     """compute() reads the host (a sync each on a GPU), but which members saw data, and which of their keys have
     data (key_counts), comes from one read for all members, not one per member: at most 3 reads for the default
-    collection (which members have data; the input checks; the per-round rounds), where it took 35. The keys and values are
-    those of each member's own compute()."""
+    collection (which members have data; the input checks; the per-round rounds), where it took 35. The keys and
+    values are those of each member's own compute()."""
     batch = make_batch(batch=6, seq=40, seed=4, dtype=torch.float64)
     batch["trainer_logprobs"][:, 3] = float("nan")  # no valid sequence: chi2_seq has no data, chi2_token has
     alone, metrics = OPBCCollection(), OPBCCollection()

@@ -195,6 +195,23 @@ class _RenamedFields(TinyModule):
         return {"loss": out["loss"], "fields": out["opbc"]}
 
 
+class _TopLevelFields(TinyModule):
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+        out = super().training_step(batch, batch_idx)
+        return {"loss": out["loss"], **out["opbc"]}
+
+
+def test_key_none_reads_the_top_level_without_lightnings_loss():
+    """With `key=None` the fields sit beside Lightning's `loss`, which is not a batch field: no unread-field
+    warning for it, and the values are those of the fields alone."""
+    samples = make_samples(4, seed=6)
+    callback = OPBCCallback(key=None, log_every_n_steps=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r".*not read by opbc-metrics")
+        make_trainer(callback, MemoryLogger()).fit(_TopLevelFields(), loader(samples))
+    assert callback.batches_seen == 2 and "opbc/is/ess" in callback.last_values
+
+
 def test_a_wrong_key_is_reported_once_naming_the_keys_the_output_had():
     callback = OPBCCallback(key="opbc", log_every_n_steps=2)
     with pytest.warns(OPBCIntegrationWarning, match=r"no `opbc` \(it has keys \['fields', 'loss'\]\).*`key=`") as seen:

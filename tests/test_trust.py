@@ -299,12 +299,12 @@ def test_probabilities_in_long_rows_are_found_on_the_column_sample(seq: int):
     assert "opbc/is/ess" in real.compute()
 
 
-@pytest.mark.parametrize("columns", [(1, 40), (100, 110)])
-def test_probabilities_on_a_few_columns_of_a_long_padded_batch_are_found(columns: tuple[int, int]):
+@pytest.mark.parametrize(("rows", "columns"), [(4, (1, 40)), (4, (100, 110)), (1, (1, 40)), (1, (4090, 4096))])
+def test_probabilities_on_a_few_columns_of_a_long_padded_batch_are_found(rows: int, columns: tuple[int, int]):
     """Short responses in a long batch can miss every column of a plain strided sample; each row samples from an
-    offset of its own, so some rows see them."""
-    batch = make_batch(batch=4, seq=4096, seed=6)
-    batch["response_mask"] = torch.zeros(4, 4096, dtype=torch.bool)
+    offset of its own, and its first and last 16 columns (one short right- or left-padded response)."""
+    batch = make_batch(batch=rows, seq=4096, seed=6)
+    batch["response_mask"] = torch.zeros(rows, 4096, dtype=torch.bool)
     batch["response_mask"][:, columns[0] : columns[1]] = True
     probs = OPBCCollection()
     probs.update({**batch, "rollout_logprobs": batch["rollout_logprobs"].exp()})
@@ -336,7 +336,9 @@ def test_framework_field_names_are_refused(field, schema, adapter):
 def test_a_misspelt_field_is_refused_before_any_state_moves(field: str, meant: str):
     batch = {**make_batch(batch=4, seq=5, seed=7), "rewards": torch.ones(4)}
     batch[field] = batch.pop(meant)
-    for metrics in (OPBCCollection(sections=ALL_SECTIONS), ImportanceSamplingESS()):
+    # (ESS reads no rewards or groups: there a misspelt `reward` changes nothing, and is ignored with a warning)
+    alone = [ImportanceSamplingESS()] if meant in ("response_mask", "rollout_logprobs") else []
+    for metrics in (OPBCCollection(sections=ALL_SECTIONS), *alone):
         before = {k: v.clone() for k, v in metrics.state_dict().items() if isinstance(v, torch.Tensor)}
         # (a required field is named as missing first, with the field that looks like it)
         with pytest.raises(ValueError, match=rf"`{field}` is not read by opbc-metrics: did you mean `{meant}`"
@@ -345,7 +347,7 @@ def test_a_misspelt_field_is_refused_before_any_state_moves(field: str, meant: s
         after = metrics.state_dict()
         assert all(torch.equal(after[k], v) for k, v in before.items())  # refused before the fold
     with pytest.raises(ValueError, match=rf"`{field}` is not read|given as `{field}`"):
-        OPBCCollection()(batch)  # forward too
+        OPBCCollection(sections=ALL_SECTIONS)(batch)  # forward too
 
 
 def test_a_field_no_metric_reads_is_ignored_with_a_warning_naming_it():
@@ -355,6 +357,9 @@ def test_a_field_no_metric_reads_is_ignored_with_a_warning_naming_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # fields of other sections (rewards: the rollout section) are theirs
         OPBCCollection().update({**batch, "rewards": torch.ones(4)})
+    # a name near one that a metric of another section reads is a field of the user's own, not a misspelling
+    with pytest.warns(UserWarning, match=r"`grad_norm` not read"):
+        OPBCCollection(sections=ALL_SECTIONS).update({**batch, "grad_norm": torch.tensor(1.0)})
 
 
 def test_mask_values_other_than_0_and_1_are_refused_at_compute():

@@ -438,9 +438,13 @@ def _moments_compute(count: Tensor, total: Tensor, total_sq: Tensor, min: Tensor
 
 
 def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
-    """``keys`` = (mean, std, min, max) keys; the std key only over two samples or more (one host read)."""
+    """``keys`` = (mean, std, min, max) keys; the std key only over two samples or more, no key without a sample
+    (one host read)."""
+    count = float(stats["count"])
+    if count == 0:
+        return {}  # no sample: no mean, min or max (not 0)
     out = dict(zip(keys, _moments_compute(**stats), strict=True))
-    if not bool(stats["count"] > 1):
+    if count < 2:
         del out[keys[1]]
     return out
 
@@ -501,6 +505,8 @@ def reward_stats(rewards: Tensor, response_mask: Tensor | None = None) -> dict[s
         >>> out = reward_stats(torch.tensor([1.0, 0.0, 0.0, 1.0]))
         >>> {k.split('/')[-1]: v.item() for k, v in out.items()}
         {'mean': 0.5, 'std': 0.5773502691896257, 'min': 0.0, 'max': 1.0}
+        >>> reward_stats(torch.tensor([]))  # no sample: no keys
+        {}
         >>> list(reward_stats(torch.tensor([3.0])))  # one sample: no std key
         ['rollout/reward/mean', 'rollout/reward/min', 'rollout/reward/max']
         >>> reward_stats(torch.tensor([[0.0, 2.0], [0.0, 5.0]]), torch.tensor([[1, 1], [1, 0]]))['rollout/reward/max']

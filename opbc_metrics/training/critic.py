@@ -150,7 +150,7 @@ class ExplainedVariance(_TrainingMetric):
     From mergeable sums of :math:`R`, :math:`R^2`, :math:`R - V`, :math:`(R - V)^2`; 1 = the critic explains
     the returns, 0 = no better than their mean, negative = worse. verl's formula exactly (its key): sample
     variances (``n - 1``) and verl's epsilon (:data:`~opbc_metrics.functional.training.EXPLAINED_VAR_EPS`),
-    which dominates when ``Var(R)`` is below about 1e-5. No data in the window: no key.
+    which dominates when ``Var(R)`` is below about 1e-5. Fewer than two response tokens in the window: no key.
 
     Example:
         >>> import torch
@@ -161,6 +161,7 @@ class ExplainedVariance(_TrainingMetric):
     """
 
     keys = ("critic/vf_explained_var",)
+    key_counts = ((keys[0], "count", 2),)  # sample variances need two tokens (verl's formula gives NaN with one)
     required_fields = (VALUES, RETURNS)
     higher_is_better = True
     plot_upper_bound = 1.0
