@@ -6,7 +6,7 @@ A data model: it imports no metric class, so that the controller's kernels
 Rules, per group, in order (DESIGN "OPBC"); the first that holds sets the action, and every condition that
 holds is kept as a reason:
 
-1. contract failure (:data:`Reason` ``shape_mismatch`` ... ``token_ids_mismatch``) -> ``reject``
+1. contract failure (:data:`Reason` ``shape_mismatch`` ... ``invalid_policy_lag``) -> ``reject``
 2. ``veto_fraction > max_veto_fraction`` [0; veto V = 30 nats] -> ``quarantine``
 3. ``policy_lag > max_lag`` [8], ``ess < min_ess`` [0.30], ``router_flip_rate > max_flip`` [0.15] ->
    ``quarantine``
@@ -66,6 +66,8 @@ REASONS: tuple[tuple[str, int], ...] = (
     ("no_response_tokens", REJECT),
     ("logprobs_misaligned", REJECT),
     ("non_finite", REJECT),
+    ("logprobs_positive", REJECT),
+    ("mask_not_binary", REJECT),
     ("token_ids_mismatch", REJECT),
     ("invalid_policy_lag", REJECT),
     ("veto", QUARANTINE),
@@ -123,6 +125,8 @@ class Reason(str, Enum):
     NO_RESPONSE_TOKENS = "no_response_tokens"
     LOGPROBS_MISALIGNED = "logprobs_misaligned"
     NON_FINITE = "non_finite"
+    LOGPROBS_POSITIVE = "logprobs_positive"
+    MASK_NOT_BINARY = "mask_not_binary"
     TOKEN_IDS_MISMATCH = "token_ids_mismatch"
     INVALID_POLICY_LAG = "invalid_policy_lag"
     VETO = "veto"

@@ -145,10 +145,11 @@ def test_large_batches_in_chunks_give_the_same_decisions(monkeypatch, chunk_toke
     decisions; the top-1% mass from the per-group histogram, within the sketch's documented bound."""
     g = torch.Generator().manual_seed(5)
     trainer = -torch.rand(12, 500, generator=g, dtype=torch.float64) * 3
-    rollout = trainer - torch.randn(12, 500, generator=g, dtype=torch.float64) * 0.5
+    # log-probabilities (< 0): positive ones reject every group (logprobs_positive), exact zeros look unfilled
+    rollout = (trainer - torch.randn(12, 500, generator=g, dtype=torch.float64) * 0.5).clamp(max=-1e-3)
     rollout[3, :] = 0.0  # one sequence without rollout logprobs
     trainer[7, 10] = float("nan")
-    rollout[9, 4] = trainer[9, 4] + 40.0  # vetoed
+    rollout[9, 4] = trainer[9, 4] - 40.0  # vetoed
     mask = torch.rand(12, 500, generator=g) < 0.9
     mask[7, 10] = mask[9, 4] = True  # the non-finite and the vetoed token are response tokens
     b = {"trainer_logprobs": trainer, "rollout_logprobs": rollout, "response_mask": mask,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from opbc_metrics.batch import BatchView
+from opbc_metrics.batch import PROBABILITY_TOLERANCE, BatchView
 from opbc_metrics.controller import Action, OPBCController, Reason
 from opbc_metrics.functional import controller as FC
 from opbc_metrics.testing import assert_no_host_sync
@@ -140,3 +140,76 @@ def test_router_logits_are_validated_like_expert_ids():
         OPBCController().step(dict(b, rollout_router_logits=rollout.long(), trainer_router_logits=trainer))
     with pytest.raises(ValueError, match="`trainer_router_logits` must have at least one layer"):
         OPBCController().step(dict(b, rollout_router_logits=rollout, trainer_router_logits=trainer[..., :0]))
+
+
+# -- probabilities / logits as logprobs, non-binary masks: contract failures per group ----------------------------
+PATHS = ("one_chunk", "fused", "chunked")
+
+
+def _evaluate_on(path, monkeypatch, b):
+    """Evaluate ``b`` on one path: one chunk, several chunks swept by FC.fused_pass, or the chunked path."""
+    with monkeypatch.context() as m:
+        if path != "one_chunk":
+            m.setattr(FC, "CHUNK_TOKENS", 7)  # one row per chunk
+            assert len(FC.row_chunks(BatchView(b))) > 1
+        assert FC.fused_pass_applies(BatchView(b), FC.row_chunks(BatchView(b))) == (path != "one_chunk")
+        if path == "chunked":
+            m.setattr(FC, "fused_pass_applies", lambda *_: False)
+        with assert_no_host_sync():
+            return OPBCController(track_budget=False).evaluate(b)
+
+
+def _logprob_batch():
+    b = _batch()
+    for name in ("trainer_logprobs", "rollout_logprobs"):
+        b[name] = b[name].clamp(max=-0.05)  # log-probabilities: every group trains or replays, none rejected
+    return b
+
+
+def _contract_reasons(out):
+    return {d.group_id: [r.value for r in d.reasons if r.is_contract] for d in out.decisions}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_positive_logprobs_reject_their_group(monkeypatch, path):
+    """Probabilities or logits passed as logprobs were decided on as logprobs (`train`); the collection refuses them."""
+    b = _logprob_batch()
+    b["trainer_logprobs"][2, 3] = 0.5  # group 1: a probability on a response token
+    b["rollout_logprobs"][5, 6] = 4.0  # group 2: a logit on the other side
+    b["response_mask"][0, 1] = 0
+    b["trainer_logprobs"][0, 1] = 3.0  # group 0: off the response, not a logprob the controller reads
+    b["rollout_logprobs"][1, 2] = PROBABILITY_TOLERANCE / 2  # group 0: rounding above 0 passes
+    b["trainer_logprobs"][1, 4] = float("inf")  # group 0: not finite, so `non_finite` alone
+    out = _evaluate_on(path, monkeypatch, b)
+    assert _contract_reasons(out) == {0: ["non_finite"], 1: ["logprobs_positive"], 2: ["logprobs_positive"]}
+    assert [d.action for d in out.decisions] == [Action.REJECT] * 3
+    b["trainer_logprobs"][1, 4] = -1.0
+    assert _contract_reasons(_evaluate_on(path, monkeypatch, b))[0] == []
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", [-100.0, 0.5, 2.0, -1.0, float("nan")])
+def test_a_mask_with_values_other_than_0_and_1_rejects_the_group(monkeypatch, path, value):
+    """A label mask (-100) or weights were read as `mask != 0` and decided on; the collection refuses them."""
+    b = _logprob_batch()
+    b["response_mask"] = b["response_mask"].to(torch.float64)
+    b["response_mask"][3, 6] = value  # group 1
+    b["response_mask"][4, :2] = 0.0  # 0 and 1 elsewhere: the other groups keep their decisions
+    out = _evaluate_on(path, monkeypatch, b)
+    assert _contract_reasons(out) == {0: [], 1: ["mask_not_binary"], 2: []}
+    assert out.decisions[1].action is Action.REJECT and out.decisions[1].primary_reason is Reason.MASK_NOT_BINARY
+    assert all(d.action is not Action.REJECT for d in out.decisions if d.group_id != 1)
+    if value in (-100.0, 2.0, -1.0):  # an integer mask is judged as well
+        b["response_mask"] = b["response_mask"].to(torch.int64)
+        assert _contract_reasons(_evaluate_on(path, monkeypatch, b))[1] == ["mask_not_binary"]
+
+
+def test_new_contract_reasons_agree_between_paths(monkeypatch):
+    b = _logprob_batch()
+    b["response_mask"] = b["response_mask"].to(torch.float32)
+    b["response_mask"][0, 0] = -100.0
+    b["trainer_logprobs"][3, 0] = 0.9
+    outs = [_evaluate_on(path, monkeypatch, b) for path in PATHS]
+    for out in outs[1:]:
+        assert torch.equal(out.action, outs[0].action) and torch.equal(out.reasons, outs[0].reasons)
+    assert _contract_reasons(outs[0]) == {0: ["mask_not_binary"], 1: ["logprobs_positive"], 2: []}

@@ -254,9 +254,11 @@ class OPBCController:
             contract.update({name: index.present for name in batch_reasons})
             contract["invalid_policy_lag"] = FC.invalid_lag_groups(lag_rows, index)
         else:
+            raw_mask = view.data.get(RESPONSE_MASK)  # a chunk view holds the bool mask: mask_not_binary reads this
             parts = [
                 FC._contract_rows(FC.chunk_view(view, i, j), policy.alignment_gap,
-                                  None if token_ids is None else (token_ids[0][i:j], token_ids[1][i:j]))
+                                  None if token_ids is None else (token_ids[0][i:j], token_ids[1][i:j]),
+                                  None if raw_mask is None else raw_mask[i:j])
                 for i, j in chunks
             ]
             contract = FC._contract_from_rows(FC.cat_rows(parts), index, lag_rows)

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, from_host
+from opbc_metrics.batch import PROBABILITY_TOLERANCE, RESPONSE_MASK, BatchView, from_host
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.policy import (
@@ -480,6 +480,7 @@ def fused_pass(
     sum_u, sum_u2 = torch.empty(2, b, dtype=dtype, device=device)
     max_abs = torch.empty(b, dtype=dtype, device=device)
     outside = torch.empty(2, b, dtype=dtype, device=device)  # per side, the largest finite |x| off the response
+    inside = torch.empty(2, b, dtype=dtype, device=device)  # per side, the largest finite x on the response (or 0)
     loss_mask = torch.empty((b, t), dtype=torch.bool, device=device) if with_weights else None
     weights = torch.empty((b, t), dtype=dtype, device=device) if with_weights else None
     # The histogram is kept from the top bin down (the order the sketch walks it): slot = last - bin.
@@ -492,17 +493,18 @@ def fused_pass(
     thresholds = from_host([[clamp], [veto]], dtype, device)
     gap = torch.full((), -float(alignment_gap), dtype=dtype, device=device)
     mask_u8 = mask.view(torch.uint8)
-    extra: dict[str, list[Tensor]] = {"flips": [], "token_ids_differ": []}
+    raw_mask = view.data.get(RESPONSE_MASK)
+    extra: dict[str, list[Tensor]] = {"flips": [], "token_ids_differ": [], "mask_other": []}
     # Every chunk's views, one C++ call per tensor (a Python-level slice per chunk and tensor cost ~3% of a step).
     sizes = [j - i for i, j in chunks]
     per_chunk = [trainer.split(sizes), rollout.split(sizes), mask_u8.split(sizes), outside.split(sizes, 1),
-                 sum_r.split(sizes), max_abs.split(sizes), sum_u.split(sizes), sum_u2.split(sizes),
-                 sums.split(sizes, 1), last_slot.split(sizes)]
+                 inside.split(sizes, 1), sum_r.split(sizes), max_abs.split(sizes), sum_u.split(sizes),
+                 sum_u2.split(sizes), sums.split(sizes, 1), last_slot.split(sizes)]
     outputs: list[Any] = [[None] * len(sizes)] * 2
     if weights is not None and loss_mask is not None:
         outputs = [weights.split(sizes), loss_mask.view(torch.uint8).split(sizes)]
     x = None
-    for (i, j), tr, ro, mb, out_c, sum_r_c, max_abs_c, sum_u_c, sum_u2_c, sums_c, last_c, w_c, lm_c in zip(
+    for (i, j), tr, ro, mb, out_c, in_c, sum_r_c, max_abs_c, sum_u_c, sum_u2_c, sums_c, last_c, w_c, lm_c in zip(
         chunks, *per_chunk, *outputs
     ):
         if x is None or x.rows != j - i:
@@ -513,6 +515,8 @@ def fused_pass(
         torch.div(ro, m, out=x.pair[0])
         torch.div(tr, m, out=x.pair[1])
         torch.eq(x.pair, zero, out=x.zeros)  # (rollout 0, trainer 0) on the response
+        # The largest finite response logprob per side (0 when none): above the tolerance, probabilities or logits.
+        torch.amax(torch.nan_to_num(x.pair, 0.0, 0.0, 0.0, out=x.pair), -1, out=in_c)
         torch.lt(tr, gap, out=x.below[0])
         torch.lt(ro, gap, out=x.below[1])
         torch.mul(x.zeros, x.below, out=x.unfilled)  # rollout 0 and trainer < -gap; trainer 0 and rollout < -gap
@@ -548,6 +552,9 @@ def fused_pass(
             extra["flips"].append((flips[i:j] & mask[i:j, :, None]).sum(dim=(1, 2)))
         if token_ids is not None:
             extra["token_ids_differ"].append((mask[i:j] & (token_ids[0][i:j] != token_ids[1][i:j])).sum(dim=1))
+        other = mask_other_rows(None if raw_mask is None else raw_mask[i:j])
+        if other is not None:
+            extra["mask_other"].append(other)
 
     rows = dict(zip(_FUSED_ROWS, sums.unbind(0)))
     count, nonfinite = rows["n_valid"], rows["n_mask"] - rows["n_valid"]
@@ -578,9 +585,12 @@ def fused_pass(
 
     # (trainer, rollout): the zero counts on the response, a finite non-zero value off it
     contract_rows = _contract_flags(rows["n_mask"], (rows["zero_t"], rows["zero_r"]), (outside[0] > 0, outside[1] > 0),
-                                    rows["unfilled_r"] + rows["unfilled_t"], nonfinite)
+                                    rows["unfilled_r"] + rows["unfilled_t"], nonfinite,
+                                    (inside[0] > PROBABILITY_TOLERANCE, inside[1] > PROBABILITY_TOLERANCE))
     if token_ids is not None:
         contract_rows["token_ids_differ"] = torch.cat(extra["token_ids_differ"])
+    if extra["mask_other"]:
+        contract_rows["mask_other"] = torch.cat(extra["mask_other"])
     return FusedPass(stats, contract_rows, count, rows["clipped"], loss_mask, weights)
 
 
@@ -735,6 +745,12 @@ def _contract_flags(
       mask). Both sides exactly 0 on the response agree (a response of near-certain tokens) and pass.
     * ``non_finite``: a NaN or infinite logprob on a response token (or a log ratio that overflows the
       compute dtype, see :attr:`~opbc_metrics.batch.BatchView.finite`).
+    * ``logprobs_positive``: a response token whose trainer or rollout logprob is finite and above
+      :data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE` (0.01): probabilities or logits passed as logprobs (the
+      collection refuses them at compute; log-probabilities are <= 0).
+    * ``mask_not_binary``: a sequence of the group whose raw ``response_mask`` holds a value other than 0 and 1
+      (a -100 label mask, 0.5 weights, NaN): every non-zero entry would count as a response token (the
+      collection refuses such a mask at compute). A bool mask never fails it.
     * ``token_ids_mismatch``: rollout and trainer token ids differ on a response token (only when both
       are given).
     * ``invalid_policy_lag``: a sequence of the group has a policy lag that is NaN, infinite or negative
@@ -744,11 +760,13 @@ def _contract_flags(
     return _contract_from_rows(rows, index, lag_rows)
 
 
-def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tensor, Tensor] | None = None) -> Stats:
-    """Per-row (``[b]``) counts behind the contract flags: all the per-token work of the checks."""
+def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tensor, Tensor] | None = None,
+                   raw_mask: Tensor | None = None) -> Stats:
+    """Per-row (``[b]``) counts behind the contract flags: all the per-token work of the checks. ``raw_mask``:
+    the rows' ``response_mask`` as the user gave it (default: the view's; a chunk view holds the bool mask)."""
     trainer_raw = view.tensor("trainer_logprobs")
     rollout_raw = view.tensor("rollout_logprobs")
-    _, _, mask = view.token_inputs
+    trainer, rollout, mask = view.token_inputs
     dt = view.dtype
     trainer_zero, rollout_zero = trainer_raw == 0, rollout_raw == 0
     threshold = -float(alignment_gap)
@@ -761,18 +779,32 @@ def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tenso
               for raw, zero in ((trainer_raw, trainer_zero), (rollout_raw, rollout_zero))),
         unfilled.sum(dim=1).to(dt),
         (mask & ~view.finite).sum(dim=1),
+        # per side (rollout, trainer, as the fused pass), a finite response logprob above the tolerance
+        tuple((mask & (x > PROBABILITY_TOLERANCE) & (x < math.inf)).any(dim=1) for x in (rollout, trainer)),
     )
+    other = mask_other_rows(view.data.get(RESPONSE_MASK) if raw_mask is None else raw_mask)
+    if other is not None:
+        rows["mask_other"] = other
     if token_ids is not None:
         rollout_ids, trainer_ids = token_ids
         rows["token_ids_differ"] = (mask & (rollout_ids != trainer_ids)).sum(dim=1)
     return rows
 
 
+def mask_other_rows(raw_mask: Tensor | None) -> Tensor | None:
+    """``[b]`` bool: rows whose raw ``response_mask`` holds a value other than 0 and 1 (NaN included); ``None``
+    for an absent or bool mask, which cannot. Decided on the raw values: ``as_bool_mask`` reads -100 as 1."""
+    if raw_mask is None or raw_mask.dtype == torch.bool:
+        return None
+    return ((raw_mask != 0) & (raw_mask != 1)).any(dim=1)
+
+
 def _contract_flags(resp: Tensor, zero_rows: tuple[Tensor, Tensor], present_outside: tuple[Tensor, Tensor],
-                    unfilled: Tensor, non_finite: Tensor) -> Stats:
+                    unfilled: Tensor, non_finite: Tensor, positive: tuple[Tensor, Tensor]) -> Stats:
     """The per-row contract counts from per-side (trainer, rollout) facts: ``zero_rows`` the response tokens whose
     logprob is exactly 0, ``present_outside`` a finite non-zero logprob off the response; ``unfilled`` the tokens
-    with one side 0 and the other below -gap. Shared by the chunked and the fused pass."""
+    with one side 0 and the other below -gap; ``positive`` (either side order) a finite response logprob above
+    :data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE`. Shared by the chunked and the fused pass."""
     has_resp = resp > 0
     all_zero = [zero == resp for zero in zero_rows]
     shifted = torch.zeros_like(has_resp)
@@ -784,6 +816,7 @@ def _contract_flags(resp: Tensor, zero_rows: tuple[Tensor, Tensor], present_outs
         "missing": has_resp & (all_zero[0] != all_zero[1]),
         "misaligned": unfilled + shifted.to(resp.dtype),
         "non_finite": non_finite,
+        "positive": positive[0] | positive[1],
     }
 
 
@@ -796,6 +829,11 @@ def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None 
     out["no_response_tokens"] = resp_g == 0
     out["logprobs_misaligned"] = _segment_sum(rows["misaligned"], index) > 0
     out["non_finite"] = _segment_sum(rows["non_finite"], index) > 0
+    out["logprobs_positive"] = _segment_sum(rows["positive"], index) > 0
+    if "mask_other" in rows:
+        out["mask_not_binary"] = _segment_sum(rows["mask_other"], index) > 0
+    else:  # an absent or bool mask
+        out["mask_not_binary"] = torch.zeros_like(out["non_finite"])
     if "token_ids_differ" in rows:
         out["token_ids_mismatch"] = _segment_sum(rows["token_ids_differ"], index) > 0
     else:
