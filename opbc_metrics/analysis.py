@@ -14,8 +14,10 @@ group's consecutive samples together, and each step's samples apart) through:
 
 A batch with bad values (a ``ValueError`` naming the field) changes nothing: every metric is rolled back to
 its states before the batch (through torchmetrics' public ``metric_state``, ``reset`` and ``merge_state``),
-and the problem is reported as an input issue. The result is the JSON document described in
-:mod:`opbc_metrics.cli`.
+and the problem is reported as an input issue. A metric whose ``compute()`` refuses the values it saw (a
+``ValueError``, for the whole run or for one step) is left out, with the error in ``not_computed`` and an
+input issue naming the step (or batch); the other metrics are kept. The result is the JSON document described
+in :mod:`opbc_metrics.cli`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ OFFLINE_SECTIONS = ("rollout",)
 # Issues kept in the JSON result (all are counted) and printed on stderr.
 MAX_ISSUES_KEPT = 1000
 DEFAULT_ISSUES_SHOWN = 20
+# The ``not_computed`` reason of a key whose metric's compute() raised (followed by the error).
+COMPUTE_FAILED = "computing failed: "
 # Report statistics shown per group (from GroupReport), in this order.
 GROUP_STATS = ("num_sequences", "num_response_tokens", "ess", "clipped_fraction", "veto_fraction",
                "max_abs_log_ratio", "router_flip_rate", "policy_lag", "nonfinite_count")
@@ -166,8 +170,11 @@ class Analysis:
     ignored_keys: dict[str, int] = field(default_factory=dict)
     step_axis: str = "batch"
     step_points: list[dict[str, Any]] = field(default_factory=list)
+    # (where, message) of each compute() that raised: "step 3" / the batch's lines, or "whole run".
+    compute_failures: list[tuple[str, str]] = field(default_factory=list)
     _window: int | None = None
     _window_samples: int = 0
+    _window_where: str = ""
     # Members that took at least one batch: of the whole run, and of the current step.
     _updated: set[int] = field(default_factory=set)
     _step_updated: set[int] = field(default_factory=set)
@@ -237,6 +244,7 @@ class Analysis:
         if batch.step is not None:
             self.step_axis = "step"
         self._window = window
+        self._window_where = f"step {window}" if batch.step is not None else batch.where
         self._window_samples += len(batch.group_labels)
         self.controller.commit(decided, window)
         self.token_hist.update(view.log_ratio, view.valid)
@@ -259,18 +267,15 @@ class Analysis:
         """Record the headline metrics of the current step (keys of members without data left out), reset."""
         if self._window is None or self._window_samples == 0:
             return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                values = self.step_collection.compute()
-            except ValueError:  # bad values the whole-run metrics will report; the step gets no point
-                values = {}
+        values, failed = _compute_each(self.step_collection)
+        for m, problem in failed.values():
+            self.compute_failures.append((self._window_where, f"computing {', '.join(m.keys)} failed: {problem}"))
         seen = {k for m in self.step_collection.members() if id(m) in self._step_updated for k in m.keys}
         metrics = {k: _jsonable(v) for k, v in values.items() if k in seen and k in STEP_KEYS}
         self.step_points.append({"x": self._window, "samples": self._window_samples, "metrics": metrics})
         self.step_collection.reset()
         self._step_updated.clear()
-        self._window, self._window_samples = None, 0
+        self._window, self._window_samples, self._window_where = None, 0, ""
 
     def steps(self) -> dict[str, Any]:
         """The per-step series: ``{"axis": "step" | "batch", "points": [{x, samples, metrics, decisions}]}``."""
@@ -281,18 +286,17 @@ class Analysis:
 
     def metrics(self) -> tuple[dict[str, Any], dict[str, str]]:
         """``(metrics, not_computed)``: values of members that saw data; the others with their needs."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                values = self.collection.compute()
-            except ValueError as e:  # a member validating host data at compute time
-                raise AnalysisError(f"computing the metrics failed: {one_line(e)}") from None
+        values, failed = _compute_each(self.collection)
+        for m, problem in failed.values():
+            self.compute_failures.append(("whole run", f"computing {', '.join(m.keys)} failed: {problem}"))
         out: dict[str, Any] = {}
         missing: dict[str, str] = {}
         for m in self.members:
             produced = any(key in values for key in m.keys)  # a member may leave out keys it has no value for
             for key in m.keys:
-                if id(m) not in self._updated:
+                if id(m) in failed:
+                    missing[key] = COMPUTE_FAILED + failed[id(m)][1]
+                elif id(m) not in self._updated:
                     missing[key] = "needs " + ", ".join(m.required_fields)
                 elif key in values:
                     out[key] = _jsonable(values[key])
@@ -301,6 +305,26 @@ class Analysis:
         for key, value in self.controller.budget().items():
             out.setdefault(key, _jsonable(value))
         return out, missing
+
+
+def _compute_each(collection: OPBCCollection) -> tuple[dict[str, Tensor], dict[int, tuple[OPBCMetric, str]]]:
+    """``collection.compute()``; when a member raises a ``ValueError`` (values it refuses at compute), every member
+    on its own (one process: no sync), so that one bad member leaves out only its own keys: ``(values, {id(member):
+    (member, error)})`` (by id: a torchmetrics ``Metric`` hashes its states and overloads ``==``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return collection.compute(), {}
+        except ValueError:
+            pass
+        values: dict[str, Tensor] = {}
+        failed: dict[int, tuple[OPBCMetric, str]] = {}
+        for m in collection.members():
+            try:
+                values.update(m.compute_dict())
+            except ValueError as e:
+                failed[id(m)] = (m, one_line(e))
+        return values, failed
 
 
 def one_line(e: BaseException) -> str:
@@ -338,7 +362,8 @@ def analyze_file(
 
     Raises:
         InputFormatError: unknown extension, missing file, unreadable or pickle-needing ``.pt``.
-        AnalysisError: an input issue under ``on_error="fail"``, or no valid sample at all.
+        AnalysisError: an input issue (or a metric refusing its values at compute) under ``on_error="fail"``, or
+            no valid sample at all.
     """
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
@@ -380,7 +405,15 @@ def analyze_file(
             raise AnalysisError(f"{path}: no valid sample ({analysis.issues_total} issue(s), all skipped)")
         raise AnalysisError(f"{path}: empty file, no samples")
 
+    steps = analysis.steps()  # first: the last step's failures come before the whole run's
     metrics, not_computed = analysis.metrics()
+    for where, message in analysis.compute_failures:  # 0 bad samples: only the failing metrics' keys are lost
+        issue = InputIssue(path, where, message)
+        analysis.add_issue(issue, 0)
+        if on_error == "fail":
+            raise AnalysisError(f"{issue} (--on-error fail)")
+        if issue_stream is not None:
+            issue_stream.write(f"not computed: {issue}\n")
     labels = analysis.groups.labels
     return {
         "version": __version__,
@@ -413,7 +446,7 @@ def analyze_file(
             "token_log_ratio": analysis.token_hist.as_dict(),
             "sequence_log_ratio": analysis.seq_hist.as_dict(),
         },
-        "steps": analysis.steps(),
+        "steps": steps,
         "controller": analysis.controller.result(labels),
     }
 

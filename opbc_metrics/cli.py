@@ -24,7 +24,7 @@ The JSON result::
                           ignored_keys: {key: samples carrying it}},
      "settings": {clamp, veto, batch_size, on_error, sections, preset, limit},
      "metrics": {key: number | list | "inf" | "-inf" | "nan"},   # float(value) always works
-     "not_computed": {key: "needs <fields>" | "no data in the input"},
+     "not_computed": {key: "needs <fields>" | "no data in the input" | "computing failed: <error>"},
      "histograms": {"token_log_ratio": {edges, counts, total}, "sequence_log_ratio": {...}},
      "steps": {axis: "step" | "batch", points: [{x, samples, metrics: {key: number}, decisions}]},
      "controller": {available, note, policy, decision_mix: {decision: groups},
@@ -40,10 +40,12 @@ statistic is ``null`` when the group had no data for it (no ESS for a group with
 
 Input problems (malformed JSON on line N, a cut last line, wrong types, invalid values such as a NaN
 reward, trainer/rollout lengths that differ, a misspelt key) are reported with their line numbers on stderr and in
-the result, then skipped (``--on-error skip``, the default) or fatal (``--on-error fail``). Exit
-status: 0 success; 1 the input could not be analysed (refused or unreadable file, no valid sample, an
-issue under ``--on-error fail``) or more than ``--max-bad-fraction`` (0.1) of the samples were bad
-(the outputs are written first); 2 usage errors (unknown option, missing file, unknown extension).
+the result, then skipped (``--on-error skip``, the default) or fatal (``--on-error fail``). A metric whose
+computation refuses the values it saw is left out (``not_computed``: ``computing failed: <error>``, and an issue
+naming the step or batch); the others are kept. Exit status: 0 success; 1 the input could not be analysed
+(refused or unreadable file, no valid sample, an issue under ``--on-error fail``), more than
+``--max-bad-fraction`` (0.1) of the samples were bad, or a metric's computation failed (the outputs are
+written first); 2 usage errors (unknown option, missing file, unknown extension).
 
 Example:
     >>> import io, contextlib
@@ -66,7 +68,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from opbc_metrics.analysis import DEFAULT_ISSUES_SHOWN, AnalysisError, analyze_file, one_line
+from opbc_metrics.analysis import COMPUTE_FAILED, DEFAULT_ISSUES_SHOWN, AnalysisError, analyze_file, one_line
 from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO
 from opbc_metrics.io import InputFormatError, detect_format, is_stdin
 from opbc_metrics.naming import parse_key
@@ -171,14 +173,23 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         blocks.setdefault(head, []).append(f"  {metric:<{width}}  {shown:>12}  {name}".rstrip())
     for head, rows in blocks.items():
         lines += [head, *rows]
-    if result.get("not_computed"):
-        count = len(result["not_computed"])
+    failed = _failed_keys(result)
+    if len(result.get("not_computed", ())) > len(failed):
+        count = len(result["not_computed"]) - len(failed)
         lines += ["", f"  {count} keys not computed (the input lacks their fields); see result.json"]
+    if failed:
+        lines += ["", f"  {len(failed)} keys not computed: computing them failed on the input's values (see the "
+                  "issues above and result.json)"]
     mix = result["controller"]["decision_mix"]
     total = sum(mix.values()) or 1
     parts = [f"{d} {c} ({100 * c / total:.1f}%)" for d, c in mix.items() if c]
     lines += ["", f"decisions ({sum(mix.values())} groups): " + ", ".join(parts)]
     return lines
+
+
+def _failed_keys(result: dict[str, Any]) -> list[str]:
+    """Keys whose metric's computation refused the input's values."""
+    return [k for k, why in result.get("not_computed", {}).items() if why.startswith(COMPUTE_FAILED)]
 
 
 def _matches(template: str, key: str) -> bool:
@@ -386,6 +397,11 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
             _error(f"{inp['path']}: {inp['bad_samples']} of {inp['bad_samples'] + inp['samples']} samples "
                    f"({inp['bad_fraction']:.1%}) were bad and skipped, more than --max-bad-fraction "
                    f"{args.max_bad_fraction:g}; the outputs above hold the rest")
+            status = 1
+        failed = _failed_keys(result)
+        if failed:
+            _error(f"{inp['path']}: {len(failed)} key(s) not computed: their computation refused the input's values "
+                   "(see the issues above); the outputs above hold the rest")
             status = 1
     return status
 

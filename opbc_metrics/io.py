@@ -32,7 +32,8 @@ reward              finite number                   scalar reward of the sample 
 advantage           finite number                   scalar advantage (batch field ``advantages``)
 prompt_length       int >= 0                        prompt tokens (batch field ``prompt_lengths``)
 response_length     int >= 0                        response tokens (batch field ``response_lengths``)
-stop_reason         str                             e.g. ``"stop"``, ``"length"`` (``stop_reasons``)
+stop_reason         str                             ``"stop"``, ``"length"``... (``stop_reasons``; one of
+                                                    ``functional.rollout.STOP_REASON_STRINGS``)
 discard_reason      ``"kept"``, ``"max_async"`` or  why the rollout was not trained on
                     ``"zero_advantage"``            (``discard_reasons``)
 ==================  ==============================  =====================================================
@@ -41,10 +42,11 @@ Logprobs may be ``NaN``, ``Infinity`` or ``-Infinity`` (Python's JSON extension,
 emit for tokens outside top-p) and ``null`` (a missing logprob, read as NaN): such tokens are counted
 in ``opbc/input/nonfinite_count`` and excluded from the other statistics, as everywhere in this
 library. A sample whose logprob lists differ in length, whose fields have the wrong type or an invalid
-value (a NaN reward, a negative length), or whose line is not a JSON object is an issue reported with
-its line number. A last line cut mid-record (a file still being written) is reported as truncated. A
-sample that carries verl's or TRL's field names instead of this schema's gets a hint naming the
-adapter that converts them.
+value (a NaN reward, a negative length, an unknown ``stop_reason``, a finite logprob above
+:data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE` on a response token: probabilities or logits), or whose line is
+not a JSON object is an issue reported with its line number. A last line cut mid-record (a file still being
+written) is reported as truncated. A sample that carries verl's or TRL's field names instead of this schema's
+gets a hint naming the adapter that converts them.
 
 A key outside the schema that looks meant for one of its keys, which the sample lacks, is an issue of its
 line, since ignoring it would change the result: ``mask`` (or another framework's name of the mask), a
@@ -60,7 +62,9 @@ the batch schema (``trainer_logprobs`` [B, T] float, ``rollout_logprobs`` [B, T]
 ``response_lengths`` [B], ``stop_reasons``, ``discard_reasons`` [B] int or list[str], and ``step`` an int),
 or a list of such dicts (one per step: without ``step``, a record's step is its index). Other batch fields
 that metrics read (``values``, ``rollout_router_logits``...) are passed on; other keys are treated as in text
-dumps (``reward``, ``group_id``, ``mask``: an issue of the record; ``uid``: ignored and counted). Rows are
+dumps (``reward``, ``group_id``, ``mask``: an issue of the record; ``uid``: ignored and counted). A row with an
+unknown stop reason (string or int code) or a positive logprob on a response token is an issue of that row (the
+other rows are read). Rows are
 streamed in slices of the batch size, extended to keep a run of one group's rows together (as for
 JSONL).
 
@@ -101,7 +105,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import CLOSE_MATCH_CUTOFF, FRAMEWORK_FIELDS, known_field_names
+from opbc_metrics.batch import CLOSE_MATCH_CUTOFF, FRAMEWORK_FIELDS, PROBABILITY_TOLERANCE, known_field_names
+from opbc_metrics.functional.rollout import STOP_REASON_CODES, STOP_REASON_STRINGS
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 JSON_SUFFIXES = (".json",)
@@ -110,14 +115,14 @@ PT_SUFFIXES = (".pt", ".pth")
 STDIN_NAMES = ("-", "/dev/stdin")
 
 # Per-sample JSONL key -> (batch field, kind). Kinds: "float" (any number), "count" (int >= 0),
-# "lag" (number >= 0), "str".
+# "lag" (number >= 0), "stop" (a str of STOP_REASON_STRINGS), "discard" (one of DISCARD_REASONS).
 SCALAR_FIELDS: dict[str, tuple[str, str]] = {
     "policy_lag": ("policy_lag", "lag"),
     "reward": ("rewards", "float"),
     "advantage": ("advantages", "float"),
     "prompt_length": ("prompt_lengths", "count"),
     "response_length": ("response_lengths", "count"),
-    "stop_reason": ("stop_reasons", "str"),
+    "stop_reason": ("stop_reasons", "stop"),
     "discard_reason": ("discard_reasons", "discard"),
 }
 # Fields of the sample schema (the keys a JSONL sample may carry, besides unknown ones).
@@ -362,9 +367,11 @@ def _scalars(obj: Mapping[str, Any]) -> dict[str, Any]:
         value = obj.get(key)
         if value is None:
             continue
-        if kind == "str":
+        if kind == "stop":
             if not isinstance(value, str):
                 raise SampleError(f"`{key}` must be a str, got {_type_name(value)}")
+            if value not in STOP_REASON_STRINGS:  # the metric refuses it, which would drop the sample's whole batch
+                raise SampleError(_unknown_stop_reason(key, value))
         elif kind == "discard":
             if value not in DISCARD_REASONS:
                 raise SampleError(f"`{key}` must be one of {', '.join(map(repr, DISCARD_REASONS))}, got {value!r}")
@@ -381,6 +388,23 @@ def _scalars(obj: Mapping[str, Any]) -> dict[str, Any]:
             raise SampleError(f"`{key}` must be a finite number >= 0, got {value!r}")
         out[key] = value
     return out
+
+
+def _unknown_stop_reason(key: str, value: Any) -> str:
+    return f"`{key}` must be one of {', '.join(map(repr, STOP_REASON_STRINGS))} or null, got {value!r}"
+
+
+_NOT_LOGPROBS = ("logprobs must be <= 0 (log-probabilities); values in [0, 1] look like probabilities, larger ones "
+                 "like logits")
+
+
+def _positive_logprob(key: str, values: list[float], mask: list[int] | None) -> str | None:
+    """The problem of a logprob list holding a finite value above PROBABILITY_TOLERANCE on a response token (the
+    collection refuses it at compute, for the whole run), or ``None``."""
+    for i, v in enumerate(values):
+        if PROBABILITY_TOLERANCE < v < math.inf and (mask is None or mask[i]):
+            return f"`{key}` holds {v:g} at index {i}: {_NOT_LOGPROBS}"
+    return None
 
 
 def _step(obj: Mapping[str, Any]) -> int | None:
@@ -494,10 +518,15 @@ def parse_sample(obj: Any) -> Sample:
         raise SampleError(
             f"`rollout_logprobs` has length {len(rollout)} but `trainer_logprobs` has length {len(trainer)}"
         )
+    mask = _mask_list(obj, len(trainer))
+    for key, values in (("trainer_logprobs", trainer), ("rollout_logprobs", rollout)):
+        problem = _positive_logprob(key, values, mask)
+        if problem is not None:
+            raise SampleError(problem)
     return Sample(
         trainer=trainer,
         rollout=rollout,
-        mask=_mask_list(obj, len(trainer)),
+        mask=mask,
         group=_group_label(obj),
         experts=_experts(obj, len(trainer)),
         scalars=_scalars(obj),
@@ -541,7 +570,7 @@ def collate(samples: list[Sample], groups: GroupLabels, first_index: int) -> tup
     for key in samples[0].scalars:
         name, kind = SCALAR_FIELDS[key]
         values = [s.scalars[key] for s in samples]
-        if kind in ("str", "discard"):
+        if kind in ("stop", "discard"):
             fields[name] = values
         else:
             fields[name] = torch.tensor(values, dtype=torch.int64 if kind == "count" else torch.float64)
@@ -848,6 +877,44 @@ def _check_pt_record(record: Any) -> tuple[dict[str, Any], int, list[str]]:
     return out, rows, ignored
 
 
+def _bad_pt_rows(fields: Mapping[str, Any], rows: int) -> dict[int, str]:
+    """Row -> problem, for the rows of a checked ``.pt`` record that the collection would refuse for the whole batch or
+    run although the reader sees them on the host: an unknown stop reason, or a positive logprob on a response token
+    (what :func:`parse_sample` makes an issue of a JSONL line). Shapes and dtypes are left to the batch view."""
+    bad: dict[int, str] = {}
+    mask = fields.get("response_mask")
+    for key in ("trainer_logprobs", "rollout_logprobs"):
+        values = fields[key]
+        if not values.is_floating_point() or values.shape != fields["trainer_logprobs"].shape:
+            continue
+        above = torch.isfinite(values) & (values > PROBABILITY_TOLERANCE)
+        if isinstance(mask, Tensor) and mask.shape == values.shape:
+            above &= mask != 0
+        first = above.to(torch.uint8).argmax(dim=1)  # the first such token of each row
+        for row in torch.nonzero(above.any(dim=1)).flatten().tolist():
+            col = int(first[row])
+            bad.setdefault(row, f"`{key}` holds {float(values[row, col]):g} at token {col}: {_NOT_LOGPROBS}")
+    stops = fields.get("stop_reasons")
+    if isinstance(stops, Tensor):
+        if stops.ndim == 1 and not stops.is_floating_point() and stops.dtype != torch.bool:
+            codes = sorted(STOP_REASON_CODES.values())
+            for row in torch.nonzero(~torch.isin(stops, torch.tensor(codes))).flatten().tolist():
+                bad.setdefault(row, f"`stop_reasons` holds int code {int(stops[row])}; accepted: {codes} "
+                                    f"(STOP_REASON_CODES {STOP_REASON_CODES}) or the strings "
+                                    f"{list(STOP_REASON_STRINGS)}")
+    elif stops is not None:
+        for row, value in enumerate(stops):
+            if value is not None and value not in STOP_REASON_STRINGS:
+                bad.setdefault(row, _unknown_stop_reason("stop_reasons", value))
+    return dict(sorted(bad.items()))
+
+
+def _take_rows(value: Any, keep: list[int]) -> Any:
+    if isinstance(value, Tensor):
+        return value[torch.tensor(keep, dtype=torch.int64)]
+    return [value[i] for i in keep]
+
+
 def read_pt(
     path: str, batch_size: int, groups: GroupLabels | None = None, limit: int | None = None
 ) -> Iterator[Batch | InputIssue]:
@@ -881,6 +948,15 @@ def read_pt(
             all_labels = [f"#{taken + i}" for i in range(rows)]
         else:
             all_labels = [str(g) for g in (gids.tolist() if isinstance(gids, Tensor) else gids)]
+        original = list(range(rows))  # row in the file of each row kept
+        bad = _bad_pt_rows(fields, rows)
+        if bad:  # an issue per bad row; the other rows are analysed
+            for row, message in bad.items():
+                yield InputIssue(path, f"{name} row {row}" if multi else f"row {row}", message)
+            original = [i for i in original if i not in bad]
+            fields = {k: _take_rows(v, original) if _rows(v) == rows else v for k, v in fields.items()}
+            all_labels = [all_labels[i] for i in original]
+            rows = len(original)
         start = 0
         while start < rows:
             stop = min(rows, start + batch_size)
@@ -894,7 +970,8 @@ def read_pt(
             for key in ("stop_reasons", "discard_reasons"):
                 if isinstance(sliced.get(key), tuple):
                     sliced[key] = list(sliced[key])
-            where = f"{name} rows {start}-{stop - 1}" if multi else f"rows {start}-{stop - 1}"
+            span = f"rows {original[start]}-{original[stop - 1]}"
+            where = f"{name} {span}" if multi else span
             taken += stop - start
             ignored_rows = dict.fromkeys(ignored, stop - start)
             start = stop
