@@ -642,9 +642,9 @@ def render_report(results: Mapping[str, Mapping[str, Any]]) -> str:
             series = {}
             for n, s in steps.items():
                 pts = [(p["x"], _number(p["metrics"].get(h.key))) for p in s.get("points", [])]
-                pts = [(x, y) for x, y in pts if y is not None]
-                if pts:
-                    series[n] = ([float(x) for x, _ in pts], [y for _, y in pts])
+                if any(y is not None for _, y in pts):
+                    # A step without the value is a gap in the line (NaN), not a segment drawn across it.
+                    series[n] = ([float(x) for x, _ in pts], [math.nan if y is None else y for _, y in pts])
             if series:
                 out.append(step_chart(h, series, axis, policy, colours))
         out.append("</div>")

@@ -172,3 +172,19 @@ def test_charts_are_painted_in_the_stream_colours(rendered):
         rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
         close = (abs(box - rgb) < 0.08).all(-1).sum()
         assert close > 50, (colour, close)  # the stream's line (and its legend entry) were drawn
+
+
+def test_a_step_without_the_value_is_a_gap_in_its_line_not_a_segment_across_it(tmp_path):
+    """The report's line over steps breaks where a step has no value (step 1 below has no valid token): a segment
+    drawn from step 0 to step 2 would show a value for step 1 that was never measured."""
+    if not charts_available():
+        pytest.skip("matplotlib (the report extra) draws the charts")
+    lines = [json.loads(x) for x in FIXTURE.read_text().splitlines() if x.strip()][:6]
+    rows = [{**s, "step": i // 2} for i, s in enumerate(lines)]
+    for s in rows[2:4]:  # step 1: no response token
+        s["response_mask"] = [0] * len(s["trainer_logprobs"])
+    path = tmp_path / "gap.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in rows))
+    page = render_report({"gap": analyze_file(str(path), batch_size=8)})
+    line = re.search(r'id="chart-step-opbc-is-ess-series-gap">\s*<path d="([^"]*)"', page).group(1)
+    assert line.count("M") == 2 and "L" not in line  # two points (steps 0 and 2), no segment between them
