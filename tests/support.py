@@ -50,3 +50,23 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+# A well-formed sample of the CLI's JSONL schema (three tokens).
+GOOD_SAMPLE = {"trainer_logprobs": [-1.0, -0.5, -2.0], "rollout_logprobs": [-1.1, -0.5, -1.9]}
+
+
+def analyze_cli(path: Path, out: Path, *options: str) -> tuple[int, dict | None, str]:
+    """``opbc-metrics analyze path --out out --no-html *options`` in process: (exit status, result.json or None,
+    stderr)."""
+    import contextlib
+    import io
+    import json
+
+    from opbc_metrics.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        status = main(["analyze", str(path), "--out", str(out), "--no-html", *options])
+    result = out / "result.json"
+    return status, json.loads(result.read_text()) if result.exists() else None, err.getvalue()

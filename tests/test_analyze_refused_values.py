@@ -4,8 +4,6 @@ metric's compute aborted the run."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -13,20 +11,11 @@ import pytest
 import torch
 
 from opbc_metrics.batch import PROBABILITY_TOLERANCE
-from opbc_metrics.cli import main
 from opbc_metrics.functional.rollout import STOP_LENGTH_PCT_KEY, STOP_REASON_STRINGS
 from opbc_metrics.mismatch.metrics import ImportanceSamplingESS
+from tests.support import GOOD_SAMPLE, analyze_cli
 
-GOOD = {"trainer_logprobs": [-1.0, -0.5, -2.0], "rollout_logprobs": [-1.1, -0.5, -1.9]}
 NOT_LOGPROBS = "logprobs must be <= 0 (log-probabilities); values in [0, 1] look like probabilities"
-
-
-def _analyze(path: Path, out: Path, *options: str) -> tuple[int, dict | None, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        status = main(["analyze", str(path), "--out", str(out), "--no-html", *options])
-    result = out / "result.json"
-    return status, json.loads(result.read_text()) if result.exists() else None, err.getvalue()
 
 
 def _jsonl(path: Path, samples: list[dict]) -> Path:
@@ -36,9 +25,9 @@ def _jsonl(path: Path, samples: list[dict]) -> Path:
 
 def test_an_unknown_stop_reason_is_an_issue_of_its_line(tmp_path):
     """One "LENGTH" dropped its whole batch (here every line: "no valid sample")."""
-    samples = [{**GOOD, "stop_reason": STOP_REASON_STRINGS[i % 2]} for i in range(31)]
-    samples[3] = {**GOOD, "stop_reason": "LENGTH"}
-    status, result, err = _analyze(_jsonl(tmp_path / "stop.jsonl", samples), tmp_path / "out")
+    samples = [{**GOOD_SAMPLE, "stop_reason": STOP_REASON_STRINGS[i % 2]} for i in range(31)]
+    samples[3] = {**GOOD_SAMPLE, "stop_reason": "LENGTH"}
+    status, result, err = analyze_cli(_jsonl(tmp_path / "stop.jsonl", samples), tmp_path / "out")
     assert status == 0 and result is not None, err
     assert "stop.jsonl line 4: `stop_reason` must be one of 'stop', 'length'" in err and "got 'LENGTH'" in err, err
     assert result["input"]["samples"] == 30 and result["input"]["issues_total"] == 1
@@ -50,15 +39,15 @@ def test_an_unknown_stop_reason_is_an_issue_of_its_line(tmp_path):
 @pytest.mark.parametrize("key,value", [("trainer_logprobs", 0.7), ("rollout_logprobs", 4.5)])
 def test_a_positive_logprob_is_an_issue_of_its_line(tmp_path, key, value):
     """It aborted the whole run at compute (rc 1, no line number, no output)."""
-    samples = [dict(GOOD) for _ in range(31)]
-    samples[3] = {**GOOD, key: [-1.0, value, -2.0]}
+    samples = [dict(GOOD_SAMPLE) for _ in range(31)]
+    samples[3] = {**GOOD_SAMPLE, key: [-1.0, value, -2.0]}
     # not issues: a positive value on a token outside the response, one within the rounding tolerance, +inf
-    samples[4] = {**GOOD, key: [-1.0, value, -2.0], "response_mask": [1, 0, 1]}
-    samples[5] = {**GOOD, key: [-1.0, PROBABILITY_TOLERANCE / 2, -2.0]}
-    samples[6] = {**GOOD, key: [-1.0, float("inf"), -2.0]}
+    samples[4] = {**GOOD_SAMPLE, key: [-1.0, value, -2.0], "response_mask": [1, 0, 1]}
+    samples[5] = {**GOOD_SAMPLE, key: [-1.0, PROBABILITY_TOLERANCE / 2, -2.0]}
+    samples[6] = {**GOOD_SAMPLE, key: [-1.0, float("inf"), -2.0]}
     path = tmp_path / "pos.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in samples))  # json writes inf as Infinity
-    status, result, err = _analyze(path, tmp_path / "out")
+    status, result, err = analyze_cli(path, tmp_path / "out")
     assert status == 0 and result is not None, err
     assert f"pos.jsonl line 4: `{key}` holds {value:g} at index 1: {NOT_LOGPROBS}" in err, err
     assert result["input"]["samples"] == 30 and result["input"]["issues_total"] == 1
@@ -82,7 +71,7 @@ def test_pt_rows_with_an_unknown_stop_reason_or_a_positive_logprob_are_issues_of
     second["stop_reasons"] = torch.tensor([0, 7, 1, 2, 0, 0, 1, 0])
     path = tmp_path / "rows.pt"
     torch.save([first, second], path)
-    status, result, err = _analyze(path, tmp_path / "out", "--batch-size", "4", "--max-bad-fraction", "0.5")
+    status, result, err = analyze_cli(path, tmp_path / "out", "--batch-size", "4", "--max-bad-fraction", "0.5")
     assert status == 0 and result is not None, err
     issues = {i["where"]: i["message"] for i in result["input"]["issues"]}
     assert set(issues) == {"record 0 row 2", "record 0 row 5", "record 1 row 1"}, issues
@@ -105,14 +94,14 @@ def test_a_metric_refusing_its_values_at_compute_leaves_out_only_its_keys(tmp_pa
             mask[3, 2] = 2  # refused by the input health metric at compute (a .pt mask is not checked per row)
         records.append({"trainer_logprobs": trainer, "rollout_logprobs": trainer + 0.01, "response_mask": mask})
     torch.save(records, tmp_path / "mask.pt")
-    status, result, err = _analyze(tmp_path / "mask.pt", tmp_path / "out")
+    status, result, err = analyze_cli(tmp_path / "mask.pt", tmp_path / "out")
     assert status == 1 and result is not None, err  # the outputs are written, the status says it failed
     assert "not computed: mask.pt whole run: computing opbc/input/nonfinite_count" in err, err
     assert "batch field `response_mask` held 1 value(s) other than 0 and 1" in err
     assert result["not_computed"]["opbc/input/num_tokens"].startswith("computing failed: batch field `response_mask`")
     assert "opbc/is/ess" in result["metrics"] and "opbc/input/num_tokens" not in result["metrics"]
     assert result["input"]["issues"][0]["where"] == "whole run" and result["input"]["bad_samples"] == 0
-    status, result, err = _analyze(tmp_path / "mask.pt", tmp_path / "fail", "--on-error", "fail")
+    status, result, err = analyze_cli(tmp_path / "mask.pt", tmp_path / "fail", "--on-error", "fail")
     assert status == 1 and result is None and "whole run: computing" in err and "(--on-error fail)" in err
 
 
@@ -126,8 +115,8 @@ def test_a_step_whose_metric_refuses_its_values_is_named_and_keeps_its_other_met
 
     assert "count" in ImportanceSamplingESS().metric_state, "the test reads the token count"
     monkeypatch.setattr(ImportanceSamplingESS, "compute", compute)
-    samples = [{**GOOD, "step": s, "group_id": f"{s}-{i // 2}"} for s in range(3) for i in range(8 + 8 * s)]
-    status, result, err = _analyze(_jsonl(tmp_path / "steps.jsonl", samples), tmp_path / "out")
+    samples = [{**GOOD_SAMPLE, "step": s, "group_id": f"{s}-{i // 2}"} for s in range(3) for i in range(8 + 8 * s)]
+    status, result, err = analyze_cli(_jsonl(tmp_path / "steps.jsonl", samples), tmp_path / "out")
     assert status == 1 and result is not None, err
     wheres = [i["where"] for i in result["input"]["issues"]]
     assert wheres == ["step 1", "step 2", "whole run"], wheres

@@ -16,17 +16,7 @@ import torch
 
 from opbc_metrics.cli import main
 from opbc_metrics.report import MISSING, fmt, render_html, worst_groups
-from tests.support import ROOT
-
-GOOD = {"trainer_logprobs": [-1.0, -0.5, -2.0], "rollout_logprobs": [-1.1, -0.5, -1.9]}
-
-
-def _analyze(path: Path, out: Path, *options: str) -> tuple[int, dict | None, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        status = main(["analyze", str(path), "--out", str(out), "--no-html", *options])
-    result = out / "result.json"
-    return status, json.loads(result.read_text()) if result.exists() else None, err.getvalue()
+from tests.support import GOOD_SAMPLE, ROOT, analyze_cli
 
 
 def _write(path: Path, lines: list[str]) -> Path:
@@ -43,8 +33,8 @@ def _write(path: Path, lines: list[str]) -> Path:
 )
 def test_an_integer_too_large_is_an_issue_of_its_line(tmp_path, key, value, fragment):
     """It aborted the whole run ("unexpected ValueError: Overflow when unpacking long long")."""
-    lines = [json.dumps(GOOD)] * 3 + [json.dumps({**GOOD, key: value})] + [json.dumps(GOOD)] * 30
-    status, result, err = _analyze(_write(tmp_path / "big.jsonl", lines), tmp_path / "out")
+    lines = [json.dumps(GOOD_SAMPLE)] * 3 + [json.dumps({**GOOD_SAMPLE, key: value})] + [json.dumps(GOOD_SAMPLE)] * 30
+    status, result, err = analyze_cli(_write(tmp_path / "big.jsonl", lines), tmp_path / "out")
     assert status == 0, err
     assert f"big.jsonl line 4: {fragment}" in err, err
     assert result is not None and result["input"]["samples"] == 33 and result["input"]["issues_total"] == 1
@@ -53,16 +43,16 @@ def test_an_integer_too_large_is_an_issue_of_its_line(tmp_path, key, value, frag
 
 def test_a_jsonl_file_starting_with_a_bracket_is_read_line_by_line(tmp_path):
     """The file was read as one JSON array: every later line was lost ("extra data after the JSON array")."""
-    for first in ("[1]", json.dumps([GOOD])):
-        path = _write(tmp_path / "arr.jsonl", [first] + [json.dumps(GOOD)] * 30)
-        status, result, err = _analyze(path, tmp_path / f"out{len(first)}")
+    for first in ("[1]", json.dumps([GOOD_SAMPLE])):
+        path = _write(tmp_path / "arr.jsonl", [first] + [json.dumps(GOOD_SAMPLE)] * 30)
+        status, result, err = analyze_cli(path, tmp_path / f"out{len(first)}")
         assert status == 0, err
         assert "arr.jsonl line 1: expected a JSON object, got array" in err, err
         assert result is not None and result["input"]["samples"] == 30 and result["input"]["issues_total"] == 1
     # a JSON array is a .json file (and stays one, whatever its layout)
     path = tmp_path / "arr.json"
-    path.write_text(json.dumps([GOOD] * 3))
-    status, result, err = _analyze(path, tmp_path / "json")
+    path.write_text(json.dumps([GOOD_SAMPLE] * 3))
+    status, result, err = analyze_cli(path, tmp_path / "json")
     assert status == 0 and result is not None and result["input"]["samples"] == 3, err
 
 
@@ -81,7 +71,7 @@ def test_a_pt_file_of_other_bytes_is_not_a_readable_torch_file(tmp_path):
     """Garbage bytes were refused as "needs pickle to load", which points at the wrong problem."""
     path = tmp_path / "notpt.pt"
     path.write_bytes(b"garbage")
-    status, result, err = _analyze(path, tmp_path / "out")
+    status, result, err = analyze_cli(path, tmp_path / "out")
     assert status == 1 and result is None
     assert "notpt.pt: not a readable torch file" in err and "pickle" not in err, err
 
@@ -91,8 +81,8 @@ def test_groups_without_tokens_have_no_ess_in_the_result_and_come_first_in_the_r
     lines = []
     for g in range(25):
         mask = [0, 0, 0] if g % 5 == 4 else [1, 1, 1]  # 5 groups without a response token
-        lines += [json.dumps({**GOOD, "group_id": f"g{g}", "response_mask": mask})] * 2
-    status, result, err = _analyze(_write(tmp_path / "mixed.jsonl", lines), tmp_path / "out")
+        lines += [json.dumps({**GOOD_SAMPLE, "group_id": f"g{g}", "response_mask": mask})] * 2
+    status, result, err = analyze_cli(_write(tmp_path / "mixed.jsonl", lines), tmp_path / "out")
     assert status == 0 and result is not None, err
     groups = result["controller"]["groups"]
     empty = [g for g in groups if g["stats"]["num_response_tokens"] == 0]
@@ -131,12 +121,13 @@ def _value_for(meant: str):
 
 @pytest.mark.parametrize("key,meant", MISNAMED)
 def test_a_jsonl_key_that_looks_like_a_schema_key_is_an_issue_of_its_line(tmp_path, key, meant):
-    lines = [json.dumps(GOOD)] * 3 + [json.dumps({**GOOD, key: _value_for(meant)})] + [json.dumps(GOOD)] * 30
+    good = json.dumps(GOOD_SAMPLE)
+    lines = [good] * 3 + [json.dumps({**GOOD_SAMPLE, key: _value_for(meant)})] + [good] * 30
     for name in ("typo.jsonl", "typo.json"):
         path = _write(tmp_path / name, lines) if name.endswith("l") else tmp_path / name
         if name.endswith(".json"):  # a JSON array, one element per line: the same line numbers
             path.write_text("[" + ",\n".join(lines) + "]\n")
-        status, result, err = _analyze(path, tmp_path / name.replace(".", "_"))
+        status, result, err = analyze_cli(path, tmp_path / name.replace(".", "_"))
         assert status == 0, err
         assert f"{name} line 4: unknown key `{key}`: did you mean `{meant}`?" in err, err
         assert result is not None and result["input"]["samples"] == 33 and result["input"]["issues_total"] == 1
@@ -147,7 +138,7 @@ def test_every_misnamed_key_of_a_sample_is_named_at_once(tmp_path):
     """The auditors' typo.jsonl: `mask`, `group_ids` and `rewards` gave ESS 0.333 and three groups instead of one."""
     sample = {"trainer_logprobs": [-1.0, -0.5, -9.0], "rollout_logprobs": [-1.1, -0.5, -60.0], "mask": [1, 1, 0],
               "group_ids": 0, "rewards": 1.0}
-    status, result, err = _analyze(_write(tmp_path / "typo.jsonl", [json.dumps(sample)] * 3), tmp_path / "out")
+    status, result, err = analyze_cli(_write(tmp_path / "typo.jsonl", [json.dumps(sample)] * 3), tmp_path / "out")
     assert status == 1 and result is None and "no valid sample (3 issue(s)" in err, err
     line = next(x for x in err.splitlines() if "line 1:" in x)
     for key, meant in (("mask", "response_mask"), ("group_ids", "group_id"), ("rewards", "reward")):
@@ -155,10 +146,10 @@ def test_every_misnamed_key_of_a_sample_is_named_at_once(tmp_path):
 
 
 def test_other_unknown_keys_are_ignored_and_listed_once_with_their_counts(tmp_path):
-    lines = ([json.dumps({**GOOD, "prompt": "2+2?", "uid": f"u{i}"}) for i in range(5)]
-             + [json.dumps({**GOOD, "uid": "u9", "text": None})] * 2 + [json.dumps(GOOD)] * 3
+    lines = ([json.dumps({**GOOD_SAMPLE, "prompt": "2+2?", "uid": f"u{i}"}) for i in range(5)]
+             + [json.dumps({**GOOD_SAMPLE, "uid": "u9", "text": None})] * 2 + [json.dumps(GOOD_SAMPLE)] * 3
              # a framework name is ignored when its schema field is given: it is not meant for it
-             + [json.dumps({**GOOD, "response_mask": [1, 1, 1], "mask": [1, 1, 0]})])
+             + [json.dumps({**GOOD_SAMPLE, "response_mask": [1, 1, 1], "mask": [1, 1, 0]})])
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(["analyze", str(_write(tmp_path / "extra.jsonl", lines)), "--out", str(tmp_path / "o"),
@@ -172,7 +163,7 @@ def test_other_unknown_keys_are_ignored_and_listed_once_with_their_counts(tmp_pa
     # the same metrics as the file without those keys
     plain = [json.dumps({k: v for k, v in json.loads(x).items() if k not in ("prompt", "uid", "text", "mask")})
              for x in lines]
-    status, clean, err2 = _analyze(_write(tmp_path / "plain.jsonl", plain), tmp_path / "p")
+    status, clean, err2 = analyze_cli(_write(tmp_path / "plain.jsonl", plain), tmp_path / "p")
     assert status == 0 and clean is not None and clean["metrics"] == result["metrics"], err2
     assert clean["input"]["ignored_keys"] == {}
     assert not [x for x in summary_text(clean) if "outside the schema" in x]
@@ -199,7 +190,7 @@ def test_a_pt_key_that_looks_like_a_schema_key_is_an_issue_of_its_record(tmp_pat
         del batch["group_ids"]
     path = tmp_path / "steps.pt"
     torch.save([_pt_batch(), {**batch, key: value}, _pt_batch()], path)
-    status, result, err = _analyze(path, tmp_path / "out", "--max-bad-fraction", "1")
+    status, result, err = analyze_cli(path, tmp_path / "out", "--max-bad-fraction", "1")
     assert status == 0, err
     assert f"steps.pt record 1: unknown key `{key}`: did you mean `{meant}`?" in err, err
     assert result is not None and result["input"]["samples"] == 8 and result["input"]["issues_total"] == 1
@@ -208,21 +199,22 @@ def test_a_pt_key_that_looks_like_a_schema_key_is_an_issue_of_its_record(tmp_pat
 def test_other_pt_keys_are_ignored_and_listed(tmp_path):
     path = tmp_path / "extra.pt"
     torch.save({**_pt_batch(), "uid": ["a", "b", "c", "d"], "meta": torch.zeros(2)}, path)
-    status, result, err = _analyze(path, tmp_path / "out", "--batch-size", "3")
+    status, result, err = analyze_cli(path, tmp_path / "out", "--batch-size", "3")
     assert status == 0 and result is not None, err
     assert result["input"]["ignored_keys"] == {"meta": 4, "uid": 4}  # samples (rows) of the record
 
 
 def test_a_step_too_large_is_an_issue_of_its_line_or_record(tmp_path):
     """`"step": 10**30` was accepted (then matplotlib warned while drawing the charts)."""
-    lines = [json.dumps({**GOOD, "step": 1})] * 3 + [json.dumps({**GOOD, "step": 10**30})] + [json.dumps(GOOD)] * 30
-    status, result, err = _analyze(_write(tmp_path / "big.jsonl", lines), tmp_path / "out")
+    lines = ([json.dumps({**GOOD_SAMPLE, "step": 1})] * 3 + [json.dumps({**GOOD_SAMPLE, "step": 10**30})]
+             + [json.dumps(GOOD_SAMPLE)] * 30)
+    status, result, err = analyze_cli(_write(tmp_path / "big.jsonl", lines), tmp_path / "out")
     assert status == 0, err
     assert "big.jsonl line 4: `step` is too large (31 digits): at most 2**63 - 1" in err, err
     assert result is not None and result["input"]["samples"] == 33 and result["input"]["issues_total"] == 1
     path = tmp_path / "steps.pt"
     torch.save([{**_pt_batch(), "step": 2**63}, {**_pt_batch(), "step": 2**63 - 1}], path)
-    status, result, err = _analyze(path, tmp_path / "pt", "--max-bad-fraction", "1")
+    status, result, err = analyze_cli(path, tmp_path / "pt", "--max-bad-fraction", "1")
     assert status == 0, err
     assert "steps.pt record 0: `step` is too large (19 digits)" in err, err
     assert result is not None and result["input"]["samples"] == 4 and result["input"]["issues_total"] == 1
