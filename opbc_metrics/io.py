@@ -43,8 +43,9 @@ emit for tokens outside top-p) and ``null`` (a missing logprob, read as NaN): su
 in ``opbc/input/nonfinite_count`` and excluded from the other statistics, as everywhere in this
 library. A sample whose logprob lists differ in length, whose fields have the wrong type or an invalid
 value (a NaN reward, a negative length, an unknown ``stop_reason``, a finite logprob above
-:data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE` on a response token: probabilities or logits), or whose line is
-not a JSON object is an issue reported with its line number. A last line cut mid-record (a file still being
+:data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE` on a response token: probabilities or logits), that names a
+key twice (JSON would keep the last value silently), or whose line is not a JSON object is an issue reported
+with its line number. A last line cut mid-record (a file still being
 written) is reported as truncated. A sample that carries verl's or TRL's field names instead of this schema's
 gets a hint naming the adapter that converts them.
 
@@ -621,11 +622,28 @@ def _json_records(stream: BinaryIO) -> Iterator[tuple[int, bool, bytes]]:
             yield lineno, raw.endswith(b"\n"), stripped
 
 
+class _DuplicateKey(ValueError):
+    """A JSON object that names a key twice (``json`` keeps the last value and drops the other silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` that refuses a key given twice in one object."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _DuplicateKey(f"the key `{twice}` appears twice in one object (JSON would keep the last value and "
+                            "drop the other silently); remove one")
+    return out
+
+
 def _decode_line(source: str, lineno: int, complete: bool, raw: bytes) -> Any:
     """The decoded JSON value of one line, or the :class:`InputIssue` saying why it cannot be decoded."""
     where = f"line {lineno}"
     try:
-        return json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        return InputIssue(source, where, str(e), lineno)
     except UnicodeDecodeError as e:
         return InputIssue(source, where, f"not valid UTF-8 (byte {e.start})", lineno)
     except json.JSONDecodeError as e:
@@ -647,7 +665,7 @@ def _array_items(source: str, text: str) -> Iterator[tuple[int, Any]]:
     Elements are decoded one at a time (so a bad element is reported with its line and the others are
     kept); a syntax error outside an element ends the array with an issue.
     """
-    decoder = json.JSONDecoder()
+    decoder, plain = json.JSONDecoder(object_pairs_hook=_unique_keys), json.JSONDecoder()
     pos = _WHITESPACE.match(text, 1).end()  # after "["
     line, counted_to = 1, 0
 
@@ -661,7 +679,11 @@ def _array_items(source: str, text: str) -> Iterator[tuple[int, Any]]:
         return
     while True:
         try:
-            value, end = decoder.raw_decode(text, pos)
+            try:
+                value, end = decoder.raw_decode(text, pos)
+            except _DuplicateKey as e:  # an issue of this element only: its end from a plain decode, and go on
+                where = line_of(pos)
+                value, end = InputIssue(source, f"line {where}", str(e), where), plain.raw_decode(text, pos)[1]
         except json.JSONDecodeError as e:
             where = line_of(e.pos)
             if not text.rstrip().endswith("]"):  # the array never closes: the file was cut

@@ -547,7 +547,9 @@ def test_help_documents_the_schema():
 @pytest.mark.parametrize("bad", ['"reward": NaN', '"reward": Infinity', '"advantage": -Infinity'])
 def test_non_finite_scalar_is_reported_with_its_line_and_skipped(tmp_path, bad):
     lines = list(LINES)
-    lines[29] = lines[29][:-1] + ", " + bad + "}"  # line 30
+    field, value = bad.split(": ")
+    sample = {**json.loads(lines[29]), json.loads(field): float(value.replace("Infinity", "inf"))}
+    lines[29] = json.dumps(sample)  # line 30 (the value replaces the sample's own: a key named twice is an issue)
     (tmp_path / "nan.jsonl").write_text("\n".join(lines) + "\n")
     result, _, err = analyze(tmp_path / "nan.jsonl", tmp_path / "out", "--no-html")  # 1 bad line of 48: allowed
     field = bad.split('"')[1]

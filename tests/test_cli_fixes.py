@@ -218,3 +218,22 @@ def test_a_step_too_large_is_an_issue_of_its_line_or_record(tmp_path):
     assert status == 0, err
     assert "steps.pt record 0: `step` is too large (19 digits)" in err, err
     assert result is not None and result["input"]["samples"] == 4 and result["input"]["issues_total"] == 1
+
+
+@pytest.mark.parametrize("name", ["dup.jsonl", "dup.json"])
+def test_a_key_given_twice_in_a_sample_is_an_issue_of_its_line(tmp_path, name):
+    """JSON keeps the last of two equal keys and drops the other silently: `"response_mask"` given twice was read
+    as whichever came last."""
+    good = json.dumps(GOOD_SAMPLE)
+    twice = '{"trainer_logprobs": [-1.0, -0.5, -2.0], "rollout_logprobs": [-1.1, -0.5, -1.9], ' \
+            '"response_mask": [1, 1, 1], "response_mask": [0, 0, 1]}'
+    lines = [good] * 3 + [twice] + [good] * 30
+    text = "\n".join(lines) + "\n" if name.endswith("l") else "[\n" + ",\n".join(lines) + "\n]\n"
+    path = tmp_path / name
+    path.write_text(text)
+    status, result, _ = analyze_cli(path, tmp_path / "out")
+    assert status == 0, result
+    issues = result["input"]["issues"]
+    line = 4 if name.endswith("l") else 5  # (the array's "[" is line 1)
+    assert [i["line"] for i in issues] == [line] and "`response_mask` appears twice" in issues[0]["message"]
+    assert result["input"]["samples"] == 33
