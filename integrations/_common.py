@@ -86,11 +86,18 @@ def logprob_fields(container: Any, keys: tuple[str, str], missing: tuple[str, st
     """``trainer_logprobs`` and ``rollout_logprobs`` read from the framework's names ``keys`` (those present).
 
     With ``missing`` (one message per key) both are required: an absent one raises a ``ValueError`` with its
-    message.
+    message. A container holding the schema field too, as another tensor, raises: neither may be dropped silently.
     """
     out: dict[str, Any] = {}
-    for schema, key, message in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), keys, missing or (None, None)):
+    for schema, key, message, arg in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), keys, missing or (None, None),
+                                         ("trainer_key", "rollout_key"), strict=True):
         value = lookup(container, key)
+        explicit = lookup(container, schema) if key != schema else None
+        if value is not None and explicit is not None and explicit is not value:
+            raise ValueError(
+                f"the batch has both `{schema}` and `{key}`, which the adapter maps to `{schema}`; drop one, or "
+                f"pass {arg}={schema!r} to read `{schema}`"
+            )
         if value is None and message is not None:
             raise ValueError(message)
         if value is not None:

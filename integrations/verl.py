@@ -212,15 +212,6 @@ def verl_to_batch(
     """
     tensors, non_tensors = split_dataproto(data)
     out = passthrough(tensors, non_tensors)
-    for schema, key, arg in (("trainer_logprobs", trainer_key, "trainer_key"),
-                             ("rollout_logprobs", rollout_key, "rollout_key")):
-        # Two tensors for one field: neither may be dropped silently.
-        explicit, mapped = out.get(schema), lookup(tensors, key)
-        if key != schema and explicit is not None and mapped is not None and explicit is not mapped:
-            raise ValueError(
-                f"verl batch has both `{schema}` and `{key}`, which the adapter maps to `{schema}`; drop one, or "
-                f"pass {arg}={schema!r} to read `{schema}`"
-            )
 
     missing = (
         f"verl batch has no `{trainer_key}` (the actor's recomputed logprobs of the response tokens); call the "

@@ -51,7 +51,7 @@ gets a hint naming the adapter that converts them.
 
 A key outside the schema that looks meant for one of its keys, which the sample lacks, is an issue of its
 line, since ignoring it would change the result: ``mask`` (or another framework's name of the mask), a
-misspelling (``respons_mask``, difflib ratio >= 0.8 as in :meth:`opbc_metrics.batch.BatchView.check_unread`) or
+misspelling (``respons_mask``, difflib ratio >= :data:`~opbc_metrics.batch.CLOSE_MATCH_CUTOFF`) or
 the batch-field name of a sample key (``rewards``, ``group_ids``, ``response_lengths``). Any other key
 (``prompt``, ``uid``) is ignored, and counted in :attr:`Batch.ignored_keys` (the CLI lists them).
 

@@ -153,7 +153,7 @@ def fmt(value: Any) -> str:
         return str(int(value))
     text = f"{value:.4g}"
     digits = 4
-    while "e" not in text and float(text).is_integer() and not value.is_integer() and digits < 17:
+    while "e" not in text and float(text).is_integer() and digits < 17:  # (value is not an integer here)
         digits += 1  # rounded to a plain whole number: more digits until it no longer reads as one
         text = f"{value:.{digits}g}"
     return text
@@ -406,7 +406,8 @@ def step_chart(headline: Headline, series: Mapping[str, tuple[list[float], list[
     ax = fig.add_subplot()
     values: list[float] = []
     for name, (xs, ys) in series.items():
-        few = len(xs) <= 30
+        # Markers with few points or any gap (a point between two gaps has no segment to show it).
+        few = len(xs) <= 30 or any(math.isnan(y) for y in ys)
         ax.plot(xs, ys, color=colours[name], lw=1.4, marker="o" if few else None, ms=3, label=name,
                 gid=f"series-{name}")
         values += [y for y in ys if math.isfinite(y)]

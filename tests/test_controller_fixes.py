@@ -213,3 +213,20 @@ def test_new_contract_reasons_agree_between_paths(monkeypatch):
     for out in outs[1:]:
         assert torch.equal(out.action, outs[0].action) and torch.equal(out.reasons, outs[0].reasons)
     assert _contract_reasons(outs[0]) == {0: ["mask_not_binary"], 1: ["logprobs_positive"], 2: []}
+
+
+def test_expert_ids_on_one_side_and_router_logits_on_the_other_give_top1_flips():
+    """Ids [B, T, L, K] beside logits [B, T, L, E] raised a shape error naming a field the user never gave; each
+    side now gives its top-1 expert as the moe section reads it."""
+    from opbc_metrics.moe import RouterFlipRate
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 4, (2, 3, 2, 2), generator=g)
+    logits = torch.randn(2, 3, 2, 4, generator=g)
+    t = torch.full((2, 3), -1.0)
+    out = OPBCController(track_budget=False).evaluate(trainer_logprobs=t, rollout_logprobs=t - 0.1,
+                                                      group_ids=torch.tensor([0, 0]), rollout_experts=ids,
+                                                      trainer_router_logits=logits)
+    moe = RouterFlipRate(top_k=2)
+    moe.update(rollout_experts=ids, trainer_router_logits=logits)
+    assert out.decisions[0].report.router_flip_rate == pytest.approx(float(moe.compute_dict()["moe/router/flip_rate"]))

@@ -290,3 +290,13 @@ def test_report_once_warns_once_per_problem():
         report(ValueError("bad field"))
         report("another problem")
     assert len(caught) == 2
+
+
+def test_trl_explicit_schema_logprobs_and_trls_names_together_are_refused():
+    """The same rule as verl's (one shared check): `trainer_logprobs` beside `old_per_token_logps` was dropped."""
+    t = -torch.rand(2, 3)
+    inputs = {"trainer_logprobs": t, "old_per_token_logps": t - 1.0, "sampling_per_token_logps": t,
+              "completion_mask": torch.ones(2, 3)}
+    with pytest.raises(ValueError, match=r"both `trainer_logprobs` and `old_per_token_logps`.*trainer_key"):
+        trl_to_batch(inputs)
+    assert trl_to_batch({**inputs, "old_per_token_logps": t})["trainer_logprobs"] is t

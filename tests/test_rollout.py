@@ -493,3 +493,15 @@ def test_functional_length_share_refuses_no_stop_reason():
     with pytest.raises(ValueError, match="`stop_reasons` is empty"):
         stop_reason_length_pct([])
     assert float(stop_reason_length_pct(["length", "stop"])) == 50.0
+
+
+def test_two_stop_metrics_with_different_length_codes_share_a_view():
+    """The view caches the stop codes; the cache key holds the string table, so a metric with another
+    `length_code` does not read the first one's codes (it raised "invalid value(s)" on valid strings)."""
+    from opbc_metrics.batch import BatchView
+
+    five, default = M.StopReasonLengthPct(length_code=5), M.StopReasonLengthPct()
+    view = BatchView(stop_reasons=["length", "stop"])
+    five.update(view)
+    default.update(view)
+    assert float(five.compute()) == float(default.compute()) == 50.0

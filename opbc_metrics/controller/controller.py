@@ -459,14 +459,10 @@ def _prepare(
     view.token_inputs  # noqa: B018  (BatchView's own validation, cached for every later use)
     flips = None
     if experts is not None:
-        from opbc_metrics.functional.moe import _check_logits, router_top1_flips, router_topk
+        from opbc_metrics.functional.moe import _side, router_top1_flips
 
-        # Router logits give their top-1 expert (argmax over E, [B, T, L, 1]) as the moe section takes its top-K.
-        ids = []
-        for x, name in zip(experts, expert_names):
-            if name in _ROUTER_LOGITS:
-                _check_logits(x, name, 1)  # at least one layer and one expert, named by its field
-                x = router_topk(x, 1)
-            ids.append(x)
-        flips = router_top1_flips(ids[0], ids[1])
+        # Each side's top-1 expert as the moe section reads it: its ids' first column, or its logits' argmax.
+        rollout, trainer = (_side(view, *names, 1)[0] for names in ((ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS),
+                                                                      (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS)))
+        flips = router_top1_flips(rollout, trainer)
     return view, index, [], flips, lag_rows, token_ids

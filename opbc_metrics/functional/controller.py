@@ -854,7 +854,8 @@ def invalid_lag_groups(lag_rows: Tensor | None, index: GroupIndex) -> Tensor:
 def _rule_conditions(values: Stats, contract: dict[str, Tensor], policy: OPBCPolicy) -> Tensor:
     """``[capacity, R]`` bool: which rule conditions hold for each group, in the order of :data:`REASONS`.
 
-    Missing statistics (NaN lag or flip rate) compare false, so their rules never fire.
+    Missing statistics (NaN: a lag or flip rate not given, or a group without the tokens or sequences to
+    measure ESS, fractions or the flip rate) compare false, so their rules never fire.
     """
     ess, lag, flip = values["ess"], values["policy_lag"], values["router_flip_rate"]
     conditions = {

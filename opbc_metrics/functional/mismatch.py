@@ -1606,13 +1606,12 @@ def _prob_compute(
     # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|, whose squares are those of p - q. One token:
     # exactly 0 (sum_dp2 and sum_abs_pq^2 round differently, and their difference is noise, not a spread).
     diff_m2 = (sum_dp2 - sum_abs_pq * sum_abs_pq / m).clamp_min(0.0)
-    out = {
+    return {
         PROB_KEYS[0]: _safe_div(sum_abs_pq, n, 0.0),
         PROB_KEYS[1]: torch.where(n > 0, max_abs_pq.clamp_min(0.0), torch.zeros_like(max_abs_pq)),
         PROB_KEYS[2]: torch.where(n > 0, pearson, torch.ones_like(pearson)),
         PROB_KEYS[3]: torch.where(n > 1, torch.sqrt(diff_m2 / (n - 1.0).clamp_min(1.0)), torch.zeros_like(diff_m2)),
     }
-    return out
 
 
 def probability_diff(

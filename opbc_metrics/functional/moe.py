@@ -39,8 +39,8 @@ are not in the tensor).
   the layers that saw a valid token (the first one on ties), and its rate. The pooled overflow bucket
   competes as index 64, read "a layer >= 64": pass ``num_layers`` to resolve it.
 
-Over an empty window (no valid token) the rates are 0 (what identical routing gives) and
-``worst_layer`` is -1.
+A window without a valid token has no keys (the metrics); the public functions raise a ``ValueError`` on a
+batch without a response token (no made-up rate 0 / worst layer -1).
 """
 
 from __future__ import annotations

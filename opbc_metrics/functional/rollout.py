@@ -773,7 +773,16 @@ def _code_tensor(view: BatchView, name: str, table: dict[str, int], none_code: i
             return _host_codes(name, v, table, none_code, unknown_code, device)
         raise ValueError(f"batch field `{name}` must be an int tensor [B] or a list of strings, got {type(v).__name__}")
 
-    return view.shared(("rollout/codes", name), make)
+    # (the string table is part of the key: two stop metrics with different length codes map "length" differently)
+    return view.shared(("rollout/codes", name, tuple(sorted(table.items())), none_code, unknown_code), make)
+
+
+def _stop_codes(view: BatchView, length_code: int, device: torch.device | str = "cpu") -> Tensor:
+    """The ``[B]`` stop codes (or bools) of a batch; strings map onto ``length_code`` ("length") or a known code
+    that is not it."""
+    not_length = next(c for c in STOP_REASON_CODES.values() if c != length_code)
+    table = {**dict.fromkeys(STOP_REASON_STRINGS, not_length), "length": length_code}
+    return _code_tensor(view, STOP_REASONS, table, not_length, None, device, allow_bool=True)
 
 
 def _stop_update(view: BatchView, length_code: int, device: torch.device | str = "cpu") -> Stats:
@@ -781,9 +790,7 @@ def _stop_update(view: BatchView, length_code: int, device: torch.device | str =
     :data:`STOP_REASON_CODES` and ``length_code``, counted (a tensor's values cannot be read without a sync)."""
     # Strings: "length" is truncation; None and the other known finish reasons are not; unknown strings raise
     # here (a host list: no sync). They map onto a known code that is not length_code.
-    not_length = next(c for c in STOP_REASON_CODES.values() if c != length_code)
-    table = {**dict.fromkeys(STOP_REASON_STRINGS, not_length), "length": length_code}
-    codes = _code_tensor(view, STOP_REASONS, table, not_length, None, device, allow_bool=True)
+    codes = _stop_codes(view, length_code, device)
     if codes.dtype == torch.bool:
         hit, invalid = codes, torch.zeros((), dtype=F64, device=codes.device)
     else:
@@ -829,7 +836,7 @@ def stop_reason_length_pct(stop_reasons: Any, length_code: int = LENGTH_CODE) ->
     view = BatchView(stop_reasons=stop_reasons)
     stats = _stop_update(view, length_code)
     if bool(stats["invalid"] > 0):  # a functional call may read to the host; the metric defers this to compute()
-        codes = _code_tensor(view, STOP_REASONS, {}, 0, 0, "cpu", allow_bool=True)
+        codes = _stop_codes(view, length_code)
         known = torch.tensor(sorted({*STOP_REASON_CODES.values(), length_code}), device=codes.device)
         bad = torch.unique(codes[~torch.isin(codes, known)]).tolist()
         raise ValueError(
@@ -940,9 +947,7 @@ def _discarded_stats_compute(gini_sum: Tensor, gini_groups: Tensor, ratio_sum: T
                              stop_length: Tensor, stop_count: Tensor, **moments: Tensor) -> dict[str, Tensor]:
     """The keys that have data: token moments over the discarded, group keys over groups with a discarded
     rollout, the truncated share over discarded rollouts with a stop reason (host reads)."""
-    out: dict[str, Tensor] = {}
-    if bool(moments["count"] > 0):  # moments: the statistics of _moments_update
-        out.update(_moments_dict(DISCARDED_TOKEN_KEYS, **moments))
+    out = _moments_dict(DISCARDED_TOKEN_KEYS, **moments)  # (no keys without a sample)
     if bool(gini_groups > 0):
         out[DISCARDED_GROUP_KEYS[0]] = gini_sum / gini_groups
     if bool(ratio_groups > 0):
