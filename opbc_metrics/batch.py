@@ -540,19 +540,35 @@ class BatchView:
         return self.shared("num_valid", lambda: self.valid_f.sum())
 
     @property
-    def mask_other_values(self) -> Tensor:
-        """How many ``response_mask`` entries are neither 0 nor 1 (0-dim, compute dtype; 0 for a bool or absent
-        mask). Such a mask (a label tensor with -100, weights) would count every non-zero entry as a response
-        token; :class:`~opbc_metrics.mismatch.metrics.InputHealth` refuses it at compute."""
+    def mask_other_entries(self) -> Tensor | None:
+        """``[B, T]`` bool: the ``response_mask`` entries that are neither 0 nor 1 (NaN included); ``None`` for a
+        bool or absent mask, which has none. Such a mask (a label tensor with -100, weights) would count every
+        non-zero entry as a response token: :class:`~opbc_metrics.mismatch.metrics.InputHealth` refuses it at
+        compute (:attr:`mask_other_values`), the controller rejects the groups of its rows (:attr:`mask_other_rows`).
+        """
 
-        def make() -> Tensor:
+        def make() -> Tensor | None:
             _, _, mask = self.token_inputs
             raw = self.data.get(RESPONSE_MASK)
-            if raw is None or raw.dtype == torch.bool:
-                return torch.zeros((), dtype=self.dtype, device=self.device)
-            return torch.count_nonzero(mask & (raw != 1)).to(self.dtype)
+            return None if raw is None or raw.dtype == torch.bool else mask & (raw != 1)  # mask: raw != 0
 
-        return self.shared("mask_other_values", make)
+        return self.shared("mask_other_entries", make)
+
+    @property
+    def mask_other_values(self) -> Tensor:
+        """How many ``response_mask`` entries are neither 0 nor 1 (0-dim, compute dtype; 0 for a bool or absent
+        mask)."""
+        entries = self.mask_other_entries
+        if entries is None:
+            return torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.count_nonzero(entries).to(self.dtype)
+
+    @property
+    def mask_other_rows(self) -> Tensor | None:
+        """``[B]`` bool: the rows holding a ``response_mask`` entry other than 0 and 1 (``None``: a bool or absent
+        mask)."""
+        entries = self.mask_other_entries
+        return None if entries is None else entries.any(dim=1)
 
     @property
     def logprob_range(self) -> tuple[Tensor, Tensor]:

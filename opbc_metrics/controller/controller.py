@@ -244,7 +244,7 @@ class OPBCController:
                 FC.group_update(view, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows, chunks=chunks)
             )
         if fused is not None:
-            contract = FC._contract_from_rows(fused.contract_rows, index, lag_rows)
+            contract = FC._contract_from_rows(fused.contract_rows, index, lag_rows, view.mask_other_rows)
         elif batch_reasons:
             declared = view._cache.get("declared_response_tokens")
             if declared is not None:
@@ -254,14 +254,12 @@ class OPBCController:
             contract.update({name: index.present for name in batch_reasons})
             contract["invalid_policy_lag"] = FC.invalid_lag_groups(lag_rows, index)
         else:
-            raw_mask = view.data.get(RESPONSE_MASK)  # a chunk view holds the bool mask: mask_not_binary reads this
             parts = [
                 FC._contract_rows(FC.chunk_view(view, i, j), policy.alignment_gap,
-                                  None if token_ids is None else (token_ids[0][i:j], token_ids[1][i:j]),
-                                  None if raw_mask is None else raw_mask[i:j])
+                                  None if token_ids is None else (token_ids[0][i:j], token_ids[1][i:j]))
                 for i, j in chunks
             ]
-            contract = FC._contract_from_rows(FC.cat_rows(parts), index, lag_rows)
+            contract = FC._contract_from_rows(FC.cat_rows(parts), index, lag_rows, view.mask_other_rows)
         action, reasons = FC.decide(values, contract, index.present, policy)
         row_action = action[index.row_group]
         if fused is not None and fused.weights is not None:

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import PROBABILITY_TOLERANCE, RESPONSE_MASK, BatchView, from_host
+from opbc_metrics.batch import PROBABILITY_TOLERANCE, BatchView, from_host
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.policy import (
@@ -493,8 +493,7 @@ def fused_pass(
     thresholds = from_host([[clamp], [veto]], dtype, device)
     gap = torch.full((), -float(alignment_gap), dtype=dtype, device=device)
     mask_u8 = mask.view(torch.uint8)
-    raw_mask = view.data.get(RESPONSE_MASK)
-    extra: dict[str, list[Tensor]] = {"flips": [], "token_ids_differ": [], "mask_other": []}
+    extra: dict[str, list[Tensor]] = {"flips": [], "token_ids_differ": []}
     # Every chunk's views, one C++ call per tensor (a Python-level slice per chunk and tensor cost ~3% of a step).
     sizes = [j - i for i, j in chunks]
     per_chunk = [trainer.split(sizes), rollout.split(sizes), mask_u8.split(sizes), outside.split(sizes, 1),
@@ -552,9 +551,6 @@ def fused_pass(
             extra["flips"].append((flips[i:j] & mask[i:j, :, None]).sum(dim=(1, 2)))
         if token_ids is not None:
             extra["token_ids_differ"].append((mask[i:j] & (token_ids[0][i:j] != token_ids[1][i:j])).sum(dim=1))
-        other = mask_other_rows(None if raw_mask is None else raw_mask[i:j])
-        if other is not None:
-            extra["mask_other"].append(other)
 
     rows = dict(zip(_FUSED_ROWS, sums.unbind(0)))
     count, nonfinite = rows["n_valid"], rows["n_mask"] - rows["n_valid"]
@@ -589,8 +585,6 @@ def fused_pass(
                                     (inside[0] > PROBABILITY_TOLERANCE, inside[1] > PROBABILITY_TOLERANCE))
     if token_ids is not None:
         contract_rows["token_ids_differ"] = torch.cat(extra["token_ids_differ"])
-    if extra["mask_other"]:
-        contract_rows["mask_other"] = torch.cat(extra["mask_other"])
     return FusedPass(stats, contract_rows, count, rows["clipped"], loss_mask, weights)
 
 
@@ -757,13 +751,12 @@ def _contract_flags(
       (only when ``policy_lag`` is given): the lag rules cannot judge the group.
     """
     rows = _contract_rows(view, alignment_gap, token_ids)
-    return _contract_from_rows(rows, index, lag_rows)
+    return _contract_from_rows(rows, index, lag_rows, view.mask_other_rows)
 
 
-def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tensor, Tensor] | None = None,
-                   raw_mask: Tensor | None = None) -> Stats:
-    """Per-row (``[b]``) counts behind the contract flags: all the per-token work of the checks. ``raw_mask``:
-    the rows' ``response_mask`` as the user gave it (default: the view's; a chunk view holds the bool mask)."""
+def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tensor, Tensor] | None = None) -> Stats:
+    """Per-row (``[b]``) counts behind the contract flags: all the per-token work of the checks (the rows whose
+    mask is not 0/1 come from the whole batch's view, :attr:`~opbc_metrics.batch.BatchView.mask_other_rows`)."""
     trainer_raw = view.tensor("trainer_logprobs")
     rollout_raw = view.tensor("rollout_logprobs")
     trainer, rollout, mask = view.token_inputs
@@ -782,21 +775,10 @@ def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tenso
         # per side (rollout, trainer, as the fused pass), a finite response logprob above the tolerance
         tuple((mask & (x > PROBABILITY_TOLERANCE) & (x < math.inf)).any(dim=1) for x in (rollout, trainer)),
     )
-    other = mask_other_rows(view.data.get(RESPONSE_MASK) if raw_mask is None else raw_mask)
-    if other is not None:
-        rows["mask_other"] = other
     if token_ids is not None:
         rollout_ids, trainer_ids = token_ids
         rows["token_ids_differ"] = (mask & (rollout_ids != trainer_ids)).sum(dim=1)
     return rows
-
-
-def mask_other_rows(raw_mask: Tensor | None) -> Tensor | None:
-    """``[b]`` bool: rows whose raw ``response_mask`` holds a value other than 0 and 1 (NaN included); ``None``
-    for an absent or bool mask, which cannot. Decided on the raw values: ``as_bool_mask`` reads -100 as 1."""
-    if raw_mask is None or raw_mask.dtype == torch.bool:
-        return None
-    return ((raw_mask != 0) & (raw_mask != 1)).any(dim=1)
 
 
 def _contract_flags(resp: Tensor, zero_rows: tuple[Tensor, Tensor], present_outside: tuple[Tensor, Tensor],
@@ -820,8 +802,10 @@ def _contract_flags(resp: Tensor, zero_rows: tuple[Tensor, Tensor], present_outs
     }
 
 
-def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None = None) -> dict[str, Tensor]:
-    """The per-group contract flags from :func:`_contract_rows`' per-row counts."""
+def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None = None,
+                        mask_other: Tensor | None = None) -> dict[str, Tensor]:
+    """The per-group contract flags from :func:`_contract_rows`' per-row counts and the ``[B]`` rows whose mask
+    holds values other than 0/1 (``None``: none can)."""
     resp_g = _segment_sum(rows["resp"], index)
     # A batch-wide shape mismatch is found before any per-token work (the controller's batch validation).
     out: dict[str, Tensor] = {"shape_mismatch": torch.zeros_like(resp_g, dtype=torch.bool)}
@@ -830,8 +814,8 @@ def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None 
     out["logprobs_misaligned"] = _segment_sum(rows["misaligned"], index) > 0
     out["non_finite"] = _segment_sum(rows["non_finite"], index) > 0
     out["logprobs_positive"] = _segment_sum(rows["positive"], index) > 0
-    if "mask_other" in rows:
-        out["mask_not_binary"] = _segment_sum(rows["mask_other"], index) > 0
+    if mask_other is not None:
+        out["mask_not_binary"] = _segment_sum(mask_other, index) > 0
     else:  # an absent or bool mask
         out["mask_not_binary"] = torch.zeros_like(out["non_finite"])
     if "token_ids_differ" in rows:
