@@ -375,13 +375,13 @@ def analyze_file(
     bar = _Progress(size, "B" if by_bytes else "samples", progress, sys.stderr, name)
     shown = 0
 
-    def report(issue: InputIssue, rows: int = 1) -> None:
+    def report(issue: InputIssue, rows: int = 1, what: str = "skipped") -> None:
         nonlocal shown
         analysis.add_issue(issue, rows)
         if on_error == "fail":
             raise AnalysisError(f"{issue} (--on-error fail)")
         if issue_stream is not None and shown < issues_shown:
-            issue_stream.write(f"skipped: {issue}\n")
+            issue_stream.write(f"{what}: {issue}\n")
             shown += 1
 
     try:
@@ -398,8 +398,6 @@ def analyze_file(
         raise AnalysisError(f"{path}: cannot read ({e.strerror or e})") from None
     finally:
         bar.close()
-    if issue_stream is not None and analysis.issues_total > shown:
-        issue_stream.write(f"skipped: ... {analysis.issues_total - shown} more issue(s), all listed in the result\n")
     if analysis.samples == 0:
         if analysis.issues_total:
             raise AnalysisError(f"{path}: no valid sample ({analysis.issues_total} issue(s), all skipped)")
@@ -408,12 +406,9 @@ def analyze_file(
     steps = analysis.steps()  # first: the last step's failures come before the whole run's
     metrics, not_computed = analysis.metrics()
     for where, message in analysis.compute_failures:  # 0 bad samples: only the failing metrics' keys are lost
-        issue = InputIssue(path, where, message)
-        analysis.add_issue(issue, 0)
-        if on_error == "fail":
-            raise AnalysisError(f"{issue} (--on-error fail)")
-        if issue_stream is not None:
-            issue_stream.write(f"not computed: {issue}\n")
+        report(InputIssue(path, where, message), 0, "not computed")
+    if issue_stream is not None and analysis.issues_total > shown:
+        issue_stream.write(f"... {analysis.issues_total - shown} more issue(s), all listed in the result\n")
     labels = analysis.groups.labels
     return {
         "version": __version__,

@@ -125,3 +125,22 @@ def test_a_step_whose_metric_refuses_its_values_is_named_and_keeps_its_other_met
     assert [("opbc/is/ess" in p["metrics"], "opbc/is/seq_ess" in p["metrics"]) for p in points] == [
         (True, True), (False, True), (False, True)]
     assert "opbc/is/ess" in result["not_computed"] and "opbc/is/seq_ess" in result["metrics"]
+
+
+def test_compute_failures_on_every_step_print_at_most_issues_shown_lines(tmp_path, monkeypatch):
+    """A metric refusing its values at every step printed one line per step; they now share the issue cap."""
+    import io
+
+    from opbc_metrics.analysis import analyze_file
+
+    def compute(self):
+        raise ValueError("refused (test)")
+
+    monkeypatch.setattr(ImportanceSamplingESS, "compute", compute)
+    samples = [{**GOOD_SAMPLE, "step": s} for s in range(12) for _ in range(2)]
+    stream = io.StringIO()
+    result = analyze_file(str(_jsonl(tmp_path / "all.jsonl", samples)), issue_stream=stream, issues_shown=3)
+    lines = stream.getvalue().splitlines()
+    more = "... 10 more issue(s), all listed in the result"
+    assert [line.split(":")[0] for line in lines] == ["not computed"] * 3 + [more]
+    assert len(result["input"]["issues"]) == 13  # 12 steps and the whole run
