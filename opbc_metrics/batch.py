@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import warnings
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +44,18 @@ DEFAULT_VETO = 30.0
 # `reward` 0.92 pass; verl's `responses` (0.82 to `response_mask`), `turns` (0.83 to `returns`) and `grad_norm`
 # (0.857 to `rm_grad_norm`) do not.
 CLOSE_MATCH_CUTOFF = 0.86
+
+def close_name(name: Any, candidates: Iterable[str]) -> str | None:
+    """The candidate ``name`` looks like a misspelling of (:data:`CLOSE_MATCH_CUTOFF`), or ``None``: the one rule of
+    the batch check (:meth:`BatchView.check_unread`) and the dump readers (:func:`opbc_metrics.io.unknown_keys`).
+
+    Example:
+        >>> close_name("respons_mask", ["response_mask", "rewards"]), close_name("responses", ["response_mask"])
+        ('response_mask', None)
+    """
+    match = difflib.get_close_matches(str(name), list(candidates), n=1, cutoff=CLOSE_MATCH_CUTOFF)
+    return match[0] if match else None
+
 
 # A logprob side whose valid values reach above this holds probabilities, logits or the like, not logprobs.
 PROBABILITY_TOLERANCE = 0.01
@@ -416,10 +428,10 @@ class BatchView:
         # A field that metrics of other sections read is for them (adapters map every field they find): no warning.
         unknown = [k for k in unread if k not in known]
         for name in unknown:
-            close = difflib.get_close_matches(str(name), meant, n=1, cutoff=CLOSE_MATCH_CUTOFF)
+            close = close_name(name, meant)
             if close:
                 raise ValueError(
-                    f"batch field `{name}` is not read by opbc-metrics: did you mean `{close[0]}`? "
+                    f"batch field `{name}` is not read by opbc-metrics: did you mean `{close}`? "
                     "(rename it; a misspelt field would be ignored and change the result)"
                 )
         if unknown:
@@ -441,10 +453,9 @@ class BatchView:
         if value is None:
             present = ", ".join(sorted(k for k, v in self.data.items() if v is not None)) or "none"
             hint = ""
-            close = difflib.get_close_matches(name, [k for k in self.data if isinstance(k, str)], n=1,
-                                              cutoff=CLOSE_MATCH_CUTOFF)
+            close = close_name(name, [k for k in self.data if isinstance(k, str)])
             if close:
-                hint = f"; is it the field given as `{close[0]}`?"
+                hint = f"; is it the field given as `{close}`?"
             elif {"batch", "non_tensor_batch"} <= self.data.keys():  # a verl DataProto passed as it is
                 hint = f"; a verl DataProto maps onto the schema with {_VERL}"
             raise ValueError(f"batch field `{name}` is required but missing (present: {present}){hint}")

@@ -88,7 +88,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import difflib
 import gzip
 import io
 import json
@@ -106,7 +105,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import CLOSE_MATCH_CUTOFF, FRAMEWORK_FIELDS, PROBABILITY_TOLERANCE, known_field_names
+from opbc_metrics.batch import FRAMEWORK_FIELDS, PROBABILITY_TOLERANCE, close_name, known_field_names
 from opbc_metrics.functional.rollout import STOP_REASON_CODES, STOP_REASON_STRINGS
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
@@ -427,7 +426,7 @@ def unknown_keys(
     defaults to all ones, rewards to none, groups to one per sample).
 
     Such a key is a framework name (``mask``, ``completion_mask``) of an absent schema field, or a close misspelling
-    (difflib, as :meth:`opbc_metrics.batch.BatchView.check_unread`) of an absent key of ``accepted`` or of ``aliases``
+    (:func:`opbc_metrics.batch.close_name`) of an absent key of ``accepted`` or of ``aliases``
     (other names of a key, ``alias_kind``: the batch-field name ``rewards`` of the sample key ``reward``).
 
     Example:
@@ -453,8 +452,8 @@ def unknown_keys(
         if framework is not None and framework[0] in accepted and framework[0] not in present:
             close = [framework[0]]
         else:
-            matches = difflib.get_close_matches(name, list(meant), n=1, cutoff=CLOSE_MATCH_CUTOFF)  # as check_unread
-            close = [meant[c] for c in matches]
+            match = close_name(name, meant)
+            close = [] if match is None else [meant[match]]
         if close:
             other = f" (`{name}` is its {alias_kind})" if aliases.get(name) == close[0] else ""
             misnamed.append(f"unknown key `{name}`: did you mean `{close[0]}`?{other}")
