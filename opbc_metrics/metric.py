@@ -194,6 +194,9 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     glossary: ClassVar[GlossaryEntry | None] = None
     required_fields: ClassVar[tuple[str, ...]] = ()
     optional_inputs: ClassVar[bool] = False
+    # With optional_inputs: the fields any one of which makes a collection update the metric (a missing partner then
+    # raises, naming it, rather than the batch being skipped); empty: all of required_fields.
+    trigger_fields: ClassVar[tuple[str, ...]] = ()
     data_counts: ClassVar[tuple[str, ...] | None] = None
     key_counts: ClassVar[tuple[tuple[str, str] | tuple[str, str, int], ...]] = ()
 
@@ -357,10 +360,15 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     def accepts(self, view: BatchView) -> bool:
         """Whether a collection should update this metric with ``view``.
 
-        Metrics with ``optional_inputs`` skip batches that lack their fields; the others always update
-        (and raise a ``ValueError`` naming a missing field).
+        Metrics with ``optional_inputs`` skip batches that lack their fields (all of ``required_fields``, or every
+        one of ``trigger_fields`` when set: a lone rollout-side expert field then updates and raises); the others
+        always update (and raise a ``ValueError`` naming a missing field).
         """
-        return not self.optional_inputs or view.has(*self.required_fields)
+        if not self.optional_inputs:
+            return True
+        if self.trigger_fields:
+            return any(view.has(name) for name in self.trigger_fields)
+        return view.has(*self.required_fields)
 
     def has_data(self) -> bool:
         """Whether any state differs from its default, i.e. some update changed a state."""

@@ -43,6 +43,7 @@ class _CoverageMetric(OPBCMetric):
 
     required_fields = (ENDPOINT_RESPONSES,)
     optional_inputs = True
+    trigger_fields = (ENDPOINT_RESPONSES, ENDPOINT_REQUESTS)  # requests alone raise: their responses are missing
     data_counts = ("responses",)
     states = table("responses")
     flags: ClassVar[tuple[str, ...]] = ()
@@ -54,11 +55,6 @@ class _CoverageMetric(OPBCMetric):
             cls.keys = tuple(map(capability_key, cls.flags))
             cls.states = table("responses", *cls.flags)
         super().__init_subclass__(**kwargs)
-
-    def accepts(self, view: BatchView) -> bool:
-        """Whether a collection updates the metric: a batch with ``endpoint_responses`` or ``endpoint_requests``
-        (requests without their responses then raise, naming the missing field, rather than being skipped)."""
-        return view.has(ENDPOINT_RESPONSES) or view.has(ENDPOINT_REQUESTS)
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate ``endpoint_responses`` (a list of responses) and the optional ``endpoint_requests``

@@ -44,17 +44,13 @@ class _RouterMetric(OPBCMetric):
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
     optional_inputs = True
+    trigger_fields = (*EXPERT_FIELDS, *LOGIT_FIELDS)  # any routing field: a lone side or logits without top_k raise
     data_counts = ("layer_pairs", "tokens")
     required_fields = BySettings(EXPERT_FIELDS, lambda m: EXPERT_FIELDS if m.top_k is None else LOGIT_FIELDS)
 
     def __init__(self, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.top_k = check_top_k(top_k)
-
-    def accepts(self, view: BatchView) -> bool:
-        """Whether the batch carries any routing field (expert ids or router logits, either side): then the
-        metric updates, and raises on a missing side or on logits without ``top_k``, never skips them silently."""
-        return any(view.has(name) for name in (*EXPERT_FIELDS, *LOGIT_FIELDS))
 
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``rollout_experts`` / ``trainer_experts`` ``[B, T, L, K]`` (or
