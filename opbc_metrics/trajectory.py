@@ -123,7 +123,8 @@ class ToolCall:
         object.__setattr__(self, "arguments", text)
         object.__setattr__(self, "malformed", malformed)
 
-    # (cached: a frozen dataclass's instance dict; the agent metrics read each of them once per pair and metric)
+    # (cached in the frozen dataclass's instance dict: a trajectory compared again, or read by several collections,
+    # hashes its arguments once)
     @cached_property
     def arguments_hash(self) -> str:
         """SHA-256 hex digest of the canonical arguments."""

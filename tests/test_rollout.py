@@ -505,3 +505,13 @@ def test_two_stop_metrics_with_different_length_codes_share_a_view():
     five.update(view)
     default.update(view)
     assert float(five.compute()) == float(default.compute()) == 50.0
+
+
+def test_functional_group_means_refuse_a_batch_without_a_group():
+    """The group functions returned 0 (CV, Gini) or 1 (max/median) for no group: made-up values."""
+    none = torch.tensor([], dtype=torch.long)
+    for fn, args in ((R.group_length_cv, (none, none)), (R.group_gini, (torch.tensor([]), none)),
+                     (R.group_max_median_ratio, (torch.tensor([0, 0]), torch.tensor([1, 1])))):
+        with pytest.raises(ValueError, match=r"no group with .* in the batch"):
+            fn(*args)
+    assert float(R.group_gini(torch.tensor([3.0]), torch.tensor([1]))) == 0.0  # a group of one: Gini 0 (data)

@@ -376,6 +376,14 @@ def _mean_over_groups(total: Tensor, groups: Tensor, empty: float) -> Tensor:
     return torch.where(groups > 0, total / groups.clamp_min(1.0), torch.full_like(total, empty))
 
 
+def _public_group_mean(stats: Stats, what: str) -> Tensor:
+    """A public function's mean over groups; ``ValueError`` when no group counted (one host read: a function may),
+    where the metric has no key."""
+    if not bool(stats["groups"] > 0):
+        raise ValueError(f"no group with {what} in the batch: the mean over groups is undefined")
+    return stats["value_sum"] / stats["groups"]
+
+
 def _max_median_update(segs: GroupSegments, lengths: Tensor, valid: Tensor | None = None) -> Stats:
     """Sum over groups of max/median completion length (over the ``valid`` samples), and the number of
     groups counted: a group whose median is 0 has no ratio and is left out."""
@@ -596,7 +604,7 @@ def group_length_cv(response_lengths: Tensor, group_ids: Any) -> Tensor:
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
     stats = _checked(_length_cv_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
-    return _mean_over_groups(stats["value_sum"], stats["groups"], 0.0)
+    return _public_group_mean(stats, "a completion length")
 
 
 def gini(values: Tensor) -> Tensor:
@@ -614,6 +622,8 @@ def gini(values: Tensor) -> Tensor:
     """
     if values.ndim != 1:
         raise ValueError(f"`values` must have shape [n], got {tuple(values.shape)}")
+    if values.numel() == 0:  # fewer than two values: 0, as documented
+        return torch.zeros((), dtype=torch.float64, device=values.device)
     return group_gini(values, torch.zeros(values.shape, dtype=torch.long, device=values.device))
 
 
@@ -636,7 +646,7 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
     x, w, invalid = _finite(x, w)
     raise_if_invalid("values", invalid, NONFINITE)
     stats = _group_gini_update(view, "values", x, w > 0)
-    return _mean_over_groups(stats["value_sum"], stats["groups"], 0.0)
+    return _public_group_mean(stats, "a value")
 
 
 def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
@@ -655,7 +665,7 @@ def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
     stats = _checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
-    return _mean_over_groups(stats["value_sum"], stats["groups"], 1.0)
+    return _public_group_mean(stats, "a positive median length")
 
 
 def zero_advantage_mask(rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0,
