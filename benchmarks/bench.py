@@ -30,7 +30,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -197,11 +198,19 @@ def step_parts(metrics: OPBCCollection, x: dict[str, object], repeats: int) -> d
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def run_script(name: str, *args: object, timeout: float = 600) -> None:
+    """Run ``benchmarks/<name>`` in its own process and print what it printed; raise if it failed."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", name), *map(str, args)],
+                         capture_output=True, text=True, timeout=timeout)
+    if out.stdout.strip():
+        print(out.stdout.strip())
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} exited with status {out.returncode}:\n{out.stderr[-3000:]}")
+
+
 def bench_sync(repeats: int) -> None:
     print("\n## sync: 2-process gloo, whole collection (median ms per compute() sync)")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "sync_worker.py"), str(repeats)],
-                         capture_output=True, text=True, timeout=600)
-    print(out.stdout.strip() or out.stderr[-3000:])
+    run_script("sync_worker.py", repeats)
 
 
 def state_bytes(metrics: OPBCCollection) -> int:
@@ -219,9 +228,7 @@ def bench_memory(quick: bool) -> None:
     print(f"state bytes after 1 update: {one}; after 1000 updates: {state_bytes(metrics)}")
     b, t = (32, 1024) if quick else (256, 8192)
     for sections in (["mismatch"], []):
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "peak_memory.py"), str(b), str(t),
-                              *sections], capture_output=True, text=True, timeout=600)
-        print(out.stdout.strip() or out.stderr[-3000:])
+        run_script("peak_memory.py", b, t, *sections)
 
 
 def bench_sketch(shapes: list[tuple[int, int]], repeats: int) -> None:
@@ -291,15 +298,20 @@ def bench_precision(shape: tuple[int, int], compiled: bool) -> None:
         print(f"{b:>5}x{t:<6} drift {drift:.0e}: " + ", ".join(cells), flush=True)
 
 
-def main() -> None:
+SECTIONS = ("update", "naive", "sync", "memory", "sketch", "sections", "precision")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the sections asked for; a section that crashes is reported and the others still run, then the
+    process exits with status 1 naming the crashed sections."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats (smoke run)")
-    parser.add_argument("--only", default="update,naive,sync,memory,sketch,sections,precision")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile path")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--wall", action="store_true", help="time wall-clock instead of process CPU time")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (wall-clock, synchronized after each call)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     global CLOCK, DEVICE, SYNC
     torch.set_num_threads(args.threads)
     DEVICE = torch.device(args.device)
@@ -309,26 +321,37 @@ def main() -> None:
         SYNC = torch.cuda.synchronize
     shapes = QUICK_SHAPES if args.quick else CUDA_SHAPES if DEVICE.type == "cuda" else SHAPES
     repeats = 3 if args.quick else 15
-    only = set(args.only.split(","))
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    if only - set(SECTIONS):
+        parser.error(f"argument --only: unknown section(s) {sorted(only - set(SECTIONS))}; "
+                     f"choose from {', '.join(SECTIONS)}")
     where = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"# opbc-metrics benchmark: torch {torch.__version__}, {where}, "
           f"{os.cpu_count()} cpus, {'process CPU time' if CLOCK is time.process_time else 'wall-clock'}, "
           f"{'quick' if args.quick else 'full'}")
-    if "update" in only:
-        bench_update(shapes, repeats, compiled=not args.no_compile)
-    if "naive" in only:
-        bench_naive(shapes, repeats, compiled=DEVICE.type == "cuda" and not args.no_compile)
-    if "sync" in only:
-        bench_sync(5 if args.quick else 30)
-    if "memory" in only and DEVICE.type == "cpu":  # host memory
-        bench_memory(args.quick)
-    if "sketch" in only:
-        bench_sketch(shapes, repeats)
-    if "sections" in only:
-        bench_sections(shapes, 5 if args.quick else 7, compiled=not args.no_compile)
-    if "precision" in only:
-        bench_precision(shapes[-1] if args.quick else (64, 4096), compiled=not args.no_compile)
-    gc.collect()
+    runs: dict[str, Callable[[], None]] = {
+        "update": lambda: bench_update(shapes, repeats, compiled=not args.no_compile),
+        "naive": lambda: bench_naive(shapes, repeats, compiled=DEVICE.type == "cuda" and not args.no_compile),
+        "sync": lambda: bench_sync(5 if args.quick else 30),
+        "memory": lambda: bench_memory(args.quick) if DEVICE.type == "cpu" else None,  # host memory
+        "sketch": lambda: bench_sketch(shapes, repeats),
+        "sections": lambda: bench_sections(shapes, 5 if args.quick else 7, compiled=not args.no_compile),
+        "precision": lambda: bench_precision(shapes[-1] if args.quick else (64, 4096), compiled=not args.no_compile),
+    }
+    failed = []
+    for name in SECTIONS:
+        if name not in only:
+            continue
+        try:
+            runs[name]()
+        except Exception:
+            sys.stdout.flush()
+            traceback.print_exc()
+            print(f"!! section {name} crashed (traceback on stderr)", flush=True)
+            failed.append(name)
+        gc.collect()
+    if failed:
+        sys.exit(f"bench.py: section(s) crashed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

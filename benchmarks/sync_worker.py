@@ -20,6 +20,7 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from opbc_metrics import OPBCCollection
 from opbc_metrics.collection import SECTIONS
+from opbc_metrics.sync import packed_sync, restore_local_states
 
 
 def _collection() -> OPBCCollection:
@@ -65,11 +66,12 @@ def _per_state_sync(members: list[Metric]) -> None:
 
 
 def _packed_sync(metrics: OPBCCollection) -> None:
-    members = metrics.members()
-    synced = metrics._packed_sync(members)
-    for m in synced:
-        m._to_sync = m.sync_on_compute
-        m.unsync()
+    """The collection's sync in compute(): one packed all_reduce of every member's states, then the local states
+    back (as after the members' computes)."""
+    synced = packed_sync(metrics.members())
+    if not synced:
+        raise RuntimeError("packed_sync synced no member: the benchmark would time nothing")
+    restore_local_states(synced)
 
 
 def _worker(rank: int, port: int, repeats: int, out: dict) -> None:

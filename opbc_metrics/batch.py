@@ -320,6 +320,19 @@ def raise_if_not_logprobs(low: Tensor | list[float], high: Tensor | list[float])
         )
 
 
+def raise_if_bad_inputs(logprob_min: Tensor, logprob_max: Tensor, mask_other: Tensor) -> None:
+    """The input refusals of the mismatch metrics, on their window's states (one host read for both): positive
+    logprobs (:func:`raise_if_not_logprobs`, on ``[2]`` min/max) and ``mask_other`` response_mask entries other
+    than 0 and 1 (:attr:`BatchView.mask_other_values`)."""
+    *sides, other = torch.cat([logprob_min, logprob_max, mask_other.reshape(1).to(logprob_min.dtype)]).tolist()
+    raise_if_not_logprobs(sides[:2], sides[2:])
+    if other:
+        raise ValueError(
+            f"batch field `{RESPONSE_MASK}` held {int(other)} value(s) other than 0 and 1 in this "
+            "window: a response mask is 1 on policy tokens and 0 elsewhere (pass e.g. `labels != -100`)"
+        )
+
+
 def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
     """A ``ValueError`` naming both batch fields when they are on different devices (moving one would be a
     hidden copy)."""
@@ -328,11 +341,33 @@ def check_same_device(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
 
 
 def check_same_shape(name: str, t: Tensor, ref_name: str, ref: Tensor) -> None:
-    """A ``ValueError`` naming both batch fields unless ``t`` has the shape and device of ``ref``."""
+    """A ``ValueError`` naming both batch fields, and what to do, unless ``t`` has the shape and device of ``ref``.
+
+    Example:
+        >>> check_same_shape("response_mask", torch.ones(4, 9), "trainer_logprobs", torch.zeros(4, 6))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `response_mask` has shape (4, 9) but `trainer_logprobs` has shape (4, 6): ...
+    """
     if t.shape != ref.shape:
         shapes = f"has shape {tuple(t.shape)} but `{ref_name}` has shape {tuple(ref.shape)}"
-        raise ValueError(f"batch field `{name}` {shapes}")
+        raise ValueError(f"batch field `{name}` {shapes}: {_shape_hint(name, t, ref_name, ref)}")
     check_same_device(name, t, ref_name, ref)
+
+
+def _shape_hint(name: str, t: Tensor, ref_name: str, ref: Tensor) -> str:
+    """What to do about a shape mismatch: a field over the prompt and the response (verl's ``attention_mask`` is
+    [B, P+T]) against per-response-token logprobs [B, T] gets its response part cut; otherwise equal shapes."""
+    if t.dim() == ref.dim() == 2 and t.shape[0] == ref.shape[0] and t.shape[1] > ref.shape[1]:
+        width = ref.shape[1]
+        if "mask" in name:
+            return (f"a mask over the prompt and the response (such as verl's attention_mask, [B, P+T]) is wider than "
+                    f"the logprobs of the response tokens: pass its response part only, `{name}[:, -{width}:]` "
+                    "(verl's own `response_mask` is that), or map the verl batch with "
+                    f"{_VERL}")
+        return (f"if `{name}` covers the prompt and the response, pass its response part only, "
+                f"`{name}[:, -{width}:]`; otherwise give it the shape of `{ref_name}`")
+    return f"make the shapes equal: give `{name}` the shape of `{ref_name}`, {tuple(ref.shape)}"
 
 
 def check_positive(name: str, value: float) -> float:

@@ -65,13 +65,16 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 from opbc_metrics.analysis import COMPUTE_FAILED, DEFAULT_ISSUES_SHOWN, AnalysisError, analyze_file, one_line
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, close_name
+from opbc_metrics.collection import SECTIONS
 from opbc_metrics.io import InputFormatError, detect_format, is_stdin
 from opbc_metrics.naming import parse_key
+from opbc_metrics.policy import PRESETS, OPBCPolicy
 from opbc_metrics.report import charts_available, fmt, indexed_series, render_report
 
 __all__ = ["AnalysisError", "analyze_file", "build_parser", "import_all_metrics", "main", "summary_lines"]
@@ -221,6 +224,25 @@ def _checked_number(convert: type, ok: Any, expected: str) -> Any:
 _positive = _checked_number(float, lambda v: v > 0 and math.isfinite(v), "a positive finite number")
 _fraction = _checked_number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
 _count = _checked_number(int, lambda v: v >= 1, "an integer >= 1")
+_non_negative_count = _checked_number(int, lambda v: v >= 0, "an integer >= 0")
+
+
+def _sections(text: str) -> list[str]:
+    """An argparse ``type`` for ``--sections``: a comma-separated list of known section names, or ``all``."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    known = sorted(SECTIONS)
+    choices = f"choose from {', '.join(map(repr, known))}, comma-separated, or 'all'"
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected at least one section, got {text!r}; {choices}")
+    if "all" in names:
+        if names != ["all"]:
+            raise argparse.ArgumentTypeError(f"'all' cannot be combined with other sections, got {text!r}")
+        return names
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        hints = [f"{n!r} (did you mean {close!r}?)" if (close := close_name(n, known)) else repr(n) for n in unknown]
+        raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(hints)}; {choices}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,19 +277,21 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-bad-fraction", type=_fraction, default=DEFAULT_MAX_BAD_FRACTION, metavar="F",
                    help="exit with status 1 (after writing the outputs) when more than this share of the samples "
                    f"was bad and skipped (default {DEFAULT_MAX_BAD_FRACTION:g})")
-    a.add_argument("--sections", metavar="S[,S...]",
-                   help="metric sections to run, comma-separated, or 'all' (default: the collection's default "
+    a.add_argument("--sections", type=_sections, metavar="S[,S...]",
+                   help=f"metric sections to run ({', '.join(sorted(SECTIONS))}), comma-separated, or 'all' "
+                   "(default: the collection's default "
                    "sections and rollout; a metric runs when the file has its fields)")
-    a.add_argument("--preset", default="default", metavar="NAME",
-                   help="controller policy preset: default, truncated_is, masked_is (default: default)")
+    a.add_argument("--preset", default="default", choices=sorted(PRESETS), metavar="NAME",
+                   help=f"controller policy preset: {', '.join(sorted(PRESETS))} (default: default)")
     a.add_argument("--limit", type=_count, metavar="N", help="stop after N samples")
     a.add_argument("--no-html", action="store_true", help="write result.json only")
     a.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="show a progress bar (tqdm; default: when stderr is a terminal)")
     a.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
-    a.add_argument("--max-issues-shown", type=int, default=DEFAULT_ISSUES_SHOWN, metavar="N",
+    a.add_argument("--max-issues-shown", type=_non_negative_count, default=DEFAULT_ISSUES_SHOWN, metavar="N",
                    help=f"input issues printed on stderr (default {DEFAULT_ISSUES_SHOWN}; all go to the result)")
     a.add_argument("--debug", action="store_true", help="show a traceback on unexpected errors")
+    a.set_defaults(usage_error=a.error)
     g = sub.add_parser("glossary", help="print the metric glossary", description="Print the four-field glossary.")
     g.add_argument("--format", choices=("md", "json"), default="md", help="markdown (default) or JSON")
     return parser
@@ -330,8 +354,19 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
+def _check_policy(args: argparse.Namespace) -> None:
+    """The option values that are valid alone but not together (``--veto`` below ``--clamp``, or a value the
+    ``--preset`` refuses) as a usage error (exit status 2), before any input is read."""
+    try:
+        with warnings.catch_warnings():  # the analysis builds the policy again and shows its warnings
+            warnings.simplefilter("ignore")
+            OPBCPolicy.preset(args.preset, clamp=args.clamp, veto=args.veto)
+    except ValueError as e:
+        args.usage_error(f"argument --clamp/--veto/--preset: {e}")
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
-    sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections else None
+    sections = args.sections
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     files: list[str] = args.files
     try:
@@ -420,6 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "glossary":
             return _cmd_glossary(args)
+        _check_policy(args)
         return _cmd_analyze(args)
     except KeyboardInterrupt:
         _error("interrupted")

@@ -31,7 +31,8 @@ from opbc_metrics.training import training_section
 
 
 def _mismatch_section(**kwargs: Any) -> list[OPBCMetric]:
-    return [cls(**kwargs) for cls in MISMATCH_METRICS]
+    # InputHealth (a member) refuses positive logprobs and non-0/1 masks once for the section: not every member.
+    return [cls(**kwargs, input_checks=False) for cls in MISMATCH_METRICS]
 
 
 # Section name -> factory(**metric_kwargs, **section_options) -> metrics: each gets its own options only (the

@@ -281,26 +281,35 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _logprob_list(obj: Mapping[str, Any], key: str) -> list[float]:
+def _logprob_list(obj: Mapping[str, Any], key: str) -> tuple[list[float], list[int]]:
+    """``(values, above)``: the logprob list ``obj[key]`` as floats (None: NaN), and the indices of its finite
+    values above PROBABILITY_TOLERANCE, found in the same pass (:func:`_positive_logprob` checks them against
+    the mask, which is read later)."""
     if key not in obj:
         raise SampleError(f"`{key}` is required but missing (present: {', '.join(sorted(obj)) or 'none'})")
     values = obj[key]
     if not isinstance(values, list):
         raise SampleError(f"`{key}` must be a list of numbers, got {_type_name(values)}")
     out: list[float] = []
+    above: list[int] = []
+    tolerance, inf = PROBABILITY_TOLERANCE, math.inf
     for i, v in enumerate(values):
         if v is None:
             out.append(math.nan)
-        elif type(v) is float:
-            out.append(v)
+            continue
+        if type(v) is float:
+            pass
         elif type(v) is int:
             try:
-                out.append(float(v))
+                v = float(v)
             except OverflowError:
                 raise SampleError(f"`{key}` holds an integer too large for a float at index {i}") from None
         else:
             raise SampleError(f"`{key}` must be a list of numbers, got {_type_name(v)} at index {i}")
-    return out
+        out.append(v)
+        if v > tolerance and v < inf:  # (a logprob fails the first comparison: one per value; NaN fails both)
+            above.append(i)
+    return out, above
 
 
 def _mask_list(obj: Mapping[str, Any], length: int) -> list[int] | None:
@@ -398,12 +407,13 @@ _NOT_LOGPROBS = ("logprobs must be <= 0 (log-probabilities); values in [0, 1] lo
                  "like logits")
 
 
-def _positive_logprob(key: str, values: list[float], mask: list[int] | None) -> str | None:
+def _positive_logprob(key: str, values: list[float], above: list[int], mask: list[int] | None) -> str | None:
     """The problem of a logprob list holding a finite value above PROBABILITY_TOLERANCE on a response token (the
-    collection refuses it at compute, for the whole run), or ``None``."""
-    for i, v in enumerate(values):
-        if PROBABILITY_TOLERANCE < v < math.inf and (mask is None or mask[i]):
-            return f"`{key}` holds {v:g} at index {i}: {_NOT_LOGPROBS}"
+    collection refuses it at compute, for the whole run), or ``None``. ``above``: the indices of such values
+    (response token or not), ascending, as :func:`_logprob_list` found them."""
+    for i in above:
+        if mask is None or mask[i]:
+            return f"`{key}` holds {values[i]:g} at index {i}: {_NOT_LOGPROBS}"
     return None
 
 
@@ -512,15 +522,16 @@ def parse_sample(obj: Any) -> Sample:
             missing = "`trainer_logprobs`" if "trainer_logprobs" not in obj else "`rollout_logprobs`"
             raise SampleError(f"{missing} is required but missing; {hint}")
     ignored = unknown_keys(obj, _SAMPLE_SCHEMA, _SAMPLE_ALIASES, "batch-field name")
-    trainer = _logprob_list(obj, "trainer_logprobs")
-    rollout = _logprob_list(obj, "rollout_logprobs")
+    trainer, trainer_above = _logprob_list(obj, "trainer_logprobs")
+    rollout, rollout_above = _logprob_list(obj, "rollout_logprobs")
     if len(rollout) != len(trainer):
         raise SampleError(
             f"`rollout_logprobs` has length {len(rollout)} but `trainer_logprobs` has length {len(trainer)}"
         )
     mask = _mask_list(obj, len(trainer))
-    for key, values in (("trainer_logprobs", trainer), ("rollout_logprobs", rollout)):
-        problem = _positive_logprob(key, values, mask)
+    for key, values, above in (("trainer_logprobs", trainer, trainer_above),
+                               ("rollout_logprobs", rollout, rollout_above)):
+        problem = _positive_logprob(key, values, above, mask)
         if problem is not None:
             raise SampleError(problem)
     return Sample(

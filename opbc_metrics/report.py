@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import functools
 import html
 import io
 import itertools
@@ -384,10 +385,16 @@ def _svg(fig: Any, chart_id: str, title: str) -> str:
 
 
 def _styled(draw: Any) -> Any:
-    """Run a figure-building function under the report's matplotlib style."""
-    import matplotlib
+    """Run a figure-building function under the report's matplotlib style.
 
+    matplotlib is imported when a chart is drawn, not when this module is imported: the CLI and the analysis
+    import this module and must work without the ``report`` extra (they then leave the charts out).
+    """
+
+    @functools.wraps(draw)
     def wrapped(*args: Any, **kwargs: Any) -> str:
+        import matplotlib
+
         with matplotlib.rc_context(_RC):
             return draw(*args, **kwargs)
 

@@ -339,21 +339,52 @@ def test_clamp_and_veto_options_reach_the_metrics(tmp_path):
     assert not math.isclose(result["metrics"]["opbc/is/ess"], default["opbc/is/ess"], rel_tol=1e-3)
 
 
+def usage_error(*args: str) -> str:
+    """``main(args)`` exits with status 2 (argparse's usage error) before writing anything: its stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main(list(args))
+    assert exc.value.code == 2, (args, err.getvalue())
+    assert "Traceback" not in err.getvalue()
+    return err.getvalue()
+
+
 def test_bad_options_exit_2_without_traceback(tmp_path):
     for args in (["analyze", "x.jsonl", "--clamp", "-1"], ["analyze", "x.jsonl", "--batch-size", "0"],
                  ["analyze", "x.jsonl", "--on-error", "ignore"], ["frobnicate"]):
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
-            main(args)
-        assert exc.value.code == 2, args
-        assert "Traceback" not in err.getvalue()
-    assert "unknown sections" in analyze(JSONL, tmp_path, "--sections", "nope", status=1)[2]
+        usage_error(*args)
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--preset", "truncated"],
+     ["argument --preset: invalid choice: 'truncated'", "'default', 'masked_is', 'truncated_is'"]),
+    (["--sections", "mismtach"],
+     ["argument --sections: unknown section(s) 'mismtach' (did you mean 'mismatch'?)", "'moe'", "or 'all'"]),
+    (["--sections", "mismatch,nope"], ["argument --sections: unknown section(s) 'nope';", "'per_round'"]),
+    (["--sections", ","], ["argument --sections: expected at least one section"]),
+    (["--sections", "all,moe"], ["argument --sections: 'all' cannot be combined"]),
+    (["--veto", "10"], ["argument --clamp/--veto/--preset:", "`veto` (10.0) must be >= `clamp` (20.0)"]),
+    (["--max-issues-shown", "-1"], ["argument --max-issues-shown: expected an integer >= 0"]),
+])
+def test_every_bad_option_value_is_a_usage_error(tmp_path, args, fragments):
+    """Exit status 2 with argparse's message naming the option and the valid values, as ``--help`` promises
+    (``--preset`` and ``--sections`` exited 1 from inside the analysis), and no output written."""
+    err = usage_error("analyze", str(JSONL), "--out", str(tmp_path / "o"), *args)
+    assert err.startswith("usage: opbc-metrics analyze"), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_preset_and_sections_exit_2_from_the_process(tmp_path):
+    for args in (["--preset", "truncated"], ["--sections", "mismtach"]):
+        proc = run_cli("analyze", str(JSONL), "--out", str(tmp_path / "o"), *args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert f"argument {args[0]}:" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_controller_policy_options(tmp_path):
-    err = analyze(JSONL, tmp_path / "a", "--preset", "nope", status=1)[2]
-    assert "unknown OPBC preset 'nope'" in err and "Traceback" not in err
-    assert "`veto` (10.0) must be >= `clamp` (20.0)" in analyze(JSONL, tmp_path / "b", "--veto", "10", status=1)[2]
     result, _, _ = analyze(JSONL, tmp_path / "c", "--preset", "truncated_is", "--no-html")
     assert result["controller"]["policy"]["weight_cap"] == 2.0 and result["settings"]["preset"] == "truncated_is"
 
@@ -688,6 +719,58 @@ def test_report_without_matplotlib_says_how_to_get_the_charts(tmp_path, monkeypa
     parser = ReportParser((tmp_path / "report.html").read_text())
     assert not parser.svgs and 'pip install ".[report]"' in parser.text
     assert "groups-table" in (tmp_path / "report.html").read_text()
+
+
+# Python runs sitecustomize before the program: matplotlib is then neither importable nor installed (torchmetrics
+# and lightning_utilities ask importlib.metadata), as in an install without the `report` extra.
+WITHOUT_MATPLOTLIB = """\
+import importlib.metadata as metadata
+import sys
+
+sys.modules["matplotlib"] = None  # import matplotlib raises ModuleNotFoundError
+_version = metadata.version
+
+
+def _version_without_matplotlib(name):
+    if name.lower() == "matplotlib":
+        raise metadata.PackageNotFoundError(name)
+    return _version(name)
+
+
+metadata.version = _version_without_matplotlib
+"""
+
+
+def test_cli_runs_without_matplotlib(tmp_path):
+    """Without the `report` extra the CLI starts (``--help``, ``python -m opbc_metrics``, the console script) and
+    ``analyze`` writes the report without charts, saying how to get them: report.py imported matplotlib at
+    import time, so every command failed with ModuleNotFoundError."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(WITHOUT_MATPLOTLIB)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), "COLUMNS": "120"}
+    probe = "import importlib.util, sys; import opbc_metrics.cli; print(importlib.util.find_spec('matplotlib'))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr  # the blocker is in place
+
+    script = Path(sys.executable).with_name("opbc-metrics")
+    commands = [[sys.executable, "-m", "opbc_metrics"]] + ([[str(script)]] if script.exists() else [])
+    for command in commands:
+        proc = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env=env)
+        assert proc.returncode == 0 and "analyze" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "opbc_metrics", "analyze", str(JSONL), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert 'note: the report has no charts: they need matplotlib (pip install ".[report]"' in proc.stderr
+    assert "input     jsonl: 48 samples" in proc.stdout and "report.html" in proc.stdout, proc.stdout
+    page = (out / "report.html").read_text()
+    parser = ReportParser(page)
+    assert not parser.svgs and "Charts need matplotlib, which is not installed" in parser.text
+    assert json.loads((out / "result.json").read_text())["metrics"]["opbc/is/ess"] > 0
 
 
 def test_report_shows_a_missing_key_as_not_measured(jsonl_run):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -237,3 +238,51 @@ def test_a_key_given_twice_in_a_sample_is_an_issue_of_its_line(tmp_path, name):
     line = 4 if name.endswith("l") else 5  # (the array's "[" is line 1)
     assert [i["line"] for i in issues] == [line] and "`response_mask` appears twice" in issues[0]["message"]
     assert result["input"]["samples"] == 33
+
+
+def test_the_positive_logprob_issue_of_a_line_is_its_first_on_a_response_token(tmp_path):
+    """The positive-logprob check runs in the pass that reads the logprob values (it was a second pass): each line
+    keeps its issue text (the first such value on a response token, `trainer_logprobs` before `rollout_logprobs`,
+    after the mask's own issues), and the samples and issue counts stay the same."""
+    from opbc_metrics.batch import PROBABILITY_TOLERANCE
+    from opbc_metrics.io import SampleError, parse_sample, read_jsonl
+
+    t, r = [-1.0, -0.5, -2.0], [-1.1, -0.5, -1.9]
+    tol = PROBABILITY_TOLERANCE
+    not_logprobs = "logprobs must be <= 0 (log-probabilities)"
+    cases = [  # (sample, the issue's start or None)
+        ({"trainer_logprobs": [0.5, 3, -1.0], "rollout_logprobs": r}, "`trainer_logprobs` holds 0.5 at index 0"),
+        ({"trainer_logprobs": [-1.0, 3, 0.5], "rollout_logprobs": r}, "`trainer_logprobs` holds 3 at index 1"),
+        ({"trainer_logprobs": [0.5, 3, -1.0], "rollout_logprobs": r, "response_mask": [0, 1, 1]},
+         "`trainer_logprobs` holds 3 at index 1"),
+        ({"trainer_logprobs": t, "rollout_logprobs": [-1.0, None, 7.25], "response_mask": [1, 1, True]},
+         "`rollout_logprobs` holds 7.25 at index 2"),
+        ({"trainer_logprobs": [-1.0, 2.0, -1.0], "rollout_logprobs": [9.0, -1.0, -1.0]},
+         "`trainer_logprobs` holds 2 at index 1"),
+        ({"trainer_logprobs": [-1.0, 2.0, -1.0], "rollout_logprobs": [9.0, -1.0, -1.0], "response_mask": [1, 0, 1]},
+         "`rollout_logprobs` holds 9 at index 0"),
+        ({"trainer_logprobs": [2.0, -1.0, -1.0], "rollout_logprobs": r, "response_mask": [1, 2, 1]},
+         "`response_mask` must contain only 0/1"),  # the mask's issue comes first
+        ({"trainer_logprobs": [2.0, -1.0], "rollout_logprobs": r}, "`rollout_logprobs` has length 3"),
+        ({"trainer_logprobs": [2.0, "x", -1.0], "rollout_logprobs": r}, "`trainer_logprobs` must be a list of numbers"),
+        ({"trainer_logprobs": [2.0, -1.0, -1.0], "rollout_logprobs": [-1.0, 10**400, -1.0]},
+         "`rollout_logprobs` holds an integer too large"),
+        # not issues: +-inf and NaN (the non-finite count), within the tolerance, positive off the response
+        ({"trainer_logprobs": [math.inf, -math.inf, math.nan], "rollout_logprobs": [tol, tol / 2, None]}, None),
+        ({"trainer_logprobs": [0.5, 1, -1.0], "rollout_logprobs": [-1.0, 4, -1.0], "response_mask": [0, 0, 1]}, None),
+        ({"trainer_logprobs": [], "rollout_logprobs": []}, None),
+    ]
+    for sample, issue in cases:
+        if issue is None:
+            parse_sample(sample)
+            continue
+        with pytest.raises(SampleError) as err:
+            parse_sample(sample)
+        assert str(err.value).startswith(issue), (sample, str(err.value))
+        assert ("holds" in issue and "at index" in issue) == (not_logprobs in str(err.value)), str(err.value)
+    path = tmp_path / "pos.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s, _ in cases))  # json writes inf / nan as Infinity / NaN
+    issues = [item for item in read_jsonl(str(path), batch_size=4) if not hasattr(item, "tensors")]
+    want = [(n, issue) for n, (_, issue) in enumerate(cases, 1) if issue is not None]
+    assert [i.line for i in issues] == [n for n, _ in want]
+    assert all(i.message.startswith(issue) for i, (_, issue) in zip(issues, want, strict=True)), issues

@@ -359,8 +359,10 @@ def test_collection_update_folds_every_members_statistics_in_one_multi_tensor_op
     batch = make_batch(batch=4, seq=24, seed=7, dtype=torch.float64)
     metrics = OPBCCollection()
     # (and a member with torchmetrics' compute_on_cpu, which its update wrapper applies after each update)
-    metrics.add_metrics({"own_update": OwnUpdate(), "own_accumulate": OwnAccumulate(),
-                         "on_cpu": ClippedFraction(compute_on_cpu=True)})
+    # (input_checks off, as the mismatch section's members: InputHealth checks for the collection)
+    metrics.add_metrics({"own_update": OwnUpdate(input_checks=False),
+                         "own_accumulate": OwnAccumulate(input_checks=False),
+                         "on_cpu": ClippedFraction(compute_on_cpu=True, input_checks=False)})
     calls: dict[str, list[int]] = {"_foreach_add_": [], "_foreach_maximum_": [], "_foreach_minimum_": []}
 
     def counted(op, log):
@@ -538,3 +540,27 @@ def test_host_statistics_reach_accelerator_states_in_one_copy_per_dtype():
     assert got[4] is values[4]  # already on its state's device: untouched
     # float64 (three statistics) in one copy, float32 in another
     assert got[0]._base is got[1]._base is got[2]._base and got[3]._base is not got[0]._base
+
+
+def test_a_shape_mismatch_says_what_to_do():
+    """verl's attention mask over prompt + response ([B, P+T]) given as `response_mask` against logprobs [B, T]:
+    the error keeps both field names and says to pass the response part (the message had no hint)."""
+    logp = -torch.rand(4, 6, dtype=torch.float64)
+    fields = {"trainer_logprobs": logp, "rollout_logprobs": logp - 0.01}
+    attention = torch.ones(4, 9, dtype=torch.bool)
+    with pytest.raises(ValueError) as exc:
+        OPBCCollection().update(**fields, response_mask=attention)
+    message = str(exc.value)
+    assert message.startswith("batch field `response_mask` has shape (4, 9) but `trainer_logprobs` has shape (4, 6): ")
+    assert "`response_mask[:, -6:]`" in message and "verl's own `response_mask`" in message
+    assert "opbc_metrics.integrations.verl.verl_to_batch" in message
+    ess = F.importance_ess(logp, logp - 0.01, attention[:, -6:])  # the hint's fix is accepted
+    assert torch.isfinite(ess)
+    OPBCCollection().update(**fields, response_mask=attention[:, -6:])
+    # a logprob side over the whole sequence gets the same cut; any other mismatch: make the shapes equal
+    with pytest.raises(ValueError, match=r"`rollout_logprobs\[:, -6:\]`; otherwise give it the shape of"):
+        OPBCCollection().update(trainer_logprobs=logp, rollout_logprobs=-torch.rand(4, 9, dtype=torch.float64))
+    for mask in (torch.ones(4, dtype=torch.bool), torch.ones(4, 3, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"`response_mask` has shape .*: make the shapes equal: give "
+                           r"`response_mask` the shape of `trainer_logprobs`, \(4, 6\)$"):
+            OPBCCollection().update(**fields, response_mask=mask)

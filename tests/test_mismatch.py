@@ -386,3 +386,40 @@ def test_pearson_needs_two_tokens_in_the_window_without_a_read_of_its_own():
         assert "opbc/prob/pearson" not in values()
         metric.update(one)  # two tokens now
         assert "opbc/prob/pearson" in values()
+
+
+def _empty_input_cases():
+    """Every public function of the mismatch, MoE and rollout sections that has no value without data, with empty
+    inputs: (function, arguments)."""
+    from opbc_metrics.functional import moe as FM
+    from opbc_metrics.functional import rollout as FR
+
+    tokens = [(torch.zeros(0, 3), torch.zeros(0, 3)), (torch.zeros(2, 0), torch.zeros(2, 0)),
+              (torch.full((2, 3), -1.0), torch.full((2, 3), -1.5), torch.zeros(2, 3))]
+    mismatch = [F.importance_ess, F.sequence_ess, F.importance_weight_mean, F.importance_weight_second_moment,
+                F.importance_weight_std, F.clipped_fraction, F.veto_fraction, F.top_gradient_mass, F.logprob_diff,
+                F.log_ratio_range, F.sequence_log_ratio, F.kl_estimators, F.chi_square, F.perplexity_gap,
+                F.probability_diff]
+    ids = torch.zeros(0, 3, 2, 2, dtype=torch.long)
+    experts = [(ids, ids), (ids[:, :0], ids[:, :0]), (ids.new_zeros(2, 3, 2, 2), ids.new_zeros(2, 3, 2, 2),
+                                                      torch.zeros(2, 3))]
+    none = torch.tensor([], dtype=torch.long)
+    return ([(fn, args) for fn in mismatch for args in tokens]
+            + [(fn, args) for fn in (FM.router_flip_rate, FM.router_topk_disagreement_rate) for args in experts]
+            + [(FR.stop_reason_length_pct, ([],)), (FR.stop_reason_length_pct, (none,)),
+               (FR.group_gini, (torch.tensor([]), none)), (FR.group_gini, (torch.tensor([]), [])),
+               (FR.group_length_cv, (none, none)), (FR.group_max_median_ratio, (none, none))])
+
+
+@pytest.mark.parametrize("fn,args", _empty_input_cases(),
+                         ids=lambda v: getattr(v, "__name__", None) or f"{len(v)}_args")
+def test_every_functional_entry_point_refuses_empty_input_in_one_message_form(fn, args):
+    """The mismatch, MoE and rollout functions each had their own guard and message ("no valid token in the batch:
+    ...", "no response token in the batch (...)", "no group with ... in the batch", "`stop_reasons` is empty"). One
+    helper now raises for all: the message names the function, what the batch lacks and what to pass."""
+    with pytest.raises(ValueError) as err:
+        fn(*args)
+    msg = str(err.value)
+    head = f"{fn.__name__}(): no "
+    assert msg.startswith(head) and " in the batch, so there is no value to return" in msg, msg
+    assert "; pass " in msg and "`" in msg.split("; pass ", 1)[1], msg  # what to pass names a field

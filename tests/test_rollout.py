@@ -216,6 +216,37 @@ def test_unknown_stop_reasons_raise_naming_the_field_and_accepted_values():
         R.discarded_rollout_stats(torch.tensor([1, 0]), torch.tensor([3, 4]), stop_reasons=torch.tensor([1, 5]))
 
 
+def test_an_unknown_stop_reason_has_the_librarys_invalid_value_message():
+    """`stop_reason_length_pct` built its own message for unknown int codes ("holds int code(s) [7]; accepted: ...")
+    and unknown strings raised another ("holds unknown reason 'LENGTH'; known: ..."), beside the shared form of the
+    other bad values: now every unknown stop reason (or discard reason) gives that form, naming the field, the count
+    and the values, and what to do, from the functional and from the metric alike."""
+    shared = r"^batch field `{}` held {} invalid value\(s\) \({}.*\); fix the input$"
+    codes = r"int code\(s\) \[{}\]; accepted: \[{}\]"
+    with pytest.raises(ValueError, match=shared.format("stop_reasons", 2, codes.format("-1, 7", "0, 1, 2"))):
+        R.stop_reason_length_pct(torch.tensor([7, -1, 1]))
+    with pytest.raises(ValueError, match=shared.format("stop_reasons", 1, codes.format("5", "0, 1, 2, 3"))):
+        R.stop_reason_length_pct(torch.tensor([3, 5]), length_code=3)
+    strings = ["LENGTH", "stop", "max_tokens", "LENGTH", None]
+    unknown = shared.format("stop_reasons", 3, r"unknown reasons 'LENGTH', 'max_tokens'; known: \[.*'length'")
+    with pytest.raises(ValueError, match=unknown):
+        R.stop_reason_length_pct(strings)
+    with pytest.raises(ValueError, match=unknown):
+        M.StopReasonLengthPct().update(stop_reasons=strings)
+    with pytest.raises(ValueError, match=shared.format("stop_reasons", 1, "unknown reason 'LENGTH'; known")):
+        R.discarded_rollout_stats(torch.tensor([1]), torch.tensor([3]), stop_reasons=["LENGTH"])
+    with pytest.raises(ValueError, match=shared.format("discard_reasons", 1, "unknown reason 'dropped'; known")):
+        R.discarded_counts(["dropped", None])
+    # the metric's deferred error for int codes has the same form
+    metric = M.StopReasonLengthPct()
+    metric.update(stop_reasons=torch.tensor([7, 0]))
+    with pytest.raises(ValueError, match=shared.format("stop_reasons", 1, r"int codes other than \[0, 1, 2\]")):
+        metric.compute()
+    # the first bad entry decides which error, as before: a value of the wrong type before an unknown string
+    with pytest.raises(ValueError, match="must hold strings, int codes or None, got float"):
+        R.stop_reason_length_pct([1.5, "LENGTH"])
+
+
 def test_zero_dim_and_token_level_rewards_without_response_tokens():
     t = torch.full((2, 4), -1.0)
     metrics = OPBCCollection(sections=["mismatch", "rollout"])

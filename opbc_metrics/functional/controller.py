@@ -212,20 +212,27 @@ def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None
     # from float32 sums of w keeps no digits, from sums of u it keeps those of u (as the mismatch kernel's).
     # Per row in the compute dtype (rounding relative to sum |u|: 4e-7 of 1 - ESS at 32K tokens a row and
     # drifts 1e-4..1e-2; float64 row sums cost 20% of a step at 64 x 32768), per group in float64.
-    u = torch.expm1(view.clamped_log_ratio(clamp))
+    rc = view.clamped_log_ratio(clamp)
+    u = torch.expm1(rc)
+    # Raw weights too: when every weight of a group is small, u ~ -1 holds none of their digits
+    # (mismatch._weight_moments).
+    w = torch.exp(rc).mul_(view.valid_f)
     abs_r = view.abs_log_ratio  # 0 on invalid tokens, so comparisons with positive thresholds need no mask
     s = view.seq_log_ratio
     us = torch.expm1(s.clamp(-clamp, clamp)) * view.seq_valid_f  # sequence weight - 1
+    ws = torch.exp(s.clamp(-clamp, clamp)) * view.seq_valid_f  # the sequence weight
     rows: Stats = {
         "num_response_tokens": mask.sum(dim=1),
         "count": view.seq_lengths,
         "nonfinite": (mask & ~view.finite).sum(dim=1),
         "sum_u": u.sum(dim=1),
         "sum_u2": (u * u).sum(dim=1),
+        "sum_w": w.sum(dim=1),
+        "sum_w2": (w * w).sum(dim=1),
         "clipped": (abs_r > clamp).sum(dim=1),
         "vetoed": (abs_r > veto).sum(dim=1),
         "max_abs": _row_amax(abs_r, valid),
-        **_sequence_rows(s, us, view.seq_valid, view.seq_valid_f, view.seq_lengths),
+        **_sequence_rows(s, us, ws, view.seq_valid, view.seq_valid_f, view.seq_lengths),
     }
     if flips is not None:
         # As moe/router/flip_rate: over response tokens x layers (routing exists whatever the logprobs).
@@ -233,9 +240,10 @@ def _row_update(view: BatchView, clamp: float, veto: float, flips: Tensor | None
     return rows
 
 
-def _sequence_rows(s: Tensor, us: Tensor, seq_valid: Tensor, seq_valid_f: Tensor, count: Tensor) -> Stats:
-    """The sequence-level row statistics from ``s`` (sum of r, 0 outside ``seq_valid``), ``us`` (the sequence
-    weight - 1, 0 outside) and ``count`` (valid tokens): shared by the chunked and the fused pass."""
+def _sequence_rows(s: Tensor, us: Tensor, ws: Tensor, seq_valid: Tensor, seq_valid_f: Tensor, count: Tensor) -> Stats:
+    """The sequence-level row statistics from ``s`` (sum of r, 0 outside ``seq_valid``), ``us`` and ``ws`` (the
+    sequence weight - 1 and the weight, 0 outside) and ``count`` (valid tokens): shared by the chunked and the fused
+    pass."""
     return {
         "sum_s": s,
         "sum_abs_s": s.abs(),
@@ -244,6 +252,8 @@ def _sequence_rows(s: Tensor, us: Tensor, seq_valid: Tensor, seq_valid_f: Tensor
         "seq_count": seq_valid_f,
         "sum_us": us,
         "sum_us2": us * us,
+        "sum_ws": ws,
+        "sum_ws2": ws * ws,
     }
 
 
@@ -390,7 +400,8 @@ class _FusedPlan:
         self.flags = x[_FI["clipped"] : _FI["vetoed"] + 1].view(2, n)  # |r| > C and |r| > V, in one comparison
         self.zeros = x[_FI["zero_r"] : _FI["zero_t"] + 1]
         self.unfilled = x[_FI["unfilled_r"] : _FI["unfilled_t"] + 1]
-        self.d, self.r, self.a, self.rc, self.u, self.u2 = torch.empty(6, rows, t, dtype=dtype, device=device).unbind(0)
+        self.d, self.r, self.a, self.rc, self.u, self.u2, self.w, self.w2 = torch.empty(
+            8, rows, t, dtype=dtype, device=device).unbind(0)
         self.pair = torch.empty(2, rows, t, dtype=dtype, device=device)  # per side: logprob / mask, then outside
         self.below = torch.empty(2, rows, t, dtype=dtype, device=device)  # per side: logprob < -gap
         self.v64 = torch.empty(n, dtype=torch.float64, device=device) if dtype != torch.float64 else None
@@ -477,7 +488,7 @@ def fused_pass(
     hist_flat = sketch.hist.zero_().view(-1)
     sums = torch.empty(len(_FUSED_ROWS), b, dtype=dtype, device=device)
     sum_r = torch.empty(b, dtype=f64, device=device)
-    sum_u, sum_u2 = torch.empty(2, b, dtype=dtype, device=device)
+    sum_u, sum_u2, sum_w, sum_w2 = torch.empty(4, b, dtype=dtype, device=device)
     max_abs = torch.empty(b, dtype=dtype, device=device)
     outside = torch.empty(2, b, dtype=dtype, device=device)  # per side, the largest finite |x| off the response
     inside = torch.empty(2, b, dtype=dtype, device=device)  # per side, the largest finite x on the response (or 0)
@@ -498,14 +509,16 @@ def fused_pass(
     sizes = [j - i for i, j in chunks]
     per_chunk = [trainer.split(sizes), rollout.split(sizes), mask_u8.split(sizes), outside.split(sizes, 1),
                  inside.split(sizes, 1), sum_r.split(sizes), max_abs.split(sizes), sum_u.split(sizes),
-                 sum_u2.split(sizes), sums.split(sizes, 1), last_slot.split(sizes)]
+                 sum_u2.split(sizes), sum_w.split(sizes), sum_w2.split(sizes), sums.split(sizes, 1),
+                 last_slot.split(sizes)]
     outputs: list[Any] = [[None] * len(sizes)] * 2
     if weights is not None and loss_mask is not None:
         outputs = [weights.split(sizes), loss_mask.view(torch.uint8).split(sizes)]
     x = None
-    for (i, j), tr, ro, mb, out_c, in_c, sum_r_c, max_abs_c, sum_u_c, sum_u2_c, sums_c, last_c, w_c, lm_c in zip(
-        chunks, *per_chunk, *outputs
-    ):
+    for (
+        (i, j), tr, ro, mb, out_c, in_c, sum_r_c, max_abs_c, sum_u_c, sum_u2_c, sum_w_c, sum_w2_c, sums_c, last_c, w_c,
+        lm_c,
+    ) in zip(chunks, *per_chunk, *outputs):
         if x is None or x.rows != j - i:
             x = M._cached_plan(_FUSED_WORKSPACES.chunks, _FusedPlan, j - i, t, dtype, bins, device)
         # Contract checks first, on the raw inputs while they are in cache. Per side x / m is x on the response
@@ -536,8 +549,10 @@ def fused_pass(
         rc = torch.clamp(r, -clamp, clamp, out=x.rc)
         torch.sum(torch.expm1(rc, out=x.u), 1, out=sum_u_c)
         torch.sum(torch.mul(x.u, x.u, out=x.u2), 1, out=sum_u2_c)
+        torch.sum(torch.exp(rc, out=x.w).mul_(v), 1, out=sum_w_c)
+        torch.sum(torch.mul(x.w, x.w, out=x.w2), 1, out=sum_w2_c)
         if w_c is not None:
-            torch.exp(rc, out=w_c).mul_(v)
+            w_c.copy_(x.w)
             lm_c.copy_(v)
         torch.sum(x.x, -1, out=sums_c)
         # The histogram of rc per group, counted with weight `valid` (invalid tokens, rc = 0, add 0).
@@ -559,20 +574,23 @@ def fused_pass(
     s = sum_r * seq_valid_f
     # expm1 per chunk, as the chunked path: its vectorised and scalar code paths may differ in the last bit.
     s_clamped = s.clamp(-clamp, clamp)
-    us = torch.empty_like(s)
+    us, ws = torch.empty_like(s), torch.empty_like(s)
     for i, j in chunks:
         torch.expm1(s_clamped[i:j], out=us[i:j])
-    us = us * seq_valid_f
+        torch.exp(s_clamped[i:j], out=ws[i:j])
+    us, ws = us * seq_valid_f, ws * seq_valid_f
     row_stats: Stats = {
         "num_response_tokens": rows["n_mask"],
         "count": count,
         "nonfinite": nonfinite,
         "sum_u": sum_u,
         "sum_u2": sum_u2,
+        "sum_w": sum_w,
+        "sum_w2": sum_w2,
         "clipped": rows["clipped"],
         "vetoed": rows["vetoed"],
         "max_abs": torch.where(count > 0, max_abs, torch.full_like(max_abs, float("-inf"))),
-        **_sequence_rows(s, us, seq_valid, seq_valid_f, count),
+        **_sequence_rows(s, us, ws, seq_valid, seq_valid_f, count),
     }
     if flips is not None:
         row_stats["flips"] = torch.cat(extra["flips"])
@@ -638,6 +656,10 @@ def fused_correction(
     return loss_mask, weights, counts
 
 
+_WEIGHT_SUMS = ("sum_u", "sum_u2", "sum_w", "sum_w2")  # the weight sums mismatch._weight_moments reads
+_SEQ_WEIGHT_SUMS = ("sum_us", "sum_us2", "sum_ws", "sum_ws2")
+
+
 def _group_compute(stats: Stats) -> Stats:
     """Per-group values from :func:`group_update`'s statistics, by the core ``_x_compute`` functions."""
     count = stats["count"]
@@ -656,6 +678,7 @@ def _group_compute(stats: Stats) -> Stats:
     def of_sequences(value: Tensor) -> Tensor:
         return torch.where(sequences, value, nan)
 
+    token_sums = [stats[k] for k in _WEIGHT_SUMS]
     flip_den = stats["flip_den"]  # NaN without expert ids, 0 for a group without response tokens
     flip_rate = torch.where(flip_den > 0, M._safe_div(stats["flips"], flip_den, 0.0), nan)
     return {
@@ -663,10 +686,10 @@ def _group_compute(stats: Stats) -> Stats:
         "num_response_tokens": stats["num_response_tokens"],
         "num_tokens": count,
         "nonfinite_count": stats["nonfinite"],
-        "ess": of_tokens(M._centred_ess_compute(stats["sum_u"], stats["sum_u2"], count)),
-        "seq_ess": of_sequences(M._centred_ess_compute(stats["sum_us"], stats["sum_us2"], stats["seq_count"])),
-        "second_moment": of_tokens(M._centred_second_moment_compute(stats["sum_u"], stats["sum_u2"], count)),
-        "weight_mean": of_tokens(M._centred_weight_mean_compute(stats["sum_u"], count)),
+        "ess": of_tokens(M._ess_compute(*token_sums, count)),
+        "seq_ess": of_sequences(M._ess_compute(*(stats[k] for k in _SEQ_WEIGHT_SUMS), stats["seq_count"])),
+        "second_moment": of_tokens(M._second_moment_compute(*token_sums, count)),
+        "weight_mean": of_tokens(M._weight_mean_compute(*token_sums, count)),
         "clipped_fraction": of_tokens(M._fraction_compute(stats["clipped"], count)),
         "veto_fraction": of_tokens(M._fraction_compute(stats["vetoed"], count)),
         "max_abs_log_ratio": of_tokens(stats["max_abs"]),
@@ -676,7 +699,7 @@ def _group_compute(stats: Stats) -> Stats:
         "geo_log_ratio_mean": of_sequences(seq[M.SEQUENCE_KEYS[3]]),
         "num_valid_sequences": stats["seq_count"],
         "top_1pct_gradient_mass": of_tokens(
-            M._safe_div(stats["top_sum"], count + stats["sum_u"], 0.0).clamp(0.0, 1.0)
+            M._safe_div(stats["top_sum"], stats["sum_w"], 0.0).clamp(0.0, 1.0)
         ),
         "router_flip_rate": flip_rate,
         "policy_lag": stats["lag"],

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, from_host, valid_tokens
-from opbc_metrics.functional.statistics import Stats
+from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, from_host, raise_if_bad_inputs, valid_tokens
+from opbc_metrics.functional.statistics import Stats, require_data
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
 # The top-1% sketch bins log-weights over [-C, C]; 8192 bins keep its relative error under 0.25%.
@@ -96,10 +96,12 @@ class _RowLayout:
 
 # Per-sequence sums both kernels produce; every feature is 0 on invalid tokens, so plain sums over tokens
 # are the statistics. "rounds" counts the starts of rounds (runs of 1s in the mask; only with the rounds
-# group, else 0). The probability rows come last: without the group the eager kernel skips them.
+# group, else 0). The probability rows come last: without the group the eager kernel skips them. "sum_w" sums
+# the raw weights w = exp(rc) (and the product sum "sum_w2" their squares): the sums of u = w - 1 (from rc and k3)
+# keep the digits near on-policy, where w ~ 1, but not when every weight is small (u ~ -1 holds no digit of w).
 _ROWS = _RowLayout(
-    "n", "n_mask", "rounds", "sum_abs_r", "sum_r", "sum_rc", "sum_k3", "clipped", "vetoed", "sum_abs_pq", "sum_dp",
-    "sum_q",
+    "n", "n_mask", "rounds", "sum_abs_r", "sum_r", "sum_rc", "sum_k3", "sum_w", "clipped", "vetoed", "sum_dp",
+    "sum_q", "sum_abs_pq",
 )
 _ROW_SUMS = _ROWS.names
 # Rows also summed per chunk of _ROUND_CHUNK tokens, for the per-round statistics (see _round_sums).
@@ -112,7 +114,7 @@ if _CHUNKED.start != 0:
 _R_SCALE = 2.0**-64
 _SCALED_ROWS = _ROWS.span("sum_abs_r", "sum_r")
 _FLAG_ROWS = _ROWS.span("clipped", "vetoed")  # |r| against the clamp and the veto, in one comparison
-_PROB_ROWS = _ROWS.span("sum_abs_pq", "sum_dp", "sum_q")
+_PROB_ROWS = _ROWS.span("sum_dp", "sum_q", "sum_abs_pq")
 if _PROB_ROWS.stop != len(_ROWS):
     raise AssertionError("the probability rows must come last (the eager kernel skips them without the group)")
 # The two Gram pairs, as a batch of two [2, tokens] matrices for one bmm: (rc, k3) and (p - q, q).
@@ -122,7 +124,7 @@ _PRODUCTS = {
     "sum_rc2": ("sum_rc", "sum_rc"), "sum_k32": ("sum_k3", "sum_k3"), "sum_rck3": ("sum_rc", "sum_k3"),
     "sum_qq": ("sum_q", "sum_q"), "sum_dp2": ("sum_dp", "sum_dp"), "sum_qdp": ("sum_dp", "sum_q"),
 }
-_PRODUCT_SUMS = tuple(_PRODUCTS)
+_PRODUCT_SUMS = (*_PRODUCTS, "sum_w2")  # the Gram products, then the sum of w^2
 # The eager kernel reuses the p - q and q rows as int64 histogram indices once their sums are taken: for a
 # float32 buffer of any block size, that view needs the p - q row at an even row index.
 if _ROWS.index["sum_dp"] % 2:
@@ -147,8 +149,9 @@ _ROUND_CHUNK = 32
 # grows with the width (measured at 128 x 8192: the kernel with rounds 5.2 ms at 64, 5.8 ms at 128).
 _COMPILED_ROUND_CHUNK = 64
 _SCALAR_STATS = (
-    *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "sum_w", "min_r", "max_r", "max_abs_pq",
-    "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_d", "sum_abs_d", "sum_exp_d",
+    *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "min_r", "max_r", "max_abs_pq",
+    "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_ws", "sum_ws2", "sum_d",
+    "sum_abs_d", "sum_exp_d",
 )
 
 
@@ -237,6 +240,8 @@ class _BlockPlan:
         self.pq = x[_GRAM_PAIRS[1]].flatten(1)  # p - q and q: one [2, tokens] matrix
         self.rs, self.ars = rows_of["sum_r"], rows_of["sum_abs_r"]
         self.rc, self.k3 = rows_of["sum_rc"], rows_of["sum_k3"]
+        self.w = rows_of["sum_w"]
+        self.w_flat = self.w.view(-1)
         self.rck3 = x[_GRAM_PAIRS[0]].flatten(1)
         self.rck3_t = self.rck3.t()
         # Both Gram pairs as one batch of two [2, tokens] matrices, for one bmm of both Gram matrices.
@@ -289,6 +294,7 @@ class _CallPlan:
         self.row_sums = torch.zeros(len(_ROWS), b, dtype=dtype, device=device)
         # Gram matrices of the feature pairs (rc, k3) and (p - q, q).
         self.grams = torch.zeros(blocks, 2, 2, 2, dtype=dtype, device=device)
+        self.w2 = torch.zeros(blocks, dtype=dtype, device=device)  # sums of w^2 (a dot product per block)
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
         self.product_index = from_host(_PRODUCT_POSITIONS, torch.int64, device)
         # Chunk sums of the _CHUNKED rows, [rows, B, chunks] (the last chunk of a row may be partial).
@@ -296,7 +302,8 @@ class _CallPlan:
         self.chunks = torch.zeros(len(range(len(_ROWS))[_CHUNKED]), b, chunks, dtype=dtype, device=device)
         whole = t // _ROUND_CHUNK
         self.outputs = list(zip(
-            self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), *self.extremes.unbind(0),
+            self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), self.w2.unbind(0),
+            *self.extremes.unbind(0),
             self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
             self.row_sums[_CHUNKED.stop : summed].split(rows, dim=1),
         ))
@@ -394,7 +401,7 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, rest_sums) in block_views:
+    for tr, ro, mb, (sums, grams, w2, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, rest_sums) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
@@ -425,6 +432,8 @@ def _blocked_token_statistics(
         rc = torch.clamp(r, -clamp, clamp, out=x.rc)
         # k3 = expm1(rc) - rc, in place. Invalid tokens have rc = 0, hence k3 = 0: no masking needed.
         torch.expm1(rc, out=x.k3).sub_(rc)
+        torch.exp(rc, out=x.w).mul_(valid)  # raw weights: 0 on invalid tokens
+        torch.dot(x.w_flat, x.w_flat, out=w2)
         if prob:
             torch.bmm(x.pairs, x.pairs_t, out=grams)  # both Gram matrices in one call
         else:
@@ -458,7 +467,8 @@ def _blocked_token_statistics(
         torch.sum(call.chunks, -1, out=call.row_sums[_CHUNKED])
     if lanes > 1:
         counts = counts.view(lanes, bins + 1).sum(0).to(f64)  # exact: counts stay exact in their dtype (above)
-    products = call.grams.sum(0, dtype=f64).view(-1).take(call.product_index)
+    products = torch.cat((call.grams.sum(0, dtype=f64).view(-1).take(call.product_index),
+                          call.w2.sum(0, dtype=f64, keepdim=True)))
     extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
     out = _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
     if with_rounds:
@@ -470,7 +480,7 @@ def _blocked_token_statistics(
 # reductions and the histogram's scatter into one loop over the tokens (measured: the layout's order, with the
 # rounds row among them, made the kernel 1.7x slower at 128 x 8192).
 _FUSED_ORDER = ("n", "n_mask", "sum_r", "sum_abs_r", "sum_rc", "sum_k3", "clipped", "vetoed", "sum_dp", "sum_q",
-                "sum_abs_pq")
+                "sum_abs_pq", "sum_w")
 
 
 def _fused_token_statistics(
@@ -516,6 +526,9 @@ def _fused_token_statistics(
         x = d.clamp(-clamp, clamp)
         return torch.where(ok, torch.where(x.abs() < _SERIES_RANGE, _expm1_tail(x), torch.exp(x) - 1.0 - x), 0.0)
 
+    def w() -> Tensor:  # the raw weight exp(rc) (the same exp as k3's beyond the series range)
+        return torch.where(ok, torch.exp(d.clamp(-clamp, clamp)), 0.0)
+
     def probability(logp: Tensor) -> Tensor:
         return torch.where(ok, torch.where(logp > 0, 1.0, torch.exp(logp.clamp(min=PROB_LOG_FLOOR))), 0.0)
 
@@ -544,13 +557,13 @@ def _fused_token_statistics(
     # Summed in this order (the one inductor fuses with the histogram into one loop), then placed in the layout.
     summed = torch.stack([
         ok.to(dtype).sum(-1), mask.to(dtype).sum(-1), rs.sum(-1), rs.abs().sum(-1), rc.sum(-1), k3().sum(-1),
-        (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1), *prob_rows,
+        (ar > clamp).to(dtype).sum(-1), (ar > veto).to(dtype).sum(-1), *prob_rows, w().sum(-1),
     ])
     features = dict(zip(_FUSED_ORDER, summed.unbind(0)), rounds=zeros)
     row_sums = torch.stack([features[name] for name in _ROWS.names])
     core_products = [(rc * rc).sum(-1), (k3() * k3()).sum(-1), (rc * k3()).sum(-1)]
-    named_products = dict(zip(("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp"),
-                              core_products + prob_products))
+    named_products = dict(zip(("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp", "sum_w2"),
+                              [*core_products, *prob_products, (w() * w()).sum(-1)]))
     products = torch.stack([named_products[name] for name in _PRODUCT_SUMS]).sum(-1, dtype=f64)
     if pieces > 1:
         row_sums = row_sums.view(len(_ROWS), seqs, pieces).sum(-1, dtype=f64)
@@ -875,12 +888,14 @@ def _assemble_statistics(
     s = seq_r * seq_ok
     abs_s = s.abs()
     geo = s / seq_n.clamp_min(1.0)
-    us = torch.expm1(s.clamp(-clamp, clamp)) * seq_ok  # sequence weight - 1
+    s_clamped = s.clamp(-clamp, clamp)
+    us = torch.expm1(s_clamped) * seq_ok  # sequence weight - 1
+    ws = torch.exp(s_clamped) * seq_ok  # the sequence weight (its digits when it is small, which us loses)
     # d_i = mean rollout logp - mean trainer logp = -geo_i. A sentinel (-9999, finfo.min) can make d_i
     # thousands of nats: capped where exp stays finite.
     exp_d = torch.exp(geo.neg().clamp(max=PPL_LOG_CAP)) * seq_ok
-    per_seq = torch.stack((seq_ok, s, abs_s, geo, us, us * us, geo.abs(), exp_d)).sum(-1)
-    num_seqs, sum_s, sum_abs_s, sum_geo, sum_us, sum_us2, sum_abs_d, sum_exp_d = per_seq.unbind(0)
+    per_seq = torch.stack((seq_ok, s, abs_s, geo, us, us * us, ws, ws * ws, geo.abs(), exp_d)).sum(-1)
+    num_seqs, sum_s, sum_abs_s, sum_geo, sum_us, sum_us2, sum_ws, sum_ws2, sum_abs_d, sum_exp_d = per_seq.unbind(0)
     min_r, max_r, max_abs_pq = extremes.to(f64).unbind(0)
     # Tokens at rc = C land one past the last bin: the last bin includes its upper edge.
     counts = hist[:bins].to(f64, copy=True)
@@ -896,7 +911,6 @@ def _assemble_statistics(
         # u = w - 1 = rc + k3: its sums from those of rc and k3 (all precise, no cancellation).
         "sum_u": totals["sum_rc"] + totals["sum_k3"],
         "sum_u2": products[0] + 2.0 * products[2] + products[1],
-        "sum_w": totals["n"] + totals["sum_rc"] + totals["sum_k3"],
         "min_r": torch.where(has_tokens, min_r, math.inf),
         "max_r": torch.where(has_tokens, max_r, -math.inf),
         "max_abs_pq": max_abs_pq,
@@ -907,6 +921,8 @@ def _assemble_statistics(
         "sum_geo": sum_geo,
         "sum_us": sum_us,
         "sum_us2": sum_us2,
+        "sum_ws": sum_ws,
+        "sum_ws2": sum_ws2,
         "sum_d": -sum_geo,
         "sum_abs_d": sum_abs_d,
         "sum_exp_d": sum_exp_d,
@@ -1037,35 +1053,56 @@ def _pick(stats: Stats, *names: str) -> Stats:
 # opbc/is/*: importance weights
 # ---------------------------------------------------------------------------------------------
 def _ess_update(stats: Stats) -> Stats:
-    return {"sum_u": stats["sum_u"], "sum_u2": stats["sum_u2"], "count": stats["n"]}
+    return {"sum_u": stats["sum_u"], "sum_u2": stats["sum_u2"], "sum_w": stats["sum_w"], "sum_w2": stats["sum_w2"],
+            "count": stats["n"]}
 
 
-def _centred_ess_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor:
-    """ESS from sums of ``u = w - 1``: ``1 - (N sum u^2 - (sum u)^2) / (N sum w^2)``, the same value as
-    ``(sum w)^2 / (N sum w^2)`` with ``1 - ESS`` (the part that moves near on-policy) free of cancellation."""
-    # N sum u^2 - (sum u)^2 = N^2 Var(w) >= 0 and sum w^2 = N + 2 sum u + sum u^2; clamps absorb rounding only.
-    spread = (count * sum_u2 - sum_u * sum_u).clamp_min(0.0)
-    return (1.0 - _safe_div(spread, count * (count + 2.0 * sum_u + sum_u2), 0.0)).clamp(0.0, 1.0)
+# The weight moments come from the sums of u = w - 1 while the mean weight is at least this, else from the raw
+# sums of w. Near on-policy (w ~ 1) float sums of w keep no digits of E[w^2] - E[w]^2, those of u keep u's; when
+# every weight is small (u ~ -1, a sequence log-ratio of -20 nats: w = 2e-9) sum w^2 = N + 2 sum u + sum u^2
+# cancels to rounding noise, while the raw sums keep w's digits. At a mean of 1/2 both keep all but ~2 bits.
+_CENTRED_FROM_MEAN = 0.5
 
 
+def _weight_moments(
+    sum_u: Tensor, sum_u2: Tensor, sum_w: Tensor, sum_w2: Tensor, count: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(sum w, sum w^2, N sum w^2 - (sum w)^2 = N^2 Var(w) >= 0)``, each from the sums that keep its digits."""
+    centred = sum_u >= (_CENTRED_FROM_MEAN - 1.0) * count
+    total = torch.where(centred, count + sum_u, sum_w)
+    squares = torch.where(centred, count + 2.0 * sum_u + sum_u2, sum_w2)
+    # (the clamp absorbs rounding only)
+    spread = torch.where(centred, count * sum_u2 - sum_u * sum_u, count * sum_w2 - sum_w * sum_w).clamp_min(0.0)
+    return total, squares, spread
+
+
+def _ess_compute(sum_u: Tensor, sum_u2: Tensor, sum_w: Tensor, sum_w2: Tensor, count: Tensor) -> Tensor:
+    """ESS ``(sum w)^2 / (N sum w^2)`` as ``1 - N^2 Var(w) / (N sum w^2)``: near on-policy ``1 - ESS`` (the part that
+    moves) from the sums of ``u = w - 1``, free of cancellation; far from it from the raw sums
+    (:func:`_weight_moments`)."""
+    _, squares, spread = _weight_moments(sum_u, sum_u2, sum_w, sum_w2, count)
+    return (1.0 - _safe_div(spread, count * squares, 0.0)).clamp(0.0, 1.0)
+
+
+#: What a public function needs, by the count it reads: (what the batch lacks, what to pass).
 _NEEDS = {
-    "n": "valid token (response_mask = 1 and both logprobs finite)",
-    "num_seqs": "valid sequence (one with a valid token and no non-finite response token)",
+    "n": ("valid token (response_mask = 1 and both logprobs finite)",
+          "a batch with a response token (`response_mask` 1) whose `trainer_logprobs` and `rollout_logprobs` are "
+          "both finite: here the batch has none, or every one is masked out or non-finite"),
+    "num_seqs": ("valid sequence (one with a valid token and no non-finite response token)",
+                 "a batch with a sequence that has a valid token and finite `trainer_logprobs` and "
+                 "`rollout_logprobs` on all its response tokens (`response_mask` 1)"),
 }
 
 
-def _raise_if_empty(count: Tensor, need: str = "n") -> None:
-    """The public functions' guard: one batch without a valid token (or sequence) has no value. One host read: a
-    functional call may read a count; a metric's ``update()`` never does (its ``compute`` leaves the keys out)."""
-    if not bool(count > 0):
-        raise ValueError(
-            f"no {_NEEDS[need]} in the batch: every response token is masked out by `response_mask` or has a "
-            "non-finite `trainer_logprobs` / `rollout_logprobs` value, so the metric has no value (the on-policy "
-            "value would be made up); check the mask and the logprob fields"
-        )
+def _raise_if_empty(function: str, count: Tensor, need: str = "n") -> None:
+    """The public functions' guard (:func:`~opbc_metrics.functional.statistics.require_data`): one batch without a
+    valid token (or sequence) has no value (the on-policy value would be made up)."""
+    require_data(count, function, *_NEEDS[need])
 
 
 def _stats(
+    function: str,
     trainer_logprobs: Tensor,
     rollout_logprobs: Tensor,
     response_mask: Tensor | None,
@@ -1074,10 +1111,12 @@ def _stats(
     bins: int = DEFAULT_TOP_MASS_BINS,
     need: str = "n",
 ) -> Stats:
-    """The batch statistics of a public function; ``ValueError`` when the batch has no valid token (``need="n"``)
-    or no valid sequence (``need="num_seqs"``, the sequence-level functions)."""
-    stats = batch_statistics(_view(trainer_logprobs, rollout_logprobs, response_mask), clamp, veto, bins)
-    _raise_if_empty(stats[need], need)
+    """The batch statistics of the public function ``function``; ``ValueError`` when the batch has no valid token
+    (``need="n"``) or no valid sequence (``need="num_seqs"``, the sequence-level functions)."""
+    view = _view(trainer_logprobs, rollout_logprobs, response_mask)
+    stats = batch_statistics(view, clamp, veto, bins)
+    raise_if_bad_inputs(*view.logprob_range, view.mask_other_values)  # probabilities, logits, a -100 label mask
+    _raise_if_empty(function, stats[need], need)
     return stats
 
 
@@ -1101,11 +1140,13 @@ def importance_ess(
         >>> importance_ess(t, t - torch.tensor([[0.0, 1.0, 0.0]])).round(decimals=4)
         tensor(0.7904, dtype=torch.float64)
     """
-    return _centred_ess_compute(**_ess_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
+    stats = _stats("importance_ess", trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    return _ess_compute(**_ess_update(stats))
 
 
 def _seq_ess_update(stats: Stats) -> Stats:
-    return {"sum_u": stats["sum_us"], "sum_u2": stats["sum_us2"], "count": stats["num_seqs"]}
+    return {"sum_u": stats["sum_us"], "sum_u2": stats["sum_us2"], "sum_w": stats["sum_ws"], "sum_w2": stats["sum_ws2"],
+            "count": stats["num_seqs"]}
 
 
 def sequence_ess(
@@ -1126,25 +1167,24 @@ def sequence_ess(
         >>> sequence_ess(t, t - torch.tensor([[1.0, 0.0], [0.0, 0.0]])).round(decimals=4)
         tensor(0.8240, dtype=torch.float64)
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp, need="num_seqs")
-    return _centred_ess_compute(**_seq_ess_update(stats))
+    stats = _stats("sequence_ess", trainer_logprobs, rollout_logprobs, response_mask, clamp, need="num_seqs")
+    return _ess_compute(**_seq_ess_update(stats))
 
 
 def _weight_moments_update(stats: Stats) -> Stats:
     return _ess_update(stats)
 
 
-def _centred_second_moment_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor:
-    return 1.0 + _safe_div(2.0 * sum_u + sum_u2, count, 0.0)
+def _second_moment_compute(sum_u: Tensor, sum_u2: Tensor, sum_w: Tensor, sum_w2: Tensor, count: Tensor) -> Tensor:
+    return _safe_div(_weight_moments(sum_u, sum_u2, sum_w, sum_w2, count)[1], count, 0.0)
 
 
-def _centred_weight_mean_compute(sum_u: Tensor, count: Tensor, **_: Any) -> Tensor:
-    return 1.0 + _safe_div(sum_u, count, 0.0)
+def _weight_mean_compute(sum_u: Tensor, sum_u2: Tensor, sum_w: Tensor, sum_w2: Tensor, count: Tensor) -> Tensor:
+    return _safe_div(_weight_moments(sum_u, sum_u2, sum_w, sum_w2, count)[0], count, 0.0)
 
 
-def _weight_std_compute(sum_u: Tensor, sum_u2: Tensor, count: Tensor) -> Tensor:
-    mean_u = _safe_div(sum_u, count, 0.0)
-    return torch.sqrt((_safe_div(sum_u2, count, 0.0) - mean_u * mean_u).clamp_min(0.0))
+def _weight_std_compute(sum_u: Tensor, sum_u2: Tensor, sum_w: Tensor, sum_w2: Tensor, count: Tensor) -> Tensor:
+    return torch.sqrt(_weight_moments(sum_u, sum_u2, sum_w, sum_w2, count)[2]) / count.clamp_min(1.0)
 
 
 def importance_weight_second_moment(
@@ -1161,8 +1201,8 @@ def importance_weight_second_moment(
         >>> importance_weight_second_moment(t, torch.tensor([[0.0, -1.0]])).round(decimals=4)
         tensor(4.1945, dtype=torch.float64)
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
-    return _centred_second_moment_compute(**_weight_moments_update(stats))
+    stats = _stats("importance_weight_second_moment", trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    return _second_moment_compute(**_weight_moments_update(stats))
 
 
 def importance_weight_mean(
@@ -1179,8 +1219,8 @@ def importance_weight_mean(
         >>> importance_weight_mean(t, torch.tensor([[0.0, -1.0]])).round(decimals=4)
         tensor(1.8591, dtype=torch.float64)
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
-    return _centred_weight_mean_compute(**_weight_moments_update(stats))
+    stats = _stats("importance_weight_mean", trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    return _weight_mean_compute(**_weight_moments_update(stats))
 
 
 def importance_weight_std(
@@ -1193,7 +1233,8 @@ def importance_weight_std(
 
     .. math:: \sigma_w = \sqrt{\tfrac{1}{N}\sum_t (w_t - 1)^2 - \big(\tfrac{1}{N}\sum_t (w_t - 1)\big)^2}
 
-    (divisor N; a batch without a valid token raises), from the mergeable sums of ``w - 1`` and ``(w - 1)^2``.
+    (divisor N; a batch without a valid token raises), from the mergeable sums of ``w - 1`` and ``(w - 1)^2`` (of
+    ``w`` and ``w^2`` when the mean weight is below 1/2).
 
     Example:
         >>> import torch
@@ -1201,7 +1242,7 @@ def importance_weight_std(
         >>> importance_weight_std(t, torch.tensor([[0.0, -1.0]])).round(decimals=4)  # weights 1 and e
         tensor(0.8591, dtype=torch.float64)
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    stats = _stats("importance_weight_std", trainer_logprobs, rollout_logprobs, response_mask, clamp)
     return _weight_std_compute(**_weight_moments_update(stats))
 
 
@@ -1227,11 +1268,12 @@ def clipped_fraction(
 
     Example:
         >>> import torch
-        >>> t = torch.zeros(1, 4)
-        >>> clipped_fraction(t, torch.tensor([[0.0, -25.0, 3.0, 21.0]]))
+        >>> t = torch.full((1, 4), -30.0)
+        >>> clipped_fraction(t, t - torch.tensor([[0.0, 25.0, 3.0, 21.0]]))  # |r| = 0, 25, 3, 21
         tensor(0.5000, dtype=torch.float64)
     """
-    return _fraction_compute(**_clipped_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
+    stats = _stats("clipped_fraction", trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    return _fraction_compute(**_clipped_update(stats))
 
 
 def veto_fraction(
@@ -1244,11 +1286,11 @@ def veto_fraction(
 
     Example:
         >>> import torch
-        >>> t = torch.zeros(1, 4)
-        >>> veto_fraction(t, torch.tensor([[0.0, -25.0, 3.0, 9999.0]]))
+        >>> t = torch.full((1, 4), -30.0)
+        >>> veto_fraction(t, t - torch.tensor([[0.0, 25.0, 3.0, 9999.0]]))  # |r| = 0, 25, 3, 9999
         tensor(0.2500, dtype=torch.float64)
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, veto=veto)
+    stats = _stats("veto_fraction", trainer_logprobs, rollout_logprobs, response_mask, veto=veto)
     return _fraction_compute(**_vetoed_update(stats))
 
 
@@ -1325,7 +1367,8 @@ def top_gradient_mass(
         tensor(0.4754, dtype=torch.float64)
     """
     view = _view(trainer_logprobs, rollout_logprobs, response_mask)
-    _raise_if_empty(view.num_valid)
+    raise_if_bad_inputs(*view.logprob_range, view.mask_other_values)
+    _raise_if_empty("top_gradient_mass", view.num_valid)
     if bins is None:
         return _top_mass_exact_compute(view.weights(clamp), view.num_valid, fraction)
     stats = batch_statistics(view, clamp, DEFAULT_VETO, bins)
@@ -1367,7 +1410,8 @@ def logprob_diff(
         >>> {k.split('/')[-1]: round(v.item(), 3) for k, v in out.items()}
         {'abs_diff_mean': 0.75, 'abs_diff_max': 1.0, 'diff_mean': -0.25}
     """
-    return _logprob_diff_compute(**_logprob_diff_update(_stats(trainer_logprobs, rollout_logprobs, response_mask)))
+    stats = _stats("logprob_diff", trainer_logprobs, rollout_logprobs, response_mask)
+    return _logprob_diff_compute(**_logprob_diff_update(stats))
 
 
 def _log_ratio_range_update(stats: Stats) -> Stats:
@@ -1391,7 +1435,7 @@ def log_ratio_range(
         >>> [round(v.item(), 2) for v in out.values()]
         [-1.0, 0.5, 1.0]
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask)
+    stats = _stats("log_ratio_range", trainer_logprobs, rollout_logprobs, response_mask)
     return _log_ratio_range_compute(**_log_ratio_range_update(stats))
 
 
@@ -1437,12 +1481,12 @@ def sequence_log_ratio(
 
     Example:
         >>> import torch
-        >>> out = sequence_log_ratio(torch.tensor([[0.0, 0.0], [0.0, 0.0]]),
-        ...                          torch.tensor([[-1.0, -1.0], [0.5, 0.0]]))
+        >>> out = sequence_log_ratio(torch.full((2, 2), -1.0),  # r: [1, 1] and [-0.5, 0]
+        ...                          torch.tensor([[-2.0, -2.0], [-0.5, -1.0]]))
         >>> [round(v.item(), 3) for v in out.values()]
         [0.75, 1.25, 2.0, 0.375]
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, need="num_seqs")
+    stats = _stats("sequence_log_ratio", trainer_logprobs, rollout_logprobs, response_mask, need="num_seqs")
     return _sequence_compute(**_sequence_update(stats))
 
 
@@ -1487,7 +1531,7 @@ def kl_estimators(
         >>> [round(v.item(), 4) + 0.0 for v in out.values()]
         [0.0, 0.5, 0.5431]
     """
-    return _kl_compute(**_kl_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)))
+    return _kl_compute(**_kl_update(_stats("kl_estimators", trainer_logprobs, rollout_logprobs, response_mask, clamp)))
 
 
 def _chi2_update(stats: Stats) -> Stats:
@@ -1525,7 +1569,7 @@ def chi_square(
         >>> [round(v.item(), 4) for v in out.values()]
         [3.1945, 6.3891]
     """
-    stats = _stats(trainer_logprobs, rollout_logprobs, response_mask, clamp)
+    stats = _stats("chi_square", trainer_logprobs, rollout_logprobs, response_mask, clamp)
     out = _chi2_compute(**_chi2_update(stats))
     if not bool(stats["num_seqs"] > 0):  # valid tokens, but every sequence has a non-finite one: as the metric
         del out[CHI2_KEYS[1]]
@@ -1567,7 +1611,8 @@ def perplexity_gap(
         >>> [round(v.item(), 4) for v in out.values()]
         [0.5, 0.5, 1.6487]
     """
-    return _ppl_compute(**_ppl_update(_stats(trainer_logprobs, rollout_logprobs, response_mask, need="num_seqs")))
+    stats = _stats("perplexity_gap", trainer_logprobs, rollout_logprobs, response_mask, need="num_seqs")
+    return _ppl_compute(**_ppl_update(stats))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1637,7 +1682,7 @@ def probability_diff(
         >>> [round(v.item(), 4) for v in out.values()]
         [0.0117, 0.035, 0.9991, 0.0202]
     """
-    stats = _prob_update(_stats(trainer_logprobs, rollout_logprobs, response_mask))
+    stats = _prob_update(_stats("probability_diff", trainer_logprobs, rollout_logprobs, response_mask))
     out = _prob_compute(**stats)
     if not bool(stats["n"] > 1):  # a correlation needs two tokens (one token's "pearson" is rounding noise)
         del out[PROB_KEYS[2]]

@@ -59,7 +59,7 @@ from opbc_metrics.batch import (
     check_count,
 )
 from opbc_metrics.functional.mismatch import _RECOMPILE_LIMIT
-from opbc_metrics.functional.statistics import Stats
+from opbc_metrics.functional.statistics import Stats, require_data
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
 ROLLOUT_EXPERTS = "rollout_experts"
@@ -656,18 +656,16 @@ def router_flip_rate(
     configured = 0 if num_layers is None else check_count("num_layers", num_layers, optional=False)
     capacity = configured or router_inputs(view, top_k)[0].shape[2]
     stats = _flip_rate_update(view, capacity, top_k, configured=bool(configured))
-    _require_tokens(stats["layer_pairs"].sum())
+    _require_tokens("router_flip_rate", stats["layer_pairs"].sum())
     return _flip_rate_compute(**stats)
 
 
-def _require_tokens(count: Tensor) -> None:
-    """A public function's ``ValueError`` for a batch without a response token (one host read: a function may;
-    a metric's update may not): its rates would be made-up zeros."""
-    if not bool(count > 0):
-        raise ValueError(
-            "no response token in the batch (`response_mask` all 0, or an empty batch): the router rates are "
-            "undefined"
-        )
+def _require_tokens(function: str, count: Tensor) -> None:
+    """The public functions' guard (:func:`~opbc_metrics.functional.statistics.require_data`) for a batch without
+    a response token: its rates would be made-up zeros."""
+    require_data(count, function, "response token",
+                 "a batch with a token where `response_mask` is 1 (here `response_mask` is all 0, or the batch is "
+                 "empty)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -755,5 +753,5 @@ def router_topk_disagreement_rate(
     view = _view_of(rollout, trainer, response_mask)
     num_experts = check_count("num_experts", num_experts)
     stats = _set_disagreement_update(view, check_top_k(top_k), num_experts)
-    _require_tokens(stats["tokens"])
+    _require_tokens("router_topk_disagreement_rate", stats["tokens"])
     return _set_disagreement_compute(**stats, num_experts=num_experts)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, as_bool_mask, check_count
+from opbc_metrics.batch import BatchView, as_bool_mask, check_count, raise_if_bad_inputs
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.functional.statistics import safe_div as _safe_div
@@ -199,4 +199,5 @@ def per_round_mismatch(
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
     capacity = check_count("capacity", capacity, optional=False)
     stats = _per_round_update(view, capacity)
+    raise_if_bad_inputs(*view.logprob_range, view.mask_other_values)  # probabilities, logits, a -100 label mask
     return _occurred(_per_round_compute(**stats), capacity, stats["valid_count"])

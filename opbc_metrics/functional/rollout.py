@@ -76,7 +76,7 @@ from opbc_metrics.batch import (
     check_same_shape,
     from_host,
 )
-from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid
+from opbc_metrics.functional.statistics import Stats, mean_std, moments, raise_if_invalid, require_data
 
 F64 = torch.float64
 
@@ -376,11 +376,10 @@ def _mean_over_groups(total: Tensor, groups: Tensor, empty: float) -> Tensor:
     return torch.where(groups > 0, total / groups.clamp_min(1.0), torch.full_like(total, empty))
 
 
-def _public_group_mean(stats: Stats, what: str) -> Tensor:
-    """A public function's mean over groups; ``ValueError`` when no group counted (one host read: a function may),
-    where the metric has no key."""
-    if not bool(stats["groups"] > 0):
-        raise ValueError(f"no group with {what} in the batch: the mean over groups is undefined")
+def _public_group_mean(stats: Stats, function: str, missing: str, what_to_pass: str) -> Tensor:
+    """A public function's mean over groups; ``ValueError`` when no group counted
+    (:func:`~opbc_metrics.functional.statistics.require_data`), where the metric has no key."""
+    require_data(stats["groups"], function, missing, what_to_pass)
     return stats["value_sum"] / stats["groups"]
 
 
@@ -604,7 +603,9 @@ def group_length_cv(response_lengths: Tensor, group_ids: Any) -> Tensor:
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
     stats = _checked(_length_cv_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
-    return _public_group_mean(stats, "a completion length")
+    return _public_group_mean(stats, "group_length_cv", "group with a length CV",
+                              "`response_lengths` and `group_ids` with a prompt group of two samples or more and a "
+                              "positive mean length")
 
 
 def gini(values: Tensor) -> Tensor:
@@ -646,7 +647,8 @@ def group_gini(values: Tensor, group_ids: Any) -> Tensor:
     x, w, invalid = _finite(x, w)
     raise_if_invalid("values", invalid, NONFINITE)
     stats = _group_gini_update(view, "values", x, w > 0)
-    return _public_group_mean(stats, "a value")
+    return _public_group_mean(stats, "group_gini", "group with a value",
+                              "at least one value in `values`, with its id in `group_ids`")
 
 
 def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
@@ -665,7 +667,9 @@ def group_max_median_ratio(response_lengths: Tensor, group_ids: Any) -> Tensor:
     """
     view = BatchView(response_lengths=response_lengths, group_ids=group_ids)
     stats = _checked(_length_ratio_update(view), RESPONSE_LENGTHS, BAD_COUNTS)
-    return _public_group_mean(stats, "a positive median length")
+    return _public_group_mean(stats, "group_max_median_ratio", "group with a positive median length",
+                              "`response_lengths` and `group_ids` with a prompt group whose median length is positive "
+                              "(a group whose median is 0 has no ratio)")
 
 
 def zero_advantage_mask(rewards: Tensor, group_ids: Any, response_mask: Tensor | None = None, atol: float = 0.0,
@@ -746,7 +750,8 @@ def discard_reasons(rewards: Tensor, group_ids: Any, *, policy_lag: Tensor | Non
 # ---------------------------------------------------------------------------------------------
 def _host_codes(name: str, values: Sequence[Any], table: dict[str, int], none_code: int, unknown_code: int | None,
                 device: torch.device | str) -> Tensor:
-    """Codes of a host list of strings / ints / None; unknown strings map to ``unknown_code`` or raise."""
+    """Codes of a host list of strings / ints / None; unknown strings map to ``unknown_code`` or raise
+    (:func:`~opbc_metrics.functional.statistics.raise_if_invalid`, counting and naming every unknown string)."""
     codes = []
     for v in values:
         if v is None:
@@ -757,7 +762,11 @@ def _host_codes(name: str, values: Sequence[Any], table: dict[str, int], none_co
             elif unknown_code is not None:
                 codes.append(unknown_code)
             else:
-                raise ValueError(f"batch field `{name}` holds unknown reason {v!r}; known: {sorted(table)} and None")
+                unknown = [u for u in values if isinstance(u, str) and u not in table]  # (only on this error)
+                distinct = list(dict.fromkeys(unknown))
+                raise_if_invalid(name, torch.tensor(float(len(unknown))),
+                                 f"unknown reason{'s' if len(distinct) > 1 else ''} {', '.join(map(repr, distinct))}; "
+                                 f"known: {sorted(table)} and None")
         elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
             codes.append(int(v))
         else:
@@ -841,21 +850,18 @@ def stop_reason_length_pct(stop_reasons: Any, length_code: int = LENGTH_CODE) ->
         >>> stop_reason_length_pct(torch.tensor([0, 7]))
         Traceback (most recent call last):
         ...
-        ValueError: batch field `stop_reasons` holds int code(s) [7]; accepted: [0, 1, 2] ...
+        ValueError: batch field `stop_reasons` held 1 invalid value(s) (int code(s) [7]; accepted: [0, 1, 2] ...
     """
     view = BatchView(stop_reasons=stop_reasons)
     stats = _stop_update(view, length_code)
     if bool(stats["invalid"] > 0):  # a functional call may read to the host; the metric defers this to compute()
         codes = _stop_codes(view, length_code)
-        known = torch.tensor(sorted({*STOP_REASON_CODES.values(), length_code}), device=codes.device)
-        bad = torch.unique(codes[~torch.isin(codes, known)]).tolist()
-        raise ValueError(
-            f"batch field `{STOP_REASONS}` holds int code(s) {bad}; accepted: {known.tolist()} "
-            f"(STOP_REASON_CODES {STOP_REASON_CODES}, length_code {length_code}) or the strings "
-            f"{list(STOP_REASON_STRINGS)}"
-        )
-    if not bool(stats["count"] > 0):
-        raise ValueError(f"batch field `{STOP_REASONS}` is empty: the truncation share is undefined")
+        known = sorted({*STOP_REASON_CODES.values(), length_code})
+        bad = torch.unique(codes[~torch.isin(codes, torch.tensor(known, device=codes.device))]).tolist()
+        raise_if_invalid(STOP_REASONS, stats["invalid"], f"int code(s) {bad}; accepted: {known} (STOP_REASON_CODES "
+                         f"{STOP_REASON_CODES}, length_code {length_code}) or the strings {list(STOP_REASON_STRINGS)}")
+    require_data(stats["count"], "stop_reason_length_pct", "stop reason",
+                 "at least one stop reason (`stop_reasons` is empty)")
     return _stop_compute(stats["length"], stats["count"])
 
 

@@ -1,4 +1,5 @@
-"""Helpers every section's kernels share: the statistics type, safe division, deferred value errors.
+"""Helpers every section's kernels share: the statistics type, safe division, deferred value errors, the
+public functions' error for a batch without data.
 
 This module imports no metric class and no other section, so any functional module can use it.
 """
@@ -47,6 +48,29 @@ def raise_if_invalid(fields: str | Sequence[str], count: Tensor, what: str) -> N
         names = (fields,) if isinstance(fields, str) else tuple(fields)
         where = ("batch field " if len(names) == 1 else "batch fields ") + ", ".join(f"`{x}`" for x in names)
         raise ValueError(f"{where} held {n:g} invalid value(s) ({what}); fix the input")
+
+
+def require_data(count: Tensor | float, function: str, missing: str, what_to_pass: str) -> None:
+    """A public function's ``ValueError`` for a batch without the data its value needs (``count`` 0).
+
+    The public functions of the mismatch, MoE and rollout sections raise it alike, naming themselves, what the
+    batch lacks and what to pass: a number returned there (a rate 0, an ESS 1) would be made up. One host read
+    of ``count``: a function may read one; a metric's ``update()`` never does (its ``compute()`` leaves the keys
+    out instead).
+
+    Example:
+        >>> import torch
+        >>> require_data(torch.tensor(2.0), "group_gini", "group", "at least one value")
+        >>> require_data(torch.tensor(0.0), "group_gini", "group", "at least one value")
+        Traceback (most recent call last):
+        ...
+        ValueError: group_gini(): no group in the batch, so there is no value to return (a number would be made up)...
+    """
+    if not bool(count > 0):
+        raise ValueError(
+            f"{function}(): no {missing} in the batch, so there is no value to return (a number would be made up); "
+            f"pass {what_to_pass}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

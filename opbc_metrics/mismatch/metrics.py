@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -13,12 +13,11 @@ from torchmetrics.utilities.data import dim_zero_cat
 from opbc_metrics.batch import (
     DEFAULT_CLAMP,
     DEFAULT_VETO,
-    RESPONSE_MASK,
     ROLLOUT_LOGPROBS,
     TRAINER_LOGPROBS,
     BatchView,
     check_positive,
-    raise_if_not_logprobs,
+    raise_if_bad_inputs,
 )
 from opbc_metrics.functional.mismatch import (
     CHI2_KEYS,
@@ -33,12 +32,10 @@ from opbc_metrics.functional.mismatch import (
     SEQUENCE_KEYS,
     TOKEN_STATISTICS,
     Stats,
-    _centred_ess_compute,
-    _centred_second_moment_compute,
-    _centred_weight_mean_compute,
     _chi2_compute,
     _chi2_update,
     _clipped_update,
+    _ess_compute,
     _ess_update,
     _fraction_compute,
     _input_compute,
@@ -53,6 +50,7 @@ from opbc_metrics.functional.mismatch import (
     _ppl_update,
     _prob_compute,
     _prob_update,
+    _second_moment_compute,
     _seq_ess_update,
     _sequence_compute,
     _sequence_update,
@@ -60,6 +58,7 @@ from opbc_metrics.functional.mismatch import (
     _top_mass_sketch_compute,
     _top_mass_sketch_update,
     _vetoed_update,
+    _weight_mean_compute,
     _weight_moments_update,
     _weight_std_compute,
     batch_statistics,
@@ -74,7 +73,14 @@ _TOKENS = "valid response tokens (response_mask = 1, finite logprobs), summed ov
 _SEQUENCES = "sequences with at least one valid token, over the window and all ranks"
 _DIAGNOSTIC = "none (diagnostic)"
 _NO_ACTION = "no OPBC action; read alongside ESS and the clipped/veto fractions"
-_WEIGHT_MOMENTS = table("sum_u", "sum_u2", "count")  # sums of w - 1 and (w - 1)^2
+# Sums of u = w - 1, u^2, w and w^2: the first two keep the digits near on-policy, the raw ones when every
+# weight is small (functional.mismatch._weight_moments picks by the mean weight).
+_WEIGHT_MOMENTS = table("sum_u", "sum_u2", "sum_w", "sum_w2", "count")
+
+
+# What a mismatch metric used alone checks at compute (in a collection, InputHealth checks it once for all): positive
+# logprobs on the logprob sample (probabilities, logits) and response_mask values other than 0 and 1.
+_INPUT_CHECKS = table(checked_mask_other=SUM, checked_logprob_min=MIN.of(2), checked_logprob_max=MAX.of(2))
 
 
 class _MismatchMetric(OPBCMetric):
@@ -87,6 +93,10 @@ class _MismatchMetric(OPBCMetric):
 
     A metric names its two functional steps: ``from_kernel`` (the shared statistics of a batch -> its own,
     named like its ``states``) and ``formula`` (its states, passed by name -> its value).
+
+    ``input_checks`` (default on): the metric also refuses at compute, as :class:`InputHealth` does, a window
+    whose logprobs held positive values (probabilities, logits) or whose ``response_mask`` held values other than
+    0 and 1. The collection turns it off for the members of a section that has InputHealth, which checks once.
     """
 
     required_fields = _TOKEN_FIELDS
@@ -95,8 +105,10 @@ class _MismatchMetric(OPBCMetric):
     formula: ClassVar[Callable[..., Any]]
 
     def __init__(self, clamp: float = DEFAULT_CLAMP, veto: float = DEFAULT_VETO,
-                 top_mass_bins: int = DEFAULT_TOP_MASS_BINS, compiled: bool = False, **kwargs: Any) -> None:
+                 top_mass_bins: int = DEFAULT_TOP_MASS_BINS, compiled: bool = False, input_checks: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.input_checks = bool(input_checks)
         self.clamp = check_positive("clamp", clamp)
         self.veto = check_positive("veto", veto)
         self.top_mass_bins = check_bins(top_mass_bins)
@@ -118,11 +130,35 @@ class _MismatchMetric(OPBCMetric):
         optional ``response_mask`` [B, T] (all ones when absent)."""
         super().update(batch, **fields)
 
-    def statistics(self, view: BatchView) -> Stats:
+    # -- the metric's own states, statistics and value (subclasses override these), and the input checks ----------
+    def own_state_table(self) -> Mapping[str, State]:
+        return self.states
+
+    def own_statistics(self, view: BatchView) -> Stats:
         return self.from_kernel(self._stats(view))
 
+    def value(self) -> Any:
+        return self.formula(**self.state_values(exclude=tuple(_INPUT_CHECKS)))
+
+    def _checks_inputs(self) -> bool:
+        return self.input_checks and not isinstance(self, InputHealth)  # (InputHealth's own states check)
+
+    def _check_statistics(self, view: BatchView) -> Stats:
+        if not self._checks_inputs():
+            return {}
+        low, high = view.logprob_range
+        return {"checked_mask_other": view.mask_other_values, "checked_logprob_min": low, "checked_logprob_max": high}
+
+    def state_table(self) -> Mapping[str, State]:
+        return {**self.own_state_table(), **_INPUT_CHECKS} if self._checks_inputs() else self.own_state_table()
+
+    def statistics(self, view: BatchView) -> Stats:
+        return {**self.own_statistics(view), **self._check_statistics(view)}
+
     def compute(self) -> Any:
-        return self.formula(**self.state_values())
+        if self._checks_inputs():
+            raise_if_bad_inputs(self.checked_logprob_min, self.checked_logprob_max, self.checked_mask_other)
+        return self.value()
 
 
 class _Fraction(_MismatchMetric):  # a value in [0, 1]
@@ -133,7 +169,7 @@ class _Fraction(_MismatchMetric):  # a value in [0, 1]
 class _ESS(_Fraction):
     higher_is_better = True
     states = _WEIGHT_MOMENTS
-    formula = staticmethod(_centred_ess_compute)
+    formula = staticmethod(_ess_compute)
 
 
 class ImportanceSamplingESS(_ESS):
@@ -214,7 +250,7 @@ class ImportanceWeightSecondMoment(_WeightMoment):
     keys = ("opbc/is/second_moment",)
     higher_is_better = False
     plot_lower_bound = 0.0
-    formula = staticmethod(_centred_second_moment_compute)
+    formula = staticmethod(_second_moment_compute)
     glossary = GlossaryEntry(
         name="second_moment",
         what="E[w^2] of the importance weights w = exp(log_ratio); bounds the variance of the "
@@ -239,7 +275,7 @@ class ImportanceWeightMean(_WeightMoment):
     """
 
     keys = ("opbc/is/weight_mean",)
-    formula = staticmethod(_centred_weight_mean_compute)
+    formula = staticmethod(_weight_mean_compute)
     glossary = GlossaryEntry(
         name="weight_mean",
         what="Mean importance weight E[w]. Its expectation under the rollout policy is 1 when both "
@@ -256,7 +292,7 @@ class ImportanceWeightStd(_WeightMoment):
     .. math:: \sigma_w = \sqrt{E[(w - 1)^2] - E[w - 1]^2}
 
     over the valid tokens of the window and all ranks (divisor N), from mergeable sums of ``w - 1`` and
-    ``(w - 1)^2``.
+    ``(w - 1)^2`` (of ``w`` and ``w^2`` when the mean weight is below 1/2, where those of ``w - 1`` hold no digits).
 
     Example:
         >>> import torch
@@ -329,7 +365,7 @@ class TopGradientMass(_Fraction):
         self.bins, self.fraction, self.exact = self.top_mass_bins, float(fraction), bool(exact)
         self.statistic_groups = frozenset() if self.exact else frozenset({"hist"})
 
-    def state_table(self) -> dict[str, State]:
+    def own_state_table(self) -> Mapping[str, State]:
         # exact: every weight (grows with the tokens); sketch: token counts per log-weight bin and the weight sum.
         return table(weights=CAT, count=SUM) if self.exact else table(bin_count=SUM.of("bins"), sum_w=SUM)
 
@@ -338,7 +374,7 @@ class TopGradientMass(_Fraction):
         """Relative error bound of the sketch (0 in exact mode)."""
         return 0.0 if self.exact else sketch_relative_error_bound(self.clamp, self.bins)
 
-    def statistics(self, view: BatchView) -> Stats:
+    def own_statistics(self, view: BatchView) -> Stats:
         return _top_mass_sketch_update(self._stats(view))  # (the sketch; exact mode appends in _update_view)
 
     def folds_statistics(self) -> bool:
@@ -346,12 +382,13 @@ class TopGradientMass(_Fraction):
 
     def _update_view(self, view: BatchView) -> None:
         if self.exact:
-            self.accumulate(count=view.num_valid)  # first: it refuses a batch on another device
+            # first: it refuses a batch on another device
+            self.accumulate(count=view.num_valid, **self._check_statistics(view))
             self.weights.append(view.weights(self.clamp).reshape(-1).to(torch.float64))
         else:
             super()._update_view(view)
 
-    def compute(self) -> Tensor:
+    def value(self) -> Tensor:
         if self.exact:
             weights = dim_zero_cat(self.weights) if len(self.weights) else torch.zeros(0, dtype=torch.float64)
             return _top_mass_exact_compute(weights, self.count, self.fraction)
@@ -369,7 +406,8 @@ class ClippedFraction(_ThresholdFraction):
     Example:
         >>> import torch
         >>> metric = ClippedFraction(clamp=20.0)
-        >>> metric.update(trainer_logprobs=torch.zeros(1, 4), rollout_logprobs=torch.tensor([[0.0, -25.0, 3.0, 21.0]]))
+        >>> t = torch.full((1, 4), -30.0)
+        >>> metric.update(trainer_logprobs=t, rollout_logprobs=t - torch.tensor([[0.0, 25.0, 3.0, 21.0]]))
         >>> metric.compute()
         tensor(0.5000, dtype=torch.float64)
     """
@@ -395,8 +433,8 @@ class VetoFraction(_ThresholdFraction):
     Example:
         >>> import torch
         >>> metric = VetoFraction()
-        >>> metric.update(trainer_logprobs=torch.zeros(1, 4),
-        ...               rollout_logprobs=torch.tensor([[0.0, -25.0, 3.0, -9999.0]]))
+        >>> t = torch.full((1, 4), -30.0)
+        >>> metric.update(trainer_logprobs=t, rollout_logprobs=t - torch.tensor([[0.0, 25.0, 3.0, 9999.0]]))
         >>> metric.compute()
         tensor(0.2500, dtype=torch.float64)
     """
@@ -479,7 +517,8 @@ class SequenceLogRatio(_MismatchMetric):
     Example:
         >>> import torch
         >>> metric = SequenceLogRatio()
-        >>> metric.update(trainer_logprobs=torch.zeros(2, 2), rollout_logprobs=torch.tensor([[-1.0, -1.0], [0.5, 0.0]]))
+        >>> metric.update(trainer_logprobs=torch.full((2, 2), -1.0),  # r: [1, 1] and [-0.5, 0]
+        ...               rollout_logprobs=torch.tensor([[-2.0, -2.0], [-0.5, -1.0]]))
         >>> [round(v.item(), 3) for v in metric.compute().values()]
         [0.75, 1.25, 2.0, 0.375]
     """
@@ -544,7 +583,8 @@ class ChiSquare(_MismatchMetric):
     keys = CHI2_KEYS
     higher_is_better = False
     key_counts = ((CHI2_KEYS[1], "seq_count"),)  # chi2_seq needs a valid sequence, chi2_token a valid token
-    states = table(*_WEIGHT_MOMENTS, "sum_seq_u", "sum_seq_u2", "seq_count")  # E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1]
+    # E[w^2] - 1 = E[(w - 1)^2] + 2 E[w - 1] (near -1 when every weight is small: the sums of u keep its digits)
+    states = table("sum_u", "sum_u2", "count", "sum_seq_u", "sum_seq_u2", "seq_count")
     from_kernel, formula = staticmethod(_chi2_update), staticmethod(_chi2_compute)
     glossary = GlossaryEntry(
         name="chi2",
@@ -670,14 +710,7 @@ class InputHealth(_MismatchMetric):
                 "logprob_min": low, "logprob_max": high}
 
     def compute(self) -> dict[str, Tensor]:
-        # One host read for both checks (each read is a sync on a GPU).
-        *sides, mask_other = torch.cat([self.logprob_min, self.logprob_max, self.mask_other.reshape(1)]).tolist()
-        raise_if_not_logprobs(sides[:2], sides[2:])
-        if mask_other:
-            raise ValueError(
-                f"batch field `{RESPONSE_MASK}` held {int(mask_other)} value(s) other than 0 and 1 in this "
-                "window: a response mask is 1 on policy tokens and 0 elsewhere (pass e.g. `labels != -100`)"
-            )
+        raise_if_bad_inputs(self.logprob_min, self.logprob_max, self.mask_other)
         return _input_compute(self.nonfinite, self.tokens, self.sequences)
 
 
