@@ -129,6 +129,7 @@ class OPBCCollection(MetricCollection):
         **metric_kwargs: Any,
     ) -> None:
         if metrics is None:
+            sections = tuple(sections)
             unknown = [s for s in sections if s not in SECTIONS]
             if unknown:
                 raise ValueError(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
@@ -136,7 +137,9 @@ class OPBCCollection(MetricCollection):
             unknown = sorted(set(options) - set(sections))
             if unknown:
                 raise ValueError(f"section_options for sections not in the collection: {unknown}")
-            own = {"mismatch": dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins)}
+            own = {"mismatch": dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins),
+                   # (the mismatch section's InputHealth checks the logprobs and the mask for per_round too)
+                   "per_round": dict(input_checks="mismatch" not in sections)}
             metrics = [
                 m for s in sections for m in SECTIONS[s](**metric_kwargs, **own.get(s, {}), **options.get(s, {}))
             ]

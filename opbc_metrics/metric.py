@@ -19,7 +19,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 from torchmetrics.utilities.distributed import gather_all_tensors
 
-from opbc_metrics.batch import METRIC_CLASSES, BatchView, as_view
+from opbc_metrics.batch import METRIC_CLASSES, BatchView, as_view, raise_if_bad_inputs
 from opbc_metrics.sync import all_reduce_states, packable
 
 
@@ -726,6 +726,43 @@ def _first_difference(own: Any, other: Any, path: str) -> str | None:
     if own != other:
         return f"{path} differs: incoming {_short(other)}, expected {_short(own)}"
     return None
+
+
+# What a metric that reads trainer / rollout logprobs checks at compute when used alone (in a collection, the mismatch
+# section's InputHealth checks once for all): positive logprobs on the logprob sample (probabilities, logits) and
+# response_mask values other than 0 and 1.
+INPUT_CHECK_STATES = MappingProxyType(
+    {"checked_mask_other": SUM, "checked_logprob_min": MIN.of(2), "checked_logprob_max": MAX.of(2)}
+)
+
+
+class LogprobInputChecks:
+    """Mixin of the metrics that read ``trainer_logprobs`` / ``rollout_logprobs``: with ``input_checks`` (set by the
+    constructor), three more states record the window's :attr:`~opbc_metrics.batch.BatchView.logprob_range` and
+    :attr:`~opbc_metrics.batch.BatchView.mask_other_values`, and :meth:`raise_on_bad_inputs` refuses probabilities,
+    logits and non-0/1 masks at compute (one host read), as InputHealth does in a collection. The metric declares
+    its own states in ``states`` (or :meth:`own_state_table`) and adds :meth:`input_check_statistics` to its batch
+    statistics."""
+
+    input_checks: bool = True
+    states: Mapping[str, State]
+
+    def own_state_table(self) -> Mapping[str, State]:
+        return self.states
+
+    def state_table(self) -> Mapping[str, State]:
+        own = self.own_state_table()
+        return {**own, **INPUT_CHECK_STATES} if self.input_checks else own
+
+    def input_check_statistics(self, view: BatchView) -> dict[str, Tensor]:
+        if not self.input_checks:
+            return {}
+        low, high = view.logprob_range
+        return {"checked_mask_other": view.mask_other_values, "checked_logprob_min": low, "checked_logprob_max": high}
+
+    def raise_on_bad_inputs(self) -> None:
+        if self.input_checks:
+            raise_if_bad_inputs(self.checked_logprob_min, self.checked_logprob_max, self.checked_mask_other)
 
 
 _LIBRARY_UPDATE: dict[type, bool] = {}

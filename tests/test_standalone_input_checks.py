@@ -9,8 +9,9 @@ import torch
 from opbc_metrics import OPBCCollection
 from opbc_metrics import functional as F
 from opbc_metrics.mismatch import MISMATCH_METRICS, InputHealth
+from opbc_metrics.per_round import PerRoundMismatch
 
-ALONE = [cls for cls in MISMATCH_METRICS if cls is not InputHealth]
+ALONE = [cls for cls in MISMATCH_METRICS if cls is not InputHealth] + [PerRoundMismatch]
 FUNCTIONS = ["chi_square", "clipped_fraction", "importance_ess", "importance_weight_mean",
              "importance_weight_second_moment", "importance_weight_std", "kl_estimators", "log_ratio_range",
              "logprob_diff", "per_round_mismatch", "perplexity_gap", "probability_diff", "sequence_ess",
@@ -53,12 +54,17 @@ def test_the_checks_change_no_value(cls):
 
 
 def test_collection_members_leave_the_checks_to_input_health():
-    metrics = OPBCCollection(sections=["mismatch"])
-    members = [m for m in metrics.values() if type(m) in ALONE] if hasattr(metrics, "values") else []
-    assert members and not any(m.input_checks for m in members)
+    metrics = OPBCCollection()
+    members = [m for m in metrics.members() if type(m) in ALONE]
+    assert len(members) == len(ALONE) and not any(m.input_checks for m in members)
     trainer, rollout = _logprobs()
     with pytest.raises(ValueError, match="probabilities"):
         metrics(trainer_logprobs=trainer.exp(), rollout_logprobs=rollout.exp())
+    # without the mismatch section (no InputHealth), per_round checks on its own
+    (per_round,) = OPBCCollection(sections=["per_round"]).members()
+    assert per_round.input_checks
+    with pytest.raises(ValueError, match="probabilities"):
+        OPBCCollection(sections=["per_round"])(trainer_logprobs=trainer.exp(), rollout_logprobs=rollout.exp())
 
 
 @pytest.mark.parametrize("name", FUNCTIONS)

@@ -66,7 +66,19 @@ from opbc_metrics.functional.mismatch import (
     settings_need,
     sketch_relative_error_bound,
 )
-from opbc_metrics.metric import CAT, MAX, MIN, SUM, GlossaryEntry, OPBCMetric, State, library_update, table
+from opbc_metrics.metric import (
+    CAT,
+    INPUT_CHECK_STATES,
+    MAX,
+    MIN,
+    SUM,
+    GlossaryEntry,
+    LogprobInputChecks,
+    OPBCMetric,
+    State,
+    library_update,
+    table,
+)
 
 _TOKEN_FIELDS = (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS)  # response_mask is optional (all ones)
 _TOKENS = "valid response tokens (response_mask = 1, finite logprobs), summed over the window and all ranks"
@@ -78,12 +90,7 @@ _NO_ACTION = "no OPBC action; read alongside ESS and the clipped/veto fractions"
 _WEIGHT_MOMENTS = table("sum_u", "sum_u2", "sum_w", "sum_w2", "count")
 
 
-# What a mismatch metric used alone checks at compute (in a collection, InputHealth checks it once for all): positive
-# logprobs on the logprob sample (probabilities, logits) and response_mask values other than 0 and 1.
-_INPUT_CHECKS = table(checked_mask_other=SUM, checked_logprob_min=MIN.of(2), checked_logprob_max=MAX.of(2))
-
-
-class _MismatchMetric(OPBCMetric):
+class _MismatchMetric(LogprobInputChecks, OPBCMetric):
     """Base of the token-mismatch metrics: reads trainer/rollout logprobs and the response mask.
 
     Every metric of the section takes the section's settings (``clamp`` C, ``veto``, ``top_mass_bins``
@@ -108,7 +115,7 @@ class _MismatchMetric(OPBCMetric):
                  top_mass_bins: int = DEFAULT_TOP_MASS_BINS, compiled: bool = False, input_checks: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.input_checks = bool(input_checks)
+        self.input_checks = bool(input_checks) and not isinstance(self, InputHealth)  # (InputHealth's states check)
         self.clamp = check_positive("clamp", clamp)
         self.veto = check_positive("veto", veto)
         self.top_mass_bins = check_bins(top_mass_bins)
@@ -130,34 +137,18 @@ class _MismatchMetric(OPBCMetric):
         optional ``response_mask`` [B, T] (all ones when absent)."""
         super().update(batch, **fields)
 
-    # -- the metric's own states, statistics and value (subclasses override these), and the input checks ----------
-    def own_state_table(self) -> Mapping[str, State]:
-        return self.states
-
+    # -- the metric's own statistics and value (subclasses override these); the input checks around them --------
     def own_statistics(self, view: BatchView) -> Stats:
         return self.from_kernel(self._stats(view))
 
     def value(self) -> Any:
-        return self.formula(**self.state_values(exclude=tuple(_INPUT_CHECKS)))
-
-    def _checks_inputs(self) -> bool:
-        return self.input_checks and not isinstance(self, InputHealth)  # (InputHealth's own states check)
-
-    def _check_statistics(self, view: BatchView) -> Stats:
-        if not self._checks_inputs():
-            return {}
-        low, high = view.logprob_range
-        return {"checked_mask_other": view.mask_other_values, "checked_logprob_min": low, "checked_logprob_max": high}
-
-    def state_table(self) -> Mapping[str, State]:
-        return {**self.own_state_table(), **_INPUT_CHECKS} if self._checks_inputs() else self.own_state_table()
+        return self.formula(**self.state_values(exclude=tuple(INPUT_CHECK_STATES)))
 
     def statistics(self, view: BatchView) -> Stats:
-        return {**self.own_statistics(view), **self._check_statistics(view)}
+        return {**self.own_statistics(view), **self.input_check_statistics(view)}
 
     def compute(self) -> Any:
-        if self._checks_inputs():
-            raise_if_bad_inputs(self.checked_logprob_min, self.checked_logprob_max, self.checked_mask_other)
+        self.raise_on_bad_inputs()
         return self.value()
 
 
@@ -383,7 +374,7 @@ class TopGradientMass(_Fraction):
     def _update_view(self, view: BatchView) -> None:
         if self.exact:
             # first: it refuses a batch on another device
-            self.accumulate(count=view.num_valid, **self._check_statistics(view))
+            self.accumulate(count=view.num_valid, **self.input_check_statistics(view))
             self.weights.append(view.weights(self.clamp).reshape(-1).to(torch.float64))
         else:
             super()._update_view(view)

@@ -17,12 +17,12 @@ from opbc_metrics.functional.per_round import (
     per_round_keys,
     request_rounds,
 )
-from opbc_metrics.metric import MAX, SUM, GlossaryEntry, OPBCMetric, table
+from opbc_metrics.metric import INPUT_CHECK_STATES, MAX, SUM, GlossaryEntry, LogprobInputChecks, OPBCMetric, table
 
 _BUCKETS = SUM.of(lambda m: m.capacity + 1)  # rounds 0 .. capacity - 1, then the overflow bucket
 
 
-class PerRoundMismatch(OPBCMetric):
+class PerRoundMismatch(LogprobInputChecks, OPBCMetric):
     r"""Per-round logprob mismatch for multi-turn trajectories, ``per_round/*`` (verl PR #5229's keys).
 
     A round is a contiguous run of 1s in ``response_mask`` (one turn of generation between
@@ -50,6 +50,9 @@ class PerRoundMismatch(OPBCMetric):
     Args:
         capacity: rounds with their own keys (16).
         compiled: run the kernel under ``torch.compile`` (a collection's ``compiled`` option does it for all).
+        input_checks: refuse at compute a window whose logprobs held positive values (probabilities, logits) or
+            whose ``response_mask`` held values other than 0 and 1 (a collection with the mismatch section leaves
+            that to its InputHealth).
         kwargs: torchmetrics ``Metric`` arguments.
 
     Example:
@@ -85,8 +88,10 @@ class PerRoundMismatch(OPBCMetric):
         aliases=("per-round mismatch", "per_round", "round_abs_diff_mean"),
     )
 
-    def __init__(self, capacity: int = DEFAULT_ROUND_CAPACITY, compiled: bool = False, **kwargs: Any) -> None:
+    def __init__(self, capacity: int = DEFAULT_ROUND_CAPACITY, compiled: bool = False, input_checks: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.input_checks = bool(input_checks)
         self.capacity = check_count("capacity", capacity, optional=False)
         self.compiled = bool(compiled)
         self.keys = per_round_keys(self.capacity)
@@ -101,10 +106,11 @@ class PerRoundMismatch(OPBCMetric):
         request_rounds(view, self.capacity)
 
     def statistics(self, view: BatchView) -> Stats:
-        return _per_round_update(view, self.capacity, self.compiled)
+        return {**_per_round_update(view, self.capacity, self.compiled), **self.input_check_statistics(view)}
 
     def compute(self) -> dict[str, Tensor]:
-        out = _per_round_compute(**self.state_values())
+        self.raise_on_bad_inputs()
+        out = _per_round_compute(**self.state_values(exclude=tuple(INPUT_CHECK_STATES)))
         return _occurred(out, self.capacity, self.valid_count)
 
 
