@@ -152,14 +152,12 @@ def _counts(out):
 
 @given(round_batches(), st.integers(1, 4))
 def test_property_matches_reference_counts_sum_to_the_mask_and_equal_logprobs(batch, capacity):
-    # (mask entries of 2 count as "on" here: the input checks, which refuse them, are off)
-    same = metric_values(PerRoundMismatch(capacity=3, input_checks=False),
-                         dict(batch, rollout_logprobs=batch["trainer_logprobs"].clone()))
+    same = metric_values(PerRoundMismatch(capacity=3), dict(batch, rollout_logprobs=batch["trainer_logprobs"].clone()))
     if same:  # equal logprobs: zero mismatch in every round
         assert all(v == 0.0 for k, v in same.items() if k.endswith("_abs_diff_mean"))
         assert same[P + "max_diff_value"] == 0.0
         assert same[P + "max_round_diff"] == (0.0 if (batch["response_mask"] != 0).any() else -1.0)
-    got = metric_values(PerRoundMismatch(capacity=capacity, input_checks=False), batch)
+    got = metric_values(PerRoundMismatch(capacity=capacity), batch)
     valid = (batch["response_mask"] != 0) & torch.isfinite(batch["trainer_logprobs"] - batch["rollout_logprobs"])
     if not valid.any():  # no valid token: no keys
         assert got == {}
