@@ -31,8 +31,7 @@ from opbc_metrics.training import training_section
 
 
 def _mismatch_section(**kwargs: Any) -> list[OPBCMetric]:
-    # InputHealth (a member) refuses positive logprobs and non-0/1 masks once for the section: not every member.
-    return [cls(**kwargs, input_checks=False) for cls in MISMATCH_METRICS]
+    return [cls(**kwargs) for cls in MISMATCH_METRICS]
 
 
 # Section name -> factory(**metric_kwargs, **section_options) -> metrics: each gets its own options only (the
@@ -137,9 +136,13 @@ class OPBCCollection(MetricCollection):
             unknown = sorted(set(options) - set(sections))
             if unknown:
                 raise ValueError(f"section_options for sections not in the collection: {unknown}")
-            own = {"mismatch": dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins),
-                   # (the mismatch section's InputHealth checks the logprobs and the mask for per_round too)
-                   "per_round": dict(input_checks="mismatch" not in sections)}
+            own: dict[str, dict[str, Any]] = {"mismatch": dict(clamp=clamp, veto=veto, top_mass_bins=top_mass_bins),
+                                              "per_round": {}}
+            # The mismatch section's InputHealth refuses positive logprobs and non-0/1 masks once for the collection:
+            # its other members and per_round need not (unless the options say otherwise).
+            for name, checks in (("mismatch", False), ("per_round", "mismatch" not in sections)):
+                if "input_checks" not in metric_kwargs and "input_checks" not in options.get(name, {}):
+                    own[name]["input_checks"] = checks
             metrics = [
                 m for s in sections for m in SECTIONS[s](**metric_kwargs, **own.get(s, {}), **options.get(s, {}))
             ]
@@ -232,10 +235,24 @@ class OPBCCollection(MetricCollection):
         """Accumulate one batch and return that batch's own values (local, not synced)."""
         view = as_view(batch, **fields).check_fields()
         out: dict[str, Tensor] = {}
-        for m in self._active(view):
-            out.update(m.as_dict(m(view)))
-        if view is not batch:
-            view.check_unread()
+        # A batch one member refuses changes no member: the members that took it get their window back (each keeps
+        # torchmetrics' copy of it until the loop ends).
+        done: list[tuple[OPBCMetric, dict[str, Any]]] = []
+        try:
+            for m in self._active(view):
+                m.__dict__["_keep_window_copy"] = True
+                done.append((m, m.forward_flags()))
+                out.update(m.as_dict(m(view)))
+            if view is not batch:
+                view.check_unread()
+        except BaseException:
+            for m, flags in done:
+                m.restore_window(flags)
+            raise
+        finally:
+            for m, _ in done:
+                m.__dict__.pop("_keep_window_copy", None)
+                m.__dict__.pop("_window_copy", None)
         return self._named(out)
 
     def compute(self) -> dict[str, Tensor]:

@@ -420,12 +420,41 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
         return super()._wrap_compute(checked)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Accumulate the batch and return its own value; ``None`` when the batch carried no data."""
+        """Accumulate the batch and return its own value; ``None`` when the batch carried no data.
+
+        A batch refused by its update or compute (bad input) leaves the window and the sync settings as they were:
+        torchmetrics' forward swaps the window's states for the batch's and its DDP sync settings for local ones and
+        restores neither when the batch raises (the metric would then hold only the refused batch and stop syncing
+        across ranks).
+        """
         self._allow_empty = True
+        flags = self.forward_flags()
         try:
             return super().forward(*args, **kwargs)
+        except BaseException:
+            self.restore_window(flags)
+            raise
         finally:
             self._allow_empty = False
+            if not self.__dict__.get("_keep_window_copy"):
+                self.__dict__.pop("_window_copy", None)
+
+    def forward_flags(self) -> dict[str, Any]:
+        """The torchmetrics settings a forward changes, to pass to :meth:`restore_window`."""
+        return {name: getattr(self, name) for name in _FORWARD_FLAGS}
+
+    def restore_window(self, flags: dict[str, Any]) -> None:
+        """Put back the window (the states copied by the last forward) and the settings ``flags``."""
+        for name, value in self.__dict__.get("_window_copy", {}).items():
+            setattr(self, name, value)
+        for name, value in flags.items():
+            setattr(self, name, value)
+
+    def _copy_state_dict(self) -> dict[str, Any]:
+        cache = super()._copy_state_dict()
+        if self._allow_empty and "_window_copy" not in self.__dict__:  # forward's copy of the window (see forward)
+            self.__dict__["_window_copy"] = cache
+        return cache
 
     def compute_dict(self) -> dict[str, Tensor]:
         """:meth:`compute` as a dict keyed by the full ``section/group/metric`` keys; ``{}`` without data."""
@@ -766,6 +795,9 @@ class LogprobInputChecks:
 
 
 _LIBRARY_UPDATE: dict[type, bool] = {}
+# torchmetrics' settings its forward changes for the batch's own value (restored by OPBCMetric.forward on a refusal).
+_FORWARD_FLAGS = ("_update_count", "_to_sync", "_should_unsync", "_enable_grad", "compute_on_cpu", "_computed",
+                  "_is_synced")
 
 
 def library_update(metric: OPBCMetric) -> bool:

@@ -76,3 +76,41 @@ def test_a_functional_call_refuses_probabilities_and_a_non_binary_mask(name):
     with pytest.raises(ValueError, match="`response_mask` held"):
         fn(trainer, rollout, torch.full(trainer.shape, 2))
     fn(trainer, rollout)  # logprobs and a 0/1 mask pass
+
+
+def _refused_then_good(rank, world, use_collection):
+    import opbc_metrics as om
+
+    g = torch.Generator().manual_seed(rank)
+    trainer = -torch.rand(4, 32, generator=g) * 4
+    rollout = trainer - (0.5 + rank) * torch.rand(4, 32, generator=g)
+    metric = om.OPBCCollection(sections=["mismatch"]) if use_collection else om.ImportanceSamplingESS()
+    metric(trainer_logprobs=trainer, rollout_logprobs=rollout)
+    try:
+        metric(trainer_logprobs=trainer.exp(), rollout_logprobs=rollout.exp())  # refused
+        refused = False
+    except ValueError:
+        refused = True
+    out = metric.compute()
+    return refused, float(out["opbc/is/ess"] if use_collection else out), trainer, rollout
+
+
+@pytest.mark.parametrize("use_collection", [False, True])
+def test_a_refused_forward_leaves_the_window_and_the_sync_as_they_were(use_collection):
+    # torchmetrics' forward swaps in the batch's states and local sync settings; a refusal used to leave them so:
+    # the window held only the refused batch and compute() no longer synced across ranks.
+    from opbc_metrics import ImportanceSamplingESS
+    from tests.ddp import run_distributed
+
+    results = run_distributed(_refused_then_good, world_size=2, args=(use_collection,), timeout=240)
+    whole = ImportanceSamplingESS()
+    for _, _, trainer, rollout in results:
+        whole.update(trainer_logprobs=trainer, rollout_logprobs=rollout)
+    for refused, ess, *_ in results:
+        assert refused and ess == pytest.approx(float(whole.compute()), rel=1e-12)
+
+
+def test_section_options_can_turn_the_members_checks_on():
+    metrics = OPBCCollection(section_options={"mismatch": {"input_checks": True}, "per_round": {"input_checks": True}})
+    checked = [m for m in metrics.members() if type(m) in ALONE]
+    assert len(checked) == len(ALONE) and all(m.input_checks for m in checked)

@@ -124,7 +124,9 @@ _PRODUCTS = {
     "sum_rc2": ("sum_rc", "sum_rc"), "sum_k32": ("sum_k3", "sum_k3"), "sum_rck3": ("sum_rc", "sum_k3"),
     "sum_qq": ("sum_q", "sum_q"), "sum_dp2": ("sum_dp", "sum_dp"), "sum_qdp": ("sum_dp", "sum_q"),
 }
-_PRODUCT_SUMS = (*_PRODUCTS, "sum_w2")  # the Gram products, then the sum of w^2
+# The Gram products, then the sums of w^2 and of u^2 = (w - 1)^2, each summed on its own: from the Gram products,
+# sum u^2 = sum rc^2 + 2 sum rc k3 + sum k3^2 cancels when many tokens are far off-policy (rc = -5: 25 - 40 + 16).
+_PRODUCT_SUMS = (*_PRODUCTS, "sum_w2", "sum_u2")
 # The eager kernel reuses the p - q and q rows as int64 histogram indices once their sums are taken: for a
 # float32 buffer of any block size, that view needs the p - q row at an even row index.
 if _ROWS.index["sum_dp"] % 2:
@@ -149,7 +151,7 @@ _ROUND_CHUNK = 32
 # grows with the width (measured at 128 x 8192: the kernel with rounds 5.2 ms at 64, 5.8 ms at 128).
 _COMPILED_ROUND_CHUNK = 64
 _SCALAR_STATS = (
-    *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "sum_u2", "min_r", "max_r", "max_abs_pq",
+    *_ROW_SUMS, *_PRODUCT_SUMS, "sum_u", "min_r", "max_r", "max_abs_pq",
     "num_seqs", "sum_s", "sum_abs_s", "max_abs_s", "sum_geo", "sum_us", "sum_us2", "sum_ws", "sum_ws2", "sum_d",
     "sum_abs_d", "sum_exp_d",
 )
@@ -241,7 +243,7 @@ class _BlockPlan:
         self.rs, self.ars = rows_of["sum_r"], rows_of["sum_abs_r"]
         self.rc, self.k3 = rows_of["sum_rc"], rows_of["sum_k3"]
         self.w = rows_of["sum_w"]
-        self.w_flat = self.w.view(-1)
+        self.w_flat, self.k3_flat = self.w.view(-1), self.k3.view(-1)
         self.rck3 = x[_GRAM_PAIRS[0]].flatten(1)
         self.rck3_t = self.rck3.t()
         # Both Gram pairs as one batch of two [2, tokens] matrices, for one bmm of both Gram matrices.
@@ -295,6 +297,7 @@ class _CallPlan:
         # Gram matrices of the feature pairs (rc, k3) and (p - q, q).
         self.grams = torch.zeros(blocks, 2, 2, 2, dtype=dtype, device=device)
         self.w2 = torch.zeros(blocks, dtype=dtype, device=device)  # sums of w^2 (a dot product per block)
+        self.u2 = torch.zeros(blocks, dtype=dtype, device=device)  # sums of u^2
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
         self.product_index = from_host(_PRODUCT_POSITIONS, torch.int64, device)
         # Chunk sums of the _CHUNKED rows, [rows, B, chunks] (the last chunk of a row may be partial).
@@ -302,7 +305,7 @@ class _CallPlan:
         self.chunks = torch.zeros(len(range(len(_ROWS))[_CHUNKED]), b, chunks, dtype=dtype, device=device)
         whole = t // _ROUND_CHUNK
         self.outputs = list(zip(
-            self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), self.w2.unbind(0),
+            self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), self.w2.unbind(0), self.u2.unbind(0),
             *self.extremes.unbind(0),
             self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
             self.row_sums[_CHUNKED.stop : summed].split(rows, dim=1),
@@ -401,7 +404,7 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, w2, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, rest_sums) in block_views:
+    for tr, ro, mb, (sums, grams, w2, u2, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, rest_sums) in block_views:
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
@@ -430,8 +433,10 @@ def _blocked_token_statistics(
         torch.abs(torch.mul(r, r_scale, out=x.rs), out=x.ars)
         torch.gt(x.ars_row, thresholds, out=x.flags)
         rc = torch.clamp(r, -clamp, clamp, out=x.rc)
-        # k3 = expm1(rc) - rc, in place. Invalid tokens have rc = 0, hence k3 = 0: no masking needed.
-        torch.expm1(rc, out=x.k3).sub_(rc)
+        # k3 = expm1(rc) - rc, in place (the sum of u^2 = expm1(rc)^2 on the way). Invalid tokens have rc = 0, hence
+        # u = k3 = 0: no masking needed.
+        torch.dot(x.k3_flat, torch.expm1(rc, out=x.k3).view(-1), out=u2)
+        x.k3.sub_(rc)
         torch.exp(rc, out=x.w).mul_(valid)  # raw weights: 0 on invalid tokens
         torch.dot(x.w_flat, x.w_flat, out=w2)
         if prob:
@@ -468,7 +473,7 @@ def _blocked_token_statistics(
     if lanes > 1:
         counts = counts.view(lanes, bins + 1).sum(0).to(f64)  # exact: counts stay exact in their dtype (above)
     products = torch.cat((call.grams.sum(0, dtype=f64).view(-1).take(call.product_index),
-                          call.w2.sum(0, dtype=f64, keepdim=True)))
+                          call.w2.sum(0, dtype=f64, keepdim=True), call.u2.sum(0, dtype=f64, keepdim=True)))
     extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
     out = _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
     if with_rounds:
@@ -526,6 +531,10 @@ def _fused_token_statistics(
         x = d.clamp(-clamp, clamp)
         return torch.where(ok, torch.where(x.abs() < _SERIES_RANGE, _expm1_tail(x), torch.exp(x) - 1.0 - x), 0.0)
 
+    def u() -> Tensor:  # expm1(rc), as k3 + rc (the same exp and series as k3's)
+        x = d.clamp(-clamp, clamp)
+        return torch.where(ok, torch.where(x.abs() < _SERIES_RANGE, x + _expm1_tail(x), torch.exp(x) - 1.0), 0.0)
+
     def w() -> Tensor:  # the raw weight exp(rc) (the same exp as k3's beyond the series range)
         return torch.where(ok, torch.exp(d.clamp(-clamp, clamp)), 0.0)
 
@@ -562,8 +571,8 @@ def _fused_token_statistics(
     features = dict(zip(_FUSED_ORDER, summed.unbind(0)), rounds=zeros)
     row_sums = torch.stack([features[name] for name in _ROWS.names])
     core_products = [(rc * rc).sum(-1), (k3() * k3()).sum(-1), (rc * k3()).sum(-1)]
-    named_products = dict(zip(("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp", "sum_w2"),
-                              [*core_products, *prob_products, (w() * w()).sum(-1)]))
+    named_products = dict(zip(("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp", "sum_w2", "sum_u2"),
+                              [*core_products, *prob_products, (w() * w()).sum(-1), (u() * u()).sum(-1)]))
     products = torch.stack([named_products[name] for name in _PRODUCT_SUMS]).sum(-1, dtype=f64)
     if pieces > 1:
         row_sums = row_sums.view(len(_ROWS), seqs, pieces).sum(-1, dtype=f64)
@@ -908,9 +917,8 @@ def _assemble_statistics(
         **{name: totals[name] for name in _FUSED_ORDER},
         "rounds": totals["rounds"],
         **dict(zip(_PRODUCT_SUMS, products.unbind(0))),
-        # u = w - 1 = rc + k3: its sums from those of rc and k3 (all precise, no cancellation).
+        # u = w - 1 = rc + k3: its sum from those of rc and k3 (sum_u2 is one of the products).
         "sum_u": totals["sum_rc"] + totals["sum_k3"],
-        "sum_u2": products[0] + 2.0 * products[2] + products[1],
         "min_r": torch.where(has_tokens, min_r, math.inf),
         "max_r": torch.where(has_tokens, max_r, -math.inf),
         "max_abs_pq": max_abs_pq,
