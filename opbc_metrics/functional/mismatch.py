@@ -121,7 +121,7 @@ if _PROB_ROWS.stop != len(_ROWS):
 _GRAM_PAIRS = (_ROWS.span("sum_rc", "sum_k3"), _ROWS.span("sum_dp", "sum_q"))
 # Token-level sums of products: name -> the two rows multiplied, both from one Gram pair.
 _PRODUCTS = {
-    "sum_rc2": ("sum_rc", "sum_rc"), "sum_k32": ("sum_k3", "sum_k3"), "sum_rck3": ("sum_rc", "sum_k3"),
+    "sum_rc2": ("sum_rc", "sum_rc"),
     "sum_qq": ("sum_q", "sum_q"), "sum_dp2": ("sum_dp", "sum_dp"), "sum_qdp": ("sum_dp", "sum_q"),
 }
 # The Gram products, then the sums of w^2 and of u^2 = (w - 1)^2, each summed on its own: from the Gram products,
@@ -531,9 +531,8 @@ def _fused_token_statistics(
         x = d.clamp(-clamp, clamp)
         return torch.where(ok, torch.where(x.abs() < _SERIES_RANGE, _expm1_tail(x), torch.exp(x) - 1.0 - x), 0.0)
 
-    def u() -> Tensor:  # expm1(rc), as k3 + rc (the same exp and series as k3's)
-        x = d.clamp(-clamp, clamp)
-        return torch.where(ok, torch.where(x.abs() < _SERIES_RANGE, x + _expm1_tail(x), torch.exp(x) - 1.0), 0.0)
+    def u() -> Tensor:  # expm1(rc) = rc + k3 (float32 rounding of |rc| at most, against |u| <= 1 far off-policy)
+        return rc + k3()
 
     def w() -> Tensor:  # the raw weight exp(rc) (the same exp as k3's beyond the series range)
         return torch.where(ok, torch.exp(d.clamp(-clamp, clamp)), 0.0)
@@ -570,9 +569,8 @@ def _fused_token_statistics(
     ])
     features = dict(zip(_FUSED_ORDER, summed.unbind(0)), rounds=zeros)
     row_sums = torch.stack([features[name] for name in _ROWS.names])
-    core_products = [(rc * rc).sum(-1), (k3() * k3()).sum(-1), (rc * k3()).sum(-1)]
-    named_products = dict(zip(("sum_rc2", "sum_k32", "sum_rck3", "sum_qq", "sum_dp2", "sum_qdp", "sum_w2", "sum_u2"),
-                              [*core_products, *prob_products, (w() * w()).sum(-1), (u() * u()).sum(-1)]))
+    named_products = dict(zip(("sum_rc2", "sum_qq", "sum_dp2", "sum_qdp", "sum_w2", "sum_u2"),
+                              [(rc * rc).sum(-1), *prob_products, (w() * w()).sum(-1), (u() * u()).sum(-1)]))
     products = torch.stack([named_products[name] for name in _PRODUCT_SUMS]).sum(-1, dtype=f64)
     if pieces > 1:
         row_sums = row_sums.view(len(_ROWS), seqs, pieces).sum(-1, dtype=f64)
