@@ -30,9 +30,10 @@ TORCHMETRICS_LOWEST := 1.4.0
 # The one gloo run of every metric and collection (test_contracts' ddp tests), the trust checks over ranks, and the
 # state merges and round trips (merge_state folds with torchmetrics' _reduce_states: its merge_state came in 1.5),
 # the collection's reset (reset_states does what torchmetrics' Metric.reset does, with one copy) and its update (the
-# fold does what torchmetrics' update wrapper does: _computed, _update_count, _enable_grad, compute_on_cpu).
+# fold does what torchmetrics' update wrapper does: _computed, _update_count, _enable_grad, compute_on_cpu), and a
+# refused forward (it restores torchmetrics' copy of the window and its sync settings).
 SYNC_TESTS := tests/test_contracts.py tests/test_trust_ddp.py tests/test_trust_properties.py \
-	-k "ddp or merge or round_trip or any_sequence or reset or fold"
+	tests/test_standalone_input_checks.py -k "ddp or merge or round_trip or any_sequence or reset or fold or refused_forward"
 test-torchmetrics-range:
 	set -e; for spec in "torchmetrics==$(TORCHMETRICS_LOWEST)" "torchmetrics"; do \
 	  env=$$(mktemp -d /tmp/opbc-torchmetrics-XXXXXX); \
