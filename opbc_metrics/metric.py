@@ -757,12 +757,11 @@ def _first_difference(own: Any, other: Any, path: str) -> str | None:
     return None
 
 
-# What a metric that reads trainer / rollout logprobs checks at compute when used alone (in a collection, the mismatch
-# section's InputHealth checks once for all): positive logprobs on the logprob sample (probabilities, logits) and
-# response_mask values other than 0 and 1.
-INPUT_CHECK_STATES = MappingProxyType(
-    {"checked_mask_other": SUM, "checked_logprob_min": MIN.of(2), "checked_logprob_max": MAX.of(2)}
-)
+# What a metric that reads trainer / rollout logprobs checks at compute (InputHealth always; the others when used
+# alone, since in a collection InputHealth checks once for all): response_mask entries other than 0 and 1, and the
+# min / max of the trainer's and the rollout's logprobs on the logprob sample (a side above 0 holds probabilities or
+# logits).
+INPUT_CHECK_STATES = MappingProxyType({"mask_other": SUM, "logprob_min": MIN.of(2), "logprob_max": MAX.of(2)})
 
 
 class LogprobInputChecks:
@@ -787,11 +786,11 @@ class LogprobInputChecks:
         if not self.input_checks:
             return {}
         low, high = view.logprob_range
-        return {"checked_mask_other": view.mask_other_values, "checked_logprob_min": low, "checked_logprob_max": high}
+        return {"mask_other": view.mask_other_values, "logprob_min": low, "logprob_max": high}
 
     def raise_on_bad_inputs(self) -> None:
         if self.input_checks:
-            raise_if_bad_inputs(self.checked_logprob_min, self.checked_logprob_max, self.checked_mask_other)
+            raise_if_bad_inputs(self.logprob_min, self.logprob_max, self.mask_other)
 
 
 _LIBRARY_UPDATE: dict[type, bool] = {}

@@ -17,7 +17,6 @@ from opbc_metrics.batch import (
     TRAINER_LOGPROBS,
     BatchView,
     check_positive,
-    raise_if_bad_inputs,
 )
 from opbc_metrics.functional.mismatch import (
     CHI2_KEYS,
@@ -118,7 +117,7 @@ class _MismatchMetric(LogprobInputChecks, OPBCMetric):
                  top_mass_bins: int = DEFAULT_TOP_MASS_BINS, compiled: bool = False, input_checks: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.input_checks = bool(input_checks) and not isinstance(self, InputHealth)  # (InputHealth's states check)
+        self.input_checks = bool(input_checks) or isinstance(self, InputHealth)  # (InputHealth: the collection's check)
         self.clamp = check_positive("clamp", clamp)
         self.veto = check_positive("veto", veto)
         self.top_mass_bins = check_bins(top_mass_bins)
@@ -685,9 +684,8 @@ class InputHealth(_MismatchMetric):
     keys = INPUT_KEYS
     higher_is_better = False
     data_counts = ()  # input accounting reports its zero counts too
-    # logprob_min/max: trainer, rollout (on a sample); a side above 0 holds probabilities or logits.
-    # mask_other: response_mask entries other than 0/1 (refused at compute).
-    states = table("nonfinite", "tokens", "sequences", "mask_other", logprob_min=MIN.of(2), logprob_max=MAX.of(2))
+    # and the input checks' states (LogprobInputChecks: always on here), refused at compute
+    states = table("nonfinite", "tokens", "sequences")
     glossary = GlossaryEntry(
         name="input",
         what="Input accounting: response tokens with non-finite logprobs (excluded from every other "
@@ -698,13 +696,10 @@ class InputHealth(_MismatchMetric):
         aliases=("nonfinite_count",),
     )
 
-    def statistics(self, view: BatchView) -> Stats:
-        low, high = view.logprob_range
-        return {**_input_update(self._stats(view)), "mask_other": view.mask_other_values,
-                "logprob_min": low, "logprob_max": high}
+    def own_statistics(self, view: BatchView) -> Stats:
+        return _input_update(self._stats(view))
 
-    def compute(self) -> dict[str, Tensor]:
-        raise_if_bad_inputs(self.logprob_min, self.logprob_max, self.mask_other)
+    def value(self) -> dict[str, Tensor]:
         return _input_compute(self.nonfinite, self.tokens, self.sequences)
 
 
