@@ -732,7 +732,9 @@ def _round_sums(
     b, t = trainer.shape
     device, n_chunks = trainer.device, chunks.shape[-1]
     consts = _round_constants(b, t, capacity, width, dtype, device)
-    inclusive = chunks.cumsum(-1, dtype=f64)  # [rows, B, chunks]
+    # (converted before the cumsum: compiled, the conversion joins the graph; as cumsum's dtype it was two more aten
+    # calls around inductor's cumsum fallback)
+    inclusive = chunks.to(f64).cumsum(-1)  # [rows, B, chunks]
     totals = inclusive[..., -1]
     starts_row = _CHUNK_ROW["rounds"]
     # The k-th start of each row for k = 2 .. capacity + 1 (the starts of rounds 1 .. capacity): its chunk is
@@ -787,11 +789,20 @@ def _round_sums(
         m, m_before = m[..., 1:], m[..., :-1]
     starts = m - m * m_before
     # Tokens of the chunk before the start: fewer than `rank` starts up to them (integers: clamp(rank - seen, 0, 1)).
-    ahead = (rank.unsqueeze(-1) - starts.cumsum(-1)).clamp_(0.0, 1.0)
+    if torch.compiler.is_compiling() and device.type == "cpu":
+        # (inductor's CPU code leaves cumsum to aten, out of the graph: fed and summed as bytes, 0.5x the time of
+        # float32 ones, which aten accumulates in float64; exact: at most `width` starts)
+        seen = starts.to(torch.uint8).cumsum(-1, dtype=torch.uint8).to(dtype)
+    else:
+        seen = starts.cumsum(-1)
+    ahead = (rank.unsqueeze(-1) - seen).clamp_(0.0, 1.0)
     # valid, mask and |r| of those tokens, summed in the inputs' dtype (at most `width`): [3, B, capacity].
     if torch.compiler.is_compiling():  # valid_tokens' rule (inductor's nan_to_num is a scalar loop)
         ok = valid_tokens(d, m > 0)
-        partial = (torch.stack([ok.to(dtype), m, torch.where(ok, d, 0.0).abs()]) * ahead).sum(-1).to(f64)
+        features = (ok.to(dtype), m, torch.where(ok, d, 0.0).abs())
+        # (three sums, not one of the stacked features: the stack is a buffer, which the graph wrote before the cumsum
+        # and read back after it; measured at 256 x 8192, the window loops 0.34 -> 0.18 ms)
+        partial = torch.stack([(x * ahead).sum(-1) for x in features]).to(f64)
     else:  # into a cached buffer: a float `out` of eq is ~3x faster than eq to bool and a copy to float
         # The rule of valid_tokens in float arithmetic (as in the eager kernel): d / m is d where the mask is set,
         # inf or NaN where not; a token is valid where nan_to_num leaves that unchanged, and the result is r (0
