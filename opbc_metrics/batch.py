@@ -207,6 +207,33 @@ def compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+# The largest log-ratio clamp C float32 computation takes. The weight moments sum w^2 = exp(2 rc), rc in [-C, C]:
+# float32 holds exp(+-80) with room for the sums (its normal range ends near exp(+-87)). Beyond it, a batch whose
+# every weight is below exp(-44) sums w^2 to 0 (and would read ESS 1, the on-policy value), one above exp(44)
+# to inf. float64 holds C up to ~350.
+FLOAT32_MAX_CLAMP = 40.0
+
+
+def check_clamp_dtype(clamp: float, dtype: torch.dtype) -> None:
+    """``ValueError`` for a log-ratio clamp above :data:`FLOAT32_MAX_CLAMP` with logprobs computed in float32
+    (float32, bfloat16 or float16 inputs): its weight moments would leave float32's range.
+
+    Example:
+        >>> check_clamp_dtype(20.0, torch.float32); check_clamp_dtype(60.0, torch.float64)
+        >>> check_clamp_dtype(60.0, torch.float32)
+        Traceback (most recent call last):
+        ...
+        ValueError: clamp C = 60 nats needs float64 logprobs: ...
+    """
+    if dtype != torch.float64 and float(clamp) > FLOAT32_MAX_CLAMP:
+        raise ValueError(
+            f"clamp C = {float(clamp):g} nats needs float64 logprobs: with float32 ones (bfloat16 and float16 are "
+            f"computed in float32) the squared importance weights exp(2 clamp(r, -C, C)) leave float32's range for "
+            f"C above {FLOAT32_MAX_CLAMP:g}, and far off-policy the ESS would read 1. Pass `{TRAINER_LOGPROBS}` and "
+            f"`{ROLLOUT_LOGPROBS}` as float64, or a clamp of at most {FLOAT32_MAX_CLAMP:g}."
+        )
+
+
 def from_host(data: Any, dtype: torch.dtype, device: torch.device | str | None = None) -> Tensor:
     """Host data (a list, a NumPy array) as a ``dtype`` tensor on ``device``, without a host-device sync.
 

@@ -120,3 +120,47 @@ def test_no_jump_where_the_moments_switch_sums(shift):
     out = om.host_floats(OPBCCollection(sections=["mismatch"])(trainer_logprobs=trainer, rollout_logprobs=rollout))
     for key, want in _token_reference(trainer, rollout).items():
         assert out[key] == pytest.approx(want, rel=2e-5), key
+
+
+def _far_inputs(dtype: torch.dtype):
+    """Every token 56-60 nats off (log-ratios ~ N(-58, 1)): weights ~e^-58, their squares below float32's range."""
+    return _inputs(-58.0, 1.0, dtype, b=8, t=128)
+
+
+def _far_reference(trainer: torch.Tensor, rollout: torch.Tensor, clamp: float) -> float:
+    w = np.exp(np.clip((trainer.double() - rollout.double()).numpy().ravel(), -clamp, clamp))
+    return float(w.sum() ** 2 / (w.size * (w**2).sum()))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_clamp_above_40_with_float32_logprobs_is_refused(dtype, compiled):
+    # C = 60 in float32: w^2 = e^-116 flushes to 0 and the ESS read 1.0 (the on-policy value) for a true ~0.4.
+    trainer, rollout = _far_inputs(dtype)
+    with pytest.raises(ValueError, match=r"clamp C = 60 nats needs float64 logprobs.*`trainer_logprobs`"):
+        OPBCCollection(sections=["mismatch"], clamp=60.0, veto=80.0, compiled=compiled).update(
+            trainer_logprobs=trainer, rollout_logprobs=rollout)
+    with pytest.raises(ValueError, match="needs float64 logprobs"):
+        om.mismatch.ImportanceSamplingESS(clamp=60.0).update(trainer_logprobs=trainer, rollout_logprobs=rollout)
+    with pytest.raises(ValueError, match="needs float64 logprobs"):
+        om.functional.importance_ess(trainer, rollout, clamp=60.0)
+    with pytest.raises(ValueError, match="needs float64 logprobs"):
+        OPBCController(om.OPBCPolicy(clamp=60.0, veto=80.0), track_budget=False).step(
+            trainer_logprobs=trainer, rollout_logprobs=rollout, group_ids=torch.zeros(8, dtype=torch.int64))
+    # at the limit float32 is taken, and its values hold
+    trainer, rollout = _inputs(-38.0, 1.0, torch.float32, b=8, t=128)
+    out = om.host_floats(OPBCCollection(sections=["mismatch"], clamp=40.0, veto=80.0, compiled=compiled)(
+        trainer_logprobs=trainer, rollout_logprobs=rollout))
+    assert out["opbc/is/ess"] == pytest.approx(_far_reference(trainer, rollout, 40.0), rel=1e-4)
+
+
+def test_a_clamp_above_40_with_float64_logprobs_matches_the_reference():
+    trainer, rollout = _far_inputs(torch.float64)
+    want = _far_reference(trainer, rollout, 60.0)
+    assert 0.1 < want < 0.9
+    out = om.host_floats(OPBCCollection(sections=["mismatch"], clamp=60.0, veto=80.0)(
+        trainer_logprobs=trainer, rollout_logprobs=rollout))
+    assert out["opbc/is/ess"] == pytest.approx(want, rel=1e-9)
+    decisions = OPBCController(om.OPBCPolicy(clamp=60.0, veto=80.0), track_budget=False).step(
+        trainer_logprobs=trainer, rollout_logprobs=rollout, group_ids=torch.zeros(8, dtype=torch.int64)).decisions
+    assert decisions[0].report.ess == pytest.approx(want, rel=1e-9)

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import PROBABILITY_TOLERANCE, BatchView, from_host
+from opbc_metrics.batch import PROBABILITY_TOLERANCE, BatchView, check_clamp_dtype, from_host
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.policy import (
@@ -354,6 +354,7 @@ def group_update(
     """Per-group sufficient statistics (``[capacity]`` float64 each) of one batch, over the row ``chunks``
     (default: one). The sums and extremes are exact however the rows are chunked; the top-1% mass is exact
     for one chunk and from a per-group histogram for more (within the sketch's bound ``e^{C/bins} - 1``)."""
+    check_clamp_dtype(clamp, view.dtype)
     layers = None if flips is None else flips.shape[-1]
     if chunks is None or len(chunks) == 1:
         stats = _group_from_rows(_row_update(view, clamp, veto, flips), index, layers, lag_rows)
@@ -479,6 +480,7 @@ def fused_pass(
     """The group statistics (:func:`group_update` over ``chunks``), the contract's per-row counts
     (:func:`_contract_rows`) and, ``with_weights``, the core weights and valid tokens, in one sweep over the
     tokens (see :func:`fused_pass_applies`). Same values as those functions (on the CPU bit for bit)."""
+    check_clamp_dtype(clamp, view.dtype)
     trainer, rollout, mask = view.token_inputs
     b, t = mask.shape
     dtype, device, f64 = view.dtype, view.device, torch.float64

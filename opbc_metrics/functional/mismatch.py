@@ -43,7 +43,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, from_host, raise_if_bad_inputs, valid_tokens
+from opbc_metrics.batch import (
+    DEFAULT_CLAMP,
+    DEFAULT_VETO,
+    BatchView,
+    check_clamp_dtype,
+    from_host,
+    raise_if_bad_inputs,
+    valid_tokens,
+)
 from opbc_metrics.functional.statistics import Stats, require_data
 from opbc_metrics.functional.statistics import safe_div as _safe_div
 
@@ -1040,6 +1048,7 @@ def batch_statistics(
     """
     needs = frozenset(groups) | view.requested(TOKEN_STATISTICS)
     check_bins(bins)
+    check_clamp_dtype(clamp, view.dtype)
     prob, hist = "prob" in needs, "hist" in needs
     rounds = max((n[1] for n in needs if isinstance(n, tuple) and n[0] == "rounds"), default=0)
     compiled = compiled or view.compiled

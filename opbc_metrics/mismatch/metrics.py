@@ -97,8 +97,8 @@ class _MismatchMetric(LogprobInputChecks, OPBCMetric):
     collection share one fused computation per batch. ``statistic_groups`` names the optional parts of
     that computation a metric reads (probabilities, the histogram): a metric used alone skips the rest.
     The weights ``w = exp(clamp(r, -C, C))`` are summed with their squares in the inputs' float dtype: with float32
-    inputs the weight moments hold for ``C`` up to ~40 nats (``w^2`` within float32's range, C = 20 by default);
-    a larger C needs float64 inputs.
+    (or bfloat16 / float16) inputs ``C`` may be at most 40 nats (``w^2`` within float32's range; C = 20 by default),
+    a larger C is refused unless the inputs are float64 (:func:`~opbc_metrics.batch.check_clamp_dtype`).
 
     A metric names its two functional steps: ``from_kernel`` (the shared statistics of a batch -> its own,
     named like its ``states``) and ``formula`` (its states, passed by name -> its value).
