@@ -114,3 +114,39 @@ def test_section_options_can_turn_the_members_checks_on():
     metrics = OPBCCollection(section_options={"mismatch": {"input_checks": True}, "per_round": {"input_checks": True}})
     checked = [m for m in metrics.members() if type(m) in ALONE]
     assert len(checked) == len(ALONE) and all(m.input_checks for m in checked)
+
+
+def test_the_controller_functions_refuse_probabilities_and_a_non_binary_mask():
+    from opbc_metrics.functional import controller as FC
+
+    trainer, rollout = _logprobs()
+    groups = torch.tensor([0, 0, 1])
+    for call in (lambda t, r, m=None: FC.group_statistics(t, r, groups, m),
+                 lambda t, r, m=None: FC.correction_weights(t, r, m)):
+        call(trainer, rollout)  # logprobs pass
+        with pytest.raises(ValueError, match="`trainer_logprobs` holds values in \\[0, 1\\] only"):
+            call(trainer.exp(), rollout.exp())
+        with pytest.raises(ValueError, match="`response_mask` held 120 value"):
+            call(trainer, rollout, torch.full(trainer.shape, 2))
+    FC.correction_weights(trainer.exp(), rollout.exp(), check_inputs=False)  # the caller's choice: no host read
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_the_ppo_metrics_refuse_probabilities(estimator):
+    from opbc_metrics.training import PPOKL, ApproxKL, PolicyClipFraction
+
+    policy, old = _logprobs()
+    advantages = torch.ones(3)
+    for metric, extra in ((PPOKL(estimator=estimator), {}), (ApproxKL(estimator=estimator), {}),
+                          (PolicyClipFraction(), {"advantages": advantages})):
+        metric.update(policy_logprobs=policy, old_logprobs=old, **extra)
+        metric.compute()  # logprobs pass
+        metric.reset()
+        metric.update(policy_logprobs=policy.exp(), old_logprobs=old.exp(), **extra)
+        with pytest.raises(ValueError, match=r"`policy_logprobs`, `old_logprobs` held 120 invalid .*probabilities"):
+            metric.compute()
+    with pytest.raises(ValueError, match="logprobs above 0"):
+        F.training.policy_kl(policy.exp(), old, estimator=estimator)
+    with pytest.raises(ValueError, match="logprobs above 0"):
+        F.training.pg_clipfrac(policy, old + 2.0, advantages)
+    assert float(F.training.policy_kl(policy + 0.005, old)) > -1  # within PROBABILITY_TOLERANCE of 0: rounding

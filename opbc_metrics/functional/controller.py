@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import PROBABILITY_TOLERANCE, BatchView, check_clamp_dtype, from_host
+from opbc_metrics.batch import PROBABILITY_TOLERANCE, BatchView, check_clamp_dtype, from_host, raise_if_bad_inputs
 from opbc_metrics.functional import mismatch as M
 from opbc_metrics.functional.statistics import Stats
 from opbc_metrics.policy import (
@@ -734,6 +734,7 @@ def group_statistics(
         (tensor([0.7869, 1.0000], dtype=torch.float64), tensor([1., 0.], dtype=torch.float64))
     """
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    raise_if_bad_inputs(*view.logprob_range, view.mask_other_values)  # probabilities, logits, a -100 label mask
     index = group_index(group_ids)
     lag = None if policy_lag is None else policy_lag.to(torch.float64)
     values = _group_compute(group_update(view, index, clamp, veto, lag_rows=lag))
@@ -1001,6 +1002,7 @@ def correction_weights(
     mode: str = "truncate",
     cap: float = 2.0,
     floor: float = 0.0,
+    check_inputs: bool = True,
 ) -> tuple[Tensor, Tensor]:
     r"""Rollout-correction importance weights of one batch: ``(loss_mask [B, T] bool, weights [B, T])``.
 
@@ -1009,6 +1011,9 @@ def correction_weights(
     :math:`e^{s_i / n_i}`), ``truncate`` gives :math:`\mathrm{clamp}(\rho, floor, cap)` (TIS: ``cap=2``,
     ``floor=0``), ``mask`` keeps tokens (or sequences) with :math:`floor \le \rho \le cap` at their true
     ratio and drops the rest from the mask (MIS). Weights are 0 wherever the mask is 0.
+
+    ``check_inputs`` refuses probabilities or logits passed as logprobs and response masks with values other
+    than 0 and 1 (``ValueError``), reading three numbers to the host; ``False`` skips it (no host sync).
 
     Example:
         >>> import torch
@@ -1026,6 +1031,8 @@ def correction_weights(
     if mode not in CORRECTION_MODES:
         raise ValueError(f"`mode` must be one of {CORRECTION_MODES}, got {mode!r}")
     view = BatchView(trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask)
+    if check_inputs:
+        raise_if_bad_inputs(*view.logprob_range, view.mask_other_values)
     policy = OPBCPolicy(weight_cap=cap, weight_floor=floor, correction_level=CorrectionLevel(level),
                         correction_mode=CorrectionMode(mode), correct_train=True)
     rows = torch.full((view.token_inputs[0].shape[0],), TRAIN, dtype=torch.int64, device=view.device)

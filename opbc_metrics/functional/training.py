@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import (
+    PROBABILITY_TOLERANCE,
     RESPONSE_MASK,
     BatchView,
     as_bool_mask,
@@ -46,6 +47,7 @@ F64 = torch.float64
 # Batch fields of this section (beyond the core schema of opbc_metrics.batch).
 POLICY_LOGPROBS = "policy_logprobs"  # [B, T] log pi_theta(token) of the policy being updated
 OLD_LOGPROBS = "old_logprobs"  # [B, T] log pi_old(token), the policy the PPO ratio is taken against
+PPO_LOGPROB_FIELDS = (POLICY_LOGPROBS, OLD_LOGPROBS)
 ADVANTAGES = "advantages"
 VALUES = "values"
 RETURNS = "returns"
@@ -153,9 +155,24 @@ def _masked_moments(x: Tensor, valid: Tensor, scaled: bool = False) -> Stats:
 
 def _one_batch(compute: Callable[..., Any], stats: Stats, fields: str | Sequence[str], what: str, *args: Any) -> Any:
     """A public function's value: ``compute(*args, **stats)`` of one batch, after raising on the bad values the
-    batch's ``nonfinite`` count holds (the metric classes raise at ``compute()`` instead)."""
+    batch's ``nonfinite`` count holds, and its ``positive`` logprob count where it has one (the metric classes
+    raise at ``compute()`` instead)."""
     raise_if_invalid(fields, stats["nonfinite"], what)
+    stats = dict(stats)
+    positive = stats.pop("positive", None)
+    if positive is not None:
+        raise_if_invalid(PPO_LOGPROB_FIELDS, positive, POSITIVE_LOGPROBS)
     return compute(*args, **_f64(stats))
+
+
+# The deferred error of the PPO metrics for logprobs above 0 (PROBABILITY_TOLERANCE passes as rounding).
+POSITIVE_LOGPROBS = ("logprobs above 0 on response tokens: log-probabilities are <= 0, these look like probabilities "
+                     "or logits; pass the log-probability of each sampled token, e.g. torch.log(p)")
+
+
+def _positive_count(new: Tensor, old: Tensor, valid: Tensor) -> Tensor:
+    """Valid tokens where either side's logprob is above :data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE`."""
+    return (((new > PROBABILITY_TOLERANCE) | (old > PROBABILITY_TOLERANCE)) & valid).to(F64).sum()
 
 
 def _mean(total: Tensor, count: Tensor) -> Tensor:
@@ -299,7 +316,8 @@ def _policy_kl_update(view: BatchView, estimator: str, clamp: float) -> Stats:
         k = 0.5 * r * r
     else:
         k = torch.expm1(r) - r
-    return {"sum": k.to(F64).sum(), "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum()}
+    return {"sum": k.to(F64).sum(), "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum(),
+            "positive": _positive_count(new, old, valid)}
 
 
 def policy_kl(policy_logprobs: Tensor, old_logprobs: Tensor, response_mask: Tensor | None = None, estimator: str = "k1",
@@ -370,7 +388,8 @@ def _clipfrac_update(view: BatchView, low: float, high: float, c: float, clamp: 
     pg3 = -a * c
     lower = (torch.maximum(pg1, pg2) > pg3) & (a < 0)
     return {"clipped": (clipped & valid).to(F64).sum(), "clipped_lower": (lower & valid).to(F64).sum(),
-            "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum()}
+            "count": valid.to(F64).sum(), "nonfinite": (mask & ~finite).to(F64).sum(),
+            "positive": _positive_count(new, old, valid)}
 
 
 def _clipfrac_compute(clipped: Tensor, clipped_lower: Tensor, count: Tensor, nonfinite: Tensor | None = None

@@ -19,6 +19,8 @@ from opbc_metrics.functional.training import (
     LOGITS,
     OLD_LOGPROBS,
     POLICY_LOGPROBS,
+    POSITIVE_LOGPROBS,
+    PPO_LOGPROB_FIELDS,
     _clipfrac_compute,
     _clipfrac_update,
     _entropy_update,
@@ -115,10 +117,11 @@ class _PolicyKL(_TrainingMetric):
     required_fields = (POLICY_LOGPROBS, OLD_LOGPROBS)
     higher_is_better = False
     default_estimator = "k1"
-    states = table("sum", "count", "nonfinite")
+    states = table("sum", "count", "nonfinite", "positive")
     kernel = (_policy_kl_update, _token_mean_compute)
     update_args = ("estimator", "clamp")
-    _deferred = (("nonfinite", (POLICY_LOGPROBS, OLD_LOGPROBS), "non-finite logprobs on response tokens"),)
+    _deferred = (("nonfinite", PPO_LOGPROB_FIELDS, "non-finite logprobs on response tokens"),
+                 ("positive", PPO_LOGPROB_FIELDS, POSITIVE_LOGPROBS))
 
     def __init__(self, estimator: str | None = None, clamp: float = DEFAULT_RATIO_CLAMP, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -205,10 +208,11 @@ class PolicyClipFraction(_TrainingMetric):
     higher_is_better = False
     plot_lower_bound = 0.0
     plot_upper_bound = 1.0
-    states = table("clipped", "clipped_lower", "count", "nonfinite")
+    states = table("clipped", "clipped_lower", "count", "nonfinite", "positive")
     kernel = (_clipfrac_update, _clipfrac_compute)
     update_args = ("low", "high", "c", "clamp")
-    _deferred = (("nonfinite", required_fields, "non-finite logprobs or advantages on response tokens"),)
+    _deferred = (("nonfinite", required_fields, "non-finite logprobs or advantages on response tokens"),
+                 ("positive", PPO_LOGPROB_FIELDS, POSITIVE_LOGPROBS))
     glossary = diagnostic("actor/pg_clipfrac", unit=_TOKENS,
         what="Clip fraction: how often PPO's ratio clipping is active (the update was speed-limited), and how often "
         "the dual-clip lower bound binds for negative advantages. Sustained high values suggest a learning rate too "
