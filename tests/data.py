@@ -382,7 +382,7 @@ def make_training_batch(batch: int = 6, seq: int = 12, vocab: int = 7, seed: int
     lengths[:empty_rows] = 0
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).to(torch.int64)
     old = -torch.rand(batch, seq, generator=g, dtype=torch.float64) * 3.0
-    new = old + torch.randn(batch, seq, generator=g, dtype=torch.float64) * 0.3
+    new = (old + torch.randn(batch, seq, generator=g, dtype=torch.float64) * 0.3).clamp(max=0.0)  # logprobs
     logits = randn(batch, seq, vocab, scale=2.0)
     rewards = torch.zeros(batch, seq, dtype=torch.float64)
     rewards[torch.arange(batch), (lengths - 1).clamp_min(0)] = torch.randint(0, 2, (batch,), generator=g).double()

@@ -41,7 +41,7 @@ def _wide(sequence_advantages=False):
     for b in BATCHES:
         g = torch.Generator().manual_seed(b["scores"].numel())
         noise = torch.randn(b["old_logprobs"].shape, generator=g, dtype=torch.float64) * 0.8
-        out.append(dict(b, policy_logprobs=b["old_logprobs"] + noise,
+        out.append(dict(b, policy_logprobs=(b["old_logprobs"] + noise).clamp(max=0.0),
                         advantages=b["scores"] if sequence_advantages else b["advantages"]))
     return out
 
@@ -117,8 +117,8 @@ def test_policy_kl_clamps_huge_log_ratios():
 
 
 def test_clipfrac_boundaries_zero_advantage_and_unit_ratio():
-    old = torch.zeros(1, 4, dtype=torch.float64)
-    new = torch.tensor([[5.0, -5.0, 0.0, 0.0]], dtype=torch.float64)  # ratios e^5, e^-5, 1, 1
+    old = torch.full((1, 4), -6.0, dtype=torch.float64)
+    new = torch.tensor([[-1.0, -11.0, -6.0, -6.0]], dtype=torch.float64)  # ratios e^5, e^-5, 1, 1
 
     def fractions(new, adv):
         got = FT.pg_clipfrac(new, old, torch.tensor(adv))

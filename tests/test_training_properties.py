@@ -26,7 +26,8 @@ def test_fractions_and_bounds(params, low, high, c, spread):
     b, t, seed, empty = params
     batch = make_training_batch(batch=b, seq=t, seed=seed, empty_rows=min(empty, b))
     g = torch.Generator().manual_seed(seed)
-    batch["policy_logprobs"] = batch["old_logprobs"] + torch.randn(b, t, generator=g, dtype=torch.float64) * spread
+    batch["policy_logprobs"] = (batch["old_logprobs"] + torch.randn(b, t, generator=g, dtype=torch.float64) * spread
+                                ).clamp(max=0.0)
     mask = batch["response_mask"] != 0
     if not mask.any():  # no valid token: no values to bound (forward returns None)
         assert M.PolicyClipFraction()(batch) is None

@@ -416,8 +416,8 @@ def pg_clipfrac(policy_logprobs: Tensor, old_logprobs: Tensor, advantages: Tenso
 
     Example:
         >>> import torch, math
-        >>> new = torch.log(torch.tensor([[1.5, 0.5, 1.0, 4.0]]))
-        >>> old = torch.zeros(1, 4)
+        >>> new = torch.log(torch.tensor([[0.3, 0.1, 0.2, 0.8]]))   # ratios 1.5, 0.5, 1, 4
+        >>> old = torch.log(torch.full((1, 4), 0.2))
         >>> out = pg_clipfrac(new, old, torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
         >>> [round(v.item(), 4) for v in out.values()]
         [0.5, 0.25]

@@ -197,8 +197,9 @@ class PolicyClipFraction(_TrainingMetric):
     Example:
         >>> import torch
         >>> metric = PolicyClipFraction()
-        >>> metric.update(policy_logprobs=torch.log(torch.tensor([[1.5, 0.5, 1.0, 4.0]])),
-        ...               old_logprobs=torch.zeros(1, 4), advantages=torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
+        >>> metric.update(policy_logprobs=torch.log(torch.tensor([[0.3, 0.1, 0.2, 0.8]])),  # ratios 1.5, 0.5, 1, 4
+        ...               old_logprobs=torch.log(torch.full((1, 4), 0.2)),
+        ...               advantages=torch.tensor([[1.0, -1.0, 1.0, -1.0]]))
         >>> {k: v.item() for k, v in metric.compute().items()}
         {'actor/pg_clipfrac': 0.5, 'actor/pg_clipfrac_lower': 0.25}
     """
