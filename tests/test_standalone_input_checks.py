@@ -150,3 +150,17 @@ def test_the_ppo_metrics_refuse_probabilities(estimator):
     with pytest.raises(ValueError, match="logprobs above 0"):
         F.training.pg_clipfrac(policy, old + 2.0, advantages)
     assert float(F.training.policy_kl(policy + 0.005, old)) > -1  # within PROBABILITY_TOLERANCE of 0: rounding
+
+
+def test_the_ppo_metrics_read_their_deferred_counts_in_one_host_read(monkeypatch):
+    from opbc_metrics.training import PPOKL
+
+    policy, old = _logprobs()
+    metric = PPOKL()
+    metric.update(policy_logprobs=policy, old_logprobs=old)
+    reads = []
+    for name in ("tolist", "item", "__float__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _f=original, _n=name: reads.append(_n) or _f(self))
+    metric.compute()
+    assert reads == ["tolist"]  # the non-finite and the positive counts together

@@ -54,8 +54,11 @@ class _TrainingMetric(OPBCMetric):
         # Every compute (on synced states, once the window is known to hold data) first raises the ValueError
         # of any bad value update() counted: reading the counts is a host sync, so it waits for compute.
         def checked(*args: Any, **kwargs: Any) -> Any:
-            for state, field, what in self._deferred:
-                raise_if_invalid(field, getattr(self, state), what)
+            if self._deferred:  # every count in one host read; the raising one is read again to be named
+                counts = torch.stack([getattr(self, state).sum().to(torch.float64) for state, _, _ in self._deferred])
+                for (state, field, what), n in zip(self._deferred, counts.tolist(), strict=True):
+                    if n:
+                        raise_if_invalid(field, getattr(self, state), what)
             return compute(*args, **kwargs)
 
         return super()._wrap_compute(checked)
