@@ -104,8 +104,19 @@ def test_two_capacities_share_one_call_and_fold_the_overflow(monkeypatch):
         assert_rounds_close(metric_values(m), per_round_reference(*logprobs_numpy(b), capacity=capacity))
 
 
+# Both compiled paths: the per-round sums inside the mismatch kernel's graph, or (from SEPARATE_ROUNDS_TOKENS tokens,
+# CPU) in a graph of their own after the mismatch-only one. The threshold set so that these small batches take each.
+ROUND_PATHS = {"inside": 1 << 62, "separate": 0}
+
+
+@pytest.fixture(params=sorted(ROUND_PATHS))
+def round_path(request, monkeypatch):
+    monkeypatch.setattr(fm, "SEPARATE_ROUNDS_TOKENS", ROUND_PATHS[request.param])
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(4, 200), (3, 256), (2, 1000)])
-def test_compiled_round_sums_equal_eager(shape):
+def test_compiled_round_sums_equal_eager(shape, round_path):
     b = _short_rounds(*shape, seed=shape[1], dtype=torch.float32)
     b["rollout_logprobs"][0, 5] = float("-inf")
     args = (b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool(), 20.0, 30.0, 64, True, True, 6)
@@ -119,7 +130,7 @@ def test_compiled_round_sums_equal_eager(shape):
         ref["per_round/overflow_token_count"]]
 
 
-def test_compiled_collection_per_round_matches_the_reference():
+def test_compiled_collection_per_round_matches_the_reference(round_path):
     b = _short_rounds(3, 130, seed=9, dtype=torch.float32)
     got = metric_values(OPBCCollection(sections=["mismatch", "per_round"], compiled=True), b)
     assert compiled_graphs() >= 1
@@ -186,7 +197,7 @@ def test_compiled_collections_of_several_sections_and_shapes_do_not_hit_the_reco
             OPBCCollection(sections=sections, compiled=True).update(x)
 
 
-def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_eager():
+def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_eager(round_path):
     """Rows of T not a multiple of the compiled chunk, once dynamo has made the shapes dynamic (the main loop reads
     the inputs unpadded there, the chunk sums ragged rows): the per-round sums equal the eager kernel's. The speed
     of this case (once a scalar loop, ~700x the mismatch-only call) is timed by bench.py's 128 x 8100 shape."""
@@ -205,3 +216,24 @@ def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_ea
         assert eager["max_rounds"] > 6, "the batch must fill the tracked rounds"
         for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):  # (float32 sums of up to 8K tokens in other orders)
             torch.testing.assert_close(got[6][key], eager[key], rtol=1e-5, atol=1e-6, msg=f"{key} at {b} x {t}")
+
+
+def test_separate_round_graph_leaves_the_mismatch_only_graph_unchanged(monkeypatch):
+    """On the separate path the mismatch statistics come from the mismatch-only graph (rounds = 0): a call with rounds
+    after one without compiles only the per-round graph, and its mismatch statistics are the mismatch-only call's."""
+    monkeypatch.setattr(fm, "SEPARATE_ROUNDS_TOKENS", 0)
+    x = _short_rounds(4, 256, seed=4, dtype=torch.float32)
+    args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"].bool(), 20.0, 30.0, 64, True, True)
+    run = fm.compiled_token_statistics()
+    alone = run(*args, 0)
+    graphs = compiled_graphs()
+    both = run(*args, 6)
+    assert compiled_graphs() == graphs + 1  # the per-round graph only
+    assert both["rounds"] > 0
+    assert alone["rounds"] == 0  # (the mismatch-only graph leaves the rounds row 0: the per-round graph fills it)
+    for key, value in alone.items():
+        if key != "rounds":
+            torch.testing.assert_close(both[key], value, rtol=0, atol=0, msg=key)
+    eager = fm.token_statistics(*args, 6)
+    for key in (*fm.ROUND_STATS, "max_rounds", "rounds"):
+        torch.testing.assert_close(both[key], eager[key], rtol=1e-6, atol=1e-6, msg=key)

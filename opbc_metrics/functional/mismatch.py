@@ -508,15 +508,8 @@ def _fused_token_statistics(
     """
     f64, dtype = torch.float64, trainer.dtype
     if rounds:
-        # The per-round sums read the mask as 0/1 numbers: a uint8 mask converted where read (after the views of
-        # it: a view of a converted mask, under dynamic shapes, was indexed modulo its sizes, a scalar loop), a bool
-        # one converted here. expand_as: the logprobs' size symbols under dynamic shapes (a view, no copy).
-        mask_in = mask.expand_as(trainer) if mask.dtype == torch.uint8 else mask.to(dtype)
-        # The chunk sums and windows read rows padded to whole chunks; the main loop reads the inputs themselves
-        # (padded, under dynamic shapes inductor indexed them modulo their sizes: a scalar loop, ~700x slower).
-        pad = -trainer.shape[-1] % _COMPILED_ROUND_CHUNK
+        mask_in = _round_mask(trainer, mask)
         unpadded = (trainer, rollout, mask_in)
-        trainer_in, rollout_in, mask_pad = (torch.nn.functional.pad(x, (0, pad)) if pad else x for x in unpadded)
     seqs, t = trainer.shape
     pieces = _reduction_pieces(t)
     if pieces > 1:  # rows of contiguous inputs as `pieces` rows each: views, no copy
@@ -593,24 +586,58 @@ def _fused_token_statistics(
         counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
         counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
     if rounds:  # (the same expression as below: one node of the graph, the per-row min of r)
-        anchor = torch.where(ok, r, math.inf).amin(-1)
-        if pad and t > _COMPILED_ROUND_CHUNK:
-            chunks = _ragged_chunk_sums(*unpadded, anchor if pieces == 1 else None)
-        else:  # (rows shorter than a chunk: the padded rows, in a loop of their own)
-            chunks = _chunk_sums(trainer_in, rollout_in, mask_pad, None if pad else anchor)
+        chunks, windowed = _round_chunk_sums(*unpadded, torch.where(ok, r, math.inf).amin(-1))
     extremes = torch.stack([
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
     out = _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
     if rounds:
-        # The rounds row from the chunk sums, not the main loop's (kept 0 there: a row changed after the
-        # loop kept inductor from fusing the histogram's scatter into it).
-        out["rounds"] = chunks[_ROWS.index["rounds"] - _CHUNKED.start].sum(dtype=f64)
-        # (the windows of rows longer than a chunk read the unpadded inputs: _round_sums shifts a row's partial last
-        # window back inside the row)
-        windowed = unpadded if t > _COMPILED_ROUND_CHUNK else (trainer_in, rollout_in, mask_pad)
-        out.update(_round_sums(chunks, *windowed, rounds, _COMPILED_ROUND_CHUNK))
+        out.update(_round_statistics_from_chunks(chunks, windowed, rounds))
     return out
+
+
+def _round_mask(trainer: Tensor, mask: Tensor) -> Tensor:
+    """The mask as the per-round sums read it: 0/1 numbers, a uint8 mask converted where read (after the views of it:
+    a view of a converted mask, under dynamic shapes, was indexed modulo its sizes, a scalar loop), a bool one
+    converted here. expand_as: the logprobs' size symbols under dynamic shapes (a view, no copy)."""
+    return mask.expand_as(trainer) if mask.dtype == torch.uint8 else mask.to(trainer.dtype)
+
+
+def _round_chunk_sums(
+    trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor | None
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """The compiled per-round chunk sums and the inputs the windows read, ``mask`` from :func:`_round_mask`. With
+    ``anchor`` (the main loop's per-row result, its rows as the main loop cuts them) the chunk sums run inside the
+    main loop (:func:`_chunk_sums`); without, in a loop of their own."""
+    t = trainer.shape[-1]
+    # The chunk sums and windows read rows padded to whole chunks; the main loop reads the inputs themselves
+    # (padded, under dynamic shapes inductor indexed them modulo their sizes: a scalar loop, ~700x slower).
+    pad = -t % _COMPILED_ROUND_CHUNK
+    padded = tuple(torch.nn.functional.pad(x, (0, pad)) if pad else x for x in (trainer, rollout, mask))
+    if pad and t > _COMPILED_ROUND_CHUNK:
+        whole_rows = anchor is not None and anchor.shape[0] == trainer.shape[0]  # the main loop's rows: the sequences
+        chunks = _ragged_chunk_sums(trainer, rollout, mask, anchor if whole_rows else None)
+    else:  # (rows shorter than a chunk: the padded rows, in a loop of their own)
+        chunks = _chunk_sums(*padded, None if pad else anchor)
+    # (the windows of rows longer than a chunk read the unpadded inputs: _round_sums shifts a row's partial last
+    # window back inside the row)
+    windowed = (trainer, rollout, mask) if t > _COMPILED_ROUND_CHUNK else padded
+    return chunks, windowed  # type: ignore[return-value]
+
+
+def _round_statistics_from_chunks(chunks: Tensor, windowed: tuple[Tensor, Tensor, Tensor], rounds: int) -> Stats:
+    """The ``rounds`` row and :data:`ROUND_STATS` from :func:`_round_chunk_sums`. The rounds row comes from the chunk
+    sums, not the main loop's (kept 0 there: a row changed after the loop kept inductor from fusing the histogram's
+    scatter into it)."""
+    out = {"rounds": chunks[_ROWS.index["rounds"] - _CHUNKED.start].sum(dtype=torch.float64)}
+    out.update(_round_sums(chunks, *windowed, rounds, _COMPILED_ROUND_CHUNK))
+    return out
+
+
+def _separate_round_statistics(trainer: Tensor, rollout: Tensor, mask: Tensor, rounds: int) -> Stats:
+    """The compiled per-round statistics as a graph of their own (see :data:`SEPARATE_ROUNDS_TOKENS`)."""
+    chunks, windowed = _round_chunk_sums(trainer, rollout, _round_mask(trainer, mask), None)
+    return _round_statistics_from_chunks(chunks, windowed, rounds)
 
 
 def _chunk_features(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
@@ -659,9 +686,10 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
     code was most of this loop's cost (~0.9 ns per token; the loop with float masks ~0.3 ns). ``anchor``: a per-row
     result of the main loop (``[B * pieces]``, its rows as the main loop cuts them): the chunk sums read it (as an
     exact 0), so inductor runs them inside the main loop's loop over rows (outer-loop fusion), on the row it has
-    just read, still in cache (measured: 0.90x the kernel at 256 x 8192, 0.97x at 128 x 8192, the same at 64 x
-    4096). Reductions over chunks rather than along the rows: cutting the main reductions into chunk-sized pieces
-    made the whole kernel ~1.5x slower.
+    just read, still in cache (measured on one host: 0.90x the kernel at 256 x 8192, 0.97x at 128 x 8192, the same
+    at 64 x 4096; on another the whole kernel ran 1.3-2.5x slower this way from 128 x 8192, hence
+    :data:`SEPARATE_ROUNDS_TOKENS`). Reductions over chunks rather than along the rows: cutting the main reductions
+    into chunk-sized pieces made the whole kernel ~1.5x slower.
     """
     b, t = trainer.shape
     dtype, width = trainer.dtype, _COMPILED_ROUND_CHUNK
@@ -969,6 +997,15 @@ def _empty_statistics(bins: int, device: torch.device, rounds: int) -> Stats:
 _COMPILED: dict[str, Any] = {}
 _RECOMPILE_LIMIT = 64
 
+# From this many tokens the compiled per-round statistics run on CPU as a graph of their own, after the mismatch
+# kernel (which is then the mismatch section's own graph), instead of inside its main loop. They read the inputs a
+# second time, but the main loop's code stays the mismatch-only one: with the chunk sums inside it, gcc's code for
+# the whole kernel ran up to 2.5x the mismatch-only kernel at 128 x 8192 and 256 x 8192 on one host (dynamic shapes;
+# 1.27x on another), where the separate graph costs 1.27-1.37x on both kinds of shapes. Below it, the separate
+# graph's fixed cost (a second dynamo call, the windows' small kernels) outweighs the loop (64 x 4096: 1.28x
+# separate, 1.06x inside). benchmarks/README.md, "Compiled per-round statistics: a graph of their own".
+SEPARATE_ROUNDS_TOKENS = 1 << 19
+
 
 def compiled_token_statistics() -> Any:
     """:func:`token_statistics` under ``torch.compile(fullgraph=True)``, built on first use."""
@@ -997,9 +1034,16 @@ def compiled_token_statistics() -> Any:
             # stays a constant (specialize_int): once dynamo has seen two values it made it a size symbol, and
             # the window stage's shapes with it (a patch of two settings costs ~7 us more per call than of one).
             patch = {"recompile_limit": _RECOMPILE_LIMIT, **({"specialize_int": True} if rounds else {})}
+            if rounds and trainer.device.type == "cpu" and trainer.numel() >= SEPARATE_ROUNDS_TOKENS:
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                    out = compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, 0)
+                with torch._dynamo.config.patch(**patch):
+                    out.update(separate_rounds(trainer, rollout, mask, rounds))
+                return out
             with torch._dynamo.config.patch(**patch):
                 return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
 
+        separate_rounds = torch.compile(_separate_round_statistics, fullgraph=True, dynamic=None)
         _COMPILED["fn"] = run
     return _COMPILED["fn"]
 
