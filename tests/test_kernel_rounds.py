@@ -104,14 +104,15 @@ def test_two_capacities_share_one_call_and_fold_the_overflow(monkeypatch):
         assert_rounds_close(metric_values(m), per_round_reference(*logprobs_numpy(b), capacity=capacity))
 
 
-# Both compiled paths: the per-round sums inside the mismatch kernel's graph, or (from SEPARATE_ROUNDS_TOKENS tokens,
-# CPU) in a graph of their own after the mismatch-only one. The threshold set so that these small batches take each.
+# Both compiled paths: the per-round sums inside the mismatch kernel's graph, or (CPU, rows longer than
+# SEPARATE_ROUNDS_ROW) in a graph of their own after the mismatch-only one; the threshold set so that every row
+# takes each.
 ROUND_PATHS = {"inside": 1 << 62, "separate": 0}
 
 
 @pytest.fixture(params=sorted(ROUND_PATHS))
 def round_path(request, monkeypatch):
-    monkeypatch.setattr(fm, "SEPARATE_ROUNDS_TOKENS", ROUND_PATHS[request.param])
+    monkeypatch.setattr(fm, "SEPARATE_ROUNDS_ROW", ROUND_PATHS[request.param])
     return request.param
 
 
@@ -221,7 +222,7 @@ def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_ea
 def test_separate_round_graph_leaves_the_mismatch_only_graph_unchanged(monkeypatch):
     """On the separate path the mismatch statistics come from the mismatch-only graph (rounds = 0): a call with rounds
     after one without compiles only the per-round graph, and its mismatch statistics are the mismatch-only call's."""
-    monkeypatch.setattr(fm, "SEPARATE_ROUNDS_TOKENS", 0)
+    monkeypatch.setattr(fm, "SEPARATE_ROUNDS_ROW", 0)
     x = _short_rounds(4, 256, seed=4, dtype=torch.float32)
     args = (x["trainer_logprobs"], x["rollout_logprobs"], x["response_mask"].bool(), 20.0, 30.0, 64, True, True)
     run = fm.compiled_token_statistics()

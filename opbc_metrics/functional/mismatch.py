@@ -635,7 +635,7 @@ def _round_statistics_from_chunks(chunks: Tensor, windowed: tuple[Tensor, Tensor
 
 
 def _separate_round_statistics(trainer: Tensor, rollout: Tensor, mask: Tensor, rounds: int) -> Stats:
-    """The compiled per-round statistics as a graph of their own (see :data:`SEPARATE_ROUNDS_TOKENS`)."""
+    """The compiled per-round statistics as a graph of their own (see :data:`SEPARATE_ROUNDS_ROW`)."""
     chunks, windowed = _round_chunk_sums(trainer, rollout, _round_mask(trainer, mask), None)
     return _round_statistics_from_chunks(chunks, windowed, rounds)
 
@@ -688,7 +688,7 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
     exact 0), so inductor runs them inside the main loop's loop over rows (outer-loop fusion), on the row it has
     just read, still in cache (measured on one host: 0.90x the kernel at 256 x 8192, 0.97x at 128 x 8192, the same
     at 64 x 4096; on another the whole kernel ran 1.3-2.5x slower this way from 128 x 8192, hence
-    :data:`SEPARATE_ROUNDS_TOKENS`). Reductions over chunks rather than along the rows: cutting the main reductions
+    :data:`SEPARATE_ROUNDS_ROW`). Reductions over chunks rather than along the rows: cutting the main reductions
     into chunk-sized pieces made the whole kernel ~1.5x slower.
     """
     b, t = trainer.shape
@@ -997,14 +997,14 @@ def _empty_statistics(bins: int, device: torch.device, rounds: int) -> Stats:
 _COMPILED: dict[str, Any] = {}
 _RECOMPILE_LIMIT = 64
 
-# From this many tokens the compiled per-round statistics run on CPU as a graph of their own, after the mismatch
+# For rows longer than this the compiled per-round statistics run on CPU as a graph of their own, after the mismatch
 # kernel (which is then the mismatch section's own graph), instead of inside its main loop. They read the inputs a
-# second time, but the main loop's code stays the mismatch-only one: with the chunk sums inside it, gcc's code for
-# the whole kernel ran up to 2.5x the mismatch-only kernel at 128 x 8192 and 256 x 8192 on one host (dynamic shapes;
-# 1.27x on another), where the separate graph costs 1.27-1.37x on both kinds of shapes. Below it, the separate
-# graph's fixed cost (a second dynamo call, the windows' small kernels) outweighs the loop (64 x 4096: 1.28x
-# separate, 1.06x inside). benchmarks/README.md, "Compiled per-round statistics: a graph of their own".
-SEPARATE_ROUNDS_TOKENS = 1 << 19
+# second time, but the main loop's code stays the mismatch-only one: with the chunk sums inside it, the whole kernel
+# ran 1.9-2.5x the mismatch-only one for every T > 4096 measured on one host (8 x 16384 to 256 x 8192, 128 x 8100;
+# dynamic shapes; 1.27x at 256 x 8192 on another), where the separate graph costs 1.2-1.4x. For T <= 4096 the loop
+# inside stays (64 x 4096 to 256 x 4096: 0.96-0.97x inside, 1.22-1.23x separate; 512 x 1024: 1.13x against 1.38x).
+# benchmarks/README.md, "Compiled per-round statistics: a graph of their own".
+SEPARATE_ROUNDS_ROW = 4096
 
 
 def compiled_token_statistics() -> Any:
@@ -1034,7 +1034,7 @@ def compiled_token_statistics() -> Any:
             # stays a constant (specialize_int): once dynamo has seen two values it made it a size symbol, and
             # the window stage's shapes with it (a patch of two settings costs ~7 us more per call than of one).
             patch = {"recompile_limit": _RECOMPILE_LIMIT, **({"specialize_int": True} if rounds else {})}
-            if rounds and trainer.device.type == "cpu" and trainer.numel() >= SEPARATE_ROUNDS_TOKENS:
+            if rounds and trainer.device.type == "cpu" and trainer.shape[-1] > SEPARATE_ROUNDS_ROW:
                 with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                     out = compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, 0)
                 with torch._dynamo.config.patch(**patch):
