@@ -190,12 +190,15 @@ def test_per_round_update_under_a_larger_request_folds():
         torch.testing.assert_close(folded[key], direct[key], rtol=1e-13, atol=0.0)
 
 
-def test_compiled_collections_of_several_sections_and_shapes_do_not_hit_the_recompile_limit():
-    """Each (groups, capacity) combination is a graph of its own: more than dynamo's default 8 per function."""
-    for b, t in [(4, 64), (6, 64), (4, 96), (3, 40), (5, 33)]:
-        x = _short_rounds(b, t, seed=t, dtype=torch.float32)
-        for sections in (["mismatch", "per_round"], ["mismatch"], ["per_round"]):
-            OPBCCollection(sections=sections, compiled=True).update(x)
+def test_compiled_collections_of_several_sections_and_shapes_do_not_hit_the_recompile_limit(round_path):
+    """Each (groups, capacity) combination is a graph of its own: more than dynamo's default 8 per function. Hitting
+    the limit would fall back to eager with a warning: here it raises."""
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for b, t in [(4, 64), (6, 64), (4, 96), (3, 40), (5, 33)]:
+            x = _short_rounds(b, t, seed=t, dtype=torch.float32)
+            for sections in (["mismatch", "per_round"], ["mismatch"], ["per_round"]):
+                OPBCCollection(sections=sections, compiled=True).update(x)
+    assert compiled_graphs() > 8
 
 
 def test_compiled_rounds_under_dynamic_shapes_with_rows_no_whole_chunks_match_eager(round_path):
