@@ -687,7 +687,7 @@ def _chunk_sums(trainer: Tensor, rollout: Tensor, mask: Tensor, anchor: Tensor |
     result of the main loop (``[B * pieces]``, its rows as the main loop cuts them): the chunk sums read it (as an
     exact 0), so inductor runs them inside the main loop's loop over rows (outer-loop fusion), on the row it has
     just read, still in cache (measured on one host: 0.90x the kernel at 256 x 8192, 0.97x at 128 x 8192, the same
-    at 64 x 4096; on another the whole kernel ran 1.3-2.5x slower this way from 128 x 8192, hence
+    at 64 x 4096; on another the whole kernel ran 1.9-2.5x slower this way for every T > 4096, hence
     :data:`SEPARATE_ROUNDS_ROW`). Reductions over chunks rather than along the rows: cutting the main reductions
     into chunk-sized pieces made the whole kernel ~1.5x slower.
     """
