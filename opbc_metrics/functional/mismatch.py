@@ -613,7 +613,10 @@ def _round_chunk_sums(
     # The chunk sums and windows read rows padded to whole chunks; the main loop reads the inputs themselves
     # (padded, under dynamic shapes inductor indexed them modulo their sizes: a scalar loop, ~700x slower).
     pad = -t % _COMPILED_ROUND_CHUNK
-    padded = tuple(torch.nn.functional.pad(x, (0, pad)) if pad else x for x in (trainer, rollout, mask))
+    def padded_row(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (0, pad)) if pad else x
+
+    padded = (padded_row(trainer), padded_row(rollout), padded_row(mask))
     if pad and t > _COMPILED_ROUND_CHUNK:
         whole_rows = anchor is not None and anchor.shape[0] == trainer.shape[0]  # the main loop's rows: the sequences
         chunks = _ragged_chunk_sums(trainer, rollout, mask, anchor if whole_rows else None)
@@ -622,7 +625,7 @@ def _round_chunk_sums(
     # (the windows of rows longer than a chunk read the unpadded inputs: _round_sums shifts a row's partial last
     # window back inside the row)
     windowed = (trainer, rollout, mask) if t > _COMPILED_ROUND_CHUNK else padded
-    return chunks, windowed  # type: ignore[return-value]
+    return chunks, windowed
 
 
 def _round_statistics_from_chunks(chunks: Tensor, windowed: tuple[Tensor, Tensor, Tensor], rounds: int) -> Stats:
