@@ -59,6 +59,8 @@ def close_name(name: Any, candidates: Iterable[str]) -> str | None:
 
 # A logprob side whose valid values reach above this holds probabilities, logits or the like, not logprobs.
 PROBABILITY_TOLERANCE = 0.01
+# The view's cache key of BatchView.logprob_high (the mismatch kernel fills it from its own sweep).
+LOGPROB_HIGH = "logprob_high"
 
 _TRL = "opbc_metrics.integrations.trl.trl_to_batch"
 _VERL = "opbc_metrics.integrations.verl.verl_to_batch"
@@ -132,6 +134,63 @@ def known_field_names() -> frozenset[str]:
     return frozenset(names - FRAMEWORK_FIELDS.keys())
 
 
+class UnreadFieldWarning(UserWarning):
+    """A batch field that no metric read: ignored (:meth:`BatchView.check_unread`). To silence it after reading it:
+    ``warnings.filterwarnings("ignore", category=UnreadFieldWarning)``."""
+
+
+# Known fields that metrics read when present without declaring them on their class (required_fields,
+# trigger_fields, optional_fields, weight_field): the section whose metrics read each.
+_UNDECLARED_READERS: dict[str, str] = {
+    "rank_ids": "training", "timing_s": "training", "agent_tool_calls_s": "training", "logits": "training",
+    "val_mask": "training",
+}
+
+
+def field_readers() -> dict[str, tuple[str, ...]]:
+    """Every known batch field (:func:`known_field_names`) -> the sections whose metrics read it, in the order of
+    :data:`opbc_metrics.collection.SECTIONS` (a metric class from outside the library by its class name; ``()``:
+    no section reads it). What :meth:`BatchView.check_unread` names for a field no metric of a collection read.
+
+    Example:
+        >>> field_readers()["rewards"][0], field_readers()["rollout_token_ids"]
+        ('rollout', ('mismatch',))
+    """
+    from opbc_metrics.collection import SECTIONS  # (at call time: the collection imports this module)
+
+    found: dict[str, list[str]] = {name: [] for name in known_field_names()}
+    for cls in METRIC_CLASSES:
+        parts = cls.__module__.split(".")
+        reader = parts[1] if parts[0] == "opbc_metrics" and len(parts) > 2 and parts[1] in SECTIONS else cls.__name__
+        fields = (*cls.required_fields, *cls.trigger_fields, *getattr(cls, "optional_fields", ()),
+                  getattr(cls, "weight_field", None))
+        for name in fields:
+            if name in found and reader not in found[name]:
+                found[name].append(reader)
+    for name, reader in _UNDECLARED_READERS.items():
+        if name in found and reader not in found[name]:
+            found[name].append(reader)
+    order = {name: i for i, name in enumerate(SECTIONS)}
+    return {name: tuple(sorted(readers, key=lambda r: order.get(r, len(order)))) for name, readers in found.items()}
+
+
+def _unread_known_message(names: list[str]) -> str:
+    """The report of known fields that no metric of a collection read: each with the sections that read it."""
+    from opbc_metrics.collection import SECTIONS
+
+    readers = field_readers()
+    parts = []
+    for name in names:
+        sections = [r for r in readers.get(name, ()) if r in SECTIONS]
+        by = [f"the {' and '.join(sections)} section{'s' * (len(sections) > 1)}"] if sections else []
+        by += [r for r in readers.get(name, ()) if r not in SECTIONS]  # metric classes of no section
+        parts.append(f"`{name}` (read by {', '.join(by)})" if by else f"`{name}` (read by no section of opbc-metrics)")
+    first = next((r for name in names for r in readers.get(name, ()) if r in SECTIONS), None)
+    hint = f' To measure them, add the section that reads them: OPBCCollection(sections=[..., "{first}"]).'
+    return (f"batch field(s) {', '.join(parts)} not read by any metric of this collection: ignored."
+            f"{hint if first else ''} Reported once per field and collection.")
+
+
 def _detached(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach() if value.requires_grad else value
@@ -140,6 +199,30 @@ def _detached(value: Any) -> Any:
             isinstance(v, Tensor) and v.requires_grad for v in value.values()
         ) else value
     return value
+
+
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _check_layout(name: str, value: Any) -> None:
+    """Refuse a sparse (COO, CSR, ...), nested or other non-strided tensor field, naming it: the metrics read dense
+    tensors, and such a field would fail inside torch with an error naming an operator (host metadata only)."""
+    if not isinstance(value, Tensor):
+        if isinstance(value, Mapping):
+            for key, v in value.items():
+                _check_layout(f"{name}[{key!r}]", v)
+        return
+    if value.is_nested:
+        raise ValueError(
+            f"batch field `{name}` is a nested tensor: metrics read dense [B, T] tensors; pass "
+            f"`{name}.to_padded_tensor(0.0)` (with a `{RESPONSE_MASK}` that is 0 on the padding)"
+        )
+    if value.layout != torch.strided:
+        kind = "sparse" if value.layout in _SPARSE_LAYOUTS else "non-strided"
+        raise ValueError(
+            f"batch field `{name}` is a {kind} tensor (layout {value.layout}): metrics read dense tensors; pass "
+            f"`{name}.to_dense()`"
+        )
 
 
 def _length(value: Any) -> int | None:
@@ -337,6 +420,7 @@ def raise_if_not_logprobs(low: Tensor | list[float], high: Tensor | list[float])
         if hi <= PROBABILITY_TOLERANCE:
             continue
         if lo >= 0.0 and hi <= 1.0:
+            lo += 0.0  # a -0.0 minimum (masking) reads as 0
             raise ValueError(
                 f"batch field `{name}` holds values in [0, 1] only ({lo:g} to {hi:g}): probabilities, not logprobs "
                 f"(log-probabilities are <= 0); pass torch.log(p), or {adapters}"
@@ -446,6 +530,8 @@ class BatchView:
     def __init__(self, batch: Any = None, **fields: Any) -> None:
         data = as_mapping(batch)
         data.update(fields)
+        for k, v in data.items():
+            _check_layout(k, v)  # every field, once, where it enters: no metric reads a sparse tensor
         self.data = _TrackedFields((k, _detached(v)) for k, v in data.items())
         self._cache: dict[Any, Any] = {}
         self._requests: dict[str, set[Hashable]] = {}
@@ -459,15 +545,19 @@ class BatchView:
             self._cache["fields_checked"] = True
         return self
 
-    def check_unread(self) -> None:
+    def check_unread(self, reported: set[str] | None = None) -> None:
         """Refuse or report the fields that no metric read, once every metric has read the view (its owner calls it:
         the collection, the metric or the controller that made the view from the user's batch).
 
         A field that no metric of the library reads and that is named like a field these metrics looked up and did
         not find (``respons_mask``, ``reward``) is a misspelling that would silently change the result (a mask
         defaults to all ones): ``ValueError``. Any other such field (``input_ids``) is ignored with a
-        warning naming it. Fields that metrics of other sections read (``rewards`` given to the mismatch section
-        alone) are theirs: ignored without a warning (adapters map every field they find).
+        warning naming it.
+
+        A known field (a schema name: ``rewards``, ``group_ids``, ...) that no metric of the owner read: with
+        ``reported`` (the owner's memory, a collection's), a warning names it and the sections that read it, once
+        per field and owner (adapters map every field they find: one warning, not one per step); the names are
+        added to ``reported``. Without it (a metric alone, the controller) the field is ignored without a warning.
 
         Example:
             >>> view = BatchView(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.zeros(1, 2),
@@ -487,7 +577,6 @@ class BatchView:
         # Only the names these metrics looked for matter: a misspelling of a field no metric here reads changes
         # nothing (and `grad_norm` is not a misspelt `rm_grad_norm` of a section that is not here).
         meant = sorted(k for k in looked_up if isinstance(k, str) and k not in present)
-        # A field that metrics of other sections read is for them (adapters map every field they find): no warning.
         unknown = [k for k in unread if k not in known]
         for name in unknown:
             close = close_name(name, meant)
@@ -500,9 +589,13 @@ class BatchView:
             names = ", ".join(f"`{k}`" for k in unknown)
             warnings.warn(
                 f"batch field(s) {names} not read by opbc-metrics: ignored (the batch-schema names are in the README)",
-                UserWarning,
+                UnreadFieldWarning,
                 stacklevel=3,
             )
+        fresh = [k for k in unread if k in known and k not in reported] if reported is not None else []
+        if fresh:
+            reported.update(fresh)
+            warnings.warn(_unread_known_message(fresh), UnreadFieldWarning, stacklevel=3)
 
     # -- access and validation ---------------------------------------------------------------
     def has(self, *names: str) -> bool:
@@ -645,15 +738,40 @@ class BatchView:
 
     @property
     def logprob_range(self) -> tuple[Tensor, Tensor]:
-        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs on a fixed sample of at most ~64
-        tokens per row, plus its first and last 16 (0 stands in for invalid tokens): a side above 0 holds
-        probabilities or logits (see :func:`raise_if_not_logprobs`).
+        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs (0 stands in for invalid tokens): a side
+        above 0 holds probabilities or logits, refused by :func:`raise_if_not_logprobs`. The max is over every
+        token where the eager mismatch kernel ran (:attr:`logprob_high`); the min, which only words that refusal
+        (probabilities, all in [0, 1], or logits), on a sample of the columns (:attr:`logprob_sample`).
+        """
+        return self.logprob_sample[0], self.logprob_high
 
-        Probabilities or logits passed as logprobs are above 0 on most tokens, so a sample finds them as surely as
-        the whole batch, at ~1/64 of the cost of a full pass (the full pass doubled a collection's update at 1M
-        tokens). Each row reads every ``T // 64``-th column from an offset of its own (37 x row, modulo the
-        stride), so that responses confined to a few columns of a long padded batch still fall in the sample of
-        some rows. Rows shorter than 128 tokens are read whole.
+    @property
+    def logprob_high(self) -> Tensor:
+        """``[2]``: the largest valid trainer and rollout logprob (0 stands in for invalid tokens), over every token.
+
+        The eager mismatch kernel takes it in its own sweep over the tokens
+        (:func:`~opbc_metrics.functional.mismatch.batch_statistics` stores it here; the compiled one stores the
+        column sample's, :attr:`logprob_sample`); a view that no kernel ran on first makes a pass of its own
+        (:meth:`logprob_high_pass`).
+        """
+        return self.shared(LOGPROB_HIGH, self.logprob_high_pass)
+
+    def logprob_high_pass(self) -> Tensor:
+        """:attr:`logprob_high` in a pass of its own over the tokens."""
+        trainer, rollout, mask = self.token_inputs
+        valid = valid_tokens(trainer - rollout, mask)
+        sides = torch.where(valid, torch.stack((trainer, rollout)), 0.0).flatten(1)
+        return sides.amax(dim=1) if sides.shape[1] else sides.new_zeros(2)
+
+    @property
+    def logprob_sample(self) -> tuple[Tensor, Tensor]:
+        """``([2] min, [2] max)`` of the valid trainer and rollout logprobs on a fixed sample of at most ~64 tokens
+        per row, plus its first and last 16 (0 stands in for invalid tokens): ~1/64 of a pass. A response of a few
+        tokens in the middle of a long row can fall between the sampled columns.
+
+        Each row reads every ``T // 64``-th column from an offset of its own (37 x row, modulo the stride), so that
+        responses confined to a few columns of a long padded batch still fall in the sample of some rows. Rows
+        shorter than 128 tokens are read whole.
         """
 
         def make() -> tuple[Tensor, Tensor]:
@@ -675,7 +793,7 @@ class BatchView:
             ranges = [torch.aminmax(torch.where(valid, x, zero)) for x in (trainer, rollout)]
             return torch.stack([r.min for r in ranges]), torch.stack([r.max for r in ranges])
 
-        return self.shared("logprob_range", make)
+        return self.shared("logprob_sample", make)
 
     @property
     def log_ratio(self) -> Tensor:

@@ -22,7 +22,7 @@ from opbc_metrics.metric import (
     read_presence,
     reset_states,
 )
-from opbc_metrics.mismatch import MISMATCH_METRICS
+from opbc_metrics.mismatch import MISMATCH_METRICS, TopGradientMass
 from opbc_metrics.moe import moe_section
 from opbc_metrics.per_round import per_round_section
 from opbc_metrics.rollout import rollout_section
@@ -30,8 +30,9 @@ from opbc_metrics.sync import distributed, packed_sync, restore_local_states
 from opbc_metrics.training import training_section
 
 
-def _mismatch_section(**kwargs: Any) -> list[OPBCMetric]:
-    return [cls(**kwargs) for cls in MISMATCH_METRICS]
+def _mismatch_section(exact: bool = False, **kwargs: Any) -> list[OPBCMetric]:
+    # `exact` is the top-1% mass's own option (TopGradientMass(exact=True)); every other option goes to every member.
+    return [cls(**kwargs, **({"exact": exact} if issubclass(cls, TopGradientMass) else {})) for cls in MISMATCH_METRICS]
 
 
 # Section name -> factory(**metric_kwargs, **section_options) -> metrics: each gets its own options only (the
@@ -39,6 +40,8 @@ def _mismatch_section(**kwargs: Any) -> list[OPBCMetric]:
 # The default sections are the OPBC glossary's (seeds 000 and 003). Members with optional inputs skip
 # batches without their fields, and compute() leaves out the keys of those that never saw data, so a
 # dense model's run shows no MoE keys and a run without trajectories no agent keys.
+# mismatch: section_options {"exact": True} gives the top-1% gradient mass its exact mode (every weight kept and
+# sorted at compute: state grows with the tokens, for small data; same key); other options reach every member.
 SECTIONS: dict[str, Callable[..., list[OPBCMetric]]] = {"mismatch": _mismatch_section}
 # moe: router members (expert ids or router logits); section_options {"num_layers": None, "top_k": None,
 # "num_experts": None} (num_experts: compares the top-K sets in the narrowest integer dtype that holds the ids).
@@ -88,6 +91,12 @@ class OPBCCollection(MetricCollection):
       changing anything (a ``ValueError`` names the first difference) and drop cached results; the
       state dict carries each member's configuration (``<member>._extra_state``).
     * ``collection["opbc/is/ess"]`` returns the member that produces a key; member names work too.
+    * No field passed is silently ignored: a batch field no member reads is reported with a warning
+      (:class:`~opbc_metrics.batch.UnreadFieldWarning`); a schema field (``rewards``, ``group_ids``, ...) once per
+      collection and field, naming the section that reads it (e.g. ``sections=[..., "rollout"]``); a misspelt
+      schema name is refused. ``rollout_token_ids`` / ``trainer_token_ids`` (both ``[B, T]`` integer, as the
+      logprobs) are compared on the response tokens by the mismatch section (:class:`InputHealth`): logprobs of
+      different tokens are refused at ``compute()`` with the count of differing tokens over all ranks.
 
     Args:
         metrics: the members; default: every metric of ``sections``.
@@ -97,7 +106,10 @@ class OPBCCollection(MetricCollection):
         top_mass_bins: bins of the top-1% gradient-mass sketch (8192).
         compiled: run the shared pre-computations (the mismatch kernel, which the per-round section shares)
             and, on CPU, the MoE top-K set comparison under ``torch.compile`` (the first call compiles).
-        section_options: per-section constructor options, e.g. ``{"moe": {"num_layers": 48, "top_k": 8}}``.
+        section_options: per-section constructor options, e.g. ``{"moe": {"num_layers": 48, "top_k": 8}}``;
+            ``{"mismatch": {"exact": True}}`` gives ``opbc/is/top_1pct_gradient_mass`` its exact mode (every weight
+            kept and sorted at compute: the state grows with the tokens and is synced apart from the one-collective
+            sync; for small data) instead of the histogram sketch, the key and every other member unchanged.
         prefix, postfix: strings added before / after every output key, as in torchmetrics'
             ``MetricCollection`` (e.g. ``prefix="bf16/"`` to compare engines side by side).
         metric_kwargs: torchmetrics ``Metric`` arguments passed to every default member.
@@ -156,6 +168,8 @@ class OPBCCollection(MetricCollection):
             raise ValueError(f"two members produce the same keys: {duplicated}")
         super().__init__(metrics, compute_groups=False, prefix=prefix, postfix=postfix)
         self.compiled = bool(compiled)
+        # The schema fields no member read that have been reported (BatchView.check_unread): once per collection.
+        self._reported_fields: set[str] = set()
 
     def members(self) -> list[OPBCMetric]:
         """The member metrics, in order."""
@@ -225,7 +239,7 @@ class OPBCCollection(MetricCollection):
                 else:
                     m.update(view)
             if own_view:
-                view.check_unread()  # every member has read the batch; nothing is folded yet
+                view.check_unread(self._reported_fields)  # every member has read the batch; nothing is folded yet
             # Every member's statistics into the states at once: a few multi-tensor ops, not one op per state.
             fold_statistics(triples)
         for m in folded:
@@ -244,7 +258,7 @@ class OPBCCollection(MetricCollection):
                 done.append((m, m.forward_flags()))
                 out.update(m.as_dict(m(view)))
             if view is not batch:
-                view.check_unread()
+                view.check_unread(self._reported_fields)
         except BaseException:
             for m, flags in done:
                 m.restore_window(flags)

@@ -54,8 +54,9 @@ def mismatch_reference(trainer, rollout, mask=None, clamp=20.0, veto=30.0) -> di
         q = np.exp(np.minimum(rollout[valid], 0.0))
         out["opbc/prob/abs_diff_mean"] = np.abs(p - q).mean()
         out["opbc/prob/abs_diff_max"] = np.abs(p - q).max()
-        # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|; 0 for a single token.
-        out["opbc/prob/diff_std"] = float(np.abs(p - q).std(ddof=1)) if n > 1 else 0.0
+        # verl's probs_diff_std: torch.std (divisor N - 1) of |p - q|; undefined for a single token: no key.
+        if n > 1:
+            out["opbc/prob/diff_std"] = float(np.abs(p - q).std(ddof=1))
         if n < 2:  # a correlation needs two tokens: no key
             pass
         elif p.std() > 0 and q.std() > 0:

@@ -41,8 +41,9 @@ def test_token_statistics_compiles_fullgraph_and_matches_eager(batch, seq, seed,
     args = (b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool(), 20.0, 30.0, bins)
     eager = token_statistics(*args)
     compiled = torch.compile(token_statistics, fullgraph=True, dynamic=False)(*args)
-    assert set(eager) == set(compiled)
-    for key in eager:
+    # (the eager kernel also takes the input check's largest logprobs; the compiled one leaves them to the view)
+    assert set(eager) - {"logprob_high"} == set(compiled)
+    for key in compiled:
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-5, atol=1e-6, msg=key)
     assert torch.equal(compiled["hist"], eager["hist"])  # the same bin formula in both kernels
     if seq == 12288:

@@ -305,19 +305,19 @@ def test_weight_std_and_prob_diff_std_match_their_sources_definitions():
     diff = (torch.exp(cat["trainer_logprobs"]) - torch.exp(cat["rollout_logprobs"])).abs()
     verl = torch.std(torch.masked_select(diff, torch.from_numpy(valid)))
     assert prob["opbc/prob/diff_std"] == pytest.approx(verl.item(), rel=1e-9)
-    # One token: torch.std is undefined (NaN); the metric reports 0 rather than a made-up spread.
+    # One token: torch.std is undefined (NaN); the metric reports no key rather than a made-up spread.
     one = {"trainer_logprobs": torch.tensor([[-1.0]]), "rollout_logprobs": torch.tensor([[-2.0]])}
-    assert metric_values(ProbabilityDiff(), one)["opbc/prob/diff_std"] == 0.0
+    assert "opbc/prob/diff_std" not in metric_values(ProbabilityDiff(), one)
 
 
-def test_one_token_window_has_no_pearson_and_a_zero_diff_std():
+def test_one_token_window_has_no_pearson_and_no_diff_std():
     """The audit's case: one valid token gave pearson 0.98878 and diff_std 1.03e-05 (rounding noise of the raw
-    moments). Pearson needs two tokens (no key); diff_std is 0 as documented. Two tokens over two updates (or
-    ranks) bring pearson back."""
+    moments). Pearson and diff_std need two tokens (no key, in the metric and the function). Two tokens over two
+    updates (or ranks) bring pearson back."""
     one = {"trainer_logprobs": torch.tensor([[-1.0]]), "rollout_logprobs": torch.tensor([[-1.2]])}
     for out in (metric_values(ProbabilityDiff(), one), {k: v.item() for k, v in F.probability_diff(
             one["trainer_logprobs"], one["rollout_logprobs"]).items()}):
-        assert "opbc/prob/pearson" not in out and out["opbc/prob/diff_std"] == 0.0
+        assert "opbc/prob/pearson" not in out and "opbc/prob/diff_std" not in out
         assert out["opbc/prob/abs_diff_mean"] == pytest.approx(math.exp(-1.0) - math.exp(-1.2), rel=1e-6)
     metrics = OPBCCollection(sections=["mismatch"])
     metrics.update(one)

@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from opbc_metrics import OPBCCollection
+from opbc_metrics import OPBCCollection, PerRoundMismatch
+from opbc_metrics.batch import BatchView
 from opbc_metrics.metric import NoDataError
 from opbc_metrics.mismatch import ImportanceSamplingESS
 from opbc_metrics.testing import assert_no_host_sync
@@ -284,9 +285,9 @@ def test_positive_logprobs_such_as_logits_are_refused_at_compute(side: str):
 
 
 @pytest.mark.parametrize("seq", [127, 128, 4096, 8193])
-def test_probabilities_in_long_rows_are_found_on_the_column_sample(seq: int):
-    """Long rows are checked on a strided sample of their columns: probabilities are still found, with a
-    response mask that leaves most sampled columns out, and real logprobs are still accepted."""
+def test_probabilities_in_long_rows_are_found(seq: int):
+    """Probabilities are found with a response mask that leaves most columns out, and real logprobs are still
+    accepted."""
     batch = make_batch(batch=2, seq=seq, seed=6)
     batch["response_mask"] = torch.zeros(2, seq, dtype=torch.bool)
     batch["response_mask"][1, seq // 3 :] = True
@@ -299,17 +300,49 @@ def test_probabilities_in_long_rows_are_found_on_the_column_sample(seq: int):
     assert "opbc/is/ess" in real.compute()
 
 
-@pytest.mark.parametrize(("rows", "columns"), [(4, (1, 40)), (4, (100, 110)), (1, (1, 40)), (1, (4090, 4096))])
-def test_probabilities_on_a_few_columns_of_a_long_padded_batch_are_found(rows: int, columns: tuple[int, int]):
-    """Short responses in a long batch can miss every column of a plain strided sample; each row samples from an
-    offset of its own, and its first and last 16 columns (one short right- or left-padded response)."""
-    batch = make_batch(batch=rows, seq=4096, seed=6)
-    batch["response_mask"] = torch.zeros(rows, 4096, dtype=torch.bool)
+SHORT_RESPONSES = [(4, 4096, (1, 40)), (4, 4096, (100, 110)), (1, 4096, (1, 40)), (1, 4096, (4090, 4096))]
+# A check on a sample of the columns missed these (60 tokens at 3000..3059 of two 8192-token rows; one token): the
+# eager kernel finds them in its sweep; the compiled one still reads the sample (see batch_statistics).
+MID_ROW_RESPONSES = [(2, 8192, (3000, 3060)), (1, 8192, (5000, 5001))]
+
+
+@pytest.mark.parametrize(
+    ("rows", "seq", "columns", "compiled"),
+    [(*case, False) for case in SHORT_RESPONSES + MID_ROW_RESPONSES] + [(*case, True) for case in SHORT_RESPONSES],
+)
+def test_probabilities_on_a_few_columns_of_a_long_padded_batch_are_found(rows, seq, columns, compiled):
+    """Short responses in a long padded batch: at its ends (each row samples from an offset of its own, and its first
+    and last 16 columns) and, eager, anywhere, down to one token in the middle of a row."""
+    batch = make_batch(batch=rows, seq=seq, seed=6)
+    batch["response_mask"] = torch.zeros(rows, seq, dtype=torch.bool)
     batch["response_mask"][:, columns[0] : columns[1]] = True
-    probs = OPBCCollection()
+    probs = OPBCCollection(compiled=compiled)
     probs.update({**batch, "rollout_logprobs": batch["rollout_logprobs"].exp()})
-    with pytest.raises(ValueError, match=r"`rollout_logprobs` holds values in \[0, 1\] only"):
+    with pytest.raises(ValueError, match=r"`rollout_logprobs` holds values in \[0, 1\] only \(0 to"):
         probs.compute()
+
+
+@pytest.mark.parametrize("make", [OPBCCollection, ImportanceSamplingESS, PerRoundMismatch], ids=lambda m: m.__name__)
+def test_one_positive_logprob_among_a_million_is_found_in_the_kernels_sweep(make, monkeypatch):
+    """The largest logprobs come from the eager mismatch kernel's own sweep over every token (no pass of its own), in
+    a collection and in a metric alone."""
+    batch = make_batch(batch=128, seq=8192, seed=3)
+    trainer = batch["trainer_logprobs"].clone()
+    row, column = batch["response_mask"].nonzero()[123_456].tolist()
+    trainer[row, column] = 2.5  # one logit-like value, on a response token
+    own_pass = BatchView.logprob_high_pass
+    monkeypatch.setattr(BatchView, "logprob_high_pass", lambda self: pytest.fail("a pass of its own"))
+    metric = make()
+    with assert_no_host_sync():
+        metric.update({**batch, "trainer_logprobs": trainer})
+    with pytest.raises(ValueError, match=r"`trainer_logprobs` holds positive values \(up to 2.5\)"):
+        metric.compute()
+    monkeypatch.setattr(BatchView, "logprob_high_pass", own_pass)
+    view = BatchView(**{**batch, "trainer_logprobs": trainer})  # no kernel: the view's own pass, the same maxima
+    valid = batch["response_mask"].bool()
+    zero = [0.0] if not valid.all() else []  # 0 stands in for the masked tokens
+    assert view.logprob_high.tolist() == [max(trainer[valid].tolist() + zero),
+                                          max(batch["rollout_logprobs"][valid].tolist() + zero)]
 
 
 @pytest.mark.parametrize(
@@ -354,9 +387,13 @@ def test_a_field_no_metric_reads_is_ignored_with_a_warning_naming_it():
     batch = make_batch(batch=4, seq=5, seed=7)
     with pytest.warns(UserWarning, match=r"`input_ids` not read by opbc-metrics: ignored"):
         OPBCCollection().update({**batch, "input_ids": torch.ones(4, 5)})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # fields of other sections (rewards: the rollout section) are theirs
+    # fields of other sections (rewards: the rollout section) are reported once, naming the section that reads them
+    with pytest.warns(UserWarning, match=r"`rewards` \(read by the rollout and training sections\).*"
+                                         r'sections=\[\.\.\., "rollout"\]'):
         OPBCCollection().update({**batch, "rewards": torch.ones(4)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a collection that reads them: no warning
+        OPBCCollection(sections=["mismatch", "rollout"]).update({**batch, "rewards": torch.ones(4)})
     # a name near one that a metric of another section reads is a field of the user's own, not a misspelling
     with pytest.warns(UserWarning, match=r"`grad_norm` not read"):
         OPBCCollection(sections=ALL_SECTIONS).update({**batch, "grad_norm": torch.tensor(1.0)})

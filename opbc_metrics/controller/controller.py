@@ -282,9 +282,17 @@ class OPBCController:
         return BatchDecisions(policy, index, values, action, reasons, row_action, loss_mask, weights, counts)
 
     def step(self, batch: Any = None, **fields: Any) -> BatchDecisions:
-        """:meth:`evaluate` and fold the result into the budget metrics."""
-        out = self.evaluate(batch, **fields)
+        """:meth:`evaluate` and fold the result into the budget metrics.
+
+        Raises:
+            ValueError: the batch is on another accelerator than the budget metrics' states (naming the batch's
+                fields and ``controller.to(device)``); a batch on the CPU is folded into states anywhere.
+        """
+        view = as_view(batch, **fields)
+        with torch.no_grad():
+            out = self._evaluate(view)
         if self.budget is not None:
+            self._check_budget_device(view, out.row_action.device)
             self.budget.update({DECISIONS_FIELD: out})
         return out
 
@@ -299,6 +307,22 @@ class OPBCController:
     def reset_budget(self) -> None:
         if self.budget is not None:
             self.budget.reset()
+
+    def _check_budget_device(self, view: BatchView, device: torch.device) -> None:
+        """The budget metrics would refuse decisions on ``device`` (the batch's, which :meth:`_evaluate` checked is
+        every field's) naming their own internal field: name the user's fields and the controller's remedy."""
+        if self.budget is None:
+            return
+        states = self.budget.members()[0].device
+        # The rule of OPBCMetric.checked_statistics: statistics on the CPU move to the states, others do not.
+        if device == states or device.type == "cpu":
+            return
+        # dict.items: listing the fields is not a read by a metric (check_unread has run already).
+        names = ", ".join(f"`{k}`" for k, v in dict.items(view.data) if isinstance(v, Tensor) and v.device == device)
+        raise ValueError(
+            f"batch field(s) {names} are on {device} but the states of the controller's budget metrics are on "
+            f'{states}; move the controller to the batch\'s device: controller.to("{device}")'
+        )
 
     def to(self, device: torch.device | str) -> OPBCController:
         """Move the budget metric states (they must live where the batches are)."""
@@ -350,6 +374,10 @@ def _router_pair(view: BatchView) -> tuple[tuple[Tensor, Tensor] | None, tuple[s
         if name in _ROUTER_LOGITS and not value.is_floating_point():
             raise ValueError(f"batch field `{name}` must be floating-point router logits [B, T, L, E], "
                              f"got {value.dtype}")
+        if name in _ROUTER_LOGITS and value.ndim == 4 and 0 in value.shape[2:]:
+            # Before the sides' shapes are compared: no experts is no input, not a mismatch of the two sides' E.
+            raise ValueError(f"batch field `{name}` must have at least one layer and one expert (L, E >= 1), "
+                             f"got {tuple(value.shape)}")
     return (rollout, trainer), names
 
 
@@ -432,11 +460,13 @@ def _prepare(
             if t.device != device:
                 raise ValueError(f"batch field `{name}` is on {t.device} but `{GROUP_IDS}` is on {device}")
     if shape is not None:
-        # Expert ids [B, T, L, K] or router logits [B, T, L, E] per side: the same B, T, L; the same K for ids.
+        # Expert ids [B, T, L, K] or router logits [B, T, L, E] per side: the same B, T, L; the same K for ids, the
+        # same E for logits (argmaxes over different numbers of experts are not the same experts).
         if experts is not None and (
             any(x.ndim != 4 or tuple(x.shape[:2]) != shape for x in experts)
             or experts[0].shape[2] != experts[1].shape[2]
-            or (expert_names == (ROLLOUT_EXPERTS, TRAINER_EXPERTS) and experts[0].shape != experts[1].shape)
+            or (expert_names in ((ROLLOUT_EXPERTS, TRAINER_EXPERTS), _ROUTER_LOGITS)
+                and experts[0].shape != experts[1].shape)
         ):
             reasons.append("shape_mismatch")
         if token_ids is not None and any(tuple(x.shape) != shape for x in token_ids):

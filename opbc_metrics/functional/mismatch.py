@@ -46,6 +46,7 @@ from torch import Tensor
 from opbc_metrics.batch import (
     DEFAULT_CLAMP,
     DEFAULT_VETO,
+    LOGPROB_HIGH,
     BatchView,
     check_clamp_dtype,
     from_host,
@@ -278,6 +279,7 @@ class _BlockPlan:
         self.e = self.apq
         self.idx_flat = (self.pq if dtype == torch.float32 else self.dp).reshape(-1).view(torch.int64)
         self.valid_flat, self.rs_flat = self.valid.view(-1), self.rs.view(-1)
+        self.valid_row = self.valid.view(1, -1)
         self.idx32_flat = self.ars.reshape(-1).view(torch.int32)[:n]  # int32 indices in the |r| row
         self.lanes = _hist_lanes(device, bins, _EAGER_HIST_LANES)
         self.block_counts = torch.empty(self.lanes * (bins + 1), dtype=dtype, device=device)
@@ -307,6 +309,8 @@ class _CallPlan:
         self.w2 = torch.zeros(blocks, dtype=dtype, device=device)  # sums of w^2 (a dot product per block)
         self.u2 = torch.zeros(blocks, dtype=dtype, device=device)  # sums of u^2
         self.extremes = torch.zeros(3, blocks, dtype=dtype, device=device)  # min r, max r, max |p - q|
+        # the largest valid trainer / rollout logprob ([block, side]; 0 stands in for invalid tokens)
+        self.logprob_high = torch.zeros(blocks, 2, dtype=dtype, device=device)
         self.product_index = from_host(_PRODUCT_POSITIONS, torch.int64, device)
         # Chunk sums of the _CHUNKED rows, [rows, B, chunks] (the last chunk of a row may be partial).
         chunks = -(-t // _ROUND_CHUNK) if rounds else 0
@@ -314,7 +318,7 @@ class _CallPlan:
         whole = t // _ROUND_CHUNK
         self.outputs = list(zip(
             self.row_sums[:summed].split(rows, dim=1), self.grams.unbind(0), self.w2.unbind(0), self.u2.unbind(0),
-            *self.extremes.unbind(0),
+            *self.extremes.unbind(0), self.logprob_high.unbind(0),
             self.chunks[..., :whole].split(rows, dim=1), self.chunks[..., whole:].split(rows, dim=1),
             self.row_sums[_CHUNKED.stop : summed].split(rows, dim=1),
         ))
@@ -367,7 +371,9 @@ def token_statistics(
             (``round_*`` and ``max_rounds``, see :func:`_round_sums`); 0: none.
 
     Returns:
-        float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts) and, with
+        float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts), eager also
+        ``logprob_high`` (``[2]``: the trainer's and the rollout's largest logprob over every token, 0 standing in
+        for invalid ones; :attr:`~opbc_metrics.batch.BatchView.logprob_high`) and, with
         ``rounds``, the ``[rounds + 1]`` sums in :data:`ROUND_STATS` and ``max_rounds``.
 
     Example:
@@ -412,7 +418,9 @@ def _blocked_token_statistics(
     # copy is ~6x faster than bool -> float.
     block_views = zip(trainer.split(rows), rollout.split(rows), mask.view(torch.uint8).split(rows), call.outputs)
     x = None
-    for tr, ro, mb, (sums, grams, w2, u2, lo_r, hi_r, hi_pq, chunk_sums, tail_sums, rest_sums) in block_views:
+    for tr, ro, mb, (sums, grams, w2, u2, lo_r, hi_r, hi_pq, logprob_high, chunk_sums, tail_sums, rest_sums) in (
+        block_views
+    ):
         if x is None or x.rows != tr.shape[0]:  # all blocks but the last have `rows` rows
             x = _cached_plan(_WORKSPACES.plans, _BlockPlan, tr.shape[0], t, dtype, bins, device, summed, with_rounds)
         d, a, valid = x.d, x.a, x.valid
@@ -427,12 +435,15 @@ def _blocked_token_statistics(
             # first token), its chunk sums subtracted from the mask's after the loop (one op per call, not per block)
             torch.mul(x.m_next, x.m_previous, out=x.starts_next)
             x.starts_first.zero_()
+        # Both sides' logprobs on valid tokens (0 elsewhere), their max over every token: a side above 0 holds
+        # probabilities or logits (the input check at compute; a sample of the columns missed short responses).
+        torch.nan_to_num(tr, 0.0, 0.0, 0.0, out=x.dp)
+        torch.nan_to_num(ro, 0.0, 0.0, 0.0, out=x.q)
+        torch.amax(x.pq.mul_(x.valid_row), 1, out=logprob_high)
         if prob:
             # p = exp(a), q = exp(b) with a, b the logprobs clamped to [PROB_LOG_FLOOR, 0], on valid tokens (0
             # elsewhere). p - q as q * expm1(a - b): exact to a few ulps, where exp(a) - exp(b) keeps only the
             # rounding error of p and q near on-policy. The same two transcendental ops per token as two exps.
-            torch.nan_to_num(tr, 0.0, 0.0, 0.0, out=x.dp)
-            torch.nan_to_num(ro, 0.0, 0.0, 0.0, out=x.q)
             x.pq.clamp_(PROB_LOG_FLOOR, 0.0)
             torch.sub(x.dp, x.q, out=x.dp).expm1_()  # a - b is in [-80, 80]: finite
             x.q.exp_().mul_(valid)
@@ -483,7 +494,7 @@ def _blocked_token_statistics(
     products = torch.cat((call.grams.sum(0, dtype=f64).view(-1).take(call.product_index),
                           call.w2.sum(0, dtype=f64, keepdim=True), call.u2.sum(0, dtype=f64, keepdim=True)))
     extremes = torch.cat((call.extremes[:1].amin(1), call.extremes[1:].amax(1)))
-    out = _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins)
+    out = _assemble_statistics(call.row_sums, products, extremes, counts, clamp, bins, call.logprob_high.amax(0))
     if with_rounds:
         out.update(_round_sums(call.chunks, trainer, rollout, mask, rounds))
     return out
@@ -926,11 +937,13 @@ def _reduction_pieces(t: int) -> int:
 
 
 def _assemble_statistics(
-    row_sums: Tensor, products: Tensor, extremes: Tensor, hist: Tensor, clamp: float, bins: int
+    row_sums: Tensor, products: Tensor, extremes: Tensor, hist: Tensor, clamp: float, bins: int,
+    logprob_high: Tensor | None = None,
 ) -> Stats:
     """The statistics dict from the per-sequence and per-batch partial results of either kernel.
 
-    ``extremes`` is ``[min r, max r, max |p - q|]``. Sequences are ``[B]``-sized, so float64 throughout.
+    ``extremes`` is ``[min r, max r, max |p - q|]``, ``logprob_high`` (eager only) the largest trainer and rollout
+    logprob over all tokens, 0 standing in for invalid ones. Sequences are ``[B]``-sized, so float64 throughout.
     A sequence counts if it has a valid token and no masked token with a non-finite log ratio. Per-sequence
     terms are stacked and summed at once, results unbound from one tensor: ~25 small ops per call.
     """
@@ -954,6 +967,7 @@ def _assemble_statistics(
     per_seq = torch.stack((seq_ok, s, abs_s, geo, us, us * us, ws, ws * ws, geo.abs(), exp_d)).sum(-1)
     num_seqs, sum_s, sum_abs_s, sum_geo, sum_us, sum_us2, sum_ws, sum_ws2, sum_abs_d, sum_exp_d = per_seq.unbind(0)
     min_r, max_r, max_abs_pq = extremes.to(f64).unbind(0)
+    high = {} if logprob_high is None else {"logprob_high": logprob_high.to(f64)}
     # Tokens at rc = C land one past the last bin: the last bin includes its upper edge.
     counts = hist[:bins].to(f64, copy=True)
     counts[-1:] += hist[bins:]
@@ -982,6 +996,7 @@ def _assemble_statistics(
         "sum_d": -sum_geo,
         "sum_abs_d": sum_abs_d,
         "sum_exp_d": sum_exp_d,
+        **high,
     }
 
 
@@ -1106,7 +1121,12 @@ def batch_statistics(
             return _empty_statistics(bins, trainer.device, rounds)
         settings = (float(clamp), float(veto), int(bins))
         kernel = compiled_token_statistics() if compiled else token_statistics
-        return kernel(trainer, rollout, mask, *settings, prob, hist, rounds)
+        stats = kernel(trainer, rollout, mask, *settings, prob, hist, rounds)
+        # The input check's largest logprobs, from the eager kernel's sweep over every token. The compiled kernel
+        # leaves them to the view's column sample: as two more reductions they slowed its dynamic-shape graph
+        # 1.6-1.8x at T = 8192 (inductor's CPU code; benchmarks/ab_kernel.py --dynamic).
+        view.shared(LOGPROB_HIGH, lambda: stats["logprob_high"] if "logprob_high" in stats else view.logprob_sample[1])
+        return stats
 
     return view.shared((TOKEN_STATISTICS, float(clamp), float(veto), int(bins), prob, hist, rounds), make)
 
@@ -1739,8 +1759,8 @@ def probability_diff(
 
     Mean, max and standard deviation of :math:`|p_{train} - p_{roll}|` and Pearson's correlation of the two
     probability vectors over valid tokens. ``diff_std`` is verl's ``probs_diff_std`` (its rollout-vs-trainer
-    debug metrics): ``torch.std`` of the absolute differences, divisor N - 1 (0 with fewer than two tokens).
-    Pearson needs two tokens: with fewer, its key is left out; with zero variance it is 1 if the probabilities
+    debug metrics): ``torch.std`` of the absolute differences, divisor N - 1. Both it and Pearson need two
+    tokens: with fewer, their keys are left out. Pearson with zero variance is 1 if the probabilities
     are identical, else 0. Logprobs above 0 (invalid)
     are read as 0 and below -80 as -80 (``e^-80 ~ 1.8e-35``: immaterial to every sum, and it keeps CPU exp off
     its slow path). Everything comes from mergeable moments of q and of ``p - q`` (partial sums in the input
@@ -1757,8 +1777,8 @@ def probability_diff(
     """
     stats = _prob_update(_stats("probability_diff", trainer_logprobs, rollout_logprobs, response_mask))
     out = _prob_compute(**stats)
-    if not bool(stats["n"] > 1):  # a correlation needs two tokens (one token's "pearson" is rounding noise)
-        del out[PROB_KEYS[2]]
+    if not bool(stats["n"] > 1):  # a correlation and a sample std need two tokens: no made-up value for one
+        del out[PROB_KEYS[2]], out[PROB_KEYS[3]]
     return out
 
 

@@ -135,8 +135,8 @@ def _check_logits(logits: Tensor, name: str, top_k: int | None) -> int:
         raise ValueError(f"batch field `{name}` must be floating-point router logits, got {logits.dtype}")
     if top_k is None:
         raise ValueError(
-            f"batch field `{name}` holds router logits, which need `top_k` (the number of routed experts) "
-            "to be set on the metric"
+            f"batch field `{name}` holds router logits, which need `top_k` (the number of routed experts): pass "
+            '`top_k=K` to the metric or function, or `section_options={"moe": {"top_k": K}}` to an OPBCCollection'
         )
     if logits.shape[2] == 0 or logits.shape[3] < top_k:
         raise ValueError(
@@ -189,6 +189,15 @@ def router_inputs(view: BatchView, top_k: int | None = None) -> tuple[Tensor, Te
 def _resolve(view: BatchView, top_k: int | None) -> tuple[Tensor, Tensor, Tensor]:
     rollout, r_name = _side(view, ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS, top_k)
     trainer, t_name = _side(view, TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS, top_k)
+    if (r_name, t_name) == LOGIT_FIELDS:
+        # Top-Ks over different numbers of experts are not the same experts (their K columns would hide it).
+        r_logits, t_logits = (view.field(name) for name in LOGIT_FIELDS)
+        if t_logits.shape[3] != r_logits.shape[3]:
+            raise ValueError(
+                f"batch field `{t_name}` has E = {t_logits.shape[3]} experts (shape {tuple(t_logits.shape)}) but "
+                f"`{r_name}` has E = {r_logits.shape[3]} (shape {tuple(r_logits.shape)}): both sides' router logits "
+                "must score the same experts; pass the logits of the same MoE layers of the same model"
+            )
     if trainer.shape[:3] != rollout.shape[:3]:
         raise ValueError(
             f"batch field `{t_name}` has [B, T, L] = {tuple(trainer.shape[:3])} but `{r_name}` has "

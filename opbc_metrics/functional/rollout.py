@@ -48,7 +48,7 @@ not floored) and coefficients of variation (sample std / mean; groups of one or 
 are merged the same way.
 
 **Bad values.** Shapes, dtypes and devices are checked in ``update()`` (host metadata only). Values
-cannot be inspected there without a host sync, so negative or non-finite token counts, non-finite
+cannot be inspected there without a host sync, so negative or non-finite token counts and lags, non-finite
 rewards/advantages, infinite sample metrics and unknown int codes are counted by the update and
 raise a ``ValueError`` naming the field at ``compute()`` (after sync, so on every rank alike); the
 public functions below raise at once.
@@ -73,6 +73,7 @@ from opbc_metrics.batch import (
     TRAINER_LOGPROBS,
     BatchView,
     as_bool_mask,
+    check_same_device,
     check_same_shape,
     from_host,
 )
@@ -187,10 +188,26 @@ def _check_batch_size(view: BatchView, name: str, t: Tensor) -> None:
 
 
 def _token_mask(view: BatchView, name: str, t: Tensor) -> Tensor:
+    """``response_mask`` as bool for the ``[B, T]`` field ``name`` (all ones when absent).
+
+    On a shape mismatch the field at fault is ``name`` (the error names it and the two shapes it may have), unless
+    the logprobs have its shape: then the mask is (verl's ``attention_mask`` over prompt + response, say).
+    """
     if not view.has(RESPONSE_MASK):
         return torch.ones(t.shape, dtype=torch.bool, device=t.device)
     mask = view.tensor(RESPONSE_MASK)
-    check_same_shape(RESPONSE_MASK, mask, name, t)
+    if t.shape != mask.shape:
+        for ref in (TRAINER_LOGPROBS, ROLLOUT_LOGPROBS):
+            # Peek without marking the field read: a logprob field no metric reads is still reported as unread.
+            logprobs = dict.get(view.data, ref)
+            if isinstance(logprobs, Tensor) and logprobs.shape == t.shape:
+                check_same_shape(RESPONSE_MASK, mask, ref, logprobs)
+        raise ValueError(
+            f"batch field `{name}` has shape {tuple(t.shape)} but `{RESPONSE_MASK}` has shape {tuple(mask.shape)}: "
+            f"give `{name}` the response_mask's shape [B, T] = {tuple(mask.shape)} (one value per response token) "
+            "or [B] (one value per sequence)"
+        )
+    check_same_device(name, t, RESPONSE_MASK, mask)
     return as_bool_mask(mask)
 
 
@@ -225,12 +242,14 @@ def _finite(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _lengths(view: BatchView, name: str) -> tuple[Tensor, Tensor]:
-    """``(x, invalid)``: a ``[B]`` token-count field in float64 and its count of negative/non-finite values."""
+    """``(x, invalid)``: a ``[B]`` count field (token counts, or ``policy_lag``'s trainer steps) in float64 and
+    its count of negative/non-finite values."""
 
     def make() -> tuple[Tensor, Tensor]:
         t = _real_tensor(view, name)
         if t.ndim != 1:
-            raise ValueError(f"batch field `{name}` must have shape [B] (token counts), got {tuple(t.shape)}")
+            counts = "trainer steps" if name == POLICY_LAG else "token counts"
+            raise ValueError(f"batch field `{name}` must have shape [B] ({counts}), got {tuple(t.shape)}")
         _check_batch_size(view, name, t)
         x = t.to(F64)
         bad = ~torch.isfinite(x) | (x < 0)
@@ -458,6 +477,9 @@ def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
 
 NONFINITE = "non-finite values"
 BAD_COUNTS = "negative or non-finite token counts"
+# policy_lag is a count of trainer steps, not of tokens: its own rule in its message.
+BAD_LAGS = ("negative or non-finite lags: `policy_lag` counts the trainer steps between the weights that generated "
+            "each rollout and the weights being trained, a finite number >= 0 (0 on-policy)")
 
 
 def _value_stats_update(view: BatchView, name: str, reduce: str) -> Stats:
@@ -1017,7 +1039,7 @@ def off_policy_steps(policy_lag: Tensor) -> dict[str, Tensor]:
         [1.0, 1.0, 0.0, 2.0]
     """
     view = BatchView(policy_lag=policy_lag)
-    return _moments_dict(OFF_POLICY_KEYS, **_checked(_off_policy_update(view), POLICY_LAG, BAD_COUNTS))
+    return _moments_dict(OFF_POLICY_KEYS, **_checked(_off_policy_update(view), POLICY_LAG, BAD_LAGS))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,10 +13,14 @@ from torchmetrics.utilities.data import dim_zero_cat
 from opbc_metrics.batch import (
     DEFAULT_CLAMP,
     DEFAULT_VETO,
+    RESPONSE_MASK,
     ROLLOUT_LOGPROBS,
     TRAINER_LOGPROBS,
     BatchView,
     check_positive,
+    check_same_shape,
+    raise_if_bad_inputs,
+    raise_if_not_logprobs,
 )
 from opbc_metrics.functional.mismatch import (
     CHI2_KEYS,
@@ -109,6 +113,7 @@ class _MismatchMetric(LogprobInputChecks, OPBCMetric):
     """
 
     required_fields = _TOKEN_FIELDS
+    optional_fields: ClassVar[tuple[str, ...]] = (RESPONSE_MASK,)
     data_counts = ("count", "n", "bin_count")  # valid tokens (sequences for sequence metrics)
     from_kernel: ClassVar[Callable[[Stats], Stats]]
     formula: ClassVar[Callable[..., Any]]
@@ -286,6 +291,12 @@ class ImportanceWeightStd(_WeightMoment):
 
     over the valid tokens of the window and all ranks (divisor N), from mergeable sums of ``w - 1`` and
     ``(w - 1)^2`` (of ``w`` and ``w^2`` when the mean weight is below 1/2, where those of ``w - 1`` hold no digits).
+
+    Precision: these are sums of x and x^2 per window (x = w - 1 or w), in the inputs' precision, so the std loses
+    digits when the spread is small next to the mean. With float32 inputs, once the spread is below ~1e-3 of the
+    mean weight (e.g. every weight clamped at e^20), its relative error grows: two tokens both at w = e^20 give
+    weight_std 95072 instead of 0. float64 inputs give it to ~1e-10 relative (0 in that case). Pass float64
+    logprobs where such small spreads matter.
 
     Example:
         >>> import torch
@@ -625,9 +636,15 @@ class ProbabilityDiff(_MismatchMetric):
     On :math:`p = e^{\log p}`: mean and max :math:`|p_{train} - p_{roll}|`, Pearson's correlation
     (1 for identical constant probabilities, 0 for other zero-variance cases) and ``diff_std``, verl's
     ``probs_diff_std``: the standard deviation of :math:`|p_{train} - p_{roll}|` with divisor N - 1 as
-    ``torch.std`` takes it (0 with fewer than two tokens). Pearson needs two valid tokens in the window: with
-    one, its key is left out. Logprobs above 0 (the rounding that :class:`InputHealth` lets through) are read
-    as 0, probability 1; below -80 as -80.
+    ``torch.std`` takes it. Pearson and ``diff_std`` need two valid tokens in the window: with one (a sample
+    std of one value is undefined; ``torch.std`` gives NaN), their keys are left out. Logprobs above 0 (the
+    rounding that :class:`InputHealth` lets through) are read as 0, probability 1; below -80 as -80.
+
+    Precision: ``diff_std`` comes from the window's sums of x and x^2 (x = p - q; partial sums in the inputs'
+    precision), so it loses digits when the spread is small next to the mean difference. With float32 inputs,
+    once the spread is below ~1e-3 of the mean (probabilities shifted as a whole), its relative error grows:
+    measured 4% to 40% at a spread of 1e-4 around a difference of 0.1. float64 inputs give it to ~1e-10 relative
+    (measured 4e-11 there). Pass float64 logprobs where such small spreads matter.
 
     Example:
         >>> import torch
@@ -643,14 +660,16 @@ class ProbabilityDiff(_MismatchMetric):
     # Moments of q and of the difference p - q (sum_dp: signed, sum_abs_pq: absolute).
     states = table("sum_q", "sum_dp", "sum_qq", "sum_qdp", "sum_dp2", "sum_abs_pq", "n", max_abs_pq=MAX)
     from_kernel, formula = staticmethod(_prob_update), staticmethod(_prob_compute)
-    key_counts = ((PROB_KEYS[2], "n", 2),)  # a correlation needs two tokens (with one, rounding noise)
+    # A correlation and a sample std (n - 1) need two tokens: with one, no value (not 0, not rounding noise).
+    key_counts = ((PROB_KEYS[2], "n", 2), (PROB_KEYS[3], "n", 2))
     glossary = GlossaryEntry(
         name="prob",
         what="Disagreement in probability space rather than log space: mean, max and standard deviation of "
         "|p_trainer - p_rollout| over tokens and the Pearson correlation of the two probability vectors "
         "(the 'training vs rollout probability' scatter of verl's dashboards). Source: verl's rollout-vs-actor "
         "debug metrics (verl/utils/debug/metrics.py): probs_diff_mean, probs_diff_max, probs_diff_std "
-        "(diff_std: torch.std of |p_trainer - p_rollout|, divisor N - 1) and the Pearson correlation.",
+        "(diff_std: torch.std of |p_trainer - p_rollout|, divisor N - 1; absent with one token) and the Pearson "
+        "correlation.",
         unit=_TOKENS,
         cap=_DIAGNOSTIC,
         action=_NO_ACTION,
@@ -662,6 +681,42 @@ class ProbabilityDiff(_MismatchMetric):
         self.statistic_groups = frozenset({"prob"})
 
 
+ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS = "rollout_token_ids", "trainer_token_ids"
+
+
+def token_ids_differ(mask: Tensor, rollout_ids: Tensor, trainer_ids: Tensor) -> Tensor:
+    """``[B]`` the response tokens (``mask`` set) of each row whose rollout and trainer token ids differ: the
+    comparison behind :class:`InputHealth`'s refusal and the controller's ``token_ids_mismatch``.
+
+    Example:
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> token_ids_differ(mask, torch.tensor([[5, 6, 7]]), torch.tensor([[5, 9, 8]]))
+        tensor([1])
+    """
+    return (mask & (rollout_ids != trainer_ids)).sum(dim=1)
+
+
+def _token_id_pair(view: BatchView) -> tuple[Tensor, Tensor] | None:
+    """The batch's ``(rollout_token_ids, trainer_token_ids)``, checked on host metadata (both or neither; integer
+    tensors of the logprobs' shape, on their device), or ``None`` when neither is given."""
+    pair = {name: view.data.get(name) for name in (ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)}
+    given = [name for name, ids in pair.items() if ids is not None]
+    if not given:
+        return None
+    if len(given) == 1:
+        (other,) = set(pair) - set(given)
+        raise ValueError(f"batch field `{other}` is required when `{given[0]}` is given (both sides' token ids are "
+                         "compared; pass both or neither)")
+    trainer = view.tensor(TRAINER_LOGPROBS)
+    for name, ids in pair.items():
+        if not isinstance(ids, Tensor):
+            raise ValueError(f"batch field `{name}` must be a torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"batch field `{name}` must be an integer tensor of token ids, got {ids.dtype}")
+        check_same_shape(name, ids, TRAINER_LOGPROBS, trainer)
+    return pair[ROLLOUT_TOKEN_IDS], pair[TRAINER_TOKEN_IDS]
+
+
 class InputHealth(_MismatchMetric):
     r"""Input accounting ``opbc/input/{nonfinite_count, num_tokens, num_sequences}``.
 
@@ -669,8 +724,14 @@ class InputHealth(_MismatchMetric):
     excluded from every mismatch statistic and counted here instead; ``num_tokens`` and
     ``num_sequences`` are the valid tokens and sequences the other metrics averaged over. Its compute refuses
     (``ValueError`` naming the field) a window whose logprobs held positive values (probabilities, logits;
-    found on a sample of each row, :attr:`~opbc_metrics.batch.BatchView.logprob_range`) or whose
-    ``response_mask`` held values other than 0 and 1.
+    :attr:`~opbc_metrics.batch.BatchView.logprob_range`) or whose ``response_mask`` held values other than 0
+    and 1.
+
+    With ``rollout_token_ids`` and ``trainer_token_ids`` (``[B, T]`` integer, as the logprobs) it compares them
+    on the response tokens (:func:`token_ids_differ`, the controller's ``token_ids_mismatch`` comparison) and
+    counts those that differ, over the window and all ranks (a state; no host read in ``update``): ``compute()``
+    refuses a window with any, since the two logprobs are then of different tokens and their difference is no
+    drift. One field without the other, a wrong shape or a non-integer dtype is refused at ``update``.
 
     Example:
         >>> import torch
@@ -684,8 +745,10 @@ class InputHealth(_MismatchMetric):
     keys = INPUT_KEYS
     higher_is_better = False
     data_counts = ()  # input accounting reports its zero counts too
-    # and the input checks' states (LogprobInputChecks: always on here), refused at compute
-    states = table("nonfinite", "tokens", "sequences")
+    # and the input checks' states (LogprobInputChecks: always on here), refused at compute; token_ids_differ:
+    # response tokens whose rollout and trainer token ids differ, refused at compute too
+    states = table("nonfinite", "tokens", "sequences", "token_ids_differ")
+    optional_fields = (RESPONSE_MASK, ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS)
     glossary = GlossaryEntry(
         name="input",
         what="Input accounting: response tokens with non-finite logprobs (excluded from every other "
@@ -697,7 +760,27 @@ class InputHealth(_MismatchMetric):
     )
 
     def own_statistics(self, view: BatchView) -> Stats:
-        return _input_update(self._stats(view))
+        stats = _input_update(self._stats(view))
+        pair = _token_id_pair(view)
+        if pair is not None:
+            stats["token_ids_differ"] = token_ids_differ(view.token_inputs[2], *pair).sum()
+        return stats
+
+    def raise_on_bad_inputs(self) -> None:
+        # One host read for every deferred check of the window (synced: the counts of all ranks).
+        *sides, other, differ = torch.cat([
+            self.logprob_min, self.logprob_max, self.mask_other.reshape(1), self.token_ids_differ.reshape(1)
+        ]).tolist()
+        raise_if_not_logprobs(sides[:2], sides[2:])
+        if other:  # (its error, worded once in batch.py: a second read, on the way to the error only)
+            raise_if_bad_inputs(self.logprob_min, self.logprob_max, self.mask_other)
+        if differ:
+            raise ValueError(
+                f"batch fields `{ROLLOUT_TOKEN_IDS}` and `{TRAINER_TOKEN_IDS}` differ on {int(differ)} response "
+                "token(s) in this window (over all ranks): the trainer's and the rollout's logprobs are of different "
+                "tokens, so their difference is not a drift; align the rollout's tokens to the trainer's (e.g. "
+                "re-tokenisation drift: give the trainer the rollout engine's token ids rather than re-tokenised text)"
+            )
 
     def value(self) -> dict[str, Tensor]:
         return _input_compute(self.nonfinite, self.tokens, self.sequences)

@@ -16,6 +16,7 @@ from opbc_metrics.functional.rollout import (
     ADVANTAGE_KEYS,
     ADVANTAGES,
     BAD_COUNTS,
+    BAD_LAGS,
     COMPLETION_TOKEN_KEYS,
     DISCARD_KEYS,
     DISCARD_REASONS,
@@ -457,7 +458,7 @@ class OffPolicySteps(_MomentStats):
         [1.0, 0.8165, 0.0, 2.0]
     """
 
-    keys, required_fields, invalid_what = OFF_POLICY_KEYS, (POLICY_LAG,), BAD_COUNTS
+    keys, required_fields, invalid_what = OFF_POLICY_KEYS, (POLICY_LAG,), BAD_LAGS
     higher_is_better = False
     kernel = staticmethod(_off_policy_update)
     glossary = _entry(
