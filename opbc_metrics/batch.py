@@ -139,58 +139,6 @@ class UnreadFieldWarning(UserWarning):
     ``warnings.filterwarnings("ignore", category=UnreadFieldWarning)``."""
 
 
-# Known fields that metrics read when present without declaring them on their class (required_fields,
-# trigger_fields, optional_fields, weight_field): the section whose metrics read each.
-_UNDECLARED_READERS: dict[str, str] = {
-    "rank_ids": "training", "timing_s": "training", "agent_tool_calls_s": "training", "logits": "training",
-    "val_mask": "training",
-}
-
-
-def field_readers() -> dict[str, tuple[str, ...]]:
-    """Every known batch field (:func:`known_field_names`) -> the sections whose metrics read it, in the order of
-    :data:`opbc_metrics.collection.SECTIONS` (a metric class from outside the library by its class name; ``()``:
-    no section reads it). What :meth:`BatchView.check_unread` names for a field no metric of a collection read.
-
-    Example:
-        >>> field_readers()["rewards"][0], field_readers()["rollout_token_ids"]
-        ('rollout', ('mismatch',))
-    """
-    from opbc_metrics.collection import SECTIONS  # (at call time: the collection imports this module)
-
-    found: dict[str, list[str]] = {name: [] for name in known_field_names()}
-    for cls in METRIC_CLASSES:
-        parts = cls.__module__.split(".")
-        reader = parts[1] if parts[0] == "opbc_metrics" and len(parts) > 2 and parts[1] in SECTIONS else cls.__name__
-        fields = (*cls.required_fields, *cls.trigger_fields, *getattr(cls, "optional_fields", ()),
-                  getattr(cls, "weight_field", None))
-        for name in fields:
-            if name in found and reader not in found[name]:
-                found[name].append(reader)
-    for name, reader in _UNDECLARED_READERS.items():
-        if name in found and reader not in found[name]:
-            found[name].append(reader)
-    order = {name: i for i, name in enumerate(SECTIONS)}
-    return {name: tuple(sorted(readers, key=lambda r: order.get(r, len(order)))) for name, readers in found.items()}
-
-
-def _unread_known_message(names: list[str]) -> str:
-    """The report of known fields that no metric of a collection read: each with the sections that read it."""
-    from opbc_metrics.collection import SECTIONS
-
-    readers = field_readers()
-    parts = []
-    for name in names:
-        sections = [r for r in readers.get(name, ()) if r in SECTIONS]
-        by = [f"the {' and '.join(sections)} section{'s' * (len(sections) > 1)}"] if sections else []
-        by += [r for r in readers.get(name, ()) if r not in SECTIONS]  # metric classes of no section
-        parts.append(f"`{name}` (read by {', '.join(by)})" if by else f"`{name}` (read by no section of opbc-metrics)")
-    first = next((r for name in names for r in readers.get(name, ()) if r in SECTIONS), None)
-    hint = f' To measure them, add the section that reads them: OPBCCollection(sections=[..., "{first}"]).'
-    return (f"batch field(s) {', '.join(parts)} not read by any metric of this collection: ignored."
-            f"{hint if first else ''} Reported once per field and collection.")
-
-
 def _detached(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach() if value.requires_grad else value
@@ -545,7 +493,7 @@ class BatchView:
             self._cache["fields_checked"] = True
         return self
 
-    def check_unread(self, reported: set[str] | None = None) -> None:
+    def check_unread(self, reported: set[str] | None = None) -> list[str]:
         """Refuse or report the fields that no metric read, once every metric has read the view (its owner calls it:
         the collection, the metric or the controller that made the view from the user's batch).
 
@@ -554,10 +502,10 @@ class BatchView:
         defaults to all ones): ``ValueError``. Any other such field (``input_ids``) is ignored with a
         warning naming it.
 
-        A known field (a schema name: ``rewards``, ``group_ids``, ...) that no metric of the owner read: with
-        ``reported`` (the owner's memory, a collection's), a warning names it and the sections that read it, once
-        per field and owner (adapters map every field they find: one warning, not one per step); the names are
-        added to ``reported``. Without it (a metric alone, the controller) the field is ignored without a warning.
+        Returns the known fields (schema names: ``rewards``, ``group_ids``, ...) that no metric of the owner read
+        and that are not in ``reported`` (the owner's memory, a collection's), adding them to it: the owner reports
+        them once (:func:`opbc_metrics.collection.unread_fields_message`; adapters map every field they find: one
+        warning, not one per step). Without ``reported`` (a metric alone, the controller): none.
 
         Example:
             >>> view = BatchView(trainer_logprobs=torch.zeros(1, 2), rollout_logprobs=torch.zeros(1, 2),
@@ -571,7 +519,7 @@ class BatchView:
         looked_up = self.data.looked_up
         unread = [k for k, v in self.data.items() if v is not None and k not in looked_up]
         if not unread:
-            return
+            return []
         known = known_field_names()
         present = {k for k, v in self.data.items() if v is not None}
         # Only the names these metrics looked for matter: a misspelling of a field no metric here reads changes
@@ -593,9 +541,9 @@ class BatchView:
                 stacklevel=3,
             )
         fresh = [k for k in unread if k in known and k not in reported] if reported is not None else []
-        if fresh:
+        if reported is not None:
             reported.update(fresh)
-            warnings.warn(_unread_known_message(fresh), UnreadFieldWarning, stacklevel=3)
+        return fresh
 
     # -- access and validation ---------------------------------------------------------------
     def has(self, *names: str) -> bool:

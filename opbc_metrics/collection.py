@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -10,7 +11,16 @@ from torch import Tensor
 from torchmetrics import MetricCollection
 
 from opbc_metrics.agent import agent_section
-from opbc_metrics.batch import DEFAULT_CLAMP, DEFAULT_VETO, BatchView, as_view, stacked_scalars
+from opbc_metrics.batch import (
+    DEFAULT_CLAMP,
+    DEFAULT_VETO,
+    METRIC_CLASSES,
+    BatchView,
+    UnreadFieldWarning,
+    as_view,
+    known_field_names,
+    stacked_scalars,
+)
 from opbc_metrics.endpoint import endpoint_section
 from opbc_metrics.functional.mismatch import DEFAULT_TOP_MASS_BINS
 from opbc_metrics.metric import (
@@ -60,6 +70,55 @@ SECTIONS["rollout"] = rollout_section
 # settings via section_options={"training": {"max_response_length": ..., "data_sources": [...], ...}}.
 SECTIONS["training"] = training_section
 DEFAULT_SECTIONS: tuple[str, ...] = ("mismatch", "moe", "per_round", "agent", "endpoint")
+
+
+# Known fields that metrics read when present without declaring them on their class (required_fields,
+# trigger_fields, optional_fields, weight_field): the section whose metrics read each.
+_UNDECLARED_READERS: dict[str, str] = {
+    "rank_ids": "training", "timing_s": "training", "agent_tool_calls_s": "training", "logits": "training",
+    "val_mask": "training",
+}
+
+
+def field_readers() -> dict[str, tuple[str, ...]]:
+    """Every known batch field (:func:`~opbc_metrics.batch.known_field_names`) -> the sections whose metrics read it,
+    in the order of :data:`SECTIONS` (a metric class from outside the library by its class name; ``()``: no section
+    reads it). What a collection names for a field that none of its members read (:func:`unread_fields_message`).
+
+    Example:
+        >>> field_readers()["rewards"][0], field_readers()["rollout_token_ids"]
+        ('rollout', ('mismatch',))
+    """
+    found: dict[str, list[str]] = {name: [] for name in known_field_names()}
+    for cls in METRIC_CLASSES:
+        parts = cls.__module__.split(".")
+        reader = parts[1] if parts[0] == "opbc_metrics" and len(parts) > 2 and parts[1] in SECTIONS else cls.__name__
+        fields = (*cls.required_fields, *cls.trigger_fields, *getattr(cls, "optional_fields", ()),
+                  getattr(cls, "weight_field", None))
+        for name in fields:
+            if name in found and reader not in found[name]:
+                found[name].append(reader)
+    for name, reader in _UNDECLARED_READERS.items():
+        if name in found and reader not in found[name]:
+            found[name].append(reader)
+    order = {name: i for i, name in enumerate(SECTIONS)}
+    return {name: tuple(sorted(readers, key=lambda r: order.get(r, len(order)))) for name, readers in found.items()}
+
+
+def unread_fields_message(names: list[str]) -> str:
+    """The report of known fields that no metric of a collection read (:meth:`BatchView.check_unread`), each with
+    the sections that read it."""
+    readers = field_readers()
+    parts = []
+    for name in names:
+        sections = [r for r in readers.get(name, ()) if r in SECTIONS]
+        by = [f"the {' and '.join(sections)} section{'s' * (len(sections) > 1)}"] if sections else []
+        by += [r for r in readers.get(name, ()) if r not in SECTIONS]  # metric classes of no section
+        parts.append(f"`{name}` (read by {', '.join(by)})" if by else f"`{name}` (read by no section of opbc-metrics)")
+    first = next((r for name in names for r in readers.get(name, ()) if r in SECTIONS), None)
+    hint = f' To measure them, add the section that reads them: OPBCCollection(sections=[..., "{first}"]).'
+    return (f"batch field(s) {', '.join(parts)} not read by any metric of this collection: ignored."
+            f"{hint if first else ''} Reported once per field and collection.")
 
 
 def _own_copies(values: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -238,12 +297,17 @@ class OPBCCollection(MetricCollection):
                     folded.append(m)
                 else:
                     m.update(view)
-            if own_view:
-                view.check_unread(self._reported_fields)  # every member has read the batch; nothing is folded yet
+            if own_view:  # every member has read the batch; nothing is folded yet
+                self._warn_unread(view.check_unread(self._reported_fields))
             # Every member's statistics into the states at once: a few multi-tensor ops, not one op per state.
             fold_statistics(triples)
         for m in folded:
             m._fold_done()
+
+    @staticmethod
+    def _warn_unread(names: list[str]) -> None:
+        if names:  # (stacklevel: the caller of update / forward)
+            warnings.warn(unread_fields_message(names), UnreadFieldWarning, stacklevel=3)
 
     def forward(self, batch: Any = None, **fields: Any) -> dict[str, Tensor]:  # type: ignore[override]
         """Accumulate one batch and return that batch's own values (local, not synced)."""
@@ -258,7 +322,7 @@ class OPBCCollection(MetricCollection):
                 done.append((m, m.forward_flags()))
                 out.update(m.as_dict(m(view)))
             if view is not batch:
-                view.check_unread(self._reported_fields)
+                self._warn_unread(view.check_unread(self._reported_fields))
         except BaseException:
             for m, flags in done:
                 m.restore_window(flags)

@@ -194,7 +194,7 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
     glossary: ClassVar[GlossaryEntry | None] = None
     required_fields: ClassVar[tuple[str, ...]] = ()
     # Fields the metric reads when the batch has them, besides required_fields (a collection's report of the fields
-    # none of its members read names the section of the metrics that declare them: batch.field_readers).
+    # none of its members read names the section of the metrics that declare them: collection.field_readers).
     optional_fields: ClassVar[tuple[str, ...]] = ()
     optional_inputs: ClassVar[bool] = False
     # With optional_inputs: the fields any one of which makes a collection update the metric (a missing partner then

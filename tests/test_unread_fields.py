@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from opbc_metrics import OPBCCollection
-from opbc_metrics.batch import UnreadFieldWarning, field_readers, known_field_names
+from opbc_metrics.batch import UnreadFieldWarning, known_field_names
+from opbc_metrics.collection import field_readers
 from opbc_metrics.mismatch import InputHealth
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch
@@ -191,7 +192,7 @@ def test_bad_token_ids_are_refused_at_update_naming_the_field(change, match):
 def test_the_token_id_check_uses_the_controllers_comparison():
     """The controller rejects a group for token_ids_mismatch on the same positions the collection counts."""
     from opbc_metrics import OPBCController
-    from opbc_metrics.mismatch.metrics import token_ids_differ
+    from opbc_metrics.functional.controller import token_ids_differ
     from opbc_metrics.policy import Reason
 
     batch = _with_ids(make_batch(batch=4, seq=5, seed=1), differ=2)

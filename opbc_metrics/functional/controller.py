@@ -567,7 +567,7 @@ def fused_pass(
         if flips is not None:
             extra["flips"].append((flips[i:j] & mask[i:j, :, None]).sum(dim=(1, 2)))
         if token_ids is not None:
-            extra["token_ids_differ"].append((mask[i:j] & (token_ids[0][i:j] != token_ids[1][i:j])).sum(dim=1))
+            extra["token_ids_differ"].append(token_ids_differ(mask[i:j], token_ids[0][i:j], token_ids[1][i:j]))
 
     rows = dict(zip(_FUSED_ROWS, sums.unbind(0)))
     count, nonfinite = rows["n_valid"], rows["n_mask"] - rows["n_valid"]
@@ -780,6 +780,19 @@ def _contract_flags(
     return _contract_from_rows(rows, index, lag_rows, view.mask_other_rows)
 
 
+def token_ids_differ(mask: Tensor, rollout_ids: Tensor, trainer_ids: Tensor) -> Tensor:
+    """``[B]`` the response tokens (``mask`` set) of each row whose rollout and trainer token ids differ: the
+    comparison behind the controller's ``token_ids_mismatch`` and
+    :class:`~opbc_metrics.mismatch.InputHealth`'s refusal.
+
+    Example:
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> token_ids_differ(mask, torch.tensor([[5, 6, 7]]), torch.tensor([[5, 9, 8]]))
+        tensor([1])
+    """
+    return (mask & (rollout_ids != trainer_ids)).sum(dim=1)
+
+
 def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tensor, Tensor] | None = None) -> Stats:
     """Per-row (``[b]``) counts behind the contract flags: all the per-token work of the checks (the rows whose
     mask is not 0/1 come from the whole batch's view, :attr:`~opbc_metrics.batch.BatchView.mask_other_rows`)."""
@@ -803,7 +816,7 @@ def _contract_rows(view: BatchView, alignment_gap: float, token_ids: tuple[Tenso
     )
     if token_ids is not None:
         rollout_ids, trainer_ids = token_ids
-        rows["token_ids_differ"] = (mask & (rollout_ids != trainer_ids)).sum(dim=1)
+        rows["token_ids_differ"] = token_ids_differ(mask, rollout_ids, trainer_ids)
     return rows
 
 

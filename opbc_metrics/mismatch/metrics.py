@@ -22,6 +22,7 @@ from opbc_metrics.batch import (
     raise_if_bad_inputs,
     raise_if_not_logprobs,
 )
+from opbc_metrics.functional.controller import token_ids_differ
 from opbc_metrics.functional.mismatch import (
     CHI2_KEYS,
     DEFAULT_TOP_FRACTION,
@@ -682,18 +683,6 @@ class ProbabilityDiff(_MismatchMetric):
 
 
 ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS = "rollout_token_ids", "trainer_token_ids"
-
-
-def token_ids_differ(mask: Tensor, rollout_ids: Tensor, trainer_ids: Tensor) -> Tensor:
-    """``[B]`` the response tokens (``mask`` set) of each row whose rollout and trainer token ids differ: the
-    comparison behind :class:`InputHealth`'s refusal and the controller's ``token_ids_mismatch``.
-
-    Example:
-        >>> mask = torch.tensor([[True, True, False]])
-        >>> token_ids_differ(mask, torch.tensor([[5, 6, 7]]), torch.tensor([[5, 9, 8]]))
-        tensor([1])
-    """
-    return (mask & (rollout_ids != trainer_ids)).sum(dim=1)
 
 
 def _token_id_pair(view: BatchView) -> tuple[Tensor, Tensor] | None:
