@@ -93,3 +93,35 @@ def test_strided_inputs_reuse_the_contiguous_graph_and_give_the_same_values():
         assert set(strided) == set(contiguous)
         for key in contiguous:
             assert torch.equal(strided[key], contiguous[key]), key
+
+
+def test_the_compiled_kernels_c_plus_plus_gets_pressure_aware_scheduling(monkeypatch):
+    """Inductor builds the compiled mismatch kernels with GCC's register-pressure-aware scheduling (only GCC, only
+    while they compile: another graph of the process keeps inductor's flags), read by the command that compiles."""
+    import importlib
+
+    from opbc_metrics.functional import mismatch as fm
+
+    builder = importlib.import_module("torch._inductor.cpp_builder")
+    own = builder._get_optimization_cflags
+    assert not set(fm._GCC_SCHEDULING_FLAGS) & set(own("g++")[0])
+    with fm._pressure_aware_scheduling():
+        assert builder._get_optimization_cflags("g++")[0][-2:] == list(fm._GCC_SCHEDULING_FLAGS)
+        assert not set(fm._GCC_SCHEDULING_FLAGS) & set(builder._get_optimization_cflags("clang++")[0])
+    assert builder._get_optimization_cflags is own
+    # The kernel's first call compiles under it: the command lines inductor builds carry the flags.
+    commands: list[str] = []
+    command_line = builder.CppBuilder.get_command_line
+
+    def recording(self):
+        commands.append(command_line(self))
+        return commands[-1]
+
+    monkeypatch.setattr(builder.CppBuilder, "get_command_line", recording)
+    monkeypatch.setattr(fm, "_COMPILED", {})
+    b = make_batch(batch=2, seq=37, seed=11)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # (compiled here, not loaded from the cache)
+        fm.compiled_token_statistics()(b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool(), 20.0,
+                                       30.0, 64)
+    kernels = [c for c in commands if " -O3 " in c]  # (the kernels' compiles; the wrapper's builds at -O1)
+    assert kernels and all("-fschedule-insns -fsched-pressure" in c for c in kernels)

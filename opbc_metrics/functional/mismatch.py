@@ -35,9 +35,12 @@ left out.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 import operator
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -1021,8 +1024,45 @@ _RECOMPILE_LIMIT = 64
 # ran 1.9-2.5x the mismatch-only one for every T > 4096 measured on one host (8 x 16384 to 256 x 8192, 128 x 8100;
 # dynamic shapes; 1.27x at 256 x 8192 on another), where the separate graph costs 1.2-1.4x. For T <= 4096 the loop
 # inside stays (64 x 4096 to 256 x 4096: 0.96-0.97x inside, 1.22-1.23x separate; 512 x 1024: 1.13x against 1.38x).
-# benchmarks/README.md, "Compiled per-round statistics: a graph of their own".
+# benchmarks/README.md, "Compiled per-round statistics: a graph of their own". With _GCC_SCHEDULING_FLAGS (which
+# removed that 2x) the two paths measured alike for T > 4096 (1.31-1.40x against 1.32-1.53x from 16 x 8192 to
+# 256 x 8192, 8 x 16384) but for 128 x 8100 (1.69x inside, 1.36x separate): the threshold stays.
 SEPARATE_ROUNDS_ROW = 4096
+
+
+# GCC flags for the compiled kernels' C++: scheduling before register allocation, aware of register pressure (off by
+# default on x86). The main loop keeps ~21 vector accumulators and their temporaries live (~100 spills); without
+# these, small changes to the graph flipped its speed up to 2x (the kernel with per-round sums 2.1-2.5x the
+# mismatch-only one for T > 4096, see SEPARATE_ROUNDS_ROW) with the same loop structure. Measured (round_paths.py,
+# CPU, one thread, dynamic graphs): the mismatch-only kernel 1.2-1.8x faster from 64 x 4096 to 256 x 8192, the one
+# with per-round sums 1.3-2.1x (benchmarks/README.md, "GCC register-pressure scheduling").
+_GCC_SCHEDULING_FLAGS = ("fschedule-insns", "fsched-pressure")
+
+
+@contextlib.contextmanager
+def _pressure_aware_scheduling() -> Iterator[None]:
+    """While inductor builds this module's kernels: :data:`_GCC_SCHEDULING_FLAGS` added to its C++ optimization
+    flags when the compiler is GCC. The flags enter the compile command and so inductor's cache key; a torch
+    without the hook this patches (a private function of inductor's C++ builder) compiles with its own flags."""
+    try:
+        builder: Any = importlib.import_module("torch._inductor.cpp_builder")  # (imported once: inductor's own)
+    except ImportError:
+        builder = None
+    flags_of = getattr(builder, "_get_optimization_cflags", None)
+    is_gcc = getattr(builder, "_is_gcc", None)
+    if flags_of is None or is_gcc is None:
+        yield
+        return
+
+    def with_scheduling(cpp_compiler: str, *args: Any, **kwargs: Any) -> Any:
+        cflags, ldflags = flags_of(cpp_compiler, *args, **kwargs)
+        return ([*cflags, *_GCC_SCHEDULING_FLAGS] if is_gcc(cpp_compiler) else cflags), ldflags
+
+    builder._get_optimization_cflags = with_scheduling
+    try:
+        yield
+    finally:
+        builder._get_optimization_cflags = flags_of
 
 
 def compiled_token_statistics() -> Any:
@@ -1053,12 +1093,12 @@ def compiled_token_statistics() -> Any:
             # the window stage's shapes with it (a patch of two settings costs ~7 us more per call than of one).
             patch = {"recompile_limit": _RECOMPILE_LIMIT, **({"specialize_int": True} if rounds else {})}
             if rounds and trainer.device.type == "cpu" and trainer.shape[-1] > SEPARATE_ROUNDS_ROW:
-                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), _pressure_aware_scheduling():
                     out = compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, 0)
-                with torch._dynamo.config.patch(**patch):
+                with torch._dynamo.config.patch(**patch), _pressure_aware_scheduling():
                     out.update(separate_rounds(trainer, rollout, mask, rounds))
                 return out
-            with torch._dynamo.config.patch(**patch):
+            with torch._dynamo.config.patch(**patch), _pressure_aware_scheduling():
                 return compiled(trainer, rollout, mask, clamp, veto, bins, prob, hist, rounds)
 
         separate_rounds = torch.compile(_separate_round_statistics, fullgraph=True, dynamic=None)
