@@ -35,6 +35,8 @@ TRAINER_LOGPROBS = "trainer_logprobs"
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 RESPONSE_MASK = "response_mask"
 GROUP_IDS = "group_ids"
+ROLLOUT_TOKEN_IDS = "rollout_token_ids"
+TRAINER_TOKEN_IDS = "trainer_token_ids"
 
 DEFAULT_CLAMP = 20.0
 DEFAULT_VETO = 30.0

@@ -21,7 +21,9 @@ from opbc_metrics.batch import (
     PER_SEQUENCE_FIELDS,
     RESPONSE_MASK,
     ROLLOUT_LOGPROBS,
+    ROLLOUT_TOKEN_IDS,
     TRAINER_LOGPROBS,
+    TRAINER_TOKEN_IDS,
     BatchView,
     as_view,
     check_field_names,
@@ -37,8 +39,6 @@ ROLLOUT_EXPERTS = "rollout_experts"
 TRAINER_EXPERTS = "trainer_experts"
 ROLLOUT_ROUTER_LOGITS = "rollout_router_logits"
 TRAINER_ROUTER_LOGITS = "trainer_router_logits"
-ROLLOUT_TOKEN_IDS = "rollout_token_ids"
-TRAINER_TOKEN_IDS = "trainer_token_ids"
 
 
 @dataclass(eq=False)

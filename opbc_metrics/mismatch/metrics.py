@@ -15,7 +15,9 @@ from opbc_metrics.batch import (
     DEFAULT_VETO,
     RESPONSE_MASK,
     ROLLOUT_LOGPROBS,
+    ROLLOUT_TOKEN_IDS,
     TRAINER_LOGPROBS,
+    TRAINER_TOKEN_IDS,
     BatchView,
     check_positive,
     check_same_shape,
@@ -680,9 +682,6 @@ class ProbabilityDiff(_MismatchMetric):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.statistic_groups = frozenset({"prob"})
-
-
-ROLLOUT_TOKEN_IDS, TRAINER_TOKEN_IDS = "rollout_token_ids", "trainer_token_ids"
 
 
 def _token_id_pair(view: BatchView) -> tuple[Tensor, Tensor] | None:
