@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
@@ -347,8 +348,8 @@ def valid_tokens(log_ratio: Tensor, mask: Tensor) -> Tensor:
 def raise_if_not_logprobs(low: Tensor | list[float], high: Tensor | list[float]) -> None:
     """The deferred error for a logprob field that holds positive values: probabilities (all values in ``[0, 1]``)
     or logits, rewards and the like (``low``/``high``: the ``[2]`` min/max of the valid trainer and rollout values
-    seen in the window; read at compute only). Log-probabilities are <= 0; up to :data:`PROBABILITY_TOLERANCE`
-    above 0 passes as rounding.
+    seen in the window; read at compute only; a ``high`` of +inf: positive values counted, their size unknown).
+    Log-probabilities are <= 0; up to :data:`PROBABILITY_TOLERANCE` above 0 passes as rounding.
 
     Example:
         >>> raise_if_not_logprobs(torch.tensor([-3.0, -2.5]), torch.tensor([0.0, -0.1]))
@@ -360,6 +361,10 @@ def raise_if_not_logprobs(low: Tensor | list[float], high: Tensor | list[float])
         Traceback (most recent call last):
         ...
         ValueError: batch field `rollout_logprobs` holds positive values (up to 4.5): log-probabilities are <= 0 ...
+        >>> raise_if_not_logprobs(torch.tensor([-3.0, -2.5]), torch.tensor([float("inf"), -0.1]))
+        Traceback (most recent call last):
+        ...
+        ValueError: batch field `trainer_logprobs` holds positive values on response tokens: log-probabilities ...
     """
     adapters = (
         "map a framework batch with its adapter (opbc_metrics.integrations.trl.trl_to_batch, "
@@ -369,6 +374,11 @@ def raise_if_not_logprobs(low: Tensor | list[float], high: Tensor | list[float])
     for name, lo, hi in zip((TRAINER_LOGPROBS, ROLLOUT_LOGPROBS), low, high, strict=True):
         if hi <= PROBABILITY_TOLERANCE:
             continue
+        if hi == math.inf:  # counted above the tolerance, size unknown (the compiled kernel; valid tokens are finite)
+            raise ValueError(
+                f"batch field `{name}` holds positive values on response tokens: log-probabilities are <= 0; for "
+                f"probabilities pass torch.log(p), for logits the log-probability of each sampled token, or {adapters}"
+            )
         if lo >= 0.0 and hi <= 1.0:
             lo += 0.0  # a -0.0 minimum (masking) reads as 0
             raise ValueError(
@@ -690,7 +700,7 @@ class BatchView:
     def logprob_range(self) -> tuple[Tensor, Tensor]:
         """``([2] min, [2] max)`` of the valid trainer and rollout logprobs (0 stands in for invalid tokens): a side
         above 0 holds probabilities or logits, refused by :func:`raise_if_not_logprobs`. The max is over every
-        token where the eager mismatch kernel ran (:attr:`logprob_high`); the min, which only words that refusal
+        token where a mismatch kernel ran (:attr:`logprob_high`); the min, which only words that refusal
         (probabilities, all in [0, 1], or logits), on a sample of the columns (:attr:`logprob_sample`).
         """
         return self.logprob_sample[0], self.logprob_high
@@ -700,9 +710,9 @@ class BatchView:
         """``[2]``: the largest valid trainer and rollout logprob (0 stands in for invalid tokens), over every token.
 
         The eager mismatch kernel takes it in its own sweep over the tokens
-        (:func:`~opbc_metrics.functional.mismatch.batch_statistics` stores it here; the compiled one stores the
-        column sample's, :attr:`logprob_sample`); a view that no kernel ran on first makes a pass of its own
-        (:meth:`logprob_high_pass`).
+        (:func:`~opbc_metrics.functional.mismatch.batch_statistics` stores it here); the compiled one stores the
+        column sample's (:attr:`logprob_sample`), +inf on a side where it counted a positive logprob the sample
+        missed; a view that no kernel ran on first makes a pass of its own (:meth:`logprob_high_pass`).
         """
         return self.shared(LOGPROB_HIGH, self.logprob_high_pass)
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from opbc_metrics import OPBCCollection
-from opbc_metrics.functional.mismatch import _reduction_pieces, token_statistics
+from opbc_metrics.batch import PROBABILITY_TOLERANCE
+from opbc_metrics.functional.mismatch import LOGPROB_POSITIVE, _reduction_pieces, token_statistics
 from opbc_metrics.functional.moe import router_set_disagreement, router_top1_flips
 from opbc_metrics.functional.per_round import round_index
 from tests.data import make_batch
@@ -20,6 +21,15 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def _positive_logprobs(b):
+    """Probability- and logit-like values, both sides on one token (counted for the trainer), the rollout's alone."""
+    b["rollout_logprobs"][0, 1].fill_(float("-inf"))  # handled inside the graph
+    for side, row, column, value in (("trainer_logprobs", 2, 3, 0.5), ("rollout_logprobs", 2, 3, 0.4),
+                                     ("rollout_logprobs", 4, 20, 3.0), ("trainer_logprobs", 5, 9, 0.005)):
+        b[side][row, column] = value  # (the last within the tolerance: rounding, not counted)
+        b["response_mask"][row, column] = 1
+
+
 def _long_rows_in_pieces(b):
     """T = 12288 goes as 4 pieces of 3072 per row: per-sequence statistics must be reassembled per sequence."""
     b["trainer_logprobs"][0, 9000] = float("nan")  # masked in: sequence 0 drops out of the sequence statistics
@@ -28,7 +38,7 @@ def _long_rows_in_pieces(b):
 
 
 @pytest.mark.parametrize("batch,seq,seed,bins,poke", [
-    (6, 40, 3, 256, lambda b: b["rollout_logprobs"][0, 1].fill_(float("-inf"))),  # handled inside the graph
+    (6, 40, 3, 256, _positive_logprobs),
     # T > 4096 (inductor sums such rows with a cascade) and an odd T; the eager kernel goes in blocks
     (3, 5001, 5, 8192, lambda b: (b["trainer_logprobs"][1, 7].fill_(float("nan")),
                                   b["rollout_logprobs"][2, 4999].fill_(float("inf")))),
@@ -41,8 +51,14 @@ def test_token_statistics_compiles_fullgraph_and_matches_eager(batch, seq, seed,
     args = (b["trainer_logprobs"], b["rollout_logprobs"], b["response_mask"].bool(), 20.0, 30.0, bins)
     eager = token_statistics(*args)
     compiled = torch.compile(token_statistics, fullgraph=True, dynamic=False)(*args)
-    # (the eager kernel also takes the input check's largest logprobs; the compiled one leaves them to the view)
-    assert set(eager) - {"logprob_high"} == set(compiled)
+    # (the eager kernel also takes the input check's largest logprobs; the compiled one counts the positive ones)
+    assert set(eager) - {"logprob_high"} == set(compiled) - {LOGPROB_POSITIVE}
+    trainer, rollout, mask = args[:3]
+    valid = mask & (trainer - rollout).isfinite()
+    above = [trainer > PROBABILITY_TOLERANCE, rollout > PROBABILITY_TOLERANCE]
+    expected = [(valid & above[0]).sum().item(), (valid & above[1] & ~above[0]).sum().item()]
+    assert compiled.pop(LOGPROB_POSITIVE).tolist() == expected
+    assert expected == ([1, 1] if poke is _positive_logprobs else [0, 0])
     for key in compiled:
         torch.testing.assert_close(compiled[key], eager[key], rtol=1e-5, atol=1e-6, msg=key)
     assert torch.equal(compiled["hist"], eager["hist"])  # the same bin formula in both kernels

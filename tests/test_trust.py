@@ -302,24 +302,57 @@ def test_probabilities_in_long_rows_are_found(seq: int):
 
 SHORT_RESPONSES = [(4, 4096, (1, 40)), (4, 4096, (100, 110)), (1, 4096, (1, 40)), (1, 4096, (4090, 4096))]
 # A check on a sample of the columns missed these (60 tokens at 3000..3059 of two 8192-token rows; one token): the
-# eager kernel finds them in its sweep; the compiled one still reads the sample (see batch_statistics).
+# eager kernel finds them in its sweep, the compiled one counts them in its histogram (see batch_statistics).
 MID_ROW_RESPONSES = [(2, 8192, (3000, 3060)), (1, 8192, (5000, 5001))]
+# The compiled kernel's count gives no size: the error does not say "probabilities" where the sample saw none.
+COUNTED = r"`rollout_logprobs` holds positive values on response tokens: log-probabilities are <= 0"
 
 
 @pytest.mark.parametrize(
     ("rows", "seq", "columns", "compiled"),
-    [(*case, False) for case in SHORT_RESPONSES + MID_ROW_RESPONSES] + [(*case, True) for case in SHORT_RESPONSES],
+    [(*case, compiled) for case in SHORT_RESPONSES + MID_ROW_RESPONSES for compiled in (False, True)],
 )
 def test_probabilities_on_a_few_columns_of_a_long_padded_batch_are_found(rows, seq, columns, compiled):
     """Short responses in a long padded batch: at its ends (each row samples from an offset of its own, and its first
-    and last 16 columns) and, eager, anywhere, down to one token in the middle of a row."""
+    and last 16 columns) and anywhere, down to one token in the middle of a row."""
     batch = make_batch(batch=rows, seq=seq, seed=6)
     batch["response_mask"] = torch.zeros(rows, seq, dtype=torch.bool)
     batch["response_mask"][:, columns[0] : columns[1]] = True
     probs = OPBCCollection(compiled=compiled)
     probs.update({**batch, "rollout_logprobs": batch["rollout_logprobs"].exp()})
-    with pytest.raises(ValueError, match=r"`rollout_logprobs` holds values in \[0, 1\] only \(0 to"):
+    sampled = r"`rollout_logprobs` holds values in \[0, 1\] only \(0 to"
+    counted = compiled and (rows, seq, columns) in MID_ROW_RESPONSES
+    with pytest.raises(ValueError, match=COUNTED if counted else sampled):
         probs.compute()
+
+
+@pytest.mark.parametrize("side", ["trainer_logprobs", "rollout_logprobs"])
+def test_the_compiled_kernel_counts_positive_logprobs_outside_the_column_sample(side):
+    """One positive logprob in the middle of a long row, on a column the sample does not read: the compiled kernel's
+    extra histogram copies count it, per side, and the histogram itself is the eager kernel's."""
+    from opbc_metrics.functional import mismatch as fm
+
+    batch = make_batch(batch=3, seq=8192, seed=4)
+    values = batch[side].clone()
+    values[1, 3001] = 0.5  # row 1 samples the columns 37 + 128 k: 2981 and 3109 around it
+    values[2, 7] = 4.0  # a masked-out token (row 2's mask starts later): not counted
+    batch["response_mask"][2, :8] = False
+    batch["response_mask"][1, 3001] = True
+    view = BatchView(**{**batch, side: values})
+    assert max(view.logprob_sample[1].tolist()) <= fm.PROBABILITY_TOLERANCE  # the sample misses it
+    args = (*view.token_inputs, 20.0, 30.0, 8192)
+    compiled = fm.compiled_token_statistics()(*args)
+    eager = fm.token_statistics(*args)
+    expected = [1.0, 0.0] if side == "trainer_logprobs" else [0.0, 1.0]
+    assert compiled[fm.LOGPROB_POSITIVE].tolist() == expected
+    torch.testing.assert_close(compiled["hist"], eager["hist"], rtol=0, atol=0)
+    metrics = OPBCCollection(compiled=True)  # (no assert_no_host_sync: dynamo does not run under its dispatch mode)
+    metrics.update({**batch, side: values})
+    with pytest.raises(ValueError, match=rf"`{side}` holds positive values on response tokens"):
+        metrics.compute()
+    clean = OPBCCollection(compiled=True)  # the same batch with its real logprobs passes
+    clean.update(batch)
+    assert "opbc/is/ess" in clean.compute()
 
 
 @pytest.mark.parametrize("make", [OPBCCollection, ImportanceSamplingESS, PerRoundMismatch], ids=lambda m: m.__name__)

@@ -50,6 +50,7 @@ from opbc_metrics.batch import (
     DEFAULT_CLAMP,
     DEFAULT_VETO,
     LOGPROB_HIGH,
+    PROBABILITY_TOLERANCE,
     BatchView,
     check_clamp_dtype,
     from_host,
@@ -376,7 +377,8 @@ def token_statistics(
     Returns:
         float64 0-dim tensors named in ``_SCALAR_STATS``, ``hist`` (``[bins]`` token counts), eager also
         ``logprob_high`` (``[2]``: the trainer's and the rollout's largest logprob over every token, 0 standing in
-        for invalid ones; :attr:`~opbc_metrics.batch.BatchView.logprob_high`) and, with
+        for invalid ones; :attr:`~opbc_metrics.batch.BatchView.logprob_high`), compiled with ``hist`` also
+        :data:`LOGPROB_POSITIVE` and, with
         ``rounds``, the ``[rounds + 1]`` sums in :data:`ROUND_STATS` and ``max_rounds``.
 
     Example:
@@ -503,6 +505,11 @@ def _blocked_token_statistics(
     return out
 
 
+# The compiled kernel's count of valid tokens with a positive logprob ([2]: trainer above the tolerance; rollout above
+# it, the trainer not), from two extra copies of its histogram (:func:`_fused_token_statistics`).
+LOGPROB_POSITIVE = "logprob_positive"
+
+
 # The order in which the compiled kernel sums its rows and returns them: in this order inductor fuses the
 # reductions and the histogram's scatter into one loop over the tokens (measured: the layout's order, with the
 # rounds row among them, made the kernel 1.7x slower at 128 x 8192).
@@ -590,21 +597,35 @@ def _fused_token_statistics(
     if pieces > 1:
         row_sums = row_sums.view(len(_ROWS), seqs, pieces).sum(-1, dtype=f64)
     counts = torch.zeros(bins + 1, dtype=f64, device=trainer.device)
+    positive = None
     if hist:
         # Every token adds 1 (a constant, nothing to load): invalid ones to slot bins + 1 of their copy,
         # which is dropped. int32 counts are exact to 2^31 tokens per slot.
         lanes, width, i32 = _hist_lanes(trainer.device, bins, _HIST_LANES), bins + 2, torch.int32
         idx = torch.where(ok, ((d.clamp(-clamp, clamp) + clamp) * (bins / (2.0 * clamp))).to(i32), bins + 1)
-        idx = idx + (torch.arange(trainer.shape[-1], dtype=i32, device=trainer.device) % lanes) * width
+        # The input check: a token whose trainer (else rollout) logprob is above the tolerance goes to an extra copy
+        # of the histogram (lane `lanes`, else `lanes + 1`), whose valid slots count them; the histogram sums every
+        # copy, so its counts stay exact. No reduction node of its own: as two more maxima the same check slowed the
+        # dynamic-shape graph 1.3-1.8x, the extra copies 0.93-1.11x (benchmarks/README.md, "The compiled kernel's input
+        # check").
+        lane = torch.arange(trainer.shape[-1], dtype=i32, device=trainer.device) % lanes
+        lane = torch.where(trainer > PROBABILITY_TOLERANCE, lanes,
+                           torch.where(rollout > PROBABILITY_TOLERANCE, lanes + 1, lane))
+        idx = idx + lane * width
         one = torch.ones((), dtype=i32, device=trainer.device)
-        counts = torch.zeros(lanes * width, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
-        counts = counts.view(lanes, width)[:, : bins + 1].sum(0, dtype=f64)
+        slots = (lanes + 2) * width
+        counts = torch.zeros(slots, dtype=i32, device=trainer.device).index_put_((idx,), one, accumulate=True)
+        counts = counts.view(lanes + 2, width)[:, : bins + 1]
+        positive = counts[lanes:].sum(-1, dtype=f64)
+        counts = counts.sum(0, dtype=f64)
     if rounds:  # (the same expression as below: one node of the graph, the per-row min of r)
         chunks, windowed = _round_chunk_sums(*unpadded, torch.where(ok, r, math.inf).amin(-1))
     extremes = torch.stack([
         torch.where(ok, r, math.inf).amin(-1).amin(), torch.where(ok, r, -math.inf).amax(-1).amax(), max_abs_pq,
     ])
     out = _assemble_statistics(row_sums, products, extremes, counts, clamp, bins)
+    if positive is not None:
+        out[LOGPROB_POSITIVE] = positive
     if rounds:
         out.update(_round_statistics_from_chunks(chunks, windowed, rounds))
     return out
@@ -1162,13 +1183,25 @@ def batch_statistics(
         settings = (float(clamp), float(veto), int(bins))
         kernel = compiled_token_statistics() if compiled else token_statistics
         stats = kernel(trainer, rollout, mask, *settings, prob, hist, rounds)
-        # The input check's largest logprobs, from the eager kernel's sweep over every token. The compiled kernel
-        # leaves them to the view's column sample: as two more reductions they slowed its dynamic-shape graph
-        # 1.6-1.8x at T = 8192 (inductor's CPU code; benchmarks/ab_kernel.py --dynamic).
-        view.shared(LOGPROB_HIGH, lambda: stats["logprob_high"] if "logprob_high" in stats else view.logprob_sample[1])
+        view.shared(LOGPROB_HIGH, lambda: _logprob_high(view, stats))
         return stats
 
     return view.shared((TOKEN_STATISTICS, float(clamp), float(veto), int(bins), prob, hist, rounds), make)
+
+
+def _logprob_high(view: BatchView, stats: Stats) -> Tensor:
+    """The input check's largest logprobs (:attr:`~opbc_metrics.batch.BatchView.logprob_high`) from the kernel's
+    statistics: the eager kernel's maxima over every token; the compiled kernel's column-sample maxima, raised to
+    +inf on a side whose positive-logprob count (:data:`LOGPROB_POSITIVE`, every token) the sample missed: "a value
+    above the tolerance, its size unknown" (valid tokens are finite, so +inf stands for nothing else). Without the
+    histogram the compiled kernel has no count: the sample alone."""
+    if "logprob_high" in stats:
+        return stats["logprob_high"]
+    sample = view.logprob_sample[1]
+    if LOGPROB_POSITIVE not in stats:
+        return sample
+    missed = (stats[LOGPROB_POSITIVE] > 0) & (sample <= PROBABILITY_TOLERANCE)
+    return torch.where(missed, math.inf, sample)
 
 
 def shared_settings(view: BatchView) -> tuple[float, float, int]:
