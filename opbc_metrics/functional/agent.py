@@ -30,7 +30,8 @@ or an OpenAI-style chat message list (converted with ``Trajectory.from_messages`
 
 The window values (keys ``agent/...``) are ratios of sums over all pairs and ranks. A key whose
 denominator is zero in the window has no value and is left out (no made-up -1 or 0): the stateful
-classes decide it on the synced counts, :func:`agent_metrics` on its batch.
+classes decide it on the synced counts, :func:`agent_metrics` on its batch, which raises a ``ValueError``
+without a pair (:func:`~opbc_metrics.functional.statistics.require_data`; the classes report nothing then).
 
 ================================================  ==================================================
 key                                               value (left out when)
@@ -42,8 +43,7 @@ agent/trajectory/first_divergence_step_min        earliest first-divergence step
 agent/trajectory/diverged_fraction                diverged pairs / pairs (no pair)
 agent/trajectory/divergence_kind/<kind>           pairs diverging by <kind> / pairs (no pair); the four
                                                   kinds sum to diverged_fraction
-agent/trajectory/num_pairs                        pairs compared (no pair: 0 in the functional; the
-                                                  classes report nothing without pairs)
+agent/trajectory/num_pairs                        pairs compared (no pair)
 agent/answer/match_rate                           pairs whose answers match / pairs (no pair)
 agent/answer/soft_match_mean                      mean per-pair token-overlap F1 of the answers (no pair)
 agent/steps/rollout_mean                          mean assistant steps of the rollout sides (no pair)
@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional.statistics import Stats, safe_div
+from opbc_metrics.functional.statistics import Stats, require_data, safe_div
 from opbc_metrics.trajectory import Trajectory, as_trajectory
 
 TRAJECTORY_PAIRS = "trajectory_pairs"
@@ -348,7 +348,8 @@ def _all_compute(s: Stats) -> dict[str, Tensor]:
 
 
 def agent_metrics(pairs: Sequence[tuple[AnyTrajectory, AnyTrajectory]]) -> dict[str, Tensor]:
-    """Every ``agent/...`` key for one batch of (rollout, reference) pairs (float64 tensors).
+    """Every ``agent/...`` key for one batch of (rollout, reference) pairs (float64 tensors); a key whose count is
+    zero is left out, and no pair raises a ``ValueError``.
 
     Example:
         >>> roll = [{"role": "assistant", "content": None, "tool_calls": [
@@ -364,5 +365,11 @@ def agent_metrics(pairs: Sequence[tuple[AnyTrajectory, AnyTrajectory]]) -> dict[
          'trajectory/divergence_kind/content': 0.0, 'trajectory/divergence_kind/length': 0.0,
          'trajectory/num_pairs': 2.0, 'answer/match_rate': 1.0, 'answer/soft_match_mean': 1.0,
          'steps/tool_choice_disagreement_rate': 1.0, 'steps/rollout_mean': 1.5, 'steps/reference_mean': 1.0}
+        >>> agent_metrics([])
+        Traceback (most recent call last):
+        ...
+        ValueError: agent_metrics(): no trajectory pair in the batch, so there is no value to return (a number ...
     """
-    return _all_compute(_pair_stats(trajectory_pairs(pairs)))
+    stats = _pair_stats(trajectory_pairs(pairs))
+    require_data(stats["pairs"], "agent_metrics", "trajectory pair", "at least one (rollout, reference) pair")
+    return _all_compute(stats)

@@ -2,10 +2,12 @@
 
 Each response is read by :func:`probe_response` (chat and text completions, OpenAI and vLLM formats;
 every flag's rule is below). Over a window of responses, each flag is reported as the share of
-responses that have it:
+responses that have it. A window without a response has no keys (no made-up 0), and
+:func:`endpoint_capabilities` raises a ``ValueError`` for a batch without one
+(:func:`~opbc_metrics.functional.statistics.require_data`).
 
 =================================================  ===================================================
-key                                                value (empty window: 0, "not observed")
+key                                                value
 =================================================  ===================================================
 endpoint/capabilities/token_ids_available          responses exposing generated token ids / responses
 endpoint/capabilities/prompt_token_ids_available   responses exposing prompt token ids / responses
@@ -71,7 +73,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView
-from opbc_metrics.functional.statistics import Stats, safe_div
+from opbc_metrics.functional.statistics import Stats, require_data, safe_div
 from opbc_metrics.trajectory import as_json_object
 
 ENDPOINT_RESPONSES = "endpoint_responses"
@@ -388,7 +390,8 @@ def _coverage_compute(hits: Tensor, responses: Tensor) -> Tensor:
 
 
 def endpoint_capabilities(responses: Sequence[Any], requests: Any = None) -> dict[str, Tensor]:
-    """Every ``endpoint/capabilities/...`` key for one batch of responses (float64 tensors).
+    """Every ``endpoint/capabilities/...`` key for one batch of responses (float64 tensors); a ``ValueError``
+    for no response.
 
     Example:
         >>> chat = {"object": "chat.completion", "system_fingerprint": "fp_1",
@@ -401,8 +404,14 @@ def endpoint_capabilities(responses: Sequence[Any], requests: Any = None) -> dic
         ... # doctest: +NORMALIZE_WHITESPACE
         {'token_ids_available': 0.5, 'prompt_token_ids_available': 0.5, 'sampled_logprobs_available': 0.5,
          'top_logprobs_available': 0.5, 'seed_requested': 1.0, 'seed_supported': 0.5, 'num_responses': 2.0}
+        >>> endpoint_capabilities([])
+        Traceback (most recent call last):
+        ...
+        ValueError: endpoint_capabilities(): no response in the batch, so there is no value to return (a number ...
     """
     stats = _probe_stats(probe_responses(responses, requests))
+    require_data(stats["responses"], "endpoint_capabilities", "response",
+                 f"at least one response in `{ENDPOINT_RESPONSES}`")
     out = {capability_key(f): _coverage_compute(stats[f], stats["responses"]) for f in CAPABILITY_FLAGS}
     out[NUM_RESPONSES_KEY] = stats["responses"]
     return out

@@ -16,6 +16,10 @@ attention, router, shared and the ``k`` routed experts' weights) plus the attent
 products, :math:`4 d_{attn} L \sum_i s_i^2` for sequences of length :math:`s_i` (full score matrix;
 halve it for a causal count). Training costs three forward passes (forward + backward). MFU =
 achieved FLOPs / (seconds x GPUs x peak FLOPs), with the peak from :data:`PEAK_FLOPS`.
+
+**No made-up values.** :func:`seqlen_balance` of no sequence and :func:`mfu` of no measured time raise a
+``ValueError`` (:func:`~opbc_metrics.functional.statistics.require_data`) rather than return 0; the metric
+classes leave those keys out.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from opbc_metrics.functional.statistics import require_data
 
 # ---------------------------------------------------------------------------------------------
 # partitioning: Karmarkar-Karp and LPT
@@ -165,7 +171,7 @@ def seqlen_balance(seqlens: Sequence[float], num_ranks: int, rank_ids: Sequence[
 
     ``rank_ids`` gives the rank each sequence was assigned to; without it the sequences are dealt to
     ranks in contiguous near-equal chunks (sequence ``i`` to rank ``i * num_ranks // N``), verl's
-    default dispatch.
+    default dispatch. No sequence (an empty ``seqlens``): a ``ValueError``.
 
     Example:
         >>> out = seqlen_balance([900, 800, 100, 200, 300, 300], num_ranks=2)
@@ -173,9 +179,14 @@ def seqlen_balance(seqlens: Sequence[float], num_ranks: int, rank_ids: Sequence[
         [800.0, 1800.0, 1000.0]
         >>> [out[k] for k in ("global_seqlen/balanced_min", "global_seqlen/balanced_max", "global_seqlen/mean")]
         [1300.0, 1300.0, 1300.0]
+        >>> seqlen_balance([], num_ranks=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: seqlen_balance(): no sequence in the batch, so there is no value to return (a number would be ...
     """
     _check_partition_args(num_ranks, algorithm)
     n = len(seqlens)
+    require_data(n, "seqlen_balance", "sequence", "at least one token count in `seqlens`")
     if any(float(v) < 0 or not math.isfinite(float(v)) for v in seqlens):
         raise ValueError("`seqlens` must be finite and non-negative")
     if rank_ids is None:
@@ -322,13 +333,19 @@ def flops_multiplier(mode: str | float) -> float:
 
 
 def mfu(flops: float, seconds: float, num_gpus: int, peak: float) -> float:
-    """Model FLOPs utilisation ``flops / (seconds * num_gpus * peak)``; 0 when no time was measured.
+    """Model FLOPs utilisation ``flops / (seconds * num_gpus * peak)``; a ``ValueError`` when no time was measured
+    (``seconds`` not above 0).
 
     Example:
         >>> mfu(flops=4.5e15, seconds=10.0, num_gpus=1, peak=989e12) < 1
         True
+        >>> mfu(flops=4.5e15, seconds=0.0, num_gpus=1, peak=989e12)
+        Traceback (most recent call last):
+        ...
+        ValueError: mfu(): no measured time in the batch, so there is no value to return (a number would be made ...
     """
-    return flops / (seconds * num_gpus * peak) if seconds > 0 else 0.0
+    require_data(float(seconds > 0), "mfu", "measured time", "the `seconds` the FLOPs took, above 0")
+    return flops / (seconds * num_gpus * peak)
 
 
 # ---------------------------------------------------------------------------------------------

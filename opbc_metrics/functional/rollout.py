@@ -53,8 +53,12 @@ rewards/advantages, infinite sample metrics and unknown int codes are counted by
 raise a ``ValueError`` naming the field at ``compute()`` (after sync, so on every rank alike); the
 public functions below raise at once.
 
-Empty windows: mean/min/max, Gini and CV means, the stop-reason percentage and the discard counts
-are 0; the max/median ratio mean is 1 (equal lengths); there is no std key.
+**No made-up values.** The ``_x_compute`` steps return 0 over an empty window for mean/min/max, the Gini and CV
+means, the stop-reason percentage and the discard counts, and 1 for the max/median ratio mean (equal lengths).
+Nothing reports it: the stateful classes have no keys then, and the public functions below raise a
+``ValueError`` on a batch without the data their value needs
+(:func:`~opbc_metrics.functional.statistics.require_data`): no sample (no reward, advantage, length or lag),
+no rollout, no stop reason, no prompt group with a value. A std key needs two samples: with one it is left out.
 """
 
 from __future__ import annotations
@@ -476,6 +480,8 @@ def _moments_dict(keys: Sequence[str], **stats: Tensor) -> dict[str, Tensor]:
 
 
 NONFINITE = "non-finite values"
+#: What to pass to a public function of a per-sample field that is left out where a sample has no response token.
+_WITH_RESPONSE = "`{}` with at least one sample (one with a response token when a `response_mask` is given)"
 BAD_COUNTS = "negative or non-finite token counts"
 # policy_lag is a count of trainer steps, not of tokens: its own rule in its message.
 BAD_LAGS = ("negative or non-finite lags: `policy_lag` counts the trainer steps between the weights that generated "
@@ -524,29 +530,43 @@ def _checked(stats: Stats, field: str, what: str) -> Stats:
     return stats
 
 
+def _public_moments(keys: Sequence[str], stats: Stats, function: str, missing: str, what_to_pass: str
+                    ) -> dict[str, Tensor]:
+    """A public function's ``keys`` (mean, std, min, max) of one batch: ``ValueError`` without a sample
+    (:func:`~opbc_metrics.functional.statistics.require_data`), the std key left out with one."""
+    require_data(stats["count"], function, missing, what_to_pass)
+    return _moments_dict(keys, **stats)
+
+
 def reward_stats(rewards: Tensor, response_mask: Tensor | None = None) -> dict[str, Tensor]:
     r"""``rollout/reward/{mean,std,min,max}`` of one batch; ``[B, T]`` rewards are summed per sample.
 
-    Std is the sample std (divide by n - 1, as Telescope); a single sample has no std key.
+    Std is the sample std (divide by n - 1, as Telescope); a single sample has no std key. A batch without a
+    sample (or whose every sample has no response token) raises a ``ValueError``.
 
     Example:
         >>> import torch
         >>> out = reward_stats(torch.tensor([1.0, 0.0, 0.0, 1.0]))
         >>> {k.split('/')[-1]: v.item() for k, v in out.items()}
         {'mean': 0.5, 'std': 0.5773502691896257, 'min': 0.0, 'max': 1.0}
-        >>> reward_stats(torch.tensor([]))  # no sample: no keys
-        {}
+        >>> reward_stats(torch.tensor([]))  # no sample: no value
+        Traceback (most recent call last):
+        ...
+        ValueError: reward_stats(): no sample with a reward in the batch, so there is no value to return (a number ...
         >>> list(reward_stats(torch.tensor([3.0])))  # one sample: no std key
         ['rollout/reward/mean', 'rollout/reward/min', 'rollout/reward/max']
         >>> reward_stats(torch.tensor([[0.0, 2.0], [0.0, 5.0]]), torch.tensor([[1, 1], [1, 0]]))['rollout/reward/max']
         tensor(2., dtype=torch.float64)
     """
     view = BatchView(rewards=rewards, response_mask=response_mask)
-    return _moments_dict(REWARD_KEYS, **_checked(_reward_stats_update(view), REWARDS, NONFINITE))
+    return _public_moments(REWARD_KEYS, _checked(_reward_stats_update(view), REWARDS, NONFINITE), "reward_stats",
+                           "sample with a reward", _WITH_RESPONSE.format(REWARDS))
 
 
 def advantage_stats(advantages: Tensor, response_mask: Tensor | None = None) -> dict[str, Tensor]:
     r"""``rollout/advantage/{mean,std,min,max}``; ``[B, T]`` advantages are averaged per sample.
+
+    As :func:`reward_stats`: no std key for one sample, a ``ValueError`` for none.
 
     Example:
         >>> import torch
@@ -556,7 +576,8 @@ def advantage_stats(advantages: Tensor, response_mask: Tensor | None = None) -> 
         [0.0, 1.4142, -1.0, 1.0]
     """
     view = BatchView(advantages=advantages, response_mask=response_mask)
-    return _moments_dict(ADVANTAGE_KEYS, **_checked(_advantage_stats_update(view), ADVANTAGES, NONFINITE))
+    return _public_moments(ADVANTAGE_KEYS, _checked(_advantage_stats_update(view), ADVANTAGES, NONFINITE),
+                           "advantage_stats", "sample with an advantage", _WITH_RESPONSE.format(ADVANTAGES))
 
 
 def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any = None) -> dict[str, Tensor]:
@@ -564,6 +585,7 @@ def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any
 
     With ``group_ids``, each prompt group's prompt counts once in the prompt statistics (all samples of a
     group share the prompt; its first sample's length is taken). Completion and total tokens are per sample.
+    No std keys for one sample; a ``ValueError`` for none.
 
     Example:
         >>> import torch
@@ -575,11 +597,13 @@ def token_stats(prompt_lengths: Tensor, response_lengths: Tensor, group_ids: Any
         192.0
     """
     view = BatchView(prompt_lengths=prompt_lengths, response_lengths=response_lengths, group_ids=group_ids)
-    out = _moments_dict(PROMPT_TOKEN_KEYS, **_checked(_prompt_token_stats_update(view), PROMPT_LENGTHS, BAD_COUNTS))
-    out.update(_moments_dict(COMPLETION_TOKEN_KEYS, **_checked(_completion_token_stats_update(view),
-                                                               RESPONSE_LENGTHS, BAD_COUNTS)))
-    out.update(_moments_dict(TOTAL_TOKEN_KEYS, **_checked(_total_token_stats_update(view), PROMPT_LENGTHS,
-                                                          BAD_COUNTS)))
+    need = ("token_stats", "sample", "`prompt_lengths` and `response_lengths` with at least one sample")
+    out = _public_moments(PROMPT_TOKEN_KEYS, _checked(_prompt_token_stats_update(view), PROMPT_LENGTHS, BAD_COUNTS),
+                          *need)
+    out.update(_public_moments(COMPLETION_TOKEN_KEYS, _checked(_completion_token_stats_update(view),
+                                                               RESPONSE_LENGTHS, BAD_COUNTS), *need))
+    out.update(_public_moments(TOTAL_TOKEN_KEYS, _checked(_total_token_stats_update(view), PROMPT_LENGTHS,
+                                                          BAD_COUNTS), *need))
     return out
 
 
@@ -633,8 +657,8 @@ def group_length_cv(response_lengths: Tensor, group_ids: Any) -> Tensor:
 def gini(values: Tensor) -> Tensor:
     r"""Population Gini coefficient of a 1-D tensor: :math:`\sum_i\sum_j |x_i - x_j| / (2 n^2 \bar x)`.
 
-    0 for fewer than two values or a non-positive sum. For non-negative values it lies in
-    ``[0, (n - 1) / n]``.
+    0 for one value or a non-positive sum; no value (an empty tensor) raises a ``ValueError``. For non-negative
+    values it lies in ``[0, (n - 1) / n]``.
 
     Example:
         >>> import torch
@@ -642,11 +666,14 @@ def gini(values: Tensor) -> Tensor:
         tensor(0.2500, dtype=torch.float64)
         >>> gini(torch.tensor([0.0, 0.0, 0.0, 1.0]))  # all in one sample: (n - 1) / n
         tensor(0.7500, dtype=torch.float64)
+        >>> gini(torch.tensor([]))
+        Traceback (most recent call last):
+        ...
+        ValueError: gini(): no value in the batch, so there is no value to return (a number would be made up); ...
     """
     if values.ndim != 1:
         raise ValueError(f"`values` must have shape [n], got {tuple(values.shape)}")
-    if values.numel() == 0:  # fewer than two values: 0, as documented
-        return torch.zeros((), dtype=torch.float64, device=values.device)
+    require_data(values.numel(), "gini", "value", "at least one value in `values`")
     return group_gini(values, torch.zeros(values.shape, dtype=torch.long, device=values.device))
 
 
@@ -942,7 +969,8 @@ def discarded_counts(discard_reasons: Any, rewards: Tensor | None = None) -> dic
     ``max_async_pct`` / ``zero_advantage_pct`` are each reason's share of the discarded (0-100). With
     ``rewards`` (``[B]`` or ``[B, T]``, summed per sample), the zero-advantage discards are split by their
     reward: ``zero_advantage_all_zero`` (reward 0: the whole group failed), ``zero_advantage_all_positive``
-    (a positive reward: the whole group succeeded), ``zero_advantage_reward_mean``.
+    (a positive reward: the whole group succeeded), ``zero_advantage_reward_mean``. No rollout (an empty
+    ``discard_reasons``): a ``ValueError``.
 
     Example:
         >>> import torch
@@ -955,6 +983,8 @@ def discarded_counts(discard_reasons: Any, rewards: Tensor | None = None) -> dic
     """
     stats = _discard_update(BatchView(discard_reasons=discard_reasons, rewards=rewards))
     raise_if_invalid(DISCARD_REASONS, stats.pop("invalid"), "codes outside {0, 1, 2}")
+    require_data(stats["seen"], "discarded_counts", "rollout",
+                 "one code in `discard_reasons` per generated rollout, kept ones included (it is empty)")
     return _discard_compute(**stats)
 
 
@@ -1033,13 +1063,16 @@ def _off_policy_update(view: BatchView) -> Stats:
 def off_policy_steps(policy_lag: Tensor) -> dict[str, Tensor]:
     r"""``rollout/off_policy_steps/{mean,std,min,max}``: how many trainer steps behind each rollout's weights were.
 
+    No std key for one rollout; a ``ValueError`` for none.
+
     Example:
         >>> import torch
         >>> [v.item() for v in off_policy_steps(torch.tensor([0, 1, 2])).values()]
         [1.0, 1.0, 0.0, 2.0]
     """
     view = BatchView(policy_lag=policy_lag)
-    return _moments_dict(OFF_POLICY_KEYS, **_checked(_off_policy_update(view), POLICY_LAG, BAD_LAGS))
+    return _public_moments(OFF_POLICY_KEYS, _checked(_off_policy_update(view), POLICY_LAG, BAD_LAGS),
+                           "off_policy_steps", "rollout", "at least one lag in `policy_lag`")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1168,6 +1201,9 @@ def sample_metric_stats(sample_metrics: Any, group_ids: Any = None) -> dict[str,
             left out of that metric's statistics and Gini.
         group_ids: ``[B]`` prompt groups; without them the Gini keys are left out.
 
+    A metric no sample reported has no keys, and one reported once no std key; a batch in which no metric was
+    reported at all raises a ``ValueError``.
+
     Example:
         >>> import torch
         >>> out = sample_metric_stats({"tool_calls": torch.tensor([0.0, 2.0, 1.0, 1.0])},
@@ -1188,4 +1224,9 @@ def sample_metric_stats(sample_metrics: Any, group_ids: Any = None) -> dict[str,
     invalid = stats.pop("invalid")
     for k, n in enumerate(names):
         raise_if_invalid(SAMPLE_METRICS, invalid[k], f"infinite values of {n!r}")
-    return _sample_compute(names, **stats)
+    counts = stats["count"].tolist()
+    require_data(sum(counts), "sample_metric_stats", "reported sample metric value",
+                 "`sample_metrics` with at least one finite value (NaN or a missing name is 'not reported')")
+    out = _sample_compute(names, **stats)
+    unseen = {n for n, c in zip(names, counts, strict=True) if c == 0}  # no made-up mean 0: no keys
+    return {k: v for k, v in out.items() if k.split("/")[1] not in unseen}

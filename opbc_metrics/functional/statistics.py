@@ -50,13 +50,13 @@ def raise_if_invalid(fields: str | Sequence[str], count: Tensor, what: str) -> N
         raise ValueError(f"{where} held {n:g} invalid value(s) ({what}); fix the input")
 
 
-def require_data(count: Tensor | float, function: str, missing: str, what_to_pass: str) -> None:
-    """A public function's ``ValueError`` for a batch without the data its value needs (``count`` 0).
+def require_data(count: Tensor | float, function: str, missing: str, what_to_pass: str, at_least: int = 1) -> None:
+    """A public function's ``ValueError`` for a batch without the data its value needs: ``count`` below
+    ``at_least`` (1, or 2 for a sample variance: one value has none).
 
-    The public functions of the mismatch, MoE and rollout sections raise it alike, naming themselves, what the
-    batch lacks and what to pass: a number returned there (a rate 0, an ESS 1) would be made up. One host read
-    of ``count``: a function may read one; a metric's ``update()`` never does (its ``compute()`` leaves the keys
-    out instead).
+    Every section's public functions raise it alike, naming themselves, what the batch lacks and what to pass:
+    a number returned there (a rate 0, an ESS 1) would be made up. One host read of ``count``: a function may
+    read one; a metric's ``update()`` never does (its ``compute()`` leaves the keys out instead).
 
     Example:
         >>> import torch
@@ -65,11 +65,16 @@ def require_data(count: Tensor | float, function: str, missing: str, what_to_pas
         Traceback (most recent call last):
         ...
         ValueError: group_gini(): no group in the batch, so there is no value to return (a number would be made up)...
+        >>> require_data(1, "explained_variance", "valid token", "two or more", at_least=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: explained_variance(): 1 valid token in the batch, it needs at least 2, so there is no value...
     """
-    if not bool(count > 0):
+    n = float(count)
+    if not n >= at_least:
+        have = f"no {missing} in the batch" if n == 0 else f"{n:g} {missing} in the batch, it needs at least {at_least}"
         raise ValueError(
-            f"{function}(): no {missing} in the batch, so there is no value to return (a number would be made up); "
-            f"pass {what_to_pass}"
+            f"{function}(): {have}, so there is no value to return (a number would be made up); pass {what_to_pass}"
         )
 
 

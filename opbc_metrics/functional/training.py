@@ -17,8 +17,11 @@ entries (negative lengths, NaN/inf values on response tokens) are excluded from 
 *counted*; ``compute()`` then raises a ``ValueError`` naming the batch field and the count. Inputs
 given as Python lists or NumPy arrays live on the host already and are checked in ``update()``.
 
-**Empty windows** (nothing valid seen) report 0 for every mean, extreme, ratio and standard
-deviation; ``critic/vf_explained_var`` reports 0.
+**No made-up values.** The ``_x_compute`` steps return 0 over an empty window (nothing valid seen) for every
+mean, extreme, ratio and standard deviation, and ``critic/vf_explained_var`` 0 below two tokens. Nothing reports
+it: the stateful classes have no keys then, and the public functions below raise a ``ValueError`` on a batch
+without a valid value (:func:`~opbc_metrics.functional.statistics.require_data`), :func:`explained_variance` on
+one with fewer than two valid tokens (its sample variances need two).
 """
 
 from __future__ import annotations
@@ -40,7 +43,16 @@ from opbc_metrics.batch import (
     check_same_shape,
     from_host,
 )
-from opbc_metrics.functional.statistics import SCALE, Stats, mean_std, moments, raise_if_invalid, safe_div, variance
+from opbc_metrics.functional.statistics import (
+    SCALE,
+    Stats,
+    mean_std,
+    moments,
+    raise_if_invalid,
+    require_data,
+    safe_div,
+    variance,
+)
 
 F64 = torch.float64
 
@@ -153,16 +165,27 @@ def _masked_moments(x: Tensor, valid: Tensor, scaled: bool = False) -> Stats:
     return out
 
 
-def _one_batch(compute: Callable[..., Any], stats: Stats, fields: str | Sequence[str], what: str, *args: Any) -> Any:
+def _one_batch(compute: Callable[..., Any], stats: Stats, fields: str | Sequence[str], what: str, *args: Any,
+               need: tuple[str, str, str], count: str = "count", at_least: int = 1) -> Any:
     """A public function's value: ``compute(*args, **stats)`` of one batch, after raising on the bad values the
-    batch's ``nonfinite`` count holds, and its ``positive`` logprob count where it has one (the metric classes
-    raise at ``compute()`` instead)."""
-    raise_if_invalid(fields, stats["nonfinite"], what)
+    batch's ``nonfinite`` (or ``invalid``) count holds, on its ``positive`` logprob count where it has one (the
+    metric classes raise at ``compute()`` instead), and when its ``count`` is below ``at_least``: ``need`` is
+    ``(function, what the batch lacks, what to pass)`` of
+    :func:`~opbc_metrics.functional.statistics.require_data` (the metric classes leave the keys out instead)."""
+    raise_if_invalid(fields, stats["nonfinite" if "nonfinite" in stats else "invalid"], what)
     stats = dict(stats)
     positive = stats.pop("positive", None)
     if positive is not None:
         raise_if_invalid(PPO_LOGPROB_FIELDS, positive, POSITIVE_LOGPROBS)
+    require_data(stats[count], *need, at_least=at_least)
     return compute(*args, **_f64(stats))
+
+
+def _tokens_needed(function: str, fields: str, at_least: int = 1) -> tuple[str, str, str]:
+    """``need`` of :func:`_one_batch` for a function over the response tokens of ``fields``."""
+    tokens = "a response token" if at_least == 1 else f"{at_least} or more response tokens"
+    return (function, f"valid token (response_mask = 1 and finite {fields})",
+            f"a batch with {tokens} (`response_mask` 1, not all masked out) whose {fields} are finite")
 
 
 # The deferred error of the PPO metrics for logprobs above 0 (PROBABILITY_TOLERANCE passes as rounding).
@@ -213,17 +236,27 @@ def _scalar_compute(sum_wx: Tensor, sum_w: Tensor, count: Tensor, nonfinite: Ten
 
 
 def scalar_mean(values: Any, weights: Any = None) -> Tensor:
-    """The (optionally weighted) mean a trainer-scalar metric reports: ``sum(w x) / sum(w)``; 0 when empty.
+    """The (optionally weighted) mean a trainer-scalar metric reports: ``sum(w x) / sum(w)``.
+
+    Raises:
+        ValueError: no observation, or all weights 0 (no mean to return), or non-finite values or weights.
 
     Example:
         >>> scalar_mean([1.0, 2.0, 4.0])
         tensor(2.3333, dtype=torch.float64)
         >>> scalar_mean([1.0, 3.0], weights=[300, 100])  # token-weighted loss
         tensor(1.5000, dtype=torch.float64)
+        >>> scalar_mean([])
+        Traceback (most recent call last):
+        ...
+        ValueError: scalar_mean(): no observation with a positive weight in the batch, so there is no value to ...
     """
     weight = "w" if weights is not None else None
     stats = _scalar_update(BatchView(x=values, w=weights), "x", weight, None)
-    return _one_batch(_scalar_compute, stats, ("x", weight) if weight else "x", "non-finite values or weights")
+    return _one_batch(_scalar_compute, stats, ("x", weight) if weight else "x", "non-finite values or weights",
+                      need=("scalar_mean", "observation with a positive weight",
+                            "at least one value in `values` (with a positive weight when `weights` are given)"),
+                      count="sum_w")
 
 
 # actor/entropy
@@ -282,10 +315,16 @@ def policy_entropy(entropies: Tensor | None = None, response_mask: Tensor | None
         tensor(1.5000, dtype=torch.float64)
         >>> policy_entropy(logits=torch.zeros(1, 2, 4)).round(decimals=4)  # uniform over 4: log 4
         tensor(1.3863, dtype=torch.float64)
+        >>> policy_entropy(torch.tensor([[1.0, 2.0]]), torch.tensor([[0, 0]]))  # every token masked out
+        Traceback (most recent call last):
+        ...
+        ValueError: policy_entropy(): no valid token (response_mask = 1 and finite `entropies`) in the batch, ...
     """
     view = BatchView(entropies=entropies, logits=logits, response_mask=response_mask)
     stats = _entropy_update(view, logits is not None, temperature)
-    return _one_batch(_token_mean_compute, stats, LOGITS if logits is not None else ENTROPIES, "non-finite entropies")
+    name = LOGITS if logits is not None else ENTROPIES
+    return _one_batch(_token_mean_compute, stats, name, "non-finite entropies",
+                      need=_tokens_needed("policy_entropy", f"`{name}`"))
 
 
 # actor/ppo_kl, actor/approx_kl, actor/pg_clipfrac(_lower)
@@ -339,7 +378,8 @@ def policy_kl(policy_logprobs: Tensor, old_logprobs: Tensor, response_mask: Tens
         raise ValueError(f"`estimator` must be one of {KL_ESTIMATORS}, got {estimator!r}")
     view = BatchView(policy_logprobs=policy_logprobs, old_logprobs=old_logprobs, response_mask=response_mask)
     return _one_batch(_token_mean_compute, _policy_kl_update(view, estimator, clamp), (POLICY_LOGPROBS, OLD_LOGPROBS),
-                      "non-finite logprobs on response tokens")
+                      "non-finite logprobs on response tokens",
+                      need=_tokens_needed("policy_kl", "`policy_logprobs` and `old_logprobs`"))
 
 
 CLIPFRAC_KEYS = ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")
@@ -427,7 +467,8 @@ def pg_clipfrac(policy_logprobs: Tensor, old_logprobs: Tensor, advantages: Tenso
                      response_mask=response_mask)
     stats = _clipfrac_update(view, low, high, c, clamp)
     return _one_batch(_clipfrac_compute, stats, (POLICY_LOGPROBS, OLD_LOGPROBS, ADVANTAGES),
-                      "non-finite logprobs/advantages on response tokens")
+                      "non-finite logprobs/advantages on response tokens",
+                      need=_tokens_needed("pg_clipfrac", "`policy_logprobs`, `old_logprobs` and `advantages`"))
 
 
 # critic/*: value, returns, advantages, rewards, score, explained variance
@@ -497,7 +538,8 @@ def critic_stats(name: str, values: Tensor, response_mask: Tensor | None = None)
     under the mask), ``rewards`` or ``scores`` (per sequence: a [B, T] field is summed over T).
 
     Means are over tokens (values, returns, advantages) or sequences (rewards, score); ``std`` is the
-    population standard deviation (ddof = 0).
+    population standard deviation (ddof = 0: 0 for one token). A batch without a valid token (or sequence)
+    raises a ``ValueError``.
 
     Example:
         >>> import torch
@@ -511,8 +553,12 @@ def critic_stats(name: str, values: Tensor, response_mask: Tensor | None = None)
     if name not in CRITIC_STAT_KEYS:
         raise ValueError(f"`name` must be one of {sorted(CRITIC_STAT_KEYS)}, got {name!r}")
     view = BatchView({name: values, RESPONSE_MASK: response_mask})
-    stats = (_sequence_sum_update if name in (REWARDS, SCORES) else _token_stats_update)(view, name)
-    return _one_batch(_critic_stats_compute, stats, name, "non-finite values", name)
+    per_sequence = name in (REWARDS, SCORES)
+    stats = (_sequence_sum_update if per_sequence else _token_stats_update)(view, name)
+    need = (("critic_stats", f"sequence with `{name}` (one with a response token when a `response_mask` is given)",
+             f"`{name}` with at least one sequence that has a response token")
+            if per_sequence else _tokens_needed("critic_stats", f"`{name}`"))
+    return _one_batch(_critic_stats_compute, stats, name, "non-finite values", name, need=need)
 
 
 #: The epsilon verl adds to ``Var(R)`` in ``critic/vf_explained_var`` (``compute_data_metrics``:
@@ -560,8 +606,8 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor | 
     verl's formula (``compute_data_metrics``): sample variances (``n - 1``, as ``torch.var``) and its
     epsilon :data:`EXPLAINED_VAR_EPS` in the denominator, so for returns of small variance the value is
     pulled toward 1 as verl's is (``Var(R) = 0`` gives ``1 - Var(R - V) / 1e-5``). From mergeable raw moments
-    in float64 (relative rounding about ``1e-16 * mean^2 / variance``). One token: 1 (``Var(R - V)`` is 0;
-    verl's ``torch.var`` gives NaN there).
+    in float64 (relative rounding about ``1e-16 * mean^2 / variance``). The sample variances need two valid
+    tokens: with fewer it raises a ``ValueError`` (verl's ``torch.var`` gives NaN there; the metric has no key).
 
     Example:
         >>> import torch
@@ -570,9 +616,14 @@ def explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor | 
         tensor(1., dtype=torch.float64)
         >>> explained_variance(torch.tensor([[1.0, 2.0, 3.0, 3.0]]), returns)
         tensor(0.8500, dtype=torch.float64)
+        >>> explained_variance(returns, returns, torch.tensor([[1, 0, 0, 0]]))
+        Traceback (most recent call last):
+        ...
+        ValueError: explained_variance(): 1 valid token (...) in the batch, it needs at least 2, so there is no ...
     """
     stats = _explained_var_update(BatchView(values=values, returns=returns, response_mask=response_mask))
-    return _one_batch(_explained_var_compute, stats, (VALUES, RETURNS), "non-finite values/returns")
+    return _one_batch(_explained_var_compute, stats, (VALUES, RETURNS), "non-finite values/returns",
+                      need=_tokens_needed("explained_variance", "`values` and `returns`", 2), at_least=2)
 
 
 # response_length/*, prompt_length/*, response/aborted_ratio, num_turns/*
@@ -620,7 +671,8 @@ def length_stats(lengths: Any, max_length: int | None = None, prefix: str = "res
 
     ``clip_ratio`` = share of sequences with ``length >= max_length`` (verl tests ``==``; a length above
     the limit cannot occur there, and counts as clipped here). It is produced only when ``max_length``
-    is given. Means are over sequences, zero-length (aborted) ones included, as verl does.
+    is given. Means are over sequences, zero-length (aborted) ones included, as verl does. No sequence, or a
+    negative or non-finite length: a ``ValueError``.
 
     Example:
         >>> out = length_stats([10, 512, 0, 200], max_length=512)
@@ -628,7 +680,11 @@ def length_stats(lengths: Any, max_length: int | None = None, prefix: str = "res
         [('mean', 180.5), ('max', 512.0), ('min', 0.0), ('clip_ratio', 0.25)]
     """
     stats = _length_update(BatchView(lengths=lengths), "lengths", max_length)
-    return _length_compute(prefix, max_length, **_f64(stats))
+    return _one_batch(_length_compute, stats, "lengths", BAD_LENGTHS, prefix, max_length,
+                      need=("length_stats", "sequence", "at least one length in `lengths`"))
+
+
+BAD_LENGTHS = "negative or non-finite lengths"
 
 
 def _aborted_update(view: BatchView) -> Stats:
@@ -648,8 +704,14 @@ def aborted_ratio(response_lengths: Any) -> Tensor:
     Example:
         >>> aborted_ratio([0, 12, 7, 0])
         tensor(0.5000, dtype=torch.float64)
+        >>> aborted_ratio([])
+        Traceback (most recent call last):
+        ...
+        ValueError: aborted_ratio(): no sample in the batch, so there is no value to return (a number would be ...
     """
-    return _aborted_compute(**_f64(_aborted_update(BatchView(response_lengths=response_lengths))))
+    return _one_batch(_aborted_compute, _aborted_update(BatchView(response_lengths=response_lengths)),
+                      RESPONSE_LENGTHS, BAD_LENGTHS,
+                      need=("aborted_ratio", "sample", "at least one length in `response_lengths`"))
 
 
 TURN_KEYS = ("num_turns/min", "num_turns/max", "num_turns/mean")
@@ -671,7 +733,9 @@ def turn_stats(num_turns: Any) -> dict[str, Tensor]:
         >>> {k: v.item() for k, v in turn_stats([1, 3, 2, 6]).items()}
         {'num_turns/min': 1.0, 'num_turns/max': 6.0, 'num_turns/mean': 3.0}
     """
-    return _turns_compute(**_f64(_turns_update(BatchView(num_turns=num_turns))))
+    return _one_batch(_turns_compute, _turns_update(BatchView(num_turns=num_turns)), NUM_TURNS,
+                      "negative or non-finite turn counts",
+                      need=("turn_stats", "sample", "at least one count in `num_turns`"))
 
 
 # DPO: loss/dpo, rewards/*; reward models: rm/*
@@ -741,7 +805,8 @@ def dpo_metrics(policy_chosen_logps: Tensor, policy_rejected_logps: Tensor, refe
     stats = _dpo_update(BatchView(dict(zip(DPO_FIELDS, (policy_chosen_logps, policy_rejected_logps,
                                                            reference_chosen_logps, reference_rejected_logps)))),
                         beta, label_smoothing)
-    return _one_batch(_dpo_compute, stats, DPO_FIELDS, "pairs with non-finite logps")
+    return _one_batch(_dpo_compute, stats, DPO_FIELDS, "pairs with non-finite logps",
+                      need=("dpo_metrics", "preference pair", "at least one (chosen, rejected) pair of logps"))
 
 
 RM_FIELDS = ("chosen_scores", "rejected_scores")
@@ -777,4 +842,6 @@ def reward_model_metrics(chosen_scores: Tensor, rejected_scores: Tensor) -> dict
         {'rm/loss': 0.6437, 'rm/accuracy': 0.5, 'rm/reward_margin': 0.25}
     """
     stats = _rm_update(BatchView(chosen_scores=chosen_scores, rejected_scores=rejected_scores))
-    return _one_batch(_rm_compute, stats, RM_FIELDS, "pairs with non-finite scores")
+    return _one_batch(_rm_compute, stats, RM_FIELDS, "pairs with non-finite scores",
+                      need=("reward_model_metrics", "preference pair",
+                            "at least one (chosen, rejected) pair of scores"))

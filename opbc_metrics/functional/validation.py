@@ -20,7 +20,9 @@ Per data source ``s`` (averaged over that source's prompts, each prompt weighing
 
 Prompts with fewer than ``k`` valid samples (a ragged ``val_mask``) are left out of the ``@k`` averages;
 prompts without any valid sample are left out of everything. A source without a valid prompt in the window
-has no keys, and a ``@k`` key no prompt had ``k`` valid samples for is left out (no made-up 0). Non-finite values
+has no keys, and a ``@k`` key no prompt had ``k`` valid samples for is left out (no made-up 0); the public
+functions raise a ``ValueError`` on a batch without a valid sample
+(:func:`~opbc_metrics.functional.statistics.require_data`), where the metrics report nothing. Non-finite values
 on unmasked samples are refused: at once for host inputs, and for tensors (which cannot be read in
 ``update()`` without a sync) left out, counted, and raised as a ``ValueError`` naming the field at
 ``compute()``.
@@ -36,7 +38,7 @@ import torch
 from torch import Tensor
 
 from opbc_metrics.batch import BatchView, as_bool_mask, check_count, check_same_device, from_host
-from opbc_metrics.functional.statistics import Stats, raise_if_invalid, safe_div
+from opbc_metrics.functional.statistics import Stats, raise_if_invalid, require_data, safe_div
 from opbc_metrics.functional.training import (
     F64,
     _amax,
@@ -298,6 +300,8 @@ def validation_accuracy(val_acc: Any, data_sources: Sequence[str] | str, ks: Seq
 
     ``val_acc`` is ``[P, n]`` (or ``[P]``); a sample is correct when ``acc >= 0.5``, which is the
     correctness pass@k counts (``mean@n`` averages the raw values, so fractional scores are kept there).
+    A source without a valid prompt has no keys; a batch without a valid sample (none, or all masked out by
+    ``val_mask``) raises a ``ValueError``.
 
     Example:
         >>> import torch
@@ -306,13 +310,20 @@ def validation_accuracy(val_acc: Any, data_sources: Sequence[str] | str, ks: Seq
         >>> {k: round(v.item(), 4) for k, v in out.items()}  # doctest: +NORMALIZE_WHITESPACE
         {'val-core/gsm8k/acc/mean@4': 0.25, 'val-aux/gsm8k/acc/pass@1': 0.25, 'val-aux/gsm8k/acc/pass@2': 0.5,
          'val-core/math/acc/mean@4': 0.75, 'val-aux/math/acc/pass@1': 0.75, 'val-aux/math/acc/pass@2': 1.0}
+        >>> validation_accuracy(acc, ["gsm8k", "math"], val_mask=torch.zeros(2, 4))
+        Traceback (most recent call last):
+        ...
+        ValueError: validation_accuracy(): no valid sample (not masked out by `val_mask`) in the batch, so there ...
     """
-    return _validation_functional(val_acc, data_sources, ks, val_mask, VAL_ACC, "pass")
+    return _validation_functional(val_acc, data_sources, ks, val_mask, VAL_ACC, "pass", "validation_accuracy")
 
 
 def validation_reward(val_rewards: Any, data_sources: Sequence[str] | str, ks: Sequence[int] | None = None,
                       val_mask: Tensor | None = None) -> dict[str, Tensor]:
     """``val-aux/<s>/reward/mean@n`` and ``val-aux/<s>/reward/best@k`` of one validation batch.
+
+    As :func:`validation_accuracy`: no keys for a source without a valid prompt, a ``ValueError`` for a batch
+    without a valid sample.
 
     Example:
         >>> import torch
@@ -320,11 +331,11 @@ def validation_reward(val_rewards: Any, data_sources: Sequence[str] | str, ks: S
         >>> {k: round(v.item(), 4) for k, v in out.items()}
         {'val-aux/gsm8k/reward/mean@4': 1.5, 'val-aux/gsm8k/reward/best@2': 2.3333}
     """
-    return _validation_functional(val_rewards, data_sources, ks, val_mask, VAL_REWARDS, "best")
+    return _validation_functional(val_rewards, data_sources, ks, val_mask, VAL_REWARDS, "best", "validation_reward")
 
 
 def _validation_functional(values: Any, data_sources: Sequence[str] | str, ks: Sequence[int] | None,
-                           val_mask: Tensor | None, name: str, mode: str) -> dict[str, Tensor]:
+                           val_mask: Tensor | None, name: str, mode: str, function: str) -> dict[str, Tensor]:
     t, _ = field_tensor(BatchView({name: values}), name, ndims=(1, 2), dims=("P", "n"))
     n_samples = 1 if t.ndim == 1 else t.shape[1]
     sources = check_sources([data_sources] if isinstance(data_sources, str) else list(dict.fromkeys(data_sources)),
@@ -333,6 +344,8 @@ def _validation_functional(values: Any, data_sources: Sequence[str] | str, ks: S
     view = BatchView({name: t, DATA_SOURCES: data_sources, VAL_MASK: val_mask})
     stats = _validation_update(view, name, sources, False, n_samples, kk, mode)
     raise_if_invalid(name, stats.pop("nonfinite"), NONFINITE_SAMPLES)
+    require_data(stats["prompts"].sum(), function, f"valid sample (not masked out by `{VAL_MASK}`)",
+                 f"`{name}` with at least one prompt and one sample of it that `{VAL_MASK}` keeps")
     return _validation_compute(**_f64(stats), sources=sources, n_samples=n_samples, ks=kk, mode=mode)
 
 
@@ -363,7 +376,7 @@ def _val_turns_compute(sum: Tensor, max: Tensor, min: Tensor, count: Tensor, inv
 
 
 def validation_turns(val_num_turns: Any, val_mask: Tensor | None = None) -> dict[str, Tensor]:
-    """``val-aux/num_turns/{min,max,mean}`` over validation samples.
+    """``val-aux/num_turns/{min,max,mean}`` over validation samples; a ``ValueError`` without a valid sample.
 
     Example:
         >>> {k: v.item() for k, v in validation_turns([[2, 4], [1, 9]]).items()}
@@ -371,4 +384,6 @@ def validation_turns(val_num_turns: Any, val_mask: Tensor | None = None) -> dict
     """
     stats = _val_turns_update(BatchView(val_num_turns=val_num_turns, val_mask=val_mask))
     raise_if_invalid(VAL_NUM_TURNS, stats["invalid"], "negative or non-finite turn counts")
+    require_data(stats["count"], "validation_turns", f"valid sample (not masked out by `{VAL_MASK}`)",
+                 f"`{VAL_NUM_TURNS}` with at least one sample that `{VAL_MASK}` keeps")
     return _val_turns_compute(**_f64(stats))
