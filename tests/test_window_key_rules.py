@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from opbc_metrics import OPBCCollection
+from opbc_metrics.metric import NoDataError
 from opbc_metrics.mismatch import ImportanceWeightStd, ProbabilityDiff, TopGradientMass
 from opbc_metrics.testing import assert_no_host_sync
 from tests.data import make_batch, metric_values
@@ -143,3 +144,29 @@ def test_the_documented_float32_example_is_what_the_metric_gives():
                  rollout_logprobs=torch.tensor([[-25.0, -30.0]], dtype=dtype))
         value = m.compute().item()
         assert value == want if want is not None else value > 1e3
+
+
+# -- a trainer scalar weighted by loss_tokens: observations over no token have no mean ------------------------------
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_a_loss_over_zero_tokens_has_no_key(as_tensor):
+    from opbc_metrics.training import ActorLoss
+
+    tokens = torch.tensor([0, 0]) if as_tensor else [0, 0]
+    metric = ActorLoss()
+    metric.update(actor_loss=torch.tensor([1.0, 2.0]) if as_tensor else [1.0, 2.0], loss_tokens=tokens)
+    with pytest.raises(NoDataError):
+        metric.compute()
+    collection = OPBCCollection(sections=["training"])
+    collection.update({"actor_loss": [1.0, 2.0], "loss_tokens": tokens})
+    assert "actor/loss" not in collection.compute()
+    collection.update({"actor_loss": [3.0], "loss_tokens": [10]})  # a loss over tokens brings the key back
+    assert collection.compute()["actor/loss"].item() == 3.0
+
+
+def test_a_non_finite_loss_over_zero_tokens_is_still_refused():
+    from opbc_metrics.training import ActorLoss
+
+    metric = ActorLoss()
+    metric.update(actor_loss=torch.tensor([float("nan")]), loss_tokens=torch.tensor([0]))
+    with pytest.raises(ValueError, match="actor_loss"):
+        metric.compute()

@@ -90,13 +90,17 @@ class _TrainerScalar(_TrainingMetric):
     observations (e.g. one per micro-batch). Loss-like scalars (``weight_field = "loss_tokens"``) are
     weighted by the batch's ``loss_tokens`` when it is given (the tokens the loss was averaged over),
     so the result is the token mean of a token-mean loss across micro-batches and ranks; otherwise
-    every observation weighs the same. No observation in the window: no key. Host values (numbers, lists) must be
+    every observation weighs the same. No observation in the window, or only observations of weight 0: no key
+    (a mean over no token would be made up). Host values (numbers, lists) must be
     finite (a ``ValueError`` in ``update``); non-finite tensor observations (or non-finite / negative
     tensor weights) are left out and counted, and ``compute()`` raises a ``ValueError`` naming the field.
     """
 
     weight_field: ClassVar[str | None] = None
     states = table("sum_wx", "sum_w", "count", "nonfinite")
+    # Data is a positive weight (observations whose `loss_tokens` are all 0 have no mean: no key, not 0), or a
+    # counted bad value (so compute raises it).
+    data_counts = ("sum_w", "nonfinite")
     kernel = (_scalar_update, _scalar_compute)
     update_args = ("field", "weight_field", "device")
 
