@@ -273,6 +273,16 @@ class LRSchedulerState(_TrainingMetric):
     def _deferred(self) -> tuple[tuple[str, tuple[str, ...], str], ...]:
         return tuple((f"nonfinite_{i}", (LR_SCHEDULER,), f"non-finite `{n}` values") for i, n in enumerate(self.names))
 
+    # Each name is a trainer scalar of its own: the window has data when any name has an observation (or a counted
+    # bad value), and a name without observations in the window has no key (not a made-up 0).
+    @property
+    def data_counts(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(f"{stat}_{i}" for stat in _TrainerScalar.data_counts for i in range(len(self.names)))
+
+    @property
+    def key_counts(self) -> tuple[tuple[str, str], ...]:  # type: ignore[override]
+        return tuple((key, f"sum_w_{i}") for i, key in enumerate(self.keys))
+
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         state = view.field(LR_SCHEDULER)
         if not isinstance(state, Mapping):

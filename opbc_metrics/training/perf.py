@@ -563,6 +563,9 @@ class AgentLoopTiming(_TrainingMetric):
     _deferred = (("invalid", (AGENT_GENERATE_S, AGENT_TOOL_CALLS_S), "negative or non-finite sample times"),)
     states = table(**{f"{part}_{stat}": state for part in ("gen", "tool")
                       for stat, state in (("sum", SUM), ("max", MAX), ("min", MIN), ("count", SUM))}, invalid=SUM)
+    # Each part's keys need its own samples: a window without tool-call times has no tool_calls keys (not 0 s).
+    data_counts = ("gen_count", "tool_count", "invalid")
+    key_counts = tuple((key, "gen_count" if "/generate_sequences/" in key else "tool_count") for key in AGENT_LOOP_KEYS)
     glossary = diagnostic("timing_s/agent_loop", unit="samples over the window and all ranks",
         what="Distribution of per-sample generation and tool-call time in agentic rollouts: min, max, mean. A max far "
         "above the mean means one slow sample (long generation, slow or looping tools) bounds the batch.")
