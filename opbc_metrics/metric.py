@@ -415,7 +415,8 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
                     value = {k: v for k, v in value.items() if k not in empty}
                 elif len(self.keys) == 1 and self.keys[0] in empty:
                     return None  # a one-key metric whose key has too little data: no value
-            return value
+            # A dict without a key (every key lacked its data) is no value: NoDataError alone, as for an empty window.
+            return None if isinstance(value, dict) and not value else value
 
         # The compute without torchmetrics' wrapper (no sync, cache or clone of each value), for a collection that
         # has synced the states itself and copies all the values at once (OPBCCollection.compute).

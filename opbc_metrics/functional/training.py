@@ -285,6 +285,9 @@ def _entropy_update(view: BatchView, from_logits: bool, temperature: float) -> S
         logits, _ = field_tensor(view, LOGITS, ndims=(3,))
         if not logits.is_floating_point():
             raise ValueError(f"batch field `{LOGITS}` must be a floating-point tensor, got {logits.dtype}")
+        if logits.shape[-1] == 0:  # (a softmax over no entry: no distribution, no entropy)
+            raise ValueError(f"batch field `{LOGITS}` has shape {tuple(logits.shape)}: an empty vocabulary (V = 0); "
+                             "pass the [B, T, V] logits over the whole vocabulary")
         h, name = entropy_from_logits(logits, temperature), LOGITS
     else:
         h, _ = field_tensor(view, ENTROPIES, ndims=(2,), check="finite", device=tensor_device(view, RESPONSE_MASK))

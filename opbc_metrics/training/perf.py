@@ -600,7 +600,8 @@ class AgentLoopSlowest(_PerRank):
     The slowest sample is the one with the largest generation + tool-call time over the window and all
     ranks; its ``generate_sequences`` and ``tool_calls`` seconds and its ``prompt_length`` and
     ``response_length`` are reported. Batch fields [B]: ``agent_generate_s`` (required),
-    ``agent_tool_calls_s``, ``prompt_lengths``, ``response_lengths`` (0 when absent).
+    ``agent_tool_calls_s`` (0 s in the total when absent), ``prompt_lengths``, ``response_lengths``; a field the
+    slowest sample's batch did not carry has no key (its value is unknown, not 0).
 
     An argmax does not merge by sum, max or min, so each rank keeps its own slowest sample in its own
     slot (the sync sums the slots: exact), ``update`` keeps the slower of the slot and the batch's
@@ -612,8 +613,8 @@ class AgentLoopSlowest(_PerRank):
         >>> metric = AgentLoopSlowest()
         >>> metric.update(agent_generate_s=[1.0, 4.0], agent_tool_calls_s=[3.5, 0.0], response_lengths=[90, 300])
         >>> metric.update(agent_generate_s=[2.0], agent_tool_calls_s=[1.0], response_lengths=[120])
-        >>> [v.item() for v in metric.compute().values()]
-        [1.0, 3.5, 0.0, 90.0]
+        >>> {k.split("/")[-1]: v.item() for k, v in metric.compute().items()}  # no prompt_lengths: no key
+        {'generate_sequences': 1.0, 'tool_calls': 3.5, 'response_length': 90.0}
     """
 
     keys = AGENT_SLOWEST_KEYS
@@ -621,8 +622,10 @@ class AgentLoopSlowest(_PerRank):
     higher_is_better = False
     _FIELDS = (AGENT_GENERATE_S, AGENT_TOOL_CALLS_S, "prompt_lengths", "response_lengths")
     _deferred = (("invalid", _FIELDS, "negative or non-finite values"),)
-    # Per slot: total seconds, generation, tool calls, prompt length, response length.
+    # Per slot: total seconds, generation, tool calls, prompt length, response length; an optional field the batch
+    # did not carry as _ABSENT (every value is >= 0), left out at compute.
     states = table(slowest=SUM.of("slots", 5), seen=SUM.of("slots"), invalid=SUM)
+    _ABSENT = -1.0
     glossary = diagnostic("timing_s/agent_loop/slowest", unit="the single slowest sample over the window and all ranks",
         what="Details of the slowest agentic rollout sample of the step (largest generation + tool-call time): its "
         "generation and tool-call seconds and its prompt and response lengths, to tell a long generation from a slow "
@@ -637,12 +640,12 @@ class AgentLoopSlowest(_PerRank):
                 check_same_shape(name, x, AGENT_GENERATE_S, gen)
                 invalid = invalid + bad
             else:
-                x = torch.zeros_like(gen)
+                x = torch.full_like(gen, self._ABSENT)
             cols.append(x)
         if gen.numel() == 0:  # shape metadata, not data
             self.accumulate(invalid=invalid)
             return
-        rows = torch.stack([cols[0] + cols[1], *cols], dim=1)  # [B, 5]
+        rows = torch.stack([cols[0] + cols[1].clamp(min=0.0), *cols], dim=1)  # [B, 5]
         if rows.device != self.slowest.device:  # as OPBCMetric.accumulate: host data moves, other devices raise
             if rows.device.type != "cpu":
                 raise ValueError(f"batch field `{AGENT_GENERATE_S}` is on {rows.device} but the metric's states "
@@ -667,4 +670,5 @@ class AgentLoopSlowest(_PerRank):
     def compute(self) -> dict[str, Tensor]:
         totals = torch.where(self.seen > 0, self.slowest[:, 0], torch.full_like(self.seen, float("-inf")))
         row = self.slowest[torch.argmax(totals)] * (self.seen.sum() > 0)
-        return dict(zip(self.keys, row[1:]))
+        carried = (row[1:] != self._ABSENT).tolist()  # (compute: a host read is allowed)
+        return {k: v for k, v, c in zip(self.keys, row[1:], carried, strict=True) if c}
