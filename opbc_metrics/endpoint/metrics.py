@@ -197,8 +197,8 @@ class EndpointResponseCount(_CoverageMetric):
     keys = (NUM_RESPONSES_KEY,)
     higher_is_better = plot_lower_bound = plot_upper_bound = None
     glossary = _entry("endpoint_num_responses", "Number of OpenAI-compatible responses the endpoint-capability "
-                      "fractions were computed over.", action="no OPBC action; 0 means no response was probed and "
-                      "every capability fraction reads 0")
+                      "fractions were computed over.", action="no OPBC action; a window without a probed response has "
+                      "no endpoint keys at all")
 
     def compute(self) -> Tensor:
         return self.responses.clone()
