@@ -18,7 +18,7 @@ entries (negative lengths, NaN/inf values on response tokens) are excluded from 
 given as Python lists or NumPy arrays live on the host already and are checked in ``update()``.
 
 **No made-up values.** The ``_x_compute`` steps return 0 over an empty window (nothing valid seen) for every
-mean, extreme, ratio and standard deviation, and ``critic/vf_explained_var`` 0 below two tokens. Nothing reports
+mean, extreme, ratio and standard deviation, and ``critic/vf_explained_var`` 0 (1 with one token). Nothing reports
 it: the stateful classes have no keys then, and the public functions below raise a ``ValueError`` on a batch
 without a valid value (:func:`~opbc_metrics.functional.statistics.require_data`), :func:`explained_variance` on
 one with fewer than two valid tokens (its sample variances need two).
