@@ -69,6 +69,7 @@ REASONS: tuple[tuple[str, int], ...] = (
     ("logprobs_positive", REJECT),
     ("mask_not_binary", REJECT),
     ("token_ids_mismatch", REJECT),
+    ("expert_ids_negative", REJECT),
     ("invalid_policy_lag", REJECT),
     ("veto", QUARANTINE),
     ("lag_above_max", QUARANTINE),
@@ -128,6 +129,7 @@ class Reason(str, Enum):
     LOGPROBS_POSITIVE = "logprobs_positive"
     MASK_NOT_BINARY = "mask_not_binary"
     TOKEN_IDS_MISMATCH = "token_ids_mismatch"
+    EXPERT_IDS_NEGATIVE = "expert_ids_negative"
     INVALID_POLICY_LAG = "invalid_policy_lag"
     VETO = "veto"
     LAG_ABOVE_MAX = "lag_above_max"

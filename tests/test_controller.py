@@ -639,3 +639,31 @@ def grouped_batch_for_chunks(dtype: torch.dtype) -> dict:
     lag[9], lag[17] = 6, 9  # group 2: replay, group 4: quarantine
     return {"trainer_logprobs": trainer.to(dtype), "rollout_logprobs": rollout.to(dtype), "response_mask": mask,
             "group_ids": torch.arange(n) // 4, "policy_lag": lag}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_negative_expert_id_rejects_its_group(monkeypatch, fused):
+    """A -1 expert id (a token the engine did not route or record) on a response token is a contract failure of its
+    group (reject, `expert_ids_negative`), on the fused and the chunked path alike, wherever it stands in the top-K;
+    on a masked-out token it is ignored."""
+    b = grouped_batch_for_chunks(torch.float64)
+    n, t = b["response_mask"].shape
+    g = torch.Generator().manual_seed(3)
+    rollout = torch.argsort(torch.rand(n, t, 2, 8, generator=g), dim=-1)[..., :2].contiguous()
+    b["rollout_experts"], b["trainer_experts"] = rollout, rollout.clone()
+    b["trainer_experts"][0, 3, 1, 0] = -1  # group 0: a response token
+    b["response_mask"][0, 3] = True
+    b["rollout_experts"][9, 5, 0, 0] = -1  # group 2: a masked-out token
+    b["response_mask"][9, 5] = False
+    b["rollout_experts"][25, 2, 0, 1] = -1  # group 6: below the top-1
+    b["response_mask"][25, 2] = True
+    monkeypatch.setattr(FC, "CHUNK_TOKENS", 1500)
+    if not fused:
+        monkeypatch.setattr(FC, "fused_pass_applies", lambda *_: False)
+    out = {d.group_id: d for d in OPBCController(track_budget=False).step(b).decisions}
+    assert out[0].action is Action.REJECT and out[0].primary_reason is Reason.EXPERT_IDS_NEGATIVE
+    assert Reason.ROUTER_FLIP_ABOVE_MAX not in out[0].reasons
+    assert out[6].action is Action.REJECT and Reason.EXPERT_IDS_NEGATIVE in out[6].reasons
+    for group in range(1, 6):
+        assert Reason.EXPERT_IDS_NEGATIVE not in out[group].reasons, group
+    assert out[2].action is Action.REPLAY

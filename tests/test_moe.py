@@ -462,10 +462,11 @@ def test_num_experts_reaches_the_collection_and_is_validated():
             RouterSetDisagreement(num_experts=bad)
 
 
-@pytest.mark.parametrize("k", [3, 8])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
 def test_without_num_experts_ids_outside_int16_raise_at_compute(k):
-    """Without num_experts the ids of K > 2 are compared as int16: an id outside [0, 2**15) in a valid
-    token (2**16 + 3 would alias to 3) makes compute() raise, naming the fields and num_experts; in a
+    """Without num_experts the ids of K > 2 are compared as int16: an id outside [0, 2**15) in a valid token
+    (2**16 + 3 would alias to 3) makes compute() raise, naming the fields and num_experts. K <= 2 ids compare
+    exactly, but a negative one (a -1 placeholder: no expert) raises too (once it read as a disagreement). In a
     padding token it is ignored; with num_experts large enough the same ids compare exactly."""
     rollout, trainer, mask = _wide_batch(300, k, seed=k)
     for bad in (-1, 2**15, 2**16 + int(trainer[0, 0, 1, 0]), -(2**40)):
@@ -474,10 +475,15 @@ def test_without_num_experts_ids_outside_int16_raise_at_compute(k):
         metric = RouterSetDisagreement()
         with assert_no_host_sync():
             metric.update(rollout_experts=r, trainer_experts=trainer, response_mask=torch.ones_like(mask))
-        with pytest.raises(ValueError, match=r"rollout_experts.*outside \[0, 32768\) in 1 valid tokens.*num_experts"):
-            metric.compute()
-        with pytest.raises(ValueError, match="num_experts"):
-            F.router_topk_disagreement_rate(r, trainer)
+        if bad >= 0 and k <= 2:
+            assert metric.compute().item() == _python_set_rate(r, trainer, torch.ones_like(mask))
+            assert F.router_topk_disagreement_rate(r, trainer).item() == metric.compute().item()
+        else:
+            with pytest.raises(ValueError,
+                               match=r"rollout_experts.*outside \[0, 32768\) in 1 valid tokens.*num_experts"):
+                metric.compute()
+            with pytest.raises(ValueError, match="num_experts"):
+                F.router_topk_disagreement_rate(r, trainer)
         masked = mask.clone()
         masked[0, 0] = False
         assert F.router_topk_disagreement_rate(r, trainer, masked).item() == _python_set_rate(r, trainer, masked)
@@ -508,3 +514,104 @@ def test_functional_rates_refuse_a_batch_without_response_tokens():
         with pytest.raises(ValueError, match="no response token in the batch"):
             fn(ids, ids, torch.zeros(2, 3))
         assert fn(ids, ids, torch.ones(2, 3)) is not None
+
+
+def _flip_rate_python(rollout, trainer, mask):
+    """Top-1 flips over valid (token, layer) pairs, in plain Python."""
+    pairs = flips = 0
+    for rr, tt, mm in zip(rollout.tolist(), trainer.tolist(), mask.tolist()):
+        for ra, ta, m in zip(rr, tt, mm):
+            if m:
+                pairs += len(ra)
+                flips += sum(a[0] != b[0] for a, b in zip(ra, ta))
+    return flips / pairs
+
+
+@pytest.mark.parametrize("side", ["rollout", "trainer"])
+@pytest.mark.parametrize("column", [0, 3])
+def test_a_negative_expert_id_in_a_valid_token_raises_at_compute(side, column):
+    """A -1 placeholder (a token the engine did not route or record) compared as an expert read as a router flip,
+    inflating the rate the controller quarantines on. Now compute() (and the public function) raise, naming the
+    fields, the count and what to do, wherever the id stands in the top-K; on a masked-out token it is ignored and
+    the rate is the rate without that token."""
+    rollout, trainer, mask = _wide_batch(64, 4, seed=3)
+    ids = {"rollout": rollout.clone(), "trainer": trainer.clone()}
+    ids[side][1, 2, 0, column] = -1
+    ids[side][0, 5, 1, column] = -(2**40)
+    metric = RouterFlipRate()
+    with assert_no_host_sync():
+        metric.update(rollout_experts=ids["rollout"], trainer_experts=ids["trainer"], response_mask=mask | True)
+    with pytest.raises(ValueError, match=r"rollout_experts.*trainer_experts.*negative expert id in 2 valid "
+                                         r"tokens.*response_mask"):
+        metric.compute()
+    with pytest.raises(ValueError, match="negative expert id in 2 valid tokens"):
+        F.router_flip_rate(ids["rollout"], ids["trainer"])
+    with pytest.raises(ValueError, match=r"outside \[0, 64\)\) in 2 valid tokens"):
+        F.router_topk_disagreement_rate(ids["rollout"], ids["trainer"], num_experts=64)
+    masked = mask.clone()
+    masked[1, 2] = masked[0, 5] = False
+    metric = RouterFlipRate()
+    metric.update(rollout_experts=ids["rollout"], trainer_experts=ids["trainer"], response_mask=masked)
+    want = _flip_rate_python(ids["rollout"], ids["trainer"], masked)
+    assert metric.compute()[FM.FLIP_RATE_KEY].item() == pytest.approx(want, abs=1e-15)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.int64, torch.int64), (torch.int32, torch.int64), (torch.int16, torch.int32)])
+def test_the_negative_check_in_chunks_equals_python(monkeypatch, dtypes):
+    """The per-token check and the top-1 flips, in CPU chunks of a few tokens (a partial last one), for mixed id
+    dtypes, equal a plain-Python pass."""
+    monkeypatch.setattr(FM, "_CPU_CHUNK_IDS", 7 * 2 * 3)
+    g = torch.Generator().manual_seed(5)
+    rollout = torch.randint(-1, 4, (3, 11, 2, 3), generator=g)
+    trainer = torch.randint(0, 4, (3, 11, 2, 3), generator=g)
+    trainer[0, 0, 1, 2] = -5
+    flips, negative = FM.top1_flips_and_negatives(rollout.to(dtypes[0]), trainer.to(dtypes[1]))
+    assert flips.tolist() == [[[a[0] != b[0] for a, b in zip(ra, ta)] for ra, ta in zip(rr, tt)]
+                              for rr, tt in zip(rollout.tolist(), trainer.tolist())]
+    assert negative.tolist() == [[min(min(map(min, ra)), min(map(min, ta))) < 0 for ra, ta in zip(rr, tt)]
+                                 for rr, tt in zip(rollout.tolist(), trainer.tolist())]
+
+
+def test_a_negative_expert_id_in_a_collection_raises_from_the_moe_section():
+    """In the default collection the moe section's compute raises; the logprob sections are not touched."""
+    batch = dict(make_router_batch(batch=2, seq=5, seed=1))
+    batch["rollout_experts"] = batch["rollout_experts"].clone()
+    batch["rollout_experts"][0, 0, 0, 0] = -1
+    batch["response_mask"] = torch.ones_like(batch["response_mask"])
+    metrics = OPBCCollection(sections=["moe"])
+    metrics.update(batch)
+    with pytest.raises(ValueError, match="negative expert id"):
+        metrics.compute()
+
+
+def _negative_on_one_rank(rank, world, negative):
+    from opbc_metrics import RouterFlipRate as Flip
+
+    batch = make_router_batch(batch=3, seq=6, seed=10 + rank)
+    rollout = batch["rollout_experts"].clone()
+    if negative and rank == 1:
+        rollout[0, 0, 2, 0] = -1  # (the first row's first token is always a response token)
+    metric = Flip(num_layers=3)
+    metric.update(rollout_experts=rollout, trainer_experts=batch["trainer_experts"],
+                  response_mask=batch["response_mask"])
+    try:
+        return float(metric.compute()[FM.FLIP_RATE_KEY]), rollout, batch
+    except ValueError as error:
+        return str(error), rollout, batch
+
+
+@pytest.mark.parametrize("negative", [False, True])
+def test_negative_expert_id_count_syncs_across_ranks(negative):
+    """The count is a synced sum: a -1 on one rank makes compute() raise on every rank; without it the synced rate
+    equals the rate on the concatenated data."""
+    from tests.ddp import run_distributed
+
+    results = run_distributed(_negative_on_one_rank, world_size=2, args=(negative,), timeout=240)
+    if negative:
+        assert all(isinstance(v, str) and "negative expert id in 1 valid tokens" in v for v, *_ in results)
+        return
+    rollout = torch.cat([r for _, r, _ in results])
+    trainer = torch.cat([b["trainer_experts"] for *_, b in results])
+    mask = torch.cat([b["response_mask"] for *_, b in results])
+    want = _flip_rate_python(rollout, trainer, mask)
+    assert all(v == pytest.approx(want, abs=1e-15) for v, *_ in results)

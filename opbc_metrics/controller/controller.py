@@ -243,8 +243,11 @@ class OPBCController:
             values = FC._group_compute(
                 FC.group_update(view, index, policy.clamp, policy.veto, flips=flips, lag_rows=lag_rows, chunks=chunks)
             )
+        negative_rows = view._cache.get("negative_expert_rows")
         if fused is not None:
-            contract = FC._contract_from_rows(fused.contract_rows, index, lag_rows, view.mask_other_rows)
+            rows = fused.contract_rows if negative_rows is None else {**fused.contract_rows,
+                                                                       "negative_expert_ids": negative_rows}
+            contract = FC._contract_from_rows(rows, index, lag_rows, view.mask_other_rows)
         elif batch_reasons:
             declared = view._cache.get("declared_response_tokens")
             if declared is not None:
@@ -259,7 +262,10 @@ class OPBCController:
                                   None if token_ids is None else (token_ids[0][i:j], token_ids[1][i:j]))
                 for i, j in chunks
             ]
-            contract = FC._contract_from_rows(FC.cat_rows(parts), index, lag_rows, view.mask_other_rows)
+            rows = FC.cat_rows(parts)
+            if negative_rows is not None:
+                rows["negative_expert_ids"] = negative_rows
+            contract = FC._contract_from_rows(rows, index, lag_rows, view.mask_other_rows)
         action, reasons = FC.decide(values, contract, index.present, policy)
         row_action = action[index.row_group]
         if fused is not None and fused.weights is not None:
@@ -484,13 +490,19 @@ def _prepare(
         if mask is not None and tuple(mask.shape) == (b, t):
             fallback._cache["declared_response_tokens"] = (mask != 0).to(torch.float32).sum(dim=1)
         return fallback, index, reasons, None, lag_rows, None
-    view.token_inputs  # noqa: B018  (BatchView's own validation, cached for every later use)
+    _, _, response = view.token_inputs  # (BatchView's own validation, cached for every later use)
     flips = None
     if experts is not None:
-        from opbc_metrics.functional.moe import _side, router_top1_flips
+        from opbc_metrics.functional.moe import _check_pair, _side, top1_flips_and_negatives
 
-        # Each side's top-1 expert as the moe section reads it: its ids' first column, or its logits' argmax.
-        rollout, trainer = (_side(view, *names, 1)[0] for names in ((ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS),
-                                                                      (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS)))
-        flips = router_top1_flips(rollout, trainer)
+        # Each side's top-1 expert as the moe section reads it: its ids' first column, or its logits' argmax (its
+        # ids whole, for the check of every id).
+        rollout, trainer = (_side(view, ids, logits, None if view.has(ids) else 1)[0]
+                            for ids, logits in ((ROLLOUT_EXPERTS, ROLLOUT_ROUTER_LOGITS),
+                                                (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS)))
+        _check_pair(rollout[..., :1], trainer[..., :1])  # (the [B, T, L] of both; K may differ)
+        flips, negative = top1_flips_and_negatives(rollout, trainer)
+        # A negative expert id (a -1 placeholder: no expert) on a response token is a contract failure of its row,
+        # not a router flip (FC._contract_from_rows reads it).
+        view._cache["negative_expert_rows"] = (negative & response).sum(dim=1)
     return view, index, [], flips, lag_rows, token_ids

@@ -743,43 +743,6 @@ def group_statistics(
 
 
 # -- contract -----------------------------------------------------------------------------------------
-def _contract_flags(
-    view: BatchView,
-    index: GroupIndex,
-    alignment_gap: float,
-    token_ids: tuple[Tensor, Tensor] | None = None,
-    lag_rows: Tensor | None = None,
-) -> dict[str, Tensor]:
-    """Per-group contract failures (``[capacity]`` bool each), on the group's response tokens (mask = 1).
-
-    * ``logprobs_missing`` (the origin's ``missing_logprobs``): some sequence of the group has one side's
-      logprobs exactly 0.0 on every one of its response tokens while the other side's are not (an engine
-      that returned no logprobs fills zeros). The check is per sequence: one such sequence rejects its
-      group. A sequence with both sides all-zero agrees and is not flagged.
-    * ``no_response_tokens``: the group has no response token at all.
-    * ``logprobs_misaligned``: (a) a response token where one side is exactly 0.0 (probability 1, the usual
-      fill value) while the other side gives the token a probability below ``exp(-alignment_gap)``
-      (default gap ln 2: less than even odds), or (b) a sequence whose logprobs on one side are exactly 0.0
-      on all its response tokens but finite and non-zero on some masked-out position, while the other side is
-      not all zero there (the logprobs are laid out on other positions than the mask: an offset or a wrong
-      mask). Both sides exactly 0 on the response agree (a response of near-certain tokens) and pass.
-    * ``non_finite``: a NaN or infinite logprob on a response token (or a log ratio that overflows the
-      compute dtype, see :attr:`~opbc_metrics.batch.BatchView.finite`).
-    * ``logprobs_positive``: a response token whose trainer or rollout logprob is finite and above
-      :data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE` (0.01): probabilities or logits passed as logprobs (the
-      collection refuses them at compute; log-probabilities are <= 0).
-    * ``mask_not_binary``: a sequence of the group whose raw ``response_mask`` holds a value other than 0 and 1
-      (a -100 label mask, 0.5 weights, NaN): every non-zero entry would count as a response token (the
-      collection refuses such a mask at compute). A bool mask never fails it.
-    * ``token_ids_mismatch``: rollout and trainer token ids differ on a response token (only when both
-      are given).
-    * ``invalid_policy_lag``: a sequence of the group has a policy lag that is NaN, infinite or negative
-      (only when ``policy_lag`` is given): the lag rules cannot judge the group.
-    """
-    rows = _contract_rows(view, alignment_gap, token_ids)
-    return _contract_from_rows(rows, index, lag_rows, view.mask_other_rows)
-
-
 def token_ids_differ(mask: Tensor, rollout_ids: Tensor, trainer_ids: Tensor) -> Tensor:
     """``[B]`` the response tokens (``mask`` set) of each row whose rollout and trainer token ids differ: the
     comparison behind the controller's ``token_ids_mismatch`` and
@@ -843,8 +806,37 @@ def _contract_flags(resp: Tensor, zero_rows: tuple[Tensor, Tensor], present_outs
 
 def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None = None,
                         mask_other: Tensor | None = None) -> dict[str, Tensor]:
-    """The per-group contract flags from :func:`_contract_rows`' per-row counts and the ``[B]`` rows whose mask
-    holds values other than 0/1 (``None``: none can)."""
+    """Per-group contract failures (``[capacity]`` bool each), on the group's response tokens (mask = 1), from
+    :func:`_contract_rows`' per-row counts (and the controller's ``negative_expert_ids`` row) and the ``[B]`` rows
+    whose mask holds values other than 0/1 (``None``: none can).
+
+    * ``logprobs_missing`` (the origin's ``missing_logprobs``): some sequence of the group has one side's
+      logprobs exactly 0.0 on every one of its response tokens while the other side's are not (an engine
+      that returned no logprobs fills zeros). The check is per sequence: one such sequence rejects its
+      group. A sequence with both sides all-zero agrees and is not flagged.
+    * ``no_response_tokens``: the group has no response token at all.
+    * ``logprobs_misaligned``: (a) a response token where one side is exactly 0.0 (probability 1, the usual
+      fill value) while the other side gives the token a probability below ``exp(-alignment_gap)``
+      (default gap ln 2: less than even odds), or (b) a sequence whose logprobs on one side are exactly 0.0
+      on all its response tokens but finite and non-zero on some masked-out position, while the other side is
+      not all zero there (the logprobs are laid out on other positions than the mask: an offset or a wrong
+      mask). Both sides exactly 0 on the response agree (a response of near-certain tokens) and pass.
+    * ``non_finite``: a NaN or infinite logprob on a response token (or a log ratio that overflows the
+      compute dtype, see :attr:`~opbc_metrics.batch.BatchView.finite`).
+    * ``logprobs_positive``: a response token whose trainer or rollout logprob is finite and above
+      :data:`~opbc_metrics.batch.PROBABILITY_TOLERANCE` (0.01): probabilities or logits passed as logprobs (the
+      collection refuses them at compute; log-probabilities are <= 0).
+    * ``mask_not_binary``: a sequence of the group whose raw ``response_mask`` holds a value other than 0 and 1
+      (a -100 label mask, 0.5 weights, NaN): every non-zero entry would count as a response token (the
+      collection refuses such a mask at compute). A bool mask never fails it.
+    * ``token_ids_mismatch``: rollout and trainer token ids differ on a response token (only when both
+      are given).
+    * ``expert_ids_negative``: a response token with a negative routed expert id on either side (only with expert
+      ids; a -1 placeholder for a token the engine did not route is no expert, and compared as one it would read
+      as a router flip).
+    * ``invalid_policy_lag``: a sequence of the group has a policy lag that is NaN, infinite or negative
+      (only when ``policy_lag`` is given): the lag rules cannot judge the group.
+    """
     resp_g = _segment_sum(rows["resp"], index)
     # A batch-wide shape mismatch is found before any per-token work (the controller's batch validation).
     out: dict[str, Tensor] = {"shape_mismatch": torch.zeros_like(resp_g, dtype=torch.bool)}
@@ -857,10 +849,11 @@ def _contract_from_rows(rows: Stats, index: GroupIndex, lag_rows: Tensor | None 
         out["mask_not_binary"] = _segment_sum(mask_other, index) > 0
     else:  # an absent or bool mask
         out["mask_not_binary"] = torch.zeros_like(out["non_finite"])
-    if "token_ids_differ" in rows:
-        out["token_ids_mismatch"] = _segment_sum(rows["token_ids_differ"], index) > 0
-    else:
-        out["token_ids_mismatch"] = torch.zeros_like(out["non_finite"])
+    for reason, row in (("token_ids_mismatch", "token_ids_differ"), ("expert_ids_negative", "negative_expert_ids")):
+        if row in rows:
+            out[reason] = _segment_sum(rows[row], index) > 0
+        else:
+            out[reason] = torch.zeros_like(out["non_finite"])
     out["invalid_policy_lag"] = invalid_lag_groups(lag_rows, index)
     return out
 

@@ -78,7 +78,9 @@ class RouterFlipRate(_RouterMetric):
       token, the first one on ties; 64 stands for the pooled overflow bucket ("some layer >= 64").
       ``moe/router/worst_layer_flip_rate``: its rate.
 
-    No valid token in the window: no keys.
+    No valid token in the window: no keys. A negative expert id in a valid token (a -1 placeholder for a token
+    the engine did not route or record: no expert, which would read as a flip) makes :meth:`compute` raise, naming
+    the fields; set ``response_mask`` to 0 on such tokens.
 
     Args:
         num_layers: the model's number of MoE layers (the per-layer capacity): a batch with more layers
@@ -109,14 +111,16 @@ class RouterFlipRate(_RouterMetric):
         what="Fraction of (token, layer) pairs where the MoE top-1 routed expert differs between rollout and "
         "trainer: top-1 stability under quantization or precision changes. Low values (< 5%) suggest the "
         "dominant expert is robust. Also per MoE layer (layer_{l}/flip_rate, layers beyond the capacity "
-        "pooled in layer_overflow without num_layers) and the worst layer with its rate.",
+        "pooled in layer_overflow without num_layers) and the worst layer with its rate. Expert ids must be >= 0 "
+        "(a -1 placeholder is no expert): compute raises otherwise.",
         unit=_PAIRS,
         cap="flip_rate > max_flip (0.15)",
         action="the OPBC quarantines the group: its routing no longer matches the trainer's, so the trainer's "
         "gradient is not the gradient of the policy that sampled it",
         aliases=("top-1 flip rate", "top1_flip_rate"),
     )
-    states = table(layer_flips=SUM.of(lambda m: m.num_layers + 1), layer_pairs=SUM.of(lambda m: m.num_layers + 1))
+    states = table("negative_ids", layer_flips=SUM.of(lambda m: m.num_layers + 1),
+                   layer_pairs=SUM.of(lambda m: m.num_layers + 1))
 
     def __init__(self, num_layers: int | None = None, top_k: int | None = None, **kwargs: Any) -> None:
         super().__init__(top_k, **kwargs)
@@ -145,7 +149,7 @@ class RouterSetDisagreement(_RouterMetric):
             holding ``[0, E)`` (uint8 for E <= 256, cheaper than int16); ids outside ``[0, E)`` in valid
             tokens make :meth:`compute` raise. ``None``: with K > 2 the ids are compared as int16, so ids
             outside ``[0, 2**15)`` in valid tokens make :meth:`compute` raise (pass ``num_experts``); with
-            K <= 2 any integer ids.
+            K <= 2 any ids compare exactly, and a negative one (a -1 placeholder: no expert) raises.
         compiled: compare the sets in one ``torch.compile`` loop (CPU, K > 2; a collection's ``compiled`` option
             does it for all): ~2-2.5x faster at K = 8 after a compilation of a few seconds on first use, the same
             value. Elsewhere the eager comparison runs.
@@ -167,7 +171,8 @@ class RouterSetDisagreement(_RouterMetric):
         what="Fraction of tokens with at least one MoE layer where the top-k *set* of routed experts differs "
         "between rollout and trainer. More sensitive than the top-1 flip: quantization noise often shuffles "
         "the lower-ranked experts even when the dominant one is stable; the gap between the two shows it. "
-        "Expert ids must lie in [0, num_experts) (in [0, 32768) without num_experts, for top-k > 2): "
+        "Expert ids must lie in [0, num_experts) (without num_experts: in [0, 32768) for top-k > 2, >= 0 "
+        "otherwise): "
         "compute raises otherwise.",
         unit=_TOKENS,
         cap="none (diagnostic)",
