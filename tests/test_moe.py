@@ -615,3 +615,17 @@ def test_negative_expert_id_count_syncs_across_ranks(negative):
     mask = torch.cat([b["response_mask"] for *_, b in results])
     want = _flip_rate_python(rollout, trainer, mask)
     assert all(v == pytest.approx(want, abs=1e-15) for v, *_ in results)
+
+
+def test_the_negative_check_on_an_empty_batch():
+    """No token (B or T = 0): empty flips and flags, and the metric has no data (NoDataError, no value)."""
+    from opbc_metrics.metric import NoDataError
+
+    for shape in ((0, 4, 2, 3), (2, 0, 2, 3)):
+        ids = torch.zeros(shape, dtype=torch.long)
+        flips, negative = FM.top1_flips_and_negatives(ids, ids)
+        assert flips.shape == shape[:3] and negative.shape == shape[:2]
+        metric = RouterFlipRate()
+        metric.update(rollout_experts=ids, trainer_experts=ids)
+        with pytest.raises(NoDataError):
+            metric.compute()

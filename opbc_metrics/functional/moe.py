@@ -267,7 +267,7 @@ def top1_flips_and_negatives(rollout: Tensor, trainer: Tensor) -> tuple[Tensor, 
     """
     b, t, n_layers = rollout.shape[:3]
     tokens, device = b * t, rollout.device
-    rows_of = [x.reshape(tokens, -1).contiguous() for x in (rollout, trainer)]  # (each side its own K)
+    rows_of = [x.reshape(tokens, n_layers * x.shape[3]).contiguous() for x in (rollout, trainer)]  # (each its own K)
     halves = [_range_halves(x, 2**31) for x in rows_of]
     low = [torch.empty(tokens, dtype=x.dtype, device=device) for x in halves]
     flips = torch.empty((tokens, n_layers), dtype=torch.bool, device=device)
@@ -426,8 +426,10 @@ def lane_dtype(num_experts: int | None, ids_dtype: torch.dtype) -> torch.dtype:
 
 def _range_halves(ids: Tensor, num_experts: int) -> Tensor:
     """The view whose minimum is negative exactly when an id is: the int32 halves of int64 ids below 2**31 (a
-    negative id has a negative high half; int64 ``amin`` is not vectorised on CPU), else the ids."""
-    return ids.view(torch.int32) if ids.dtype == torch.int64 and num_experts <= 2**31 else ids
+    negative id has a negative high half; int64 ``amin`` is not vectorised on CPU), else (and for strided rows, which
+    have no such view) the ids."""
+    halves = ids.dtype == torch.int64 and num_experts <= 2**31 and ids.stride(-1) == 1
+    return ids.view(torch.int32) if halves else ids
 
 
 def _set_differs_tokens(
