@@ -753,6 +753,9 @@ ONES2, ONES23, ZEROS12 = torch.ones(2), torch.ones(2, 3), torch.zeros(1, 2)
          r"`sample_metrics`\[0\]\['format'\] must be a number"),
         (lambda: M.ValidationAccuracy(["a"]), {"val_acc": ONES2, "data_sources": ["a"]},
          r"`data_sources` has 1 entries but `val_acc` has 2 prompts"),
+        # per-sample tool-call times of another length than the generation times (misaligned samples) were taken
+        (M.AgentLoopTiming, {"agent_generate_s": [1.0, 2.0], "agent_tool_calls_s": [0.5]},
+         r"`agent_tool_calls_s` has shape \(1,\) but `agent_generate_s` has shape \(2,\)"),
     ] + [(make, batch, r"are on meta but the states of") for make, batch in [
         # host lists next to device tensors go to the tensors' device (no field-versus-field device error); the
         # only refusal left is the whole batch being elsewhere than the metric's states

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opbc_metrics.batch import BatchView, check_count, check_positive, check_same_device, check_same_shape
+from opbc_metrics.batch import BatchView, check_count, check_positive, check_same_shape
 from opbc_metrics.functional import perf as P
 from opbc_metrics.functional.statistics import safe_div
 from opbc_metrics.functional.training import (
@@ -547,8 +547,9 @@ class AgentLoopTiming(_TrainingMetric):
     """Per-sample agent-loop times, ``timing_s/agent_loop/{generate_sequences,tool_calls}/{min,max,mean}``.
 
     Batch fields (seconds per sample, [B]): ``agent_generate_s`` (time in generation), optional
-    ``agent_tool_calls_s`` (time in tool calls). Statistics over samples of the window and all ranks (a
-    sample's time is its own, so no slowest-rank reduction applies); no data in the window: no keys.
+    ``agent_tool_calls_s`` (time in tool calls, one per sample too: another length raises). Statistics over
+    samples of the window and all ranks (a sample's time is its own, so no slowest-rank reduction applies); no
+    data in the window: no keys.
 
     Example:
         >>> metric = AgentLoopTiming()
@@ -573,12 +574,15 @@ class AgentLoopTiming(_TrainingMetric):
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         view.field(AGENT_GENERATE_S)  # required (a clear error when missing); the tool-call times are optional
         stats: dict[str, Tensor] = {}
+        gen: Tensor | None = None
         for part, name in (("gen", AGENT_GENERATE_S), ("tool", AGENT_TOOL_CALLS_S)):
             if view.has(name):
                 ref = stats.get("gen_sum")  # host values of the tool times go where the generation times are
                 x, s = _count_stats(view, name, None if ref is None else ref.device)
-                if ref is not None:
-                    check_same_device(name, x, AGENT_GENERATE_S, ref)
+                if gen is None:
+                    gen = x
+                else:  # one entry per sample on both sides: lists of other lengths are misaligned samples
+                    check_same_shape(name, x, AGENT_GENERATE_S, gen)
                 invalid = s.pop("invalid")
                 stats["invalid"] = invalid if ref is None else stats["invalid"] + invalid
                 stats.update({f"{part}_{stat}": value for stat, value in s.items()})
