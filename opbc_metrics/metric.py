@@ -226,7 +226,8 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
             if value is None and not self._allow_empty:
                 raise NoDataError(
                     f"{type(self).__name__} saw no data since the last reset (on any rank): it has no value. "
-                    "compute_dict() returns {} in this case, and OPBCCollection.compute() leaves its keys out"
+                    "compute_dict() returns {} in this case, and OPBCCollection.compute() leaves its keys out."
+                    + self.no_data_hint()
                 )
             return value
 
@@ -253,6 +254,10 @@ class OPBCMetric(Metric, metaclass=_BuildStates):
             fill = _FILLS[state.reduce]
             default = [] if fill is None else torch.full(state.resolve(self), fill, dtype=torch.float64)
             self.add_state(name, default=default, dist_reduce_fx=state.reduce, persistent=True)
+
+    def no_data_hint(self) -> str:
+        """More words for the :class:`NoDataError` of a window without data (why there was none), or ``""``."""
+        return ""
 
     def state_values(self, *names: str, exclude: tuple[str, ...] = ()) -> dict[str, Tensor]:
         """``{name: state}`` for ``names`` (default: every state but ``exclude``), to pass to a ``_x_compute``."""
@@ -764,8 +769,10 @@ def _first_difference(own: Any, other: Any, path: str) -> str | None:
 # What a metric that reads trainer / rollout logprobs checks at compute (InputHealth always; the others when used
 # alone, since in a collection InputHealth checks once for all): response_mask entries other than 0 and 1, and the
 # min / max of the trainer's and the rollout's logprobs on the logprob sample (a side above 0 holds probabilities or
-# logits).
-INPUT_CHECK_STATES = MappingProxyType({"mask_other": SUM, "logprob_min": MIN.of(2), "logprob_max": MAX.of(2)})
+# logits); and the response tokens with a non-finite logprob (excluded from every statistic), which word a window
+# without data whose tokens were all such.
+INPUT_CHECK_STATES = MappingProxyType({"mask_other": SUM, "logprob_min": MIN.of(2), "logprob_max": MAX.of(2),
+                                       "nonfinite": SUM})
 
 
 class LogprobInputChecks:
@@ -790,7 +797,19 @@ class LogprobInputChecks:
         if not self.input_checks:
             return {}
         low, high = view.logprob_range
-        return {"mask_other": view.mask_other_values, "logprob_min": low, "logprob_max": high}
+        return {"mask_other": view.mask_other_values, "logprob_min": low, "logprob_max": high,
+                "nonfinite": self.nonfinite_tokens(view)}
+
+    def nonfinite_tokens(self, view: BatchView) -> Tensor:
+        """The batch's response tokens with a NaN or infinite logprob (0-dim), from the metric's kernel statistics."""
+        raise NotImplementedError
+
+    def no_data_hint(self) -> str:
+        if not self.input_checks or not bool(self.nonfinite > 0):  # (on the way to NoDataError only)
+            return ""
+        return (f" Its window held {int(self.nonfinite)} response token(s) on this rank whose trainer or rollout "
+                "logprob is NaN or infinite: such tokens are excluded from every statistic (a collection counts them "
+                "in opbc/input/nonfinite_count).")
 
     def raise_on_bad_inputs(self) -> None:
         if self.input_checks:

@@ -8,6 +8,7 @@ import torch
 
 from opbc_metrics import OPBCCollection
 from opbc_metrics import functional as F
+from opbc_metrics.metric import INPUT_CHECK_STATES, NoDataError
 from opbc_metrics.mismatch import MISMATCH_METRICS, InputHealth
 from opbc_metrics.per_round import PerRoundMismatch
 
@@ -50,7 +51,8 @@ def test_the_checks_change_no_value(cls):
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
-    assert len(alone.state_dict()) == len(unchecked.state_dict()) + 3
+    assert len(alone.state_dict()) == len(unchecked.state_dict()) + len(INPUT_CHECK_STATES) == \
+        len(unchecked.state_dict()) + 4
 
 
 def test_collection_members_leave_the_checks_to_input_health():
@@ -164,3 +166,34 @@ def test_the_ppo_metrics_read_their_deferred_counts_in_one_host_read(monkeypatch
         monkeypatch.setattr(torch.Tensor, name, lambda self, _f=original, _n=name: reads.append(_n) or _f(self))
     metric.compute()
     assert reads == ["tolist"]  # the non-finite and the positive counts together
+
+
+@pytest.mark.parametrize("cls", ALONE)
+def test_a_window_of_only_non_finite_tokens_says_so(cls):
+    """A metric alone whose window held response tokens, all with a NaN or infinite logprob, said only that it saw no
+    data; its NoDataError now counts those tokens and says they are excluded. A window with some finite tokens keeps
+    its value (the excluded ones are InputHealth's count in a collection); a window of no tokens at all, and a metric
+    without the checks, get the plain error."""
+    trainer, rollout = _logprobs(2)
+    bad = trainer.clone()
+    bad[0::2, :] = float("nan")
+    bad[1, :] = -float("inf")
+    metric = cls()
+    metric.update(trainer_logprobs=bad, rollout_logprobs=rollout)
+    with pytest.raises(NoDataError, match=rf"held {bad.numel()} response token\(s\) on this rank whose trainer or "
+                                          r"rollout logprob is NaN or infinite.*opbc/input/nonfinite_count"):
+        metric.compute()
+    assert metric.compute_dict() == {}
+    some = bad.clone()
+    some[0] = trainer[0]  # (a whole sequence: a sequence with a non-finite token is excluded from sequence statistics)
+    metric = cls()
+    metric.update(trainer_logprobs=some, rollout_logprobs=rollout)
+    assert metric.compute_dict()
+    for empty in (cls(), cls(input_checks=False)):
+        if empty.input_checks:
+            empty.update(trainer_logprobs=trainer, rollout_logprobs=rollout, response_mask=torch.zeros_like(trainer))
+        else:
+            empty.update(trainer_logprobs=bad, rollout_logprobs=rollout)
+        with pytest.raises(NoDataError) as error:
+            empty.compute()
+        assert "NaN or infinite" not in str(error.value)

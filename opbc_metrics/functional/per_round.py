@@ -106,6 +106,13 @@ def request_rounds(view: BatchView, capacity: int) -> None:
     view.request(M.TOKEN_STATISTICS, M.rounds_need(capacity))
 
 
+def round_kernel_statistics(view: BatchView, capacity: int, compiled: bool = False) -> Stats:
+    """The shared mismatch kernel's statistics of the view with the per-round sums of ``capacity`` rounds (cached on
+    the view: one call per batch)."""
+    clamp, veto, bins = M.shared_settings(view)
+    return M.batch_statistics(view, clamp, veto, bins, compiled, frozenset({M.rounds_need(capacity)}))
+
+
 def _per_round_update(view: BatchView, capacity: int, compiled: bool = False) -> Stats:
     """The per-round sums of one batch, from the mismatch kernel's shared call (:func:`M._round_sums`).
 
@@ -113,8 +120,7 @@ def _per_round_update(view: BatchView, capacity: int, compiled: bool = False) ->
     before its members update, so one call serves them. With a larger capacity requested by another
     reader, rounds ``>= capacity`` are folded into this capacity's overflow bucket.
     """
-    clamp, veto, bins = M.shared_settings(view)
-    stats = M.batch_statistics(view, clamp, veto, bins, compiled, frozenset({M.rounds_need(capacity)}))
+    stats = round_kernel_statistics(view, capacity, compiled)
 
     def fold(sums: Tensor) -> Tensor:
         if sums.shape[0] == capacity + 1:  # the kernel's own capacity (the usual case): nothing to fold

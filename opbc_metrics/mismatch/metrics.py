@@ -142,6 +142,9 @@ class _MismatchMetric(LogprobInputChecks, OPBCMetric):
         """The section's fused statistics of this batch, shared through the view's cache."""
         return batch_statistics(view, self.clamp, self.veto, self.top_mass_bins, self.compiled, self.statistic_groups)
 
+    def nonfinite_tokens(self, view: BatchView) -> Tensor:
+        return _input_update(self._stats(view))["nonfinite"]
+
     def update(self, batch: Any = None, **fields: Any) -> None:
         """Accumulate a batch with ``trainer_logprobs`` [B, T], ``rollout_logprobs`` [B, T] and an
         optional ``response_mask`` [B, T] (all ones when absent)."""

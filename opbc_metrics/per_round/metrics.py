@@ -16,6 +16,7 @@ from opbc_metrics.functional.per_round import (
     _per_round_update,
     per_round_keys,
     request_rounds,
+    round_kernel_statistics,
 )
 from opbc_metrics.metric import INPUT_CHECK_STATES, MAX, SUM, GlossaryEntry, LogprobInputChecks, OPBCMetric, table
 
@@ -107,6 +108,10 @@ class PerRoundMismatch(LogprobInputChecks, OPBCMetric):
 
     def statistics(self, view: BatchView) -> Stats:
         return {**_per_round_update(view, self.capacity, self.compiled), **self.input_check_statistics(view)}
+
+    def nonfinite_tokens(self, view: BatchView) -> Tensor:
+        stats = round_kernel_statistics(view, self.capacity, self.compiled)  # (the call _per_round_update made)
+        return stats["n_mask"] - stats["n"]
 
     def compute(self) -> dict[str, Tensor]:
         self.raise_on_bad_inputs()
