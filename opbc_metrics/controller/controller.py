@@ -502,7 +502,7 @@ def _prepare(
                                                 (TRAINER_EXPERTS, TRAINER_ROUTER_LOGITS)))
         _check_pair(rollout[..., :1], trainer[..., :1])  # (the [B, T, L] of both; K may differ)
         flips, negative = top1_flips_and_negatives(rollout, trainer)
-        # A negative expert id (a -1 placeholder: no expert) on a response token is a contract failure of its row,
-        # not a router flip (FC._contract_from_rows reads it).
+        # A negative expert id (a -1 placeholder: no expert) on a response token is a contract failure of its row
+        # (FC._contract_from_rows reads it): the group is rejected, whatever its flip rate reads.
         view._cache["negative_expert_rows"] = (negative & response).sum(dim=1)
     return view, index, [], flips, lag_rows, token_ids
