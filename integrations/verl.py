@@ -30,6 +30,11 @@ What it relies on (verl's PPO/GRPO driver, ``verl/trainer/ppo/ray_trainer.py`` a
   V1's ``prompt_length`` / ``response_length`` ``[B]`` -> ``prompt_lengths`` / ``response_lengths``.
 
 Fields already named as in the batch schema (``rollout_experts``, ``stop_reasons``, ...) pass through.
+verl's own ``routed_experts`` (router replay, R3) is the rollout side of the router only, over prompt and
+response, with filler in each sequence's last response slot: :func:`verl_routed_experts` gives its response part
+and the mask of the tokens that carry a routing record, for a ``moe`` collection of its own beside the trainer's
+top-K recorded on the same tokens. :func:`verl_to_batch` does not map it (a rollout side without the trainer's
+would make the ``moe`` section raise).
 
 **The trainers.** :func:`with_opbc` adds the metrics to verl 0.9's default V1 trainers
 (``verl.trainer.ppo.v1``: ``PPOTrainerSync`` and the async ones) and to the legacy ``RayPPOTrainer``::
@@ -99,6 +104,7 @@ VERL_RESPONSES = "responses"
 VERL_ATTENTION_MASK = "attention_mask"
 VERL_UID = "uid"
 VERL_NUM_TURNS = ("__num_turns__", "num_turns")  # legacy non_tensor_batch, V1 TransferQueue field
+VERL_ROUTED_EXPERTS = "routed_experts"  # router replay (R3): the rollout engine's top-K per token and MoE layer
 
 # verl's names for the glossary's keys, where they differ. The glossary key is what the integration
 # logs; verl's name resolves to the same glossary entry (``opbc_metrics.glossary.lookup``).
@@ -126,6 +132,7 @@ __all__ = [
     "VerlMetrics",
     "is_bypass",
     "split_dataproto",
+    "verl_routed_experts",
     "verl_to_batch",
     "verl_workload",
     "with_opbc",
@@ -273,6 +280,47 @@ def verl_to_batch(
         if name not in out and isinstance(value, Tensor):
             out[name] = value
     return out
+
+
+def verl_routed_experts(data: Any) -> tuple[Tensor, Tensor]:
+    """The rollout's routed experts of verl's router replay (R3) on the response tokens:
+    ``(rollout_experts [B, T_resp, L, K], moe_mask [B, T_resp])``.
+
+    verl keeps ``routed_experts`` ``[B, T_prompt + T_resp, L, K]`` over the whole sequence; the response is its
+    last ``T_resp`` positions. Each sequence's last response token is sampled but never fed back through the model,
+    so its slot holds filler from batch assembly (zeros), not a routing record: ``moe_mask`` is the response mask
+    (``response_mask``, else derived from ``attention_mask`` as :func:`verl_to_batch` does) without that token, as
+    verl's own rollout MoE load metrics drop it. Compared against the trainer's routing, the filler would read as
+    expert 0 in every layer: a made-up flip. No host sync; views of verl's tensor.
+
+    Use the pair with the trainer's top-K of the same tokens (``trainer_experts``, e.g. recorded by Megatron's router
+    replay) in a collection of the ``moe`` section fed ``moe_mask`` as its ``response_mask``.
+
+    Example:
+        >>> import torch
+        >>> routed = torch.arange(2 * 5 * 1 * 2).view(2, 5, 1, 2)  # B = 2, T_prompt + T_resp = 5, L = 1, K = 2
+        >>> experts, moe_mask = verl_routed_experts({"routed_experts": routed,
+        ...                                          "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])})
+        >>> experts.shape, moe_mask.tolist()
+        (torch.Size([2, 3, 1, 2]), [[True, False, False], [True, True, False]])
+    """
+    tensors, _ = split_dataproto(data)
+    routed = lookup(tensors, VERL_ROUTED_EXPERTS)
+    if not isinstance(routed, Tensor):
+        raise ValueError(f"verl batch has no `{VERL_ROUTED_EXPERTS}` tensor: enable router replay (R3) in the rollout, "
+                         "which returns the routed experts")
+    mask = verl_to_batch(data, require_logprobs=False).get("response_mask")
+    if not isinstance(mask, Tensor) or mask.ndim != 2:
+        raise ValueError(f"verl batch needs `{VERL_RESPONSE_MASK}` [B, T_resp] (or `{VERL_RESPONSES}` and "
+                         f"`{VERL_ATTENTION_MASK}`) to find the response part of `{VERL_ROUTED_EXPERTS}`")
+    b, width = mask.shape
+    if routed.ndim != 4 or routed.shape[0] != b or routed.shape[1] < width:
+        raise ValueError(f"verl field `{VERL_ROUTED_EXPERTS}` has shape {tuple(routed.shape)}: expected "
+                         f"[B = {b}, T >= {width}, L, K] (the prompt and response positions of every sequence)")
+    response = mask.to(device=routed.device) != 0
+    positions = torch.arange(width, device=routed.device)
+    last = torch.where(response, positions, -1).amax(dim=-1, keepdim=True) if width else positions.view(1, 0)
+    return routed[:, routed.shape[1] - width :], response & (positions != last)
 
 
 def _per_sequence(token_values: Any) -> Any:

@@ -287,3 +287,43 @@ def test_aborted_responses_are_left_out_of_scores_and_rewards_as_verl_does():
     # (no max_prompt_length given: no prompt clip ratio)
     pairs = assert_equal_where_both_define(ours, verls, VERL_NON_ABORTED | {"prompt_length/clip_ratio"})
     assert "critic/score/mean" in pairs and "critic/rewards/min" in pairs and "response/aborted_ratio" in pairs
+
+
+def test_routed_experts_leave_out_the_filler_slot_as_verls_load_metrics_do():
+    """verl's router replay (R3) ``routed_experts`` spans prompt and response, with filler (zeros) in each sequence's
+    last response slot. ``verl_routed_experts`` gives the response part and a mask without that slot: the per-layer
+    expert counts it selects equal verl's own ``_compute_rollout_moe_load_counts`` on the same batch (agent-loop
+    masks with holes, a row without response tokens). In a ``moe`` collection against the trainer's routing, the
+    filler is no flip."""
+    from opbc_metrics import OPBCCollection
+
+    g = torch.Generator().manual_seed(4)
+    b, prompt, width, layers, k, experts = 5, 3, 9, 2, 2, 8
+    routed = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(b * (prompt + width) * layers)])
+    routed = routed.view(b, prompt + width, layers, k)
+    mask = (torch.rand(b, width, generator=g) < 0.7).long()
+    mask[0, -1] = 1  # a full-length response
+    mask[3] = 0  # no response token
+    last = [max((j for j in range(width) if mask[i, j]), default=None) for i in range(b)]
+    for i, j in enumerate(last):
+        if j is not None:
+            routed[i, prompt + j] = 0  # verl's filler in the last response slot
+    batch = {"routed_experts": routed, "response_mask": mask}
+    rollout, moe_mask = opbc_verl.verl_routed_experts(batch)
+    want = metric_utils._compute_rollout_moe_load_counts(routed, mask, experts)
+    got = torch.stack([torch.bincount(rollout[moe_mask][:, layer].flatten(), minlength=experts)
+                       for layer in range(layers)])
+    assert torch.equal(got, want)
+    assert moe_mask.tolist() == [[bool(mask[i, j]) and j != last[i] for j in range(width)] for i in range(b)]
+    # the trainer's top-K: the rollout's on every routed token, its own (not the filler) on the last one
+    trainer = rollout.clone()
+    for i, j in enumerate(last):
+        if j is not None:
+            trainer[i, j] = torch.arange(1, k + 1)
+    moe = OPBCCollection(sections=["moe"])
+    moe.update(rollout_experts=rollout, trainer_experts=trainer, response_mask=moe_mask)
+    assert moe.compute()["moe/router/flip_rate"].item() == 0.0
+    with pytest.raises(ValueError, match="verl batch has no `routed_experts`"):
+        opbc_verl.verl_routed_experts({"response_mask": mask})
+    with pytest.raises(ValueError, match=r"`routed_experts` has shape \(5, 4, 2, 2\)"):
+        opbc_verl.verl_routed_experts({"routed_experts": routed[:, :4], "response_mask": mask})
