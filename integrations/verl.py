@@ -293,8 +293,9 @@ def verl_routed_experts(data: Any) -> tuple[Tensor, Tensor]:
     verl's own rollout MoE load metrics drop it. Compared against the trainer's routing, the filler would read as
     expert 0 in every layer: a made-up flip. No host sync; views of verl's tensor.
 
-    Use the pair with the trainer's top-K of the same tokens (``trainer_experts``, e.g. recorded by Megatron's router
-    replay) in a collection of the ``moe`` section fed ``moe_mask`` as its ``response_mask``.
+    Use the pair with the trainer's top-K of the same tokens (``trainer_experts``) in a collection of the ``moe``
+    section fed ``moe_mask`` as its ``response_mask``. (verl's R2 mode records the trainer's own routes under the same
+    name in the actor's forward: that batch's ``routed_experts`` go in as ``trainer_experts``.)
 
     Example:
         >>> import torch
