@@ -660,7 +660,9 @@ def test_a_negative_expert_id_rejects_its_group(monkeypatch, fused):
     monkeypatch.setattr(FC, "CHUNK_TOKENS", 1500)
     if not fused:
         monkeypatch.setattr(FC, "fused_pass_applies", lambda *_: False)
-    out = {d.group_id: d for d in OPBCController(track_budget=False).step(b).decisions}
+    controller = OPBCController()
+    out = {d.group_id: d for d in controller.step(b).decisions}
+    assert controller.compute_budget()["opbc/decision/reason_count/expert_ids_negative"] == 2  # groups 0 and 6
     assert out[0].action is Action.REJECT and out[0].primary_reason is Reason.EXPERT_IDS_NEGATIVE
     assert Reason.ROUTER_FLIP_ABOVE_MAX not in out[0].reasons
     assert out[6].action is Action.REJECT and Reason.EXPERT_IDS_NEGATIVE in out[6].reasons

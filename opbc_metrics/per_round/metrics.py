@@ -8,6 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from opbc_metrics.batch import ROLLOUT_LOGPROBS, TRAINER_LOGPROBS, BatchView, check_count
+from opbc_metrics.functional.mismatch import _input_update
 from opbc_metrics.functional.per_round import (
     DEFAULT_ROUND_CAPACITY,
     Stats,
@@ -110,8 +111,8 @@ class PerRoundMismatch(LogprobInputChecks, OPBCMetric):
         return {**_per_round_update(view, self.capacity, self.compiled), **self.input_check_statistics(view)}
 
     def nonfinite_tokens(self, view: BatchView) -> Tensor:
-        stats = round_kernel_statistics(view, self.capacity, self.compiled)  # (the call _per_round_update made)
-        return stats["n_mask"] - stats["n"]
+        # (the kernel call _per_round_update made, cached on the view)
+        return _input_update(round_kernel_statistics(view, self.capacity, self.compiled))["nonfinite"]
 
     def compute(self) -> dict[str, Tensor]:
         self.raise_on_bad_inputs()
