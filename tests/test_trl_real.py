@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -226,10 +227,12 @@ def test_readme_snippet_trains_and_logs(tmp_path):
 
 
 def _ddp_worker(rank: int, world: int, out: str, port: str) -> None:
-    """One process of a 2-process (gloo) GRPO run; writes its training logs to ``out``."""
+    """One process of a 2-process (gloo) GRPO run; writes its training logs to ``out``, then exits the process."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port)
-    trainer = make_trainer(grpo_args(f"{out}/r{rank}", 2, ddp_backend="gloo"))
+    # ddp_timeout: a collective that the other process never joins fails here within 2 minutes, with its
+    # traceback in this process's output, instead of waiting out torch's default 30
+    trainer = make_trainer(grpo_args(f"{out}/r{rank}", 2, ddp_backend="gloo", ddp_timeout=120))
     trainer.train()
     assert trainer.accelerator.num_processes == world
     with open(f"{out}/logs{rank}.json", "w") as f:
@@ -238,6 +241,15 @@ def _ddp_worker(rank: int, world: int, out: str, port: str) -> None:
     # ("terminate called without an active exception", return code -6) after its logs were written.
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # Then leave without freeing the trainer: freed once the other process had exited, it hung a worker in C++
+    # destructors (1 run in 8 here, and once in CI; faulthandler showed the caller's line, no frame below it).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _tails(outputs: list[bytes]) -> str:
+    return "\n".join(f"--- process {r} ---\n" + out.decode(errors="replace")[-3000:] for r, out in enumerate(outputs))
 
 
 def test_two_processes_log_the_synced_values_on_every_process(tmp_path):
@@ -248,8 +260,15 @@ def test_two_processes_log_the_synced_values_on_every_process(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.test_trl_real", str(r), "2", str(tmp_path), port],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    deadline = time.monotonic() + 300
+    try:
+        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    except subprocess.TimeoutExpired:  # kill both, then fail with what each printed (a hang must say where)
+        for p in procs:
+            p.kill()
+        outputs = [p.communicate()[0] for p in procs]
+        pytest.fail("the 2-process GRPO run did not finish in 300 s:\n" + _tails(outputs))
+    assert [p.returncode for p in procs] == [0, 0], _tails(outputs)
     logs = [json.loads((tmp_path / f"logs{r}.json").read_text()) for r in range(2)]
     assert len(logs[0]) == len(logs[1]) == 2
     for a, b in zip(*logs):

@@ -35,6 +35,8 @@ def _records(path: str) -> list[Any]:
         if kind == 0 and length == 0:
             pos += left
             continue
+        if pos + header + length > len(data):  # a record wandb-core is still writing: not read yet
+            break
         pending += data[pos + header : pos + header + length]  # FIRST and MIDDLE parts wait for the LAST
         pos += header + length
         if kind in (1, 4):  # FULL or LAST: a record is complete
@@ -65,14 +67,23 @@ def read_offline_run(root: str | Path, timeout: float = 30.0) -> dict[str, Any]:
     """History rows, final summary, merged config and ``define_metric`` records of the one offline run.
 
     wandb-core may still be flushing the log when ``run.finish()`` returns (seen on a loaded machine),
-    so the file is re-read until its ``exit`` record is there.
+    so the file is re-read until its ``exit`` record is there; a record cut off at the end of the file, or one
+    that does not decode (a write torn mid-flush, seen once in CI), means the same.
     """
+    from google.protobuf.message import DecodeError
+
     path = run_file(root)
     deadline = time.monotonic() + timeout
-    records = _records(path)
-    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+    while True:
+        try:
+            records = _records(path)
+        except DecodeError:  # a torn write read mid-flush (seen in CI): read the file again, up to the deadline
+            if time.monotonic() >= deadline:
+                raise
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
-        records = _records(path)
     run: dict[str, Any] = {"history": [], "summary": {}, "config": {}, "metrics": {}, "path": path}
     run["kinds"] = sorted(r.WhichOneof("record_type") for r in records)
     for record in records:
