@@ -598,6 +598,11 @@ class BatchView:
         """Everything asked for of ``computation`` so far (empty for a view no collection prepared)."""
         return frozenset(self._requests.get(computation, ()))
 
+    def cached(self, key: Hashable) -> Any:
+        """What :meth:`shared` holds under ``key``, or ``None`` (a reader that can use another's result but does not
+        need it computed)."""
+        return self._cache.get(key)
+
     def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per view and ``key`` and shared by every metric reading this view."""
         if key not in self._cache:

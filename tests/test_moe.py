@@ -629,3 +629,60 @@ def test_the_negative_check_on_an_empty_batch():
         metric.update(rollout_experts=ids, trainer_experts=ids)
         with pytest.raises(NoDataError):
             metric.compute()
+
+
+@pytest.mark.parametrize(("k", "num_experts"), [(2, None), (2, 8), (3, None), (3, 8)])
+def test_the_set_disagreement_reads_the_flip_rates_negative_flags_in_a_collection(monkeypatch, k, num_experts):
+    """In one view the flip rate's per-token negative flags stand for the set disagreement's own minima (one pass
+    over the ids fewer): the set path takes no minimum of the ids, and both keys and both errors are those of the
+    metrics alone, with negative ids and ids >= num_experts on masked tokens (ignored) and on valid ones (refused)."""
+    g = torch.Generator().manual_seed(3)
+    rollout = torch.randint(0, 8, (3, 9, 4, k), generator=g)
+    trainer = torch.where(torch.rand(3, 9, 4, k, generator=g) < 0.2, torch.randint(0, 8, (3, 9, 4, k), generator=g),
+                          rollout)
+    mask = torch.rand(3, 9, generator=g) < 0.7
+    mask[0, 0] = mask[0, 1] = False
+    # outside the set path's bound (K <= 2 without num_experts: no bound, any id >= 0 compares exactly)
+    big = 8 if num_experts else 2**15 if k > 2 else None
+    rollout[0, 0, 1, 0] = -1  # masked: ignored by both
+    trainer[0, 1, 2, k - 1] = 2**15 if big is None else big  # masked
+    minima = []
+    real_amin = torch.amin
+
+    def counting_amin(x, *args, **kwargs):  # the per-token minima: over [tokens, L * K] rows (ids or int32 halves)
+        if x.ndim == 2:
+            minima.append(x.shape)
+        return real_amin(x, *args, **kwargs)
+
+    def pair():
+        return (RouterFlipRate(num_layers=4), RouterSetDisagreement(num_experts=num_experts))
+
+    alone = list(pair())
+    for m in alone:
+        m.update(rollout_experts=rollout, trainer_experts=trainer, response_mask=mask)
+    view = BatchView(rollout_experts=rollout, trainer_experts=trainer, response_mask=mask)
+    together = pair()
+    together[0].update(view)
+    monkeypatch.setattr(torch, "amin", counting_amin)
+    with assert_no_host_sync():
+        together[1].update(view)
+    monkeypatch.setattr(torch, "amin", real_amin)
+    assert minima == []
+    for a, b in zip(alone, together):
+        want, got = a.compute(), b.compute()
+        want, got = (x if isinstance(x, dict) else {"v": x} for x in (want, got))
+        assert want.keys() == got.keys() and all(torch.equal(want[key], got[key]) for key in want)
+    for field, value in (("rollout", -1), ("trainer", -2), ("trainer", big))[: 3 if big else 2]:
+        bad_r, bad_t = rollout.clone(), trainer.clone()
+        (bad_r if field == "rollout" else bad_t)[1, 3, 0, k - 1] = value
+        bad_mask = mask.clone()
+        bad_mask[1, 3] = True
+        view = BatchView(rollout_experts=bad_r, trainer_experts=bad_t, response_mask=bad_mask)
+        flip, sets = pair()
+        flip.update(view)
+        sets.update(view)
+        with pytest.raises(ValueError, match=r"outside|negative"):
+            sets.compute()
+        alone_set = RouterSetDisagreement(num_experts=num_experts)
+        alone_set.update(rollout_experts=bad_r, trainer_experts=bad_t, response_mask=bad_mask)
+        assert torch.equal(sets.out_of_range, alone_set.out_of_range)

@@ -180,6 +180,13 @@ def _side(view: BatchView, ids_name: str, logits_name: str, top_k: int | None) -
     raise ValueError(f"batch field `{ids_name}` (or `{logits_name}`) is required but missing (present: {present})")
 
 
+def _negative_key(top_k: int | None) -> tuple[str, int | None]:
+    """The view cache key of the ``[B, T]`` flags "the token holds a negative expert id (or one >= 2**31) on either
+    side" of :func:`router_inputs` ``(view, top_k)``: whichever router metric of a collection reads the ids first
+    stores them, the other skips that pass over the ids (a per-token minimum of each side)."""
+    return ("moe_negative_tokens", top_k)
+
+
 def router_inputs(view: BatchView, top_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(rollout_ids, trainer_ids, mask)``: validated ``[B, T, L, K]`` ids and the ``[B, T]`` bool mask.
 
@@ -254,7 +261,8 @@ def _top1_flips(rollout: Tensor, trainer: Tensor) -> Tensor:
     return rollout[..., 0] != trainer[..., 0]
 
 
-def top1_flips_and_negatives(rollout: Tensor, trainer: Tensor) -> tuple[Tensor, Tensor]:
+def top1_flips_and_negatives(rollout: Tensor, trainer: Tensor, negative: Tensor | None = None
+                             ) -> tuple[Tensor, Tensor]:
     """``([B, T, L] flips, [B, T] negative)`` from ``[B, T, L, K]`` ids (K may differ between the sides): the top-1
     expert differs, and the token holds a negative expert id on either side (no expert: a placeholder such as -1
     for a token the engine did not route or record, which compared as an expert would read as a router flip).
@@ -263,8 +271,11 @@ def top1_flips_and_negatives(rollout: Tensor, trainer: Tensor) -> tuple[Tensor, 
     vectorised on CPU), so an id of 2**31 or more reads as negative too. On CPU the tokens go in chunks: the
     per-token minimum reads a chunk from memory, the strided top-1 compare then from cache (the update measured at
     1.50x the strided compare alone at 4 x 2048 x 48 x 8 int64, against 1.7-2.8x for whole-batch passes; 1.55x at
-    4 x 2048 x 32 x 2).
+    4 x 2048 x 32 x 2). ``negative``, when given (another reader's flags of the same ids), is returned as it is, and
+    only the top-1 columns are compared.
     """
+    if negative is not None:
+        return _top1_flips(rollout, trainer), negative
     b, t, n_layers = rollout.shape[:3]
     tokens, device = b * t, rollout.device
     rows_of = [x.reshape(tokens, n_layers * x.shape[3]).contiguous() for x in (rollout, trainer)]  # (each its own K)
@@ -433,7 +444,7 @@ def _range_halves(ids: Tensor, num_experts: int) -> Tensor:
 
 
 def _set_differs_tokens(
-    rollout: Tensor, trainer: Tensor, num_experts: int | None, check_range: bool = True
+    rollout: Tensor, trainer: Tensor, num_experts: int | None, check_range: bool = True, negative: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """``([B, T] differs, [B, T] outside or None)``: the top-K set differs in at least one layer.
 
@@ -444,6 +455,9 @@ def _set_differs_tokens(
     them (reading it here would be a host sync). ``check_range=False`` with ``num_experts`` None compares any ids
     exactly in their own dtype. On CPU the tokens go in chunks that stay in cache; every chunk writes its
     per-token reductions into whole-batch buffers (``out=``), compared once at the end: fewer ops per chunk.
+    ``negative`` ``[B, T]``, when given (:func:`top1_flips_and_negatives`' flags of the same ids: a negative id or
+    one >= 2**31 on either side), stands for the per-token minima: used only with a bound of at most 2**31, where
+    those ids are outside anyway.
     """
     b, t, n_layers, k = rollout.shape
     # Without num_experts: K > 2 ids are narrowed to int16, so ids outside [0, 2**15) are reported; K <= 2 ids are
@@ -452,6 +466,8 @@ def _set_differs_tokens(
     if num_experts is None and check_range:
         num_experts = 2**31 if negatives_only else UNKNOWN_EXPERTS_BOUND
     check_range = check_range and num_experts is not None
+    if not check_range or num_experts is None or num_experts > 2**31:
+        negative = None  # (a bound above 2**31 needs the exact minima)
     device, tokens = rollout.device, b * t
     if tokens == 0:
         none = torch.zeros((b, t), dtype=torch.bool, device=device)
@@ -464,8 +480,10 @@ def _set_differs_tokens(
     if check_range:  # per token and side: the largest id, the smallest of _range_halves
         assert num_experts is not None
         high = [torch.empty(tokens, dtype=x.dtype, device=device) for x in (rollout, trainer)]
-        low = [torch.empty(tokens, dtype=_range_halves(x[:1], num_experts).dtype, device=device)
-               for x in (rollout, trainer)]
+        low = [] if negative is not None else [
+            torch.empty(tokens, dtype=_range_halves(x[:1], num_experts).dtype, device=device)
+            for x in (rollout, trainer)
+        ]
     # K = 2 ids narrowed to uint8 on CPU: contiguous byte compares (_byte_pairs_same), not int64 column ones
     byte_pairs = k == 2 and dtype == torch.uint8 and device.type == "cpu"
     if byte_pairs:
@@ -493,7 +511,8 @@ def _set_differs_tokens(
             for i, x in enumerate((r, tr)):
                 if not negatives_only:
                     torch.amax(x, dim=-1, out=high[i][start : start + m])
-                torch.amin(_range_halves(x, num_experts), dim=-1, out=low[i][start : start + m])
+                if low:
+                    torch.amin(_range_halves(x, num_experts), dim=-1, out=low[i][start : start + m])
         if byte_pairs:
             q = m * n_layers * k
             for i, x in enumerate((r, tr)):
@@ -516,7 +535,7 @@ def _set_differs_tokens(
     if not check_range:
         return differs, None
     assert num_experts is not None
-    outside = (low[0] < 0) | (low[1] < 0)
+    outside = negative.reshape(tokens) if negative is not None else (low[0] < 0) | (low[1] < 0)
     if not negatives_only:
         outside |= (high[0] >= num_experts) | (high[1] >= num_experts)
     return differs, outside.view(b, t)
@@ -621,7 +640,8 @@ def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None
             f"layers, more than num_layers = {num_layers}: set `num_layers` to the model's number of MoE layers "
             "(or leave it unset to key the layers seen)"
         )
-    flips, negative = top1_flips_and_negatives(rollout, trainer)
+    flips, negative = top1_flips_and_negatives(rollout, trainer, view.cached(_negative_key(top_k)))
+    view.shared(_negative_key(top_k), lambda: negative)  # for the set disagreement of the same ids
     per_layer = (flips & mask.unsqueeze(-1)).sum(dim=(0, 1)).to(torch.float64)  # [L], exact integer counts
     tokens = mask.sum().to(torch.float64)
     # Layers 0..num_layers-1 each get a bucket; the rest share bucket num_layers (fixed state size).
@@ -741,7 +761,8 @@ def _set_disagreement_update(
         differs, outside_ = _compiled_set_differs(rollout, trainer, bound)
         outside = outside_ if check_range else None
     else:
-        differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range)
+        differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range,
+                                               view.cached(_negative_key(top_k)))
     out_of_range = torch.zeros((), dtype=torch.float64, device=mask.device)
     if outside is not None:
         out_of_range = (outside & mask).sum().to(torch.float64)
