@@ -242,7 +242,7 @@ def _ddp_worker(rank: int, world: int, out: str, port: str) -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # Then leave without freeing the trainer: freed once the other process had exited, it hung a worker in C++
-    # destructors (1 run in 8 here, and once in CI; faulthandler showed the caller's line, no frame below it).
+    # destructors (3 runs of 9 here, and once in CI; faulthandler showed the caller's line, no frame below it).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
