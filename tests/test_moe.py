@@ -686,3 +686,50 @@ def test_the_set_disagreement_reads_the_flip_rates_negative_flags_in_a_collectio
         alone_set = RouterSetDisagreement(num_experts=num_experts)
         alone_set.update(rollout_experts=bad_r, trainer_experts=bad_t, response_mask=bad_mask)
         assert torch.equal(sets.out_of_range, alone_set.out_of_range)
+
+
+@given(seed=st.integers(0, 10_000), layers=st.integers(1, 5), chunk=st.sampled_from([4, 10, 1 << 18]),
+       repeats=st.booleans())
+def test_k2_sets_and_flips_from_one_loop_in_a_collection_equal_the_reference(seed, layers, chunk, repeats):
+    """A collection's moe section at K = 2 without num_experts runs one loop over the ids for both metrics (the flip
+    rate's own pass is not run) and equals the Python reference, in chunks of a few ids (a partial last one), with
+    repeated ids and negative ids on masked tokens."""
+    import unittest.mock as mock
+
+    g = torch.Generator().manual_seed(seed)
+    rollout = torch.randint(0, 4, (3, 7, layers, 2), generator=g)
+    trainer = torch.where(torch.rand(3, 7, layers, 2, generator=g) < 0.3,
+                          torch.randint(0, 4, (3, 7, layers, 2), generator=g), rollout)
+    if not repeats:  # distinct ids per (token, layer), as a router gives them
+        rollout[..., 1] = (rollout[..., 0] + 1 + rollout[..., 1] % 3) % 4
+        trainer[..., 1] = torch.where(trainer[..., 1] == trainer[..., 0], (trainer[..., 0] + 1) % 4, trainer[..., 1])
+    mask = torch.rand(3, 7, generator=g) < 0.6
+    mask[0, 0] = True
+    mask[2, 6] = False
+    rollout[2, 6, 0, 1] = -1  # masked: ignored
+    metrics = OPBCCollection(sections=["moe"])
+    with mock.patch.object(FM, "_CPU_CHUNK_IDS", chunk), \
+            mock.patch.object(FM, "top1_flips_and_negatives", side_effect=AssertionError("a second pass")):
+        metrics.update(rollout_experts=rollout, trainer_experts=trainer, response_mask=mask)
+    got = {k: float(v) for k, v in metrics.compute().items()}
+    want = router_reference(rollout.numpy(), trainer.numpy(), mask.numpy(), num_layers=DEFAULT_MOE_LAYERS)
+    _assert_close(got, want)
+
+
+def test_k2_loop_flips_equal_the_top1_compare_and_a_valid_negative_still_raises():
+    """The loop's flips are the strided top-1 compare's; a negative id on a valid token raises from both metrics."""
+    g = torch.Generator().manual_seed(1)
+    rollout = torch.randint(0, 6, (2, 9, 3, 2), generator=g)
+    trainer = torch.randint(0, 6, (2, 9, 3, 2), generator=g)
+    flips = torch.empty(rollout.shape[:3], dtype=torch.bool)
+    differs, negative = FM._set_differs_tokens(rollout, trainer, None, flips=flips)
+    assert torch.equal(flips, rollout[..., 0] != trainer[..., 0])
+    want = [[any(set(a) != set(b) for a, b in zip(ra, tb)) for ra, tb in zip(rr, tt)]
+            for rr, tt in zip(rollout.tolist(), trainer.tolist())]
+    assert differs.tolist() == want and not negative.any()
+    rollout[1, 4, 2, 1] = -1
+    metrics = OPBCCollection(sections=["moe"])
+    metrics.update(rollout_experts=rollout, trainer_experts=trainer)
+    for member in (metrics["moe/router/flip_rate"], metrics["moe/router/topk_disagreement_rate"]):
+        with pytest.raises(ValueError, match=r"negative|outside"):
+            member.compute()

@@ -187,6 +187,33 @@ def _negative_key(top_k: int | None) -> tuple[str, int | None]:
     return ("moe_negative_tokens", top_k)
 
 
+# A collection whose set disagreement compares K = 2 expert ids without num_experts asks for this (the request names
+# its top_k): the flip rate's update then takes its top-1 flips and negative flags from the sets' chunk loop, which
+# computes both from the same compares (one pass over the ids for both metrics).
+PAIR_SETS = "moe_pair_sets"
+
+
+def _uses_pair_sets(view: BatchView, rollout: Tensor, num_experts: int | None) -> bool:
+    """Whether the set disagreement of these ids runs the shared K = 2 loop (:func:`_pair_statistics`)."""
+    has_ids = view.has(ROLLOUT_EXPERTS) or view.has(TRAINER_EXPERTS)  # (both logits: ids bounded, no range check)
+    return rollout.shape[3] == 2 and rollout.device.type == "cpu" and num_experts is None and has_ids
+
+
+def _pair_statistics(view: BatchView, top_k: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``([B, T, L] top-1 flips, [B, T] negative, [B, T] set differs)`` of K = 2 ids without ``num_experts``, from
+    one chunk loop (:func:`_set_differs_tokens`); cached on the view for the flip rate and the set disagreement."""
+
+    def make() -> tuple[Tensor, Tensor, Tensor]:
+        rollout, trainer, _ = router_inputs(view, top_k)
+        flips = torch.empty(rollout.shape[:3], dtype=torch.bool, device=rollout.device)
+        differs, negative = _set_differs_tokens(rollout, trainer, None, True, view.cached(_negative_key(top_k)),
+                                                flips=flips)
+        assert negative is not None
+        return flips, negative, differs
+
+    return view.shared((PAIR_SETS, top_k), make)
+
+
 def router_inputs(view: BatchView, top_k: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(rollout_ids, trainer_ids, mask)``: validated ``[B, T, L, K]`` ids and the ``[B, T]`` bool mask.
 
@@ -335,16 +362,20 @@ def _column_sets_equal(rollout: Tensor, trainer: Tensor) -> Tensor:
     return same
 
 
-def _byte_pairs_same(rollout: Tensor, trainer: Tensor, even: Tensor, work: Tensor) -> Tensor:
+def _byte_pairs_same(rollout: Tensor, trainer: Tensor, even: Tensor, work: Tensor, flips: Tensor | None = None
+                     ) -> Tensor:
     """``[2n]`` uint8, both bytes of pair ``p`` 1 where the sets of the K = 2 id pairs ``rollout[2p : 2p + 2]``
     and ``trainer[2p : 2p + 2]`` (flat ``[2n]`` ids, contiguous: uint8 narrow copies, or the ids themselves) are
     equal: equal in order or crosswise (set equality with repeats too: {a, a} matches only itself). Every op runs
     over contiguous memory (vectorised; a strided column compare costs 13x a contiguous uint8 one): the crosswise
     compares are those of ``trainer`` shifted by one id either way, valid at even positions (``even``: 1, 0, 1, 0,
-    ...). ``work`` ``[2, 2n]`` uint8."""
+    ...). ``work`` ``[2, 2n]`` uint8. ``flips`` ``[n]`` bool, when given, receives the top-1 flips (the first ids of
+    pair ``p`` differ), read off the in-order compare."""
     q = rollout.shape[0]
     in_order, cross = work[0, :q], work[1, :q]
     torch.eq(rollout, trainer, out=in_order.view(torch.bool))
+    if flips is not None:
+        torch.eq(in_order[0::2], 0, out=flips)
     torch.eq(rollout[:-1], trainer[1:], out=cross[:-1].view(torch.bool))  # r0 == t1 at even positions
     cross[:-1] &= torch.eq(rollout[1:], trainer[:-1]).view(torch.uint8)  # r1 == t0, at the same positions
     cross[-1:] = 0
@@ -445,7 +476,8 @@ def _range_halves(ids: Tensor, num_experts: int) -> Tensor:
 
 
 def _set_differs_tokens(
-    rollout: Tensor, trainer: Tensor, num_experts: int | None, check_range: bool = True, negative: Tensor | None = None
+    rollout: Tensor, trainer: Tensor, num_experts: int | None, check_range: bool = True, negative: Tensor | None = None,
+    flips: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``([B, T] differs, [B, T] outside or None)``: the top-K set differs in at least one layer.
 
@@ -458,7 +490,8 @@ def _set_differs_tokens(
     per-token reductions into whole-batch buffers (``out=``), compared once at the end: fewer ops per chunk.
     ``negative`` ``[B, T]``, when given (:func:`top1_flips_and_negatives`' flags of the same ids: a negative id or
     one >= 2**31 on either side), stands for the per-token minima: used only with a bound of at most 2**31, where
-    those ids are outside anyway.
+    those ids are outside anyway. ``flips`` ``[B, T, L]`` bool, when given (K = 2 on CPU only), receives the top-1
+    flips from the same compares.
     """
     b, t, n_layers, k = rollout.shape
     # Without num_experts: K > 2 ids are narrowed to int16, so ids outside [0, 2**15) are reported; K <= 2 ids are
@@ -489,6 +522,8 @@ def _set_differs_tokens(
     # column ones; narrowed to uint8 first where num_experts allows, else in their own dtype
     byte_pairs = k == 2 and device.type == "cpu"
     narrow_pairs = byte_pairs and dtype == torch.uint8
+    assert flips is None or byte_pairs, "top-1 flips come with the K = 2 pair compares on CPU"
+    flip_rows = None if flips is None else flips.view(tokens, n_layers)
     if byte_pairs:
         narrow = torch.empty((2, rows * n_layers * k if narrow_pairs else 0), dtype=dtype, device=device)
         work = torch.empty((2, rows * n_layers * k), dtype=torch.uint8, device=device)
@@ -524,7 +559,8 @@ def _set_differs_tokens(
                 flat = (narrow[0, :q], narrow[1, :q])
             else:
                 flat = (r.reshape(q), tr.reshape(q))
-            same = _byte_pairs_same(*flat, even[:q], work)
+            same = _byte_pairs_same(*flat, even[:q], work,
+                                    None if flip_rows is None else flip_rows[start : start + m].view(-1))
             differs[start : start + m] = _all_layers(same.view(torch.bool), n_layers * k)  # uint8 row amin: 10x
             continue
         if k <= _COLUMN_MAX_K:
@@ -661,7 +697,10 @@ def _flip_rate_update(view: BatchView, num_layers: int, top_k: int | None = None
             f"layers, more than num_layers = {num_layers}: set `num_layers` to the model's number of MoE layers "
             "(or leave it unset to key the layers seen)"
         )
-    flips, negative = top1_flips_and_negatives(rollout, trainer, view.cached(_negative_key(top_k)))
+    if top_k in view.requested(PAIR_SETS) and _uses_pair_sets(view, rollout, None):
+        flips, negative, _ = _pair_statistics(view, top_k)
+    else:
+        flips, negative = top1_flips_and_negatives(rollout, trainer, view.cached(_negative_key(top_k)))
     view.shared(_negative_key(top_k), lambda: negative)  # for the set disagreement of the same ids
     per_layer = _valid_counts_per_layer(flips, mask)
     tokens = mask.sum().to(torch.float64)
@@ -781,6 +820,8 @@ def _set_disagreement_update(
             and bound <= _OUTSIDE_LANE and rollout.numel() > 0):
         differs, outside_ = _compiled_set_differs(rollout, trainer, bound)
         outside = outside_ if check_range else None
+    elif check_range and _uses_pair_sets(view, rollout, num_experts):
+        _, outside, differs = _pair_statistics(view, top_k)
     else:
         differs, outside = _set_differs_tokens(rollout, trainer, num_experts, check_range,
                                                view.cached(_negative_key(top_k)))

@@ -12,6 +12,7 @@ from opbc_metrics.functional.moe import (
     DEFAULT_MOE_LAYERS,
     EXPERT_FIELDS,
     LOGIT_FIELDS,
+    PAIR_SETS,
     TOPK_DISAGREEMENT_KEY,
     _flip_rate_compute,
     _flip_rate_update,
@@ -187,6 +188,11 @@ class RouterSetDisagreement(_RouterMetric):
         super().__init__(top_k, **kwargs)
         self.num_experts = check_count("num_experts", num_experts)
         self.compiled = bool(compiled)
+
+    def request_shared(self, view: BatchView) -> None:
+        """Without ``num_experts``, ask for the shared K = 2 loop, which gives the flip rate its flips too."""
+        if self.num_experts is None:
+            view.request(PAIR_SETS, self.top_k)
 
     def statistics(self, view: BatchView) -> dict[str, Tensor]:
         return _set_disagreement_update(view, self.top_k, self.num_experts, self.compiled)
