@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,16 +137,40 @@ def test_demo_wandb_dashboard_has_one_chart_per_quantity(demo: ModuleType, tmp_p
         assert summary[f"final/{stream}/decisions/train"] == result["decisions"][stream].get("train", 0)
 
 
+def cpu_kind() -> str:
+    """The CPU vendor, torch's CPU capability and torch's version: what the demo's float32 figures depend on."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    vendor = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("vendor_id")),
+                  platform.machine())
+    return f"{vendor}, {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
+
+
+def _layout(summary: str) -> list[str]:
+    """The summary without its figures: each table row's label, every other line with its numbers masked."""
+    rows = []
+    for line in summary.splitlines():
+        cells = line.split(" | ")
+        table_row = line.startswith("| ") and len(cells) > 1
+        rows.append(f"{cells[0]} ({len(cells)} cells)" if table_row else re.sub(r"\d+(\.\d+)?", "#", line))
+    return rows
+
+
 def test_readme_quotes_the_demo_summary_of_the_default_run(demo: ModuleType, tmp_path: Path):
-    """The figures in README.md are the ones `make demo` writes to runs/demo/demo_summary.md today (seeded)."""
+    """The figures in README.md are the ones `make demo` writes to runs/demo/demo_summary.md today (seeded), on the
+    kind of CPU the README names: the 100 training steps amplify float32 rounding, so another CPU (another BLAS
+    kernel) gives other figures (an Intel Xeon read ESS 0.99091 for fp8 where the AMD EPYC of the README reads
+    0.99949, the code unchanged). Elsewhere the quote must still have the summary's rows and wording."""
     demo.main(out_dir=tmp_path, use_wandb=False, report=False, verbose=False)
     summary = (tmp_path / "demo_summary.md").read_text()
     readme = (ROOT / "README.md").read_text()
-    quoted = readme.split("<!-- demo-summary -->\n", 1)[1].split("<!-- /demo-summary -->", 1)[0]
-    assert quoted == summary, (
-        "README.md's demo figures drifted from the demo: run `make demo` and paste runs/demo/demo_summary.md "
-        "between the <!-- demo-summary --> markers\n" + summary
-    )
+    kind, rest = readme.split("<!-- demo-summary: ", 1)[1].split(" -->\n", 1)
+    quoted = rest.split("<!-- /demo-summary -->", 1)[0]
+    advice = ("README.md's demo figures drifted from the demo: run `make demo` and paste runs/demo/demo_summary.md "
+              f"between the <!-- demo-summary --> markers, naming the CPU ({cpu_kind()})\n" + summary)
+    if kind == cpu_kind():
+        assert quoted == summary, advice
+    else:
+        assert _layout(quoted) == _layout(summary), advice
 
 
 def test_available_precisions(demo: ModuleType, monkeypatch: pytest.MonkeyPatch):
